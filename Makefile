@@ -1,0 +1,34 @@
+# `make test` and `make demo` set themselves up on a fresh machine (Python 3.11, no GPU).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The CPU build of torch lies on this machine's disk; pinning it keeps pip from
+# downloading a multi-GB CUDA build. Triton runs the kernels under TRITON_INTERPRET=1.
+TORCH_SPEC ?= torch==2.13.0
+TRITON_SPEC ?= triton==3.6.0
+
+.PHONY: setup test demo lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/hisparse plan --model deepseek-v3.2 --gpu-memory-gib 60 --host-pool-gib 1024 --max-model-len 131072
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info
