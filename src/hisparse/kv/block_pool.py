@@ -72,4 +72,6 @@ class BlockPool:
 
     def _check(self, b: int) -> None:
         if not 0 < b < self.num_blocks:
-            raise ValueError(f"{self.name}: block id {b} is not allocatable (1..{self.num_blocks - 1}).")
+            raise ValueError(
+                f"{self.name}: block id {b} is not allocatable (1..{self.num_blocks - 1})."
+            )

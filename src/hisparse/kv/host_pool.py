@@ -8,6 +8,7 @@ A CPU run gets plain memory: the reference ops read it the same way.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -108,7 +109,23 @@ class HostPool:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
+
+
+def is_host_pool_memory(tensor: torch.Tensor) -> bool:
+    """True when ``tensor`` views this process's registered host pool (or torch-pinned memory).
+
+    torch's ``is_pinned`` may not recognise ranges registered with ``cudaHostRegister``; the
+    pool knows its own range.
+    """
+    pool = _live_pool
+    if pool is not None and pool._backing is not None and pool._registered:
+        start = pool._backing.data_ptr()
+        ptr = tensor.untyped_storage().data_ptr()
+        if start <= ptr < start + pool.size:
+            return True
+    try:
+        return bool(tensor.is_pinned())
+    except RuntimeError:
+        return False

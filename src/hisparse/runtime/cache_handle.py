@@ -1,0 +1,130 @@
+"""The attention-facing handle of one sparse layer's cache.
+
+An attention layer talks to HiSparse only through this: where to write the step's new KV rows
+(`write_target`), the host mirror of those rows (`finish_kv_update`), the physical rows its
+top-k resolves to (`swap_in`), and, for prefill, a cache holding every referenced row
+(`prefill_cache`). All-GPU placement is the same handle with no host rows: every page is
+resident, so `swap_in` resolves to resident rows and nothing is mirrored or gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hisparse.runtime.batch import GroupTables, StepMetadata
+from hisparse.runtime.runtime import SparseLayerRuntime
+from hisparse.runtime.staging import PrefillStagingPlan
+
+
+class CacheHandle:
+    def __init__(self, runtime: SparseLayerRuntime) -> None:
+        self.runtime = runtime
+        self.meta: StepMetadata | None = None
+        self.tables: GroupTables | None = None
+        #: The handles of this layer's index group (leader first); set on the leader.
+        self.index_group_handles: list[CacheHandle] = [self]
+
+    @staticmethod
+    def link_index_group(handles: list[CacheHandle]) -> None:
+        """Tell the leader's handle about its followers' handles (same order as the group)."""
+        leader = handles[0]
+        if [h.runtime for h in handles] != leader.runtime.group.layers:
+            raise ValueError("handles must list the index group's layers, leader first")
+        leader.index_group_handles = list(handles)
+
+    # --- per step --------------------------------------------------------------------------
+    def prepare_group_for_batch(self, meta: StepMetadata, tables: GroupTables) -> None:
+        """Leader: bind this step's metadata to every layer of the index group."""
+        if not self.runtime.is_leader:
+            raise RuntimeError(f"{self.runtime.name} is a follower; prepare its leader")
+        for handle in self.index_group_handles:
+            handle.meta = meta
+            handle.tables = tables
+            handle.runtime.staged = False
+
+    def _step(self) -> tuple[StepMetadata, GroupTables]:
+        if self.meta is None or self.tables is None:
+            raise RuntimeError(f"{self.runtime.name}: prepare_group_for_batch was not called")
+        return self.meta, self.tables
+
+    @property
+    def host_mirror_required(self) -> bool:
+        meta, _ = self._step()
+        return (
+            self.runtime.host_view is not None
+            and meta.host_slot_mapping is not None
+            and (not meta.is_decode or self.runtime.config.eager_host_mirror)
+        )
+
+    def write_target(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(paged GPU view, resident row of each new token): where this step's rows go."""
+        meta, tables = self._step()
+        assert self.runtime.device_view is not None, "device view not bound"
+        return self.runtime.device_view, tables.slot_mapping[: meta.num_tokens]
+
+    def mirror_target(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(paged host view, host row of each new token), or None when nothing is mirrored."""
+        if not self.host_mirror_required:
+            return None
+        meta, _ = self._step()
+        assert self.runtime.host_view is not None and meta.host_slot_mapping is not None
+        return self.runtime.host_view, meta.host_slot_mapping[: meta.num_tokens]
+
+    def finish_kv_update(self) -> None:
+        """After the layer wrote its new rows: mirror them to the host, drop stale hot copies.
+
+        Runs in every step that writes (under CUDA graphs too): skipping the mirror is how
+        other implementations lost rows.
+        """
+        meta, tables = self._step()
+        rt = self.runtime
+        if rt.is_leader:
+            rt.group.invalidate_written(meta)
+        target = self.mirror_target()
+        if target is None:
+            return
+        host_view, host_rows = target
+        n = meta.num_tokens
+        dev_rows = tables.slot_mapping[:n]
+        mask = ((host_rows >= 0) & (dev_rows >= 0)).to(torch.int32)
+        rt.group.ops.gather_plan(rt.device_view, host_view, dev_rows, host_rows, mask)
+
+    def swap_in(
+        self, logical_topk: torch.Tensor, *, return_valid_counts: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Physical rows ``[R, K]`` for ``logical_topk`` (``-1`` kept), rows ready on the GPU.
+
+        The leader resolves and issues the group's gathers; every layer then waits for its
+        own rows only.
+        """
+        meta, tables = self._step()
+        rt = self.runtime
+        group = rt.group
+        group.check_rows(logical_topk)
+        if rt.is_leader:
+            group.resolve_and_stage(meta, tables, logical_topk)
+        elif not meta.is_decode:
+            rt.stage_own_rows()
+        rt.wait_ready()
+        rows, k = logical_topk.shape
+        physical = group.physical[:rows, :k]
+        if return_valid_counts:
+            return physical, group.valid_counts[:rows]
+        return physical
+
+    def warm_start(self, logical_topk: torch.Tensor) -> None:
+        """Leader: seed the hot buffers from a finished prefill's last-token selection."""
+        meta, tables = self._step()
+        if not self.runtime.is_leader:
+            raise RuntimeError("warm_start is issued by the index-group leader")
+        if self.runtime.host_view is None:
+            return
+        self.runtime.group.warm_start(meta, tables, logical_topk)
+
+    def prefill_cache(self, plan: PrefillStagingPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """(paged cache, block table) holding every row a prefill step's requests reference."""
+        _meta, tables = self._step()
+        if self.runtime.host_view is None:
+            assert self.runtime.device_view is not None
+            return self.runtime.device_view, tables.resident_block_table
+        return plan.stage(self.runtime, tables.resident_block_table), plan.block_table

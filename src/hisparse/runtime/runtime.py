@@ -1,0 +1,285 @@
+"""Per-layer HiSparse data plane and the index-group state its leader resolves once per step.
+
+An `IndexGroup` is a leader layer (the one that computes the top-k) and the follower layers
+that reuse its selection. They share one hot state per request (`hot_index`, `lru`) and one
+slot assignment; every layer keeps its own host rows and hot rows. In a decode step the leader
+resolves residency once on the copy stream and issues the gathers of every layer of the group,
+recording one ready event per layer, so the followers' copies hide behind earlier compute.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hisparse.config import ResolvedHiSparseConfig
+from hisparse.kv.host_pool import is_host_pool_memory
+from hisparse.runtime.batch import GroupTables, StepMetadata
+from hisparse.runtime.ops import ops_for
+from hisparse.runtime.streams import CopyStream, LayerEvent
+
+
+class IndexGroup:
+    """Hot-buffer state and per-step outputs shared by one leader and its followers.
+
+    ``hot_index[s, h]`` is the host row held by hot slot ``h`` of state slot ``s`` (``-1``:
+    empty); ``lru[s]`` orders the slots oldest first. Outputs of the last resolve (physical
+    rows, swap lists) live in fixed buffers sized for ``max_num_reqs * max_query_len`` rows.
+    """
+
+    def __init__(
+        self,
+        config: ResolvedHiSparseConfig,
+        *,
+        max_num_reqs: int,
+        device: torch.device,
+        copy_stream: CopyStream | None = None,
+        hot_slots: int | None = None,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.max_num_reqs = max_num_reqs
+        self.hot_slots = config.device_buffer_size if hot_slots is None else hot_slots
+        self.row_capacity = max_num_reqs * config.max_query_len
+        self.copy = copy_stream if copy_stream is not None else CopyStream(device)
+        self.ops = ops_for(device)
+        S, H, K = max_num_reqs, self.hot_slots, config.top_k
+        i32 = dict(dtype=torch.int32, device=device)
+        self.hot_index = torch.full((S, H), -1, **i32)
+        self._lru_init = torch.arange(H, dtype=torch.int16, device=device)
+        self.lru = self._lru_init.repeat(S, 1).contiguous()
+        self.hot_block_table = torch.zeros((S, config.hot_blocks_per_request), **i32)
+        self.physical = torch.full((self.row_capacity, K), -1, **i32)
+        self.valid_counts = torch.zeros((self.row_capacity,), **i32)
+        self.swap_src = torch.zeros((S, H), **i32)
+        self.swap_dst = torch.zeros((S, H), **i32)
+        self.swap_count = torch.zeros((S,), **i32)
+        self.hit_miss = torch.zeros((S, 2), **i32)
+        #: Running totals (hits, misses, rows swapped in), kept on the device: no sync per step.
+        self.totals = torch.zeros((3,), dtype=torch.int64, device=device)
+        self.layers: list[SparseLayerRuntime] = []
+
+    @property
+    def leader(self) -> SparseLayerRuntime:
+        return self.layers[0]
+
+    # --- state lifecycle -------------------------------------------------------------------
+    def bind_hot_block_table(self, table: torch.Tensor) -> None:
+        """Use ``table[s]`` (GPU block ids of slot ``s``'s hot region; shared by the hot group)."""
+        expected = (self.max_num_reqs, self.config.hot_blocks_per_request)
+        if tuple(table.shape) != expected or table.dtype != torch.int32:
+            raise ValueError(f"hot block table must be int32 {expected}, got {tuple(table.shape)}")
+        self.hot_block_table = table
+
+    def reset_slot(self, slot: int) -> None:
+        """Forget slot ``slot``'s hot rows: a new request takes the slot."""
+        self.copy.compute_waits_for_copies()
+        self.hot_index[slot].fill_(-1)
+        self.lru[slot].copy_(self._lru_init)
+
+    def reset_all(self) -> None:
+        self.copy.compute_waits_for_copies()
+        self.hot_index.fill_(-1)
+        self.lru.copy_(self._lru_init.expand_as(self.lru))
+
+    def invalidate_written(self, meta: StepMetadata, num_rows: int | None = None) -> None:
+        """Empty hot slots holding host rows this step (re)writes: no stale hit, ever."""
+        if meta.host_slot_mapping is None:
+            return
+        n = meta.num_tokens if num_rows is None else num_rows
+        if n == 0:
+            return
+        self.ops.invalidate_written_slots(
+            self.hot_index,
+            meta.request_state_indices,
+            meta.req_per_token[:n],
+            meta.host_slot_mapping[:n],
+        )
+
+    # --- one step --------------------------------------------------------------------------
+    def check_rows(self, topk: torch.Tensor) -> None:
+        rows, k = topk.shape
+        if rows > self.row_capacity:
+            raise ValueError(
+                f"HiSparse swap-in got {rows} query rows but is configured for "
+                f"max_num_reqs * max_query_len = {self.max_num_reqs} * "
+                f"{self.config.max_query_len} = {self.row_capacity}; raise "
+                "HiSparseConfig.max_query_len (speculative tokens + 1) or max_num_seqs."
+            )
+        if k > self.config.top_k:
+            raise ValueError(f"top-k width {k} exceeds the configured top_k {self.config.top_k}")
+        if topk.dtype != torch.int32:
+            raise TypeError(f"logical top-k indices must be int32, got {topk.dtype}")
+
+    def resolve_and_stage(
+        self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor
+    ) -> None:
+        """Leader only: resolve once, then gather for this layer and (decode) every follower."""
+        self.check_rows(topk)
+        rows, k = topk.shape
+        self.copy.wait_for_compute()
+        with self.copy.active():
+            self.ops.resolve_residency(
+                topk,
+                meta.req_per_token[:rows],
+                meta.request_state_indices,
+                meta.source_block_table,
+                tables.resident_block_table,
+                self.hot_block_table,
+                self.hot_index,
+                self.lru,
+                self.config.block_size,
+                self.physical[:rows, :k],
+                self.swap_src,
+                self.swap_dst,
+                self.swap_count,
+                self.valid_counts[:rows],
+                self.hit_miss,
+            )
+            hm = self.hit_miss[: meta.num_reqs].sum(0, dtype=torch.int64)
+            self.totals[:2] += hm
+            self.totals[2] += hm[1] * len(self.layers)
+            for layer in self.layers if meta.is_decode else self.layers[:1]:
+                layer.gather_swapped_rows()
+
+    def warm_start(
+        self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor
+    ) -> None:
+        """Fill hot slots from the resident pages with a finished prefill's last selection.
+
+        Called while every row of the request is still on the GPU: the first decode step then
+        hits the rows the prefill's last token chose instead of missing all of them.
+        """
+        self.check_rows(topk)
+        rows, k = topk.shape
+        bs = self.config.block_size
+        # Resolve as if nothing were resident: every selected row gets a hot slot.
+        self.copy.wait_for_compute()
+        with self.copy.active():
+            self.ops.resolve_residency(
+                topk,
+                meta.req_per_token[:rows],
+                meta.request_state_indices,
+                meta.source_block_table,
+                None,
+                self.hot_block_table,
+                self.hot_index,
+                self.lru,
+                bs,
+                self.physical[:rows, :k],
+                self.swap_src,
+                self.swap_dst,
+                self.swap_count,
+            )
+            pos = topk.long().clamp_min(0)
+            req = meta.req_per_token[:rows].long().clamp_min(0)[:, None]
+            res_rows = tables.resident_block_table.long()[req, pos // bs] * bs + pos % bs
+            state = meta.request_state_indices.long()[req]
+            live = (topk >= 0) & (meta.req_per_token[:rows, None] >= 0) & (state >= 0)
+            for layer in self.layers:
+                self.ops.gather_plan(
+                    layer.device_view,
+                    layer.device_view,
+                    res_rows.to(torch.int32),
+                    self.physical[:rows, :k],
+                    live.to(torch.int32),
+                )
+        self.copy.compute_waits_for_copies()
+
+
+class SparseLayerRuntime:
+    """One sparse layer's host rows, GPU rows (resident + hot) and its ready event."""
+
+    def __init__(
+        self,
+        name: str,
+        config: ResolvedHiSparseConfig,
+        *,
+        row_bytes: int,
+        max_num_reqs: int,
+        device: torch.device | str,
+        index_group: IndexGroup | None = None,
+        copy_stream: CopyStream | None = None,
+        offload: bool = True,
+    ) -> None:
+        config.check_row_bytes(row_bytes, what=f"{name} KV row")
+        self.name = name
+        self.config = config
+        self.row_bytes = row_bytes
+        self.device = torch.device(device)
+        self.offload = offload
+        if index_group is None:
+            index_group = IndexGroup(
+                config,
+                max_num_reqs=max_num_reqs,
+                device=self.device,
+                copy_stream=copy_stream,
+                hot_slots=None if offload else 1,
+            )
+        elif index_group.max_num_reqs != max_num_reqs:
+            raise ValueError("followers must share their leader's max_num_reqs")
+        index_group.layers.append(self)
+        self.group = index_group
+        self.event: LayerEvent = index_group.copy.new_event()
+        self.staged = False
+        self.device_view: torch.Tensor | None = None
+        self.host_view: torch.Tensor | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.group.leader is self
+
+    def _check_view(self, view: torch.Tensor, where: str) -> None:
+        if view.dim() != 3 or view.dtype != torch.uint8 or view.shape[2] != self.row_bytes:
+            raise ValueError(
+                f"{self.name}: {where} view must be uint8 [blocks, block_size, {self.row_bytes}],"
+                f" got {view.dtype} {tuple(view.shape)}"
+            )
+        if view.shape[1] != self.config.block_size:
+            raise ValueError(
+                f"{self.name}: {where} block size {view.shape[1]} != configured "
+                f"{self.config.block_size}"
+            )
+
+    def bind_device(self, view: torch.Tensor) -> None:
+        """This layer's rows in the shared GPU pool: resident pages and hot regions alike."""
+        self._check_view(view, "device")
+        self.device_view = view
+
+    def bind_host(self, view: torch.Tensor) -> None:
+        """This layer's rows in the host pool (pinned on CUDA: read by the GPU directly)."""
+        if not self.offload:
+            raise ValueError(f"{self.name}: all-GPU placement has no host rows")
+        self._check_view(view, "host")
+        if view.device.type != "cpu":
+            raise ValueError(f"{self.name}: the host pool must be host memory, got {view.device}")
+        if self.device.type == "cuda" and not is_host_pool_memory(view):
+            raise ValueError(f"{self.name}: the host pool must be pinned (cudaHostRegister)")
+        self.host_view = view
+
+    def gather_swapped_rows(self) -> None:
+        """Copy this layer's misses of the last resolve into its hot rows; mark it ready."""
+        g = self.group
+        if self.host_view is not None:
+            assert self.device_view is not None, f"{self.name}: device view not bound"
+            g.ops.gather_compact(
+                self.host_view, self.device_view, g.swap_src, g.swap_dst, g.swap_count
+            )
+        self.event.record()
+        self.staged = True
+
+    def stage_own_rows(self) -> None:
+        """A follower outside decode gathers its own rows after its KV write."""
+        g = self.group
+        g.copy.wait_for_compute()
+        with g.copy.active():
+            self.gather_swapped_rows()
+
+    def wait_ready(self) -> None:
+        if not self.staged:
+            raise RuntimeError(
+                f"{self.name}: swap-in was not staged; the index-group leader "
+                f"({self.group.leader.name}) must call swap_in first in each step."
+            )
+        self.event.wait()
+        self.staged = False
+
