@@ -1,1 +1,10 @@
-"""hisparse."""
+"""hisparse: hierarchical sparse attention serving.
+
+The whole KV cache lives in pinned host memory; each running request keeps a small LRU-managed
+hot buffer on the GPU, and each decode step swaps in only the top-k rows it misses.
+"""
+
+from hisparse.config import HiSparseConfig
+
+__all__ = ["HiSparseConfig"]
+__version__ = "0.1.0"
