@@ -1,1 +1,177 @@
-def main(argv=None): return 0
+"""``hisparse`` command line.
+
+``hisparse plan`` shows how a model's KV cache would be laid out and how many requests of a
+given length fit, with HiSparse and with every row on the GPU, before anything is allocated.
+Later subcommands (``generate``, ``bench``) register themselves in `build_parser`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from hisparse.config import HiSparseConfig, HiSparseConfigError
+from hisparse.kv.layout import (
+    KVLayout,
+    format_gib,
+    plan_kv_layout,
+    summarize_index_groups,
+)
+from hisparse.kv.models import PRESETS, SUPPORTED_KV_FORMATS, load_model_cache_shape
+
+#: Exit status for bad arguments or configuration (argparse uses the same).
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hisparse",
+        description="Hierarchical sparse attention: KV cache in pinned host memory, "
+        "a small LRU hot buffer per request on the GPU.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_plan_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hisparse`` script; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (HiSparseConfigError, ValueError, OSError) as err:
+        print(f"hisparse {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+# -- plan -------------------------------------------------------------------------------------
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="show the KV layout and how many requests fit",
+        description="Plan host and GPU KV pools for a model and compare request capacity "
+        "with HiSparse against keeping every KV row on the GPU.",
+    )
+    plan.add_argument(
+        "--model",
+        required=True,
+        help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face config.json / model folder",
+    )
+    plan.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        required=True,
+        help="GPU memory for the KV cache (what is left after weights), GiB",
+    )
+    plan.add_argument(
+        "--host-pool-gib", type=float, required=True, help="pinned host pool size, GiB"
+    )
+    plan.add_argument("--max-model-len", type=int, required=True, help="longest request, tokens")
+    plan.add_argument(
+        "--kv-format",
+        choices=SUPPORTED_KV_FORMATS,
+        default=SUPPORTED_KV_FORMATS[0],
+        help="row format of sparse MLA layers (default: %(default)s)",
+    )
+    plan.add_argument("--top-k", type=int, help="rows per query token (default: model index_topk)")
+    plan.add_argument(
+        "--device-buffer-size",
+        type=int,
+        help="hot rows per request and layer (default: (max_query_len + 1) * top_k)",
+    )
+    plan.add_argument("--block-size", type=int, default=64, help="tokens per block (default: 64)")
+    plan.add_argument(
+        "--context-len",
+        type=int,
+        help="request length for the capacity figures (default: --max-model-len)",
+    )
+    plan.set_defaults(handler=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    context_len = args.context_len if args.context_len is not None else args.max_model_len
+    if not 0 < context_len <= args.max_model_len:
+        raise HiSparseConfigError(
+            f"--context-len={context_len} must be between 1 and --max-model-len="
+            f"{args.max_model_len}."
+        )
+    if not args.gpu_memory_gib > 0:
+        raise HiSparseConfigError(f"--gpu-memory-gib={args.gpu_memory_gib} must be positive.")
+    model = load_model_cache_shape(args.model, block_size=args.block_size, kv_format=args.kv_format)
+    config = HiSparseConfig(
+        top_k=args.top_k,
+        device_buffer_size=args.device_buffer_size,
+        host_pool_gib=args.host_pool_gib,
+        block_size=args.block_size,
+    ).resolve(model.index_topk)
+    budget = int(args.gpu_memory_gib * 2**30)
+    hisparse = plan_kv_layout(model.specs, config, budget, args.max_model_len, "hisparse")
+    all_gpu = plan_kv_layout(
+        model.specs, config, budget, args.max_model_len, "gpu", check_capacity=False
+    )
+
+    console = Console(width=max(Console().width, 100), highlight=False)
+    sparse, indexers = model.sparse_specs, model.indexer_specs
+    console.print(
+        f"[bold]{model.name}[/bold]: {model.num_layers} layers, {len(indexers)} with their own "
+        f"indexer\n  rows: {args.kv_format} {sparse[0].row_bytes} B, indexer "
+        f"{indexers[0].row_bytes} B"
+    )
+    console.print(
+        f"HiSparse: top_k {config.top_k}, device_buffer_size {config.device_buffer_size} "
+        f"({config.hot_blocks_per_request} blocks per hot group)\n"
+        f"  block_size {config.block_size}, max_model_len {args.max_model_len:,}"
+    )
+    console.print(
+        f"[bold]Host pool[/bold] (pinned): {hisparse.host_num_blocks:,} blocks x "
+        f"{hisparse.host_block_bytes:,} B = {format_gib(hisparse.host_pool_bytes)}\n"
+        f"  index groups: {summarize_index_groups(hisparse.index_groups)}, token-major inside"
+    )
+    console.print(
+        f"[bold]GPU pool[/bold]: {hisparse.gpu_num_blocks:,} blocks x "
+        f"{hisparse.gpu_bytes_per_block:,} B = {format_gib(hisparse.gpu_pool_bytes)}\n"
+        "  block 0 is the null block; the groups below overlay each other in a block"
+    )
+    console.print(hisparse.groups_table(context_len))
+    console.print(_capacity_table(hisparse, all_gpu, context_len))
+    with_hisparse = hisparse.max_requests(context_len)
+    baseline = all_gpu.max_requests(context_len)
+    if baseline:
+        verdict = f"{with_hisparse / baseline:.2f}x the requests of all-GPU"
+    else:
+        verdict = "all-GPU cannot hold even one request of this length"
+    console.print(
+        f"Requests of {context_len:,} tokens: HiSparse {with_hisparse:,}, all-GPU {baseline:,} "
+        f"-> {verdict}"
+    )
+    return 0
+
+
+def _capacity_table(hisparse: KVLayout, all_gpu: KVLayout, context_len: int) -> Table:
+    table = Table(title=f"Capacity at {context_len:,} tokens per request", title_justify="left")
+    for column in (
+        "placement",
+        "GPU blocks/req",
+        "host blocks/req",
+        "GPU fits",
+        "host fits",
+        "max requests",
+    ):
+        table.add_column(column, justify="left" if column == "placement" else "right")
+    for name, layout in (("HiSparse", hisparse), ("all-GPU", all_gpu)):
+        host = layout.max_requests_host(context_len)
+        table.add_row(
+            name,
+            f"{layout.gpu_blocks_per_request(context_len):,}",
+            f"{layout.host_blocks_per_request(context_len):,}" if host is not None else "-",
+            f"{layout.max_requests_gpu(context_len):,}",
+            f"{host:,}" if host is not None else "-",
+            f"[bold]{layout.max_requests(context_len):,}[/bold]",
+        )
+    return table

@@ -1,0 +1,531 @@
+"""The KV layout planner: from per-layer cache specs to host and GPU block pools.
+
+HiSparse placement (DESIGN.md §2):
+
+* **Host pool** (pinned): every sparse layer's full cache. Block-outermost: one host block id
+  addresses ``block_size`` tokens of every sparse layer. Inside a block the index groups follow
+  each other; inside a group of ``G`` layers the bytes are token-major,
+  ``[block_size][G][row_bytes]``, so a leader gathering a token for its whole group reads one
+  ``G * row_bytes`` span instead of ``G`` scattered rows (FACTS.md: span length is the PCIe
+  lever).
+* **GPU pool**: one block pool shared by overlaying groups (every group's page starts at byte 0
+  of a block; a block id belongs to one group at a time). Groups: the indexer group (every
+  indexer layer), then resident and hot groups packed from whole index groups so that a pack's
+  page never exceeds the indexer page, then regular (non-sparse) groups. A pack's resident and
+  hot group share layer order and in-page offsets, so a layer's resident and hot rows are one
+  address space and attention reads one tensor.
+
+"gpu" placement (the all-GPU baseline) uses the same groups without hot groups and host pool;
+every page is resident.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from types import MappingProxyType
+from typing import Literal
+
+from rich.table import Table
+
+from hisparse.config import HiSparseConfigError, ResolvedHiSparseConfig, cdiv
+from hisparse.kv.paged_view import PagedViewSpec
+from hisparse.kv.specs import CacheKind, LayerCacheSpec
+
+Placement = Literal["hisparse", "gpu"]
+PLACEMENTS: tuple[Placement, ...] = ("hisparse", "gpu")
+#: Pages of a request a resident group keeps on the GPU under HiSparse (the write tail).
+RESIDENT_TAIL_PAGES = 2
+#: Block id 0 is the null block in both the host and the GPU id space.
+NULL_BLOCKS = 1
+
+
+class GroupKind(Enum):
+    INDEXER = "indexer"
+    RESIDENT = "resident"
+    HOT = "hot"
+    REGULAR = "regular"
+
+
+@dataclass(frozen=True)
+class DeviceGroup:
+    """One group of the shared GPU pool: its layers' pages side by side in one block.
+
+    ``layer_offsets[j]`` is where layer ``layers[j]``'s page starts inside the block.
+    """
+
+    kind: GroupKind
+    layers: tuple[str, ...]
+    layer_offsets: tuple[int, ...]
+    page_bytes: int
+
+
+@dataclass(frozen=True)
+class IndexGroup:
+    """Consecutive sparse layers sharing one top-k (leader first) and one host unit.
+
+    In a host block the group occupies ``[host_offset, host_offset + block_size *
+    token_bytes)``; token ``t``'s rows of all its layers are the span starting at
+    ``host_offset + t * token_bytes``.
+    """
+
+    leader: str
+    layers: tuple[str, ...]
+    row_bytes: tuple[int, ...]
+    host_offset: int
+
+    @property
+    def token_bytes(self) -> int:
+        return sum(self.row_bytes)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Result of `plan_kv_layout`: pool sizes, groups and every layer's view.
+
+    Host fields are zero / empty under "gpu" placement.
+    """
+
+    placement: Placement
+    block_size: int
+    max_model_len: int
+    hot_blocks_per_request: int
+    index_groups: tuple[IndexGroup, ...]
+    host_block_bytes: int
+    host_num_blocks: int
+    host_views: Mapping[str, PagedViewSpec]
+    gpu_bytes_per_block: int
+    gpu_num_blocks: int
+    gpu_groups: tuple[DeviceGroup, ...]
+    gpu_views: Mapping[str, PagedViewSpec]
+
+    # -- sizes ---------------------------------------------------------------------------------
+    @property
+    def host_pool_bytes(self) -> int:
+        return self.host_block_bytes * self.host_num_blocks
+
+    @property
+    def gpu_pool_bytes(self) -> int:
+        return self.gpu_bytes_per_block * self.gpu_num_blocks
+
+    def groups(self, kind: GroupKind) -> tuple[DeviceGroup, ...]:
+        return tuple(g for g in self.gpu_groups if g.kind is kind)
+
+    # -- capacity ------------------------------------------------------------------------------
+    def gpu_blocks_per_request(self, context_len: int) -> int:
+        """GPU blocks one request of ``context_len`` tokens holds at its peak."""
+        pages = _pages(context_len, self.block_size)
+        total = 0
+        for group in self.gpu_groups:
+            if group.kind is GroupKind.RESIDENT and self.placement == "hisparse":
+                total += min(RESIDENT_TAIL_PAGES, pages)
+            elif group.kind is GroupKind.HOT:
+                total += self.hot_blocks_per_request
+            else:
+                total += pages
+        return total
+
+    def host_blocks_per_request(self, context_len: int) -> int:
+        """Host blocks of one request: every page plus a copy-on-write tail (0 on "gpu")."""
+        if self.placement != "hisparse":
+            return 0
+        return _pages(context_len, self.block_size) + 1
+
+    def max_requests_gpu(self, context_len: int) -> int:
+        return max(self.gpu_num_blocks - NULL_BLOCKS, 0) // self.gpu_blocks_per_request(context_len)
+
+    def max_requests_host(self, context_len: int) -> int | None:
+        """Requests the host pool holds; ``None`` when there is no host pool ("gpu")."""
+        if self.placement != "hisparse":
+            return None
+        return max(self.host_num_blocks - NULL_BLOCKS, 0) // self.host_blocks_per_request(
+            context_len
+        )
+
+    def max_requests(self, context_len: int) -> int:
+        """Concurrent requests of ``context_len`` tokens: the tighter of both pools."""
+        gpu = self.max_requests_gpu(context_len)
+        host = self.max_requests_host(context_len)
+        return gpu if host is None else min(gpu, host)
+
+    # -- rendering -----------------------------------------------------------------------------
+    def describe(self) -> str:
+        """A plain-text summary for logs."""
+        lines = [f"KV layout ({self.placement} placement, block_size {self.block_size})"]
+        if self.placement == "hisparse":
+            lines.append(
+                f"  host pool: {self.host_num_blocks} blocks x {self.host_block_bytes} B = "
+                f"{format_gib(self.host_pool_bytes)}; index groups: "
+                f"{summarize_index_groups(self.index_groups)}"
+            )
+        lines.append(
+            f"  GPU pool: {self.gpu_num_blocks} blocks x {self.gpu_bytes_per_block} B = "
+            f"{format_gib(self.gpu_pool_bytes)} (block 0 is the null block)"
+        )
+        for group in self.gpu_groups:
+            lines.append(
+                f"    {group.kind.value:<8} {compact_layer_names(group.layers)}: "
+                f"{group.page_bytes} B/page"
+            )
+        return "\n".join(lines)
+
+    def groups_table(self, context_len: int | None = None) -> Table:
+        """The GPU groups as a rich table (and blocks per request at ``context_len``)."""
+        table = Table(title=f"GPU groups ({self.placement})", title_justify="left")
+        table.add_column("#", justify="right")
+        table.add_column("kind")
+        table.add_column("layers")
+        table.add_column("page bytes", justify="right")
+        if context_len is not None:
+            table.add_column(f"blocks/req @{context_len}", justify="right")
+            pages = _pages(context_len, self.block_size)
+        for i, group in enumerate(self.gpu_groups):
+            row = [
+                str(i),
+                group.kind.value,
+                compact_layer_names(group.layers),
+                f"{group.page_bytes:,}",
+            ]
+            if context_len is not None:
+                if group.kind is GroupKind.HOT:
+                    n = self.hot_blocks_per_request
+                elif group.kind is GroupKind.RESIDENT and self.placement == "hisparse":
+                    n = min(RESIDENT_TAIL_PAGES, pages)
+                else:
+                    n = pages
+                row.append(f"{n:,}")
+            table.add_row(*row)
+        return table
+
+
+def plan_kv_layout(
+    specs: Sequence[LayerCacheSpec],
+    config: ResolvedHiSparseConfig,
+    gpu_budget_bytes: int,
+    max_model_len: int,
+    placement: Placement = "hisparse",
+    *,
+    check_capacity: bool = True,
+) -> KVLayout:
+    """Plan host and GPU pools for ``specs``; raises `HiSparseConfigError` on bad settings.
+
+    ``gpu_budget_bytes`` is the GPU memory left for KV after weights. With
+    ``check_capacity=False`` a GPU pool too small for one ``max_model_len`` request is
+    returned rather than refused (the CLI reports such a baseline as holding 0 requests).
+    """
+    if placement not in PLACEMENTS:
+        raise HiSparseConfigError(f"placement {placement!r} is not one of {PLACEMENTS}.")
+    if max_model_len <= 0:
+        raise HiSparseConfigError(f"max_model_len={max_model_len} must be positive.")
+    if gpu_budget_bytes < 0:
+        raise HiSparseConfigError(f"gpu_budget_bytes={gpu_budget_bytes} must not be negative.")
+    specs = list(specs)
+    _check_specs(specs, config, placement)
+    bs = config.block_size
+    sparse = [s for s in specs if s.kind is CacheKind.SPARSE_MLA]
+    indexers = [s for s in specs if s.kind is CacheKind.INDEXER]
+    regular = [s for s in specs if s.kind is CacheKind.REGULAR]
+    by_name = {s.name: s for s in specs}
+    hisparse = placement == "hisparse"
+
+    # Host: index groups one after another, token-major inside each.
+    index_groups = _index_groups(sparse)
+    host_block_bytes = sum(g.token_bytes for g in index_groups) * bs
+    host_num_blocks = config.host_pool_bytes // host_block_bytes if hisparse else 0
+    if hisparse:
+        _check_host_pool(config, host_block_bytes, host_num_blocks, max_model_len)
+    host_views: dict[str, PagedViewSpec] = {}
+    if hisparse:
+        for group in index_groups:
+            within = 0
+            for name, row in zip(group.layers, group.row_bytes, strict=True):
+                host_views[name] = PagedViewSpec(
+                    offset=group.host_offset + within,
+                    block_stride=host_block_bytes,
+                    row_stride=group.token_bytes,
+                    row_bytes=row,
+                    num_blocks=host_num_blocks,
+                    block_size=bs,
+                )
+                within += row
+
+    # GPU: overlaying groups, each page starting at byte 0 of a block.
+    indexer_group = _device_group(GroupKind.INDEXER, indexers) if indexers else None
+    units = [[by_name[n] for n in g.layers] for g in index_groups]
+    unit_pages = [sum(s.page_bytes for s in unit) for unit in units]
+    limit = indexer_group.page_bytes if indexer_group else max(unit_pages, default=0)
+    packs = _pack(units, limit)
+    resident = [_device_group(GroupKind.RESIDENT, pack) for pack in packs]
+    hot = [_device_group(GroupKind.HOT, pack) for pack in packs] if hisparse else []
+    limit = max(limit, max((s.page_bytes for s in regular), default=0))
+    regular_groups = [
+        _device_group(GroupKind.REGULAR, p) for p in _pack([[s] for s in regular], limit)
+    ]
+    gpu_groups = tuple(
+        [g for g in (indexer_group,) if g is not None] + resident + hot + regular_groups
+    )
+    bytes_per_block = max(g.page_bytes for g in gpu_groups)
+    gpu_num_blocks = gpu_budget_bytes // bytes_per_block
+    gpu_views: dict[str, PagedViewSpec] = {}
+    for group in gpu_groups:
+        if group.kind is GroupKind.HOT or gpu_num_blocks == 0:
+            continue  # a hot group repeats its resident twin's offsets
+        for name, offset in zip(group.layers, group.layer_offsets, strict=True):
+            gpu_views[name] = PagedViewSpec(
+                offset=offset,
+                block_stride=bytes_per_block,
+                row_stride=by_name[name].row_bytes,
+                row_bytes=by_name[name].row_bytes,
+                num_blocks=gpu_num_blocks,
+                block_size=bs,
+            )
+
+    layout = KVLayout(
+        placement=placement,
+        block_size=bs,
+        max_model_len=max_model_len,
+        hot_blocks_per_request=config.hot_blocks_per_request if hisparse else 0,
+        index_groups=tuple(index_groups),
+        host_block_bytes=host_block_bytes if hisparse else 0,
+        host_num_blocks=host_num_blocks,
+        host_views=MappingProxyType(host_views),
+        gpu_bytes_per_block=bytes_per_block,
+        gpu_num_blocks=gpu_num_blocks,
+        gpu_groups=gpu_groups,
+        gpu_views=MappingProxyType(gpu_views),
+    )
+    if check_capacity:
+        _check_gpu_pool(layout, gpu_budget_bytes)
+    return layout
+
+
+# -- validation -------------------------------------------------------------------------------
+
+
+def _check_specs(
+    specs: list[LayerCacheSpec], config: ResolvedHiSparseConfig, placement: Placement
+) -> None:
+    if not specs:
+        raise HiSparseConfigError("the model declares no KV cache specs; nothing to lay out.")
+    names = [s.name for s in specs]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise HiSparseConfigError(f"cache spec names must be unique; repeated: {dupes}.")
+    for spec in specs:
+        if spec.row_bytes <= 0:
+            raise HiSparseConfigError(f"{spec.name}: row_bytes={spec.row_bytes} must be positive.")
+    if placement == "hisparse":
+        first = specs[0]
+        if first.kind is not CacheKind.SPARSE_MLA:
+            raise HiSparseConfigError(
+                "HiSparse requires the model's first cache group to be sparse MLA; got "
+                f"{first.name} ({first.kind.value}). HiSparse offloads only DSA sparse-MLA "
+                "layers: run this model with placement='gpu', or list a sparse MLA layer first."
+            )
+        if not any(s.kind is CacheKind.INDEXER for s in specs):
+            raise HiSparseConfigError(
+                "HiSparse needs the model's lightning-indexer caches (kind 'indexer') to pick "
+                "each step's top-k rows, but the specs have none. Add an indexer spec for "
+                "every layer that runs an indexer, or run with placement='gpu'."
+            )
+        for spec in specs:
+            if spec.kind is CacheKind.SPARSE_MLA:
+                config.check_row_bytes(spec.row_bytes, what=f"{spec.name}'s KV row")
+    by_size: dict[int, list[str]] = {}
+    for spec in specs:
+        by_size.setdefault(spec.block_size, []).append(spec.name)
+    if len(by_size) > 1:
+        listing = "; ".join(
+            f"block_size {size}: {compact_layer_names(layers)}" for size, layers in by_size.items()
+        )
+        raise HiSparseConfigError(
+            "HiSparse needs one block size for every cache (one block id addresses a page of "
+            f"every group); got {listing}. Build every spec with "
+            f"block_size={config.block_size} (HiSparseConfig.block_size)."
+        )
+    (size,) = by_size
+    if size != config.block_size:
+        raise HiSparseConfigError(
+            f"the cache specs use block_size={size} but HiSparseConfig.block_size="
+            f"{config.block_size}; set HiSparseConfig(block_size={size}) or build the specs "
+            f"with block_size={config.block_size}."
+        )
+
+
+def _index_groups(sparse: list[LayerCacheSpec]) -> list[IndexGroup]:
+    """Split sparse layers into index groups; host offsets accumulate group by group."""
+    groups: list[tuple[str, list[LayerCacheSpec]]] = []
+    seen: set[str] = set()
+    for spec in sparse:
+        leader = spec.index_leader or spec.name
+        if leader == spec.name:
+            groups.append((leader, [spec]))
+        elif leader not in seen:
+            raise HiSparseConfigError(
+                f"{spec.name} has index_leader={leader!r}, which is not an earlier sparse MLA "
+                "layer: a layer can only reuse the top-k of a sparse layer that runs before "
+                f"it. Set index_leader to an earlier sparse layer, or to {spec.name!r} to give "
+                "it its own indexer."
+            )
+        elif groups[-1][0] != leader:
+            raise HiSparseConfigError(
+                f"{spec.name} has index_leader={leader!r}, but the index group of "
+                f"{groups[-1][0]!r} comes in between: an index group must be consecutive "
+                f"sparse layers. Set index_leader={groups[-1][0]!r} or give {spec.name!r} "
+                "its own indexer."
+            )
+        else:
+            groups[-1][1].append(spec)
+        seen.add(spec.name)
+    result = []
+    offset = 0
+    block_size = sparse[0].block_size if sparse else 0
+    for leader, members in groups:
+        rows = tuple(s.row_bytes for s in members)
+        result.append(IndexGroup(leader, tuple(s.name for s in members), rows, offset))
+        offset += sum(rows) * block_size
+    return result
+
+
+def _check_host_pool(
+    config: ResolvedHiSparseConfig, block_bytes: int, num_blocks: int, max_model_len: int
+) -> None:
+    need = config.min_host_blocks(max_model_len)
+    if num_blocks < need:
+        raise HiSparseConfigError(
+            f"the host pool of {format_gib(config.host_pool_bytes)} holds {num_blocks} blocks "
+            f"of {block_bytes:,} B, but one max_model_len={max_model_len} request needs {need} "
+            f"(its pages plus the null block and a copy-on-write tail). Set host_pool_gib >= "
+            f"{ceil_gib(need * block_bytes)} or lower max_model_len."
+        )
+
+
+def _check_gpu_pool(layout: KVLayout, budget: int) -> None:
+    per_block = layout.gpu_bytes_per_block
+    if layout.gpu_num_blocks < NULL_BLOCKS + 1:
+        raise HiSparseConfigError(
+            f"the GPU KV budget of {format_gib(budget)} ({budget:,} B) is smaller than two "
+            f"blocks of {per_block:,} B (block 0 is the null block), so it holds no usable "
+            f"block. Give the KV cache >= {ceil_gib(2 * per_block)} of GPU memory."
+        )
+    per_request = layout.gpu_blocks_per_request(layout.max_model_len)
+    need = per_request + NULL_BLOCKS
+    if layout.gpu_num_blocks < need:
+        hint = " or a smaller device_buffer_size" if layout.placement == "hisparse" else ""
+        raise HiSparseConfigError(
+            f"the GPU KV budget of {format_gib(budget)} holds {layout.gpu_num_blocks} blocks "
+            f"of {per_block:,} B, but one max_model_len={layout.max_model_len} request needs "
+            f"{per_request} blocks plus the null block ({ceil_gib(need * per_block)}). Give the "
+            f"KV cache >= {ceil_gib(need * per_block)} of GPU memory, or lower max_model_len"
+            f"{hint}."
+        )
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _pages(context_len: int, block_size: int) -> int:
+    if context_len <= 0:
+        raise ValueError(f"context_len={context_len} must be positive")
+    return cdiv(context_len, block_size)
+
+
+def _device_group(kind: GroupKind, specs: Iterable[LayerCacheSpec]) -> DeviceGroup:
+    names, offsets = [], []
+    offset = 0
+    for spec in specs:
+        names.append(spec.name)
+        offsets.append(offset)
+        offset += spec.page_bytes
+    return DeviceGroup(kind, tuple(names), tuple(offsets), offset)
+
+
+def _pack(units: list[list[LayerCacheSpec]], limit: int) -> list[list[LayerCacheSpec]]:
+    """Greedy, in order: never split a unit; a pack's page stays <= ``limit`` unless one unit
+    alone exceeds it (then it is a pack by itself)."""
+    packs: list[list[LayerCacheSpec]] = []
+    current: list[LayerCacheSpec] = []
+    current_bytes = 0
+    for unit in units:
+        unit_bytes = sum(s.page_bytes for s in unit)
+        if current and current_bytes + unit_bytes > limit:
+            packs.append(current)
+            current, current_bytes = [], 0
+        current = current + unit
+        current_bytes += unit_bytes
+    if current:
+        packs.append(current)
+    return packs
+
+
+def format_gib(nbytes: int) -> str:
+    """GiB with two decimals; small pools (tests, tiny models) in MiB / KiB instead of 0.00."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale // 100:
+            return f"{nbytes / scale:,.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def ceil_gib(nbytes: int) -> str:
+    """``nbytes`` rounded *up* to 0.01 GiB, so the suggested value is enough."""
+    return f"{math.ceil(nbytes * 100 / 2**30) / 100:,.2f} GiB"
+
+
+_NUMBERED = re.compile(r"^(.*?)(\d+)(\D.*)?$")
+
+
+def compact_layer_names(names: Sequence[str]) -> str:
+    """``layers.0.attn .. layers.11.attn`` -> ``layers.0-11.attn``; gaps -> ``layers.[0-2,6].x``."""
+    runs: list[tuple[tuple[str, str] | None, list]] = []
+    for name in names:
+        m = _NUMBERED.match(name)
+        key = (m.group(1), m.group(3) or "") if m else None
+        if key is not None and runs and runs[-1][0] == key:
+            runs[-1][1].append(int(m.group(2)))  # type: ignore[union-attr]
+        else:
+            runs.append((key, [int(m.group(2))] if m else [name]))
+    parts = []
+    for key, items in runs:
+        if key is None:
+            parts.append(str(items[0]))
+            continue
+        ranges = _ranges(items)
+        body = ranges if len(ranges.split(",")) == 1 else f"[{ranges}]"
+        parts.append(f"{key[0]}{body}{key[1]}")
+    return ", ".join(parts)
+
+
+def _ranges(numbers: list[int]) -> str:
+    """``[0, 1, 2, 6, 10, 14]`` -> ``"0-2,6-14 by 4"`` (IndexShare schedules stay short)."""
+    out: list[str] = []
+    i = 0
+    while i < len(numbers):
+        j = i + 1
+        if j < len(numbers) and numbers[j] > numbers[i]:
+            step = numbers[j] - numbers[i]
+            while j + 1 < len(numbers) and numbers[j + 1] - numbers[j] == step:
+                j += 1
+            run = j - i + 1
+            if step == 1 or run >= 3:
+                suffix = "" if step == 1 else f" by {step}"
+                out.append(f"{numbers[i]}-{numbers[j]}{suffix}")
+                i = j + 1
+                continue
+        out.append(str(numbers[i]))
+        i += 1
+    return ",".join(out)
+
+
+def summarize_index_groups(groups: Sequence[IndexGroup]) -> str:
+    """``"21 (19 of 4 layers, 2 of 1 layer)"``: how the sparse layers share top-k."""
+    sizes: dict[int, int] = {}
+    for group in groups:
+        sizes[len(group.layers)] = sizes.get(len(group.layers), 0) + 1
+    detail = ", ".join(
+        f"{count} of {size} layer{'s' if size > 1 else ''}"
+        for size, count in sorted(sizes.items(), reverse=True)
+    )
+    return f"{len(groups)} ({detail})"

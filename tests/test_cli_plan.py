@@ -1,0 +1,104 @@
+"""``hisparse plan``: output carries the layout and both capacities; errors exit 2 cleanly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hisparse.cli import main
+
+DEEPSEEK = [
+    "plan", "--model", "deepseek-v3.2", "--gpu-memory-gib", "60", "--host-pool-gib", "1024",
+    "--max-model-len", "131072",
+]  # fmt: skip
+
+
+def test_plan_deepseek_prints_layout_and_capacities(capsys):
+    assert main(DEEPSEEK) == 0
+    out = capsys.readouterr().out
+    assert "429,324 blocks x 2,561,024 B" in out  # host pool
+    assert "125,016 blocks x 515,328 B" in out  # GPU pool
+    assert "layers.0-11.attn" in out and "layers.0-60.indexer" in out
+    assert "HiSparse 51, all-GPU 8" in out
+    assert "6.38x" in out
+
+
+def test_plan_glm5_shorter_context_and_bf16(capsys):
+    args = [
+        "plan",
+        "--model",
+        "glm-5",
+        "--gpu-memory-gib",
+        "60",
+        "--host-pool-gib",
+        "512",
+        "--max-model-len",
+        "131072",
+        "--context-len",
+        "32768",
+        "--kv-format",
+        "bf16",
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "21 with their own indexer" in out and "bf16 1152 B" in out
+    assert "Requests of 32,768 tokens: HiSparse" in out
+
+
+def test_plan_from_config_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "deepseek_v32", "num_hidden_layers": 4, "index_topk": 256})
+    )
+    args = [
+        "plan",
+        "--model",
+        str(tmp_path / "config.json"),
+        "--gpu-memory-gib",
+        "1",
+        "--host-pool-gib",
+        "4",
+        "--max-model-len",
+        "8192",
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "top_k 256" in out and "all-GPU" in out
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        (["--host-pool-gib", "2"], "Set host_pool_gib >= 4.89 GiB"),
+        (["--gpu-memory-gib", "1"], "Give the KV cache >= 1.18 GiB"),
+        (["--device-buffer-size", "1024"], "Set device_buffer_size >= 2048"),
+        (["--context-len", "200000"], "--context-len=200000 must be between 1 and"),
+        (["--model", "no-such-model"], "neither a preset"),
+    ],
+)
+def test_plan_errors_exit_2_without_traceback(capsys, override, needle):
+    args = list(DEEPSEEK)
+    flag = override[0]
+    if flag in args:
+        args[args.index(flag) + 1] = override[1]
+    else:
+        args += override
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert needle in captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_unsupported_model_type_exits_2(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen3"}))
+    args = list(DEEPSEEK)
+    args[args.index("--model") + 1] = str(path)
+    assert main(args) == 2
+    assert "'qwen3' is not supported" in capsys.readouterr().err
+
+
+def test_missing_subcommand_is_a_usage_error():
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2

@@ -1,0 +1,469 @@
+"""Layout planner: group packing, host token-major offsets, capacity, validation messages."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+from hisparse.config import HiSparseConfig, HiSparseConfigError
+from hisparse.kv.layout import GroupKind, KVLayout, compact_layer_names, plan_kv_layout
+from hisparse.kv.models import (
+    cache_shape_from_hf_config,
+    deepseek_v32_cache_shape,
+    dsa_cache_specs,
+    glm5_cache_shape,
+    indexer_schedule,
+    load_model_cache_shape,
+)
+from hisparse.kv.paged_view import PagedViewSpec
+from hisparse.kv.specs import CacheKind, LayerCacheSpec, RowFormat, indexer_spec, sparse_mla_spec
+
+GIB = 2**30
+
+
+def _plan(specs, *, host_gib=1024.0, gpu_gib=60.0, max_len=131072, placement="hisparse", **kw):
+    config = HiSparseConfig(host_pool_gib=host_gib, **kw).resolve(2048)
+    return plan_kv_layout(specs, config, int(gpu_gib * GIB), max_len, placement)
+
+
+def _tiny_specs(full, block_size=4, fmt=RowFormat.FP8_DS_MLA):
+    return dsa_cache_specs(full, block_size=block_size, kv_format=fmt)
+
+
+def _tiny_plan(full, *, host_blocks=6, gpu_blocks=40, max_len=8, block_size=4):
+    """A few-KiB layout that a real uint8 tensor can back."""
+    specs = _tiny_specs(full, block_size)
+    host_block = sum(s.page_bytes for s in specs if s.kind is CacheKind.SPARSE_MLA)
+    config = HiSparseConfig(
+        top_k=8, host_pool_gib=(host_blocks * host_block + 1) / GIB, block_size=block_size
+    ).resolve()
+    budget = gpu_blocks * sum(s.page_bytes for s in specs)  # blocks are never bigger than this
+    return plan_kv_layout(specs, config, budget, max_len)
+
+
+# -- models ------------------------------------------------------------------------------------
+
+
+def test_deepseek_v32_specs_have_an_indexer_per_layer_in_layer_order():
+    shape = deepseek_v32_cache_shape()
+    assert shape.num_layers == 61 and shape.index_topk == 2048
+    assert len(shape.specs) == 122
+    assert shape.specs[0].name == "layers.0.attn" and shape.specs[1].name == "layers.0.indexer"
+    assert shape.specs[-1].name == "layers.60.indexer"
+    for spec in shape.sparse_specs:
+        assert spec.row_bytes == 656 and spec.index_leader == spec.name
+    assert {s.row_bytes for s in shape.indexer_specs} == {132}
+    assert deepseek_v32_cache_shape(kv_format="bf16").sparse_specs[0].row_bytes == 1152
+
+
+def test_glm5_indexshare_leaders():
+    shape = glm5_cache_shape()
+    assert shape.num_layers == 78 and shape.index_topk == 2048
+    full = [i for i in range(78) if f"layers.{i}.indexer" in {s.name for s in shape.specs}]
+    # zai-org/GLM-5.2: freq 4, offset 3 -> max(i - 2, 0) % 4 == 0.
+    assert full == [0, 1, 2, *range(6, 78, 4)]
+    assert len(full) == 21
+    leaders = {s.name: s.index_leader for s in shape.sparse_specs}
+    assert leaders["layers.1.attn"] == "layers.1.attn"
+    assert leaders["layers.5.attn"] == "layers.2.attn"
+    assert leaders["layers.9.attn"] == "layers.6.attn"
+    assert leaders["layers.77.attn"] == "layers.74.attn"
+    # a shared layer's spec is never followed by an indexer spec of its own
+    names = [s.name for s in shape.specs]
+    assert "layers.3.indexer" not in names and names.index("layers.6.indexer") == (
+        names.index("layers.6.attn") + 1
+    )
+
+
+def test_indexer_schedule_rule_pattern_and_leading_shared_layer():
+    # offset 0: layer 0 would be shared with nothing to borrow from -> made full
+    assert indexer_schedule(8, index_topk_freq=4, index_skip_topk_offset=0) == [
+        True, False, False, True, False, False, False, True,
+    ]  # fmt: skip
+    assert indexer_schedule(6, index_topk_freq=2, index_skip_topk_offset=2) == [
+        True, True, False, True, False, True,
+    ]  # fmt: skip
+    assert indexer_schedule(4, index_topk_pattern="FSSF") == [True, False, False, True]
+    assert indexer_schedule(3, index_topk_pattern="SSF") == [True, False, True]
+    assert indexer_schedule(3, indexer_types=["full", "shared", "full"]) == [True, False, True]
+    # explicit indexer_types win over the pattern (transformers' precedence)
+    assert indexer_schedule(2, indexer_types=["full", "full"], index_topk_pattern="FS") == [
+        True,
+        True,
+    ]
+    with pytest.raises(HiSparseConfigError, match="has 3 entries but the model has 4 layers"):
+        indexer_schedule(4, index_topk_pattern="FSS")
+    with pytest.raises(HiSparseConfigError, match="expected 'F'/'full' or 'S'/'shared'"):
+        indexer_schedule(2, index_topk_pattern="FX")
+
+
+def test_config_json_glm_moe_dsa(tmp_path):
+    cfg = {
+        "model_type": "glm_moe_dsa",
+        "num_hidden_layers": 6,
+        "kv_lora_rank": 256,
+        "qk_rope_head_dim": 64,
+        "index_topk": 512,
+        "index_head_dim": 64,
+        "index_topk_freq": 2,
+        "index_skip_topk_offset": 2,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    shape = cache_shape_from_hf_config(path, kv_format="bf16")
+    assert shape.index_topk == 512 and shape.num_layers == 6
+    assert [s.name for s in shape.indexer_specs] == [
+        "layers.0.indexer", "layers.1.indexer", "layers.3.indexer", "layers.5.indexer",
+    ]  # fmt: skip
+    assert {s.row_bytes for s in shape.indexer_specs} == {68}
+    assert {s.row_bytes for s in shape.sparse_specs} == {2 * (256 + 64)}
+    assert shape.sparse_specs[2].index_leader == "layers.1.attn"
+    # a model folder works too, and the explicit pattern overrides freq/offset
+    cfg["index_topk_pattern"] = "FSSSSF"
+    path.write_text(json.dumps(cfg))
+    shape = load_model_cache_shape(str(tmp_path))
+    assert [s.name for s in shape.indexer_specs] == ["layers.0.indexer", "layers.5.indexer"]
+    assert shape.sparse_specs[4].index_leader == "layers.0.attn"
+    assert {s.row_bytes for s in shape.sparse_specs} == {656 - 256 - 4 * 2}  # 256 + 8 + 128
+
+
+def test_config_json_deepseek_v32_and_defaults(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "deepseek_v32", "num_hidden_layers": 3}))
+    shape = load_model_cache_shape(path)
+    assert shape.num_layers == 3 and shape.index_topk == 2048
+    assert [s.name for s in shape.specs] == [
+        "layers.0.attn", "layers.0.indexer", "layers.1.attn", "layers.1.indexer",
+        "layers.2.attn", "layers.2.indexer",
+    ]  # fmt: skip
+    assert shape.specs[0].row_bytes == 656 and shape.specs[1].row_bytes == 132
+
+
+def test_config_json_unsupported_model_type(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 30}))
+    with pytest.raises(HiSparseConfigError) as err:
+        load_model_cache_shape(path)
+    assert "'llama' is not supported" in str(err.value)
+    assert "deepseek_v32 or glm_moe_dsa" in str(err.value)
+    with pytest.raises(HiSparseConfigError, match="neither a preset"):
+        load_model_cache_shape(tmp_path / "missing.json")
+    with pytest.raises(HiSparseConfigError, match="use one of fp8_ds_mla, bf16"):
+        load_model_cache_shape("deepseek-v3.2", kv_format="fp16")
+
+
+# -- GPU groups --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [
+        deepseek_v32_cache_shape().specs,
+        glm5_cache_shape().specs,
+        glm5_cache_shape(kv_format="bf16").specs,
+        # a unit (index group of 6 bf16 layers) larger than the single indexer page
+        _tiny_specs(
+            [True, True, False, False, False, False, False, True],
+            block_size=64,
+            fmt=RowFormat.BF16_MLA,
+        ),
+    ],
+    ids=["deepseek-v3.2", "glm-5", "glm-5-bf16", "oversized-unit"],
+)
+def test_group_packing(specs):
+    layout = _plan(specs)
+    by_name = {s.name: s for s in specs}
+    (indexer,) = layout.groups(GroupKind.INDEXER)
+    assert indexer.layers == tuple(s.name for s in specs if s.kind is CacheKind.INDEXER)
+    resident, hot = layout.groups(GroupKind.RESIDENT), layout.groups(GroupKind.HOT)
+    assert len(resident) == len(hot) >= 1
+    # order: indexer, all resident, all hot
+    assert [g.kind for g in layout.gpu_groups] == (
+        [GroupKind.INDEXER] + [GroupKind.RESIDENT] * len(resident) + [GroupKind.HOT] * len(hot)
+    )
+    # every sparse layer exactly once, in order
+    assert [n for g in resident for n in g.layers] == [
+        s.name for s in specs if s.kind is CacheKind.SPARSE_MLA
+    ]
+    group_of = {n: i for i, g in enumerate(resident) for n in g.layers}
+    for unit in layout.index_groups:
+        assert len({group_of[n] for n in unit.layers}) == 1, f"{unit.leader}'s unit was split"
+    for res, h in zip(resident, hot, strict=True):
+        assert res.layers == h.layers and res.layer_offsets == h.layer_offsets
+        assert res.page_bytes == h.page_bytes == sum(by_name[n].page_bytes for n in res.layers)
+        units_in = [u for u in layout.index_groups if u.layers[0] in res.layers]
+        assert h.page_bytes <= indexer.page_bytes or len(units_in) == 1
+        # greedy: the next unit would not have fitted
+    for a, b in itertools.pairwise(resident):
+        first_unit_of_b = next(u for u in layout.index_groups if u.layers[0] == b.layers[0])
+        nxt = sum(by_name[n].page_bytes for n in first_unit_of_b.layers)
+        assert a.page_bytes + nxt > indexer.page_bytes
+    assert layout.gpu_bytes_per_block == max(g.page_bytes for g in layout.gpu_groups)
+
+
+def test_oversized_unit_forms_its_own_group():
+    specs = _tiny_specs(
+        [True, True, False, False, False, False, False, True], block_size=64, fmt=RowFormat.BF16_MLA
+    )
+    layout = _plan(specs)
+    groups = [g.layers for g in layout.groups(GroupKind.RESIDENT)]
+    assert groups == [
+        ("layers.0.attn",),
+        tuple(f"layers.{i}.attn" for i in range(1, 7)),
+        ("layers.7.attn",),
+    ]
+    assert layout.gpu_bytes_per_block == 6 * 1152 * 64  # the big unit sets the block size
+
+
+def test_gpu_placement_has_no_hot_groups_and_no_host_pool():
+    specs = deepseek_v32_cache_shape().specs
+    layout = _plan(specs, placement="gpu")
+    assert not layout.groups(GroupKind.HOT)
+    assert layout.host_num_blocks == 0 and layout.host_pool_bytes == 0 and not layout.host_views
+    assert layout.host_blocks_per_request(1000) == 0
+    hisparse = _plan(specs)
+    assert [g.layers for g in layout.groups(GroupKind.RESIDENT)] == [
+        g.layers for g in hisparse.groups(GroupKind.RESIDENT)
+    ]
+    assert layout.gpu_views == hisparse.gpu_views
+
+
+# -- host layout through real tensors -----------------------------------------------------------
+
+
+def test_host_views_tile_the_pool_token_major():
+    # groups: [0], [1, 2, 3], [4, 5]
+    layout = _tiny_plan([True, True, False, False, True, False])
+    raw = torch.zeros(layout.host_pool_bytes, dtype=torch.uint8)
+    for name in layout.host_views:
+        layout.host_views[name].view(raw).add_(1)
+    assert torch.equal(raw, torch.ones_like(raw)), "layer views overlap or leave gaps"
+
+    assert [u.layers for u in layout.index_groups] == [
+        ("layers.0.attn",),
+        ("layers.1.attn", "layers.2.attn", "layers.3.attn"),
+        ("layers.4.attn", "layers.5.attn"),
+    ]
+    gen = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (layout.host_pool_bytes,), dtype=torch.uint8, generator=gen)
+    base = raw.data_ptr()
+    for unit in layout.index_groups:
+        views = [layout.host_views[n].view(raw) for n in unit.layers]
+        row = unit.row_bytes[0]
+        for block in range(layout.host_num_blocks):
+            for token in range(layout.block_size):
+                start = views[0][block, token].data_ptr() - base
+                assert start == block * layout.host_block_bytes + unit.host_offset + (
+                    token * unit.token_bytes
+                )
+                span = raw[start : start + unit.token_bytes]
+                # one contiguous span holds the token's rows of the whole group, in order
+                expected = torch.cat([v[block, token] for v in views])
+                assert torch.equal(span, expected)
+                for j, v in enumerate(views):
+                    assert v[block, token].data_ptr() - base == start + j * row
+
+
+def test_single_layer_groups_are_layer_major_pages():
+    layout = _tiny_plan([True] * 3)
+    for unit in layout.index_groups:
+        (name,) = unit.layers
+        spec = layout.host_views[name]
+        assert spec.row_stride == spec.row_bytes == 656
+        assert spec.page_is_contiguous
+
+
+def test_gpu_views_overlay_groups_and_separate_layers_within_a_group():
+    layout = _tiny_plan([True, True, False, False, True, False])
+    raw = torch.zeros(layout.gpu_pool_bytes, dtype=torch.uint8)
+    for group in layout.gpu_groups:
+        raw.zero_()
+        for name in group.layers:
+            layout.gpu_views[name].view(raw).add_(1)
+        assert int(raw.max()) == 1, f"layers of {group.kind} group overlap"
+        assert int(raw.view(layout.gpu_num_blocks, -1)[:, : group.page_bytes].min()) == 1
+        assert group.layer_offsets[0] == 0  # every group starts at byte 0 of a block
+    # a layer's resident and hot rows share one view
+    for res, hot in zip(
+        layout.groups(GroupKind.RESIDENT), layout.groups(GroupKind.HOT), strict=True
+    ):
+        for name in hot.layers:
+            assert layout.gpu_views[name].offset == res.layer_offsets[res.layers.index(name)]
+    idx = layout.gpu_views["layers.0.indexer"]
+    assert idx.block_stride == layout.gpu_bytes_per_block and idx.row_bytes == 132
+    assert idx.page_view(raw).shape == (layout.gpu_num_blocks, 4 * 132)
+
+
+def test_paged_view_rejects_wrong_pools():
+    spec = PagedViewSpec(
+        offset=0, block_stride=64, row_stride=16, row_bytes=16, num_blocks=2, block_size=4
+    )
+    assert spec.view(torch.zeros(128, dtype=torch.uint8)).shape == (2, 4, 16)
+    with pytest.raises(ValueError, match="uint8"):
+        spec.view(torch.zeros(128, dtype=torch.float32))
+    with pytest.raises(ValueError, match="reaches 128 bytes"):
+        spec.view(torch.zeros(100, dtype=torch.uint8))
+    sub = torch.zeros(256, dtype=torch.uint8)[128:]
+    spec.view(sub)[1, 3].fill_(7)
+    assert int(sub[64 + 48]) == 7 and int(sub.sum()) == 7 * 16
+
+
+# -- capacity ----------------------------------------------------------------------------------
+
+
+def test_deepseek_capacity_from_first_principles():
+    """60 GiB GPU, 1024 GiB host, 131072 tokens, fp8_ds_mla rows, 2048-row hot buffer."""
+    layers, row, key_row, bs, ctx = 61, 656, 128 + 4, 64, 131072
+    pages = ctx // bs  # 2048
+    indexer_page = layers * key_row * bs  # all 61 indexer pages in one block
+    layers_per_group = indexer_page // (row * bs)  # 12 sparse pages fit beside it
+    groups = math.ceil(layers / layers_per_group)  # 6 resident + 6 hot groups
+    block = indexer_page  # the largest overlaying page
+    gpu_blocks = 60 * GIB // block
+    hot_blocks = 2 * 2048 // bs  # (max_query_len + 1) * top_k rows
+    hisparse_gpu = pages + groups * 2 + groups * hot_blocks
+    host_block = layers * row * bs
+    host_blocks = 1024 * GIB // host_block
+    host_per_request = pages + 1
+    expect_hisparse = min((gpu_blocks - 1) // hisparse_gpu, (host_blocks - 1) // host_per_request)
+    expect_gpu = (gpu_blocks - 1) // (pages + groups * pages)
+
+    specs = deepseek_v32_cache_shape().specs
+    layout = _plan(specs)
+    assert layout.gpu_bytes_per_block == block == 515_328
+    assert layout.gpu_num_blocks == gpu_blocks
+    assert layout.host_block_bytes == host_block and layout.host_num_blocks == host_blocks
+    assert layout.gpu_blocks_per_request(ctx) == hisparse_gpu == 2444
+    assert layout.host_blocks_per_request(ctx) == host_per_request
+    assert layout.max_requests(ctx) == expect_hisparse == 51
+    assert layout.max_requests_host(ctx) == 209
+    baseline = _plan(specs, placement="gpu")
+    assert baseline.gpu_blocks_per_request(ctx) == 14_336
+    assert baseline.max_requests(ctx) == expect_gpu == 8
+    # a short request holds fewer tail pages than two
+    assert layout.gpu_blocks_per_request(10) == 1 + groups * 1 + groups * hot_blocks
+
+
+def test_describe_and_compact_names():
+    layout = _plan(glm5_cache_shape().specs)
+    text = layout.describe()
+    assert "layers.[0-2,6-74 by 4].indexer" in text
+    assert "layers.2-5.attn" in text
+    assert compact_layer_names([f"layers.{i}.attn" for i in range(12)]) == "layers.0-11.attn"
+    assert isinstance(layout, KVLayout)
+    assert layout.groups_table(4096).row_count == len(layout.gpu_groups)
+
+
+# -- validation messages -----------------------------------------------------------------------
+
+
+def test_unaligned_sparse_row():
+    specs = [
+        LayerCacheSpec("layers.0.attn", CacheKind.SPARSE_MLA, 650, 64, index_leader=None),
+        indexer_spec("layers.0.indexer", block_size=64),
+    ]
+    with pytest.raises(HiSparseConfigError, match=r"multiple of 16 bytes \(pad it to 656\)"):
+        _plan(specs, max_len=4096)
+
+
+def test_mixed_block_sizes():
+    specs = [
+        sparse_mla_spec("layers.0.attn", block_size=64),
+        indexer_spec("layers.0.indexer", block_size=32),
+    ]
+    with pytest.raises(HiSparseConfigError) as err:
+        _plan(specs, max_len=4096)
+    msg = str(err.value)
+    assert "one block size" in msg and "block_size 32: layers.0.indexer" in msg
+    assert "Build every spec with block_size=64" in msg
+
+
+def test_block_size_differs_from_config():
+    specs = dsa_cache_specs([True, True], block_size=32)
+    with pytest.raises(HiSparseConfigError, match=r"set HiSparseConfig\(block_size=32\)"):
+        _plan(specs, max_len=4096)
+
+
+def test_first_spec_must_be_sparse_mla():
+    specs = [
+        indexer_spec("layers.0.indexer", block_size=64),
+        sparse_mla_spec("layers.0.attn", block_size=64),
+    ]
+    with pytest.raises(HiSparseConfigError) as err:
+        _plan(specs, max_len=4096)
+    assert (
+        "HiSparse requires the model's first cache group to be sparse MLA; got "
+        "layers.0.indexer (indexer)" in str(err.value)
+    )
+    assert "placement='gpu'" in str(err.value)
+    _plan(specs, max_len=4096, placement="gpu")  # the all-GPU baseline runs it
+
+
+def test_no_indexer_specs():
+    specs = [sparse_mla_spec(f"layers.{i}.attn", block_size=64) for i in range(2)]
+    with pytest.raises(HiSparseConfigError, match="Add an indexer spec"):
+        _plan(specs, max_len=4096)
+
+
+def test_host_pool_too_small_says_how_many_gib():
+    specs = deepseek_v32_cache_shape().specs
+    need = (131072 // 64 + 2) * 61 * 656 * 64
+    gib = math.ceil(need * 100 / GIB) / 100  # 4.89
+    with pytest.raises(HiSparseConfigError) as err:
+        _plan(specs, host_gib=4.0)
+    msg = str(err.value)
+    assert f"Set host_pool_gib >= {gib:.2f} GiB" in msg and "2050" in msg
+    _plan(specs, host_gib=gib)  # and that is indeed enough
+
+
+def test_gpu_budget_smaller_than_one_block():
+    specs = deepseek_v32_cache_shape().specs
+    with pytest.raises(HiSparseConfigError) as err:
+        _plan(specs, gpu_gib=0.0005)
+    msg = str(err.value)
+    assert "holds no usable block" in msg and "Give the KV cache >= 0.01 GiB" in msg
+
+
+def test_gpu_budget_smaller_than_one_max_len_request():
+    specs = deepseek_v32_cache_shape().specs
+    need = (2444 + 1) * 515_328
+    gib = math.ceil(need * 100 / GIB) / 100  # 1.18
+    with pytest.raises(HiSparseConfigError) as err:
+        _plan(specs, gpu_gib=1.0)
+    msg = str(err.value)
+    assert f"Give the KV cache >= {gib:.2f} GiB" in msg and "max_model_len=131072" in msg
+    assert "device_buffer_size" in msg
+    _plan(specs, gpu_gib=gib)
+
+
+def test_index_leader_must_be_an_earlier_sparse_layer():
+    specs = [
+        sparse_mla_spec("layers.0.attn", block_size=64, index_leader="layers.1.attn"),
+        indexer_spec("layers.0.indexer", block_size=64),
+        sparse_mla_spec("layers.1.attn", block_size=64),
+    ]
+    with pytest.raises(HiSparseConfigError) as err:
+        _plan(specs, max_len=4096)
+    assert "index_leader='layers.1.attn', which is not an earlier sparse MLA layer" in str(
+        err.value
+    )
+    assert "Set index_leader to an earlier sparse layer" in str(err.value)
+    specs[0] = sparse_mla_spec("layers.0.attn", block_size=64, index_leader="layers.0.indexer")
+    with pytest.raises(HiSparseConfigError, match="not an earlier sparse MLA layer"):
+        _plan(specs, max_len=4096)
+
+
+def test_index_group_must_be_consecutive():
+    specs = [
+        sparse_mla_spec("layers.0.attn", block_size=64),
+        indexer_spec("layers.0.indexer", block_size=64),
+        sparse_mla_spec("layers.1.attn", block_size=64),
+        indexer_spec("layers.1.indexer", block_size=64),
+        sparse_mla_spec("layers.2.attn", block_size=64, index_leader="layers.0.attn"),
+    ]
+    with pytest.raises(HiSparseConfigError, match=r"index_leader='layers\.1\.attn'"):
+        _plan(specs, max_len=4096)
