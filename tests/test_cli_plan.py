@@ -20,8 +20,8 @@ def test_plan_deepseek_prints_layout_and_capacities(capsys):
     assert "429,324 blocks x 2,561,024 B" in out  # host pool
     assert "125,016 blocks x 515,328 B" in out  # GPU pool
     assert "layers.0-11.attn" in out and "layers.0-60.indexer" in out
-    assert "HiSparse 51, all-GPU 8" in out
-    assert "6.38x" in out
+    assert "HiSparse 51, all-GPU 10" in out
+    assert "5.10x" in out
 
 
 def test_plan_glm5_shorter_context_and_bf16(capsys):

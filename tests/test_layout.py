@@ -225,11 +225,11 @@ def test_gpu_placement_has_no_hot_groups_and_no_host_pool():
     assert not layout.groups(GroupKind.HOT)
     assert layout.host_num_blocks == 0 and layout.host_pool_bytes == 0 and not layout.host_views
     assert layout.host_blocks_per_request(1000) == 0
-    hisparse = _plan(specs)
-    assert [g.layers for g in layout.groups(GroupKind.RESIDENT)] == [
-        g.layers for g in hisparse.groups(GroupKind.RESIDENT)
-    ]
-    assert layout.gpu_views == hisparse.gpu_views
+    # one resident group holds every layer, indexer included: blocks are filled exactly
+    (group,) = layout.gpu_groups
+    assert group.kind is GroupKind.RESIDENT and len(group.layers) == 2 * 61
+    assert layout.gpu_bytes_per_block == 61 * (656 + 132) * 64
+    assert set(layout.gpu_views) == {s.name for s in specs}
 
 
 # -- host layout through real tensors -----------------------------------------------------------
@@ -330,7 +330,8 @@ def test_deepseek_capacity_from_first_principles():
     host_blocks = 1024 * GIB // host_block
     host_per_request = pages + 1
     expect_hisparse = min((gpu_blocks - 1) // hisparse_gpu, (host_blocks - 1) // host_per_request)
-    expect_gpu = (gpu_blocks - 1) // (pages + groups * pages)
+    gpu_block = layers * (row + key_row) * bs  # all-GPU: one group, every layer per block
+    expect_gpu = (60 * GIB // gpu_block - 1) // pages
 
     specs = deepseek_v32_cache_shape().specs
     layout = _plan(specs)
@@ -342,8 +343,8 @@ def test_deepseek_capacity_from_first_principles():
     assert layout.max_requests(ctx) == expect_hisparse == 51
     assert layout.max_requests_host(ctx) == 209
     baseline = _plan(specs, placement="gpu")
-    assert baseline.gpu_blocks_per_request(ctx) == 14_336
-    assert baseline.max_requests(ctx) == expect_gpu == 8
+    assert baseline.gpu_blocks_per_request(ctx) == 2048
+    assert baseline.max_requests(ctx) == expect_gpu == 10
     # a short request holds fewer tail pages than two
     assert layout.gpu_blocks_per_request(10) == 1 + groups * 1 + groups * hot_blocks
 

@@ -15,8 +15,8 @@ HiSparse placement (DESIGN.md §2):
   hot group share layer order and in-page offsets, so a layer's resident and hot rows are one
   address space and attention reads one tensor.
 
-"gpu" placement (the all-GPU baseline) uses the same groups without hot groups and host pool;
-every page is resident.
+"gpu" placement (the all-GPU baseline) has no host pool and no hot groups: one resident group
+holds every layer (indexer included), so each block is filled exactly and every page is resident.
 """
 
 from __future__ import annotations
@@ -253,13 +253,22 @@ def plan_kv_layout(
                 within += row
 
     # GPU: overlaying groups, each page starting at byte 0 of a block.
+    if not hisparse:
+        # All-GPU: every page of every layer is resident for the whole context, so one group
+        # holding all layers fills each block exactly (overlaying groups would pad the KV
+        # packs up to the indexer page and understate the baseline's capacity).
+        return _finish(
+            placement, config, max_model_len, gpu_budget_bytes, check_capacity, by_name,
+            index_groups, (_device_group(GroupKind.RESIDENT, indexers + sparse + regular),),
+            host_block_bytes=0, host_num_blocks=0, host_views={},
+        )
     indexer_group = _device_group(GroupKind.INDEXER, indexers) if indexers else None
     units = [[by_name[n] for n in g.layers] for g in index_groups]
     unit_pages = [sum(s.page_bytes for s in unit) for unit in units]
     limit = indexer_group.page_bytes if indexer_group else max(unit_pages, default=0)
     packs = _pack(units, limit)
     resident = [_device_group(GroupKind.RESIDENT, pack) for pack in packs]
-    hot = [_device_group(GroupKind.HOT, pack) for pack in packs] if hisparse else []
+    hot = [_device_group(GroupKind.HOT, pack) for pack in packs]
     limit = max(limit, max((s.page_bytes for s in regular), default=0))
     regular_groups = [
         _device_group(GroupKind.REGULAR, p) for p in _pack([[s] for s in regular], limit)
@@ -267,6 +276,30 @@ def plan_kv_layout(
     gpu_groups = tuple(
         [g for g in (indexer_group,) if g is not None] + resident + hot + regular_groups
     )
+    return _finish(
+        placement, config, max_model_len, gpu_budget_bytes, check_capacity, by_name,
+        index_groups, gpu_groups,
+        host_block_bytes=host_block_bytes, host_num_blocks=host_num_blocks,
+        host_views=host_views,
+    )
+
+
+def _finish(
+    placement: Placement,
+    config: ResolvedHiSparseConfig,
+    max_model_len: int,
+    gpu_budget_bytes: int,
+    check_capacity: bool,
+    by_name: Mapping[str, LayerCacheSpec],
+    index_groups: list[IndexGroup],
+    gpu_groups: tuple[DeviceGroup, ...],
+    *,
+    host_block_bytes: int,
+    host_num_blocks: int,
+    host_views: dict[str, PagedViewSpec],
+) -> KVLayout:
+    """Size the GPU pool for ``gpu_groups``, give every layer its view, check capacity."""
+    bs = config.block_size
     bytes_per_block = max(g.page_bytes for g in gpu_groups)
     gpu_num_blocks = gpu_budget_bytes // bytes_per_block
     gpu_views: dict[str, PagedViewSpec] = {}
@@ -287,9 +320,11 @@ def plan_kv_layout(
         placement=placement,
         block_size=bs,
         max_model_len=max_model_len,
-        hot_blocks_per_request=config.hot_blocks_per_request if hisparse else 0,
+        hot_blocks_per_request=(
+            config.hot_blocks_per_request if placement == "hisparse" else 0
+        ),
         index_groups=tuple(index_groups),
-        host_block_bytes=host_block_bytes if hisparse else 0,
+        host_block_bytes=host_block_bytes,
         host_num_blocks=host_num_blocks,
         host_views=MappingProxyType(host_views),
         gpu_bytes_per_block=bytes_per_block,
