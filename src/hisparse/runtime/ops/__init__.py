@@ -3,7 +3,12 @@
 Every op exists as a plain-PyTorch reference (`reference`) and may have a kernel backend
 registered for a device type (the Triton kernels register for ``cuda``). Callers ask
 `ops_for(device)` once and call the returned namespace; ``HISPARSE_OPS=reference`` forces the
-reference everywhere (debugging, A/B checks).
+reference everywhere (debugging, A/B checks). ``HISPARSE_OPS=triton`` forces the Triton kernels
+on every device: on CPU tensors that needs ``TRITON_INTERPRET=1`` set before Triton is first
+imported (the CPU tests do this).
+
+The Triton module is imported lazily, on the first ``ops_for("cuda")``, so importing this
+package never imports Triton; where Triton is missing, CUDA falls back to the reference.
 """
 
 from __future__ import annotations
@@ -35,14 +40,36 @@ def register_backend(device_type: str, ops: ModuleType | object) -> None:
     _backends[device_type] = ops
 
 
+def triton_ops() -> ModuleType:
+    """The Triton kernel module (imports Triton). Raises ImportError where Triton is missing."""
+    from hisparse.runtime.ops import triton_kernels
+
+    return triton_kernels
+
+
+def _load_cuda_backend() -> None:
+    """Register the Triton kernels for ``cuda`` on first use, unless something else is."""
+    if "cuda" in _backends:
+        return
+    try:
+        register_backend("cuda", triton_ops())
+    except ImportError:
+        _backends["cuda"] = reference
+
+
 def ops_for(device: torch.device | str) -> ModuleType | object:
     """The op namespace used for tensors on ``device``."""
     choice = os.environ.get("HISPARSE_OPS", "auto")
-    if choice not in ("auto", "reference"):
-        raise ValueError(f"HISPARSE_OPS={choice!r}: use 'auto' or 'reference'.")
+    if choice not in ("auto", "reference", "triton"):
+        raise ValueError(f"HISPARSE_OPS={choice!r}: use 'auto', 'reference' or 'triton'.")
     if choice == "reference":
         return reference
-    return _backends.get(torch.device(device).type, reference)
+    if choice == "triton":
+        return triton_ops()
+    kind = torch.device(device).type
+    if kind == "cuda":
+        _load_cuda_backend()
+    return _backends.get(kind, reference)
 
 
-__all__ = ["DataPlaneOps", "ops_for", "reference", "register_backend"]
+__all__ = ["DataPlaneOps", "ops_for", "reference", "register_backend", "triton_ops"]

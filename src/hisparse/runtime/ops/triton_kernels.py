@@ -1,0 +1,565 @@
+"""Triton kernels of the HiSparse data-plane ops (DESIGN.md §4); `reference` is the oracle.
+
+Every op here has exactly the reference's signature and writes bit-identical outputs and
+state. None synchronises with the host or launches a grid sized by data, so a decode step
+that calls them can be captured in a CUDA graph.
+
+resolve_residency, one program per request, works on scratch in global memory (L1/L2
+resident, ordered with CTA barriers):
+
+1. collect the request's rows (in row order) and load its ``rows x top_k`` entries; resident
+   and ``-1`` entries are written out at once;
+2. sort the entries needing the hot buffer by ``(host row, entry position)`` (one int64 key,
+   bitonic ``tl.sort``): a run of equal host rows starts with its first appearance, so the
+   run heads are the wanted set and their rank is the dense unique id ``u``;
+3. every hot slot binary-searches its host row among the sorted unique rows: a hit records
+   its slot for ``u`` and marks the slot;
+4. one pass over ``lru`` ranks the evictable and the hit slots, which gives each slot its new
+   LRU position in closed form and the evictable slot of each miss rank;
+5. the miss heads, scattered to their entry positions and prefix-summed in entry order, get
+   their wanted-order rank, hence their slot; the swap list is the miss heads in sorted
+   (host address) order; every entry then reads its ``u``'s slot.
+
+The gathers copy whole rows as int32x4 (16-byte) accesses, reading the pinned host pool
+directly: Triton's launcher turns a pinned or ``cudaHostRegister``-ed CPU tensor's address
+into its device (UVA) address with ``cuPointerGetAttribute``, so a pinned CPU tensor can be
+passed as is (an unpinned one is refused with "cannot be accessed from Triton"). A persistent
+grid walks each request's sorted swap list in runs of consecutive entries, so one program
+reads neighbouring host rows together.
+
+Limit (documented, not checked, because checking would synchronise): a request may own at
+most ``max_rows_per_request`` rows in one call (default ``max(1, H // top_k)``, which is what
+``device_buffer_size >= max_query_len * top_k`` guarantees at configuration time).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+Tensor = torch.Tensor
+
+_SENTINEL = 1 << 40  # larger than any host row: marks entries that do not need the hot buffer
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _fix_interpreter_index() -> None:
+    """Let the interpreter use a scalar as a loop bound with numpy >= 2.4.
+
+    Triton 3.6's interpreter keeps scalars as 1-element arrays and converts them for
+    ``range`` with ``int(array)``, which numpy 2.4 refuses ("only 0-dimensional arrays can be
+    converted"); take the element instead. Only touches the interpreter.
+    """
+    from triton.runtime import interpreter as interp
+
+    orig = interp._patch_lang_tensor
+    if getattr(orig, "_hisparse_fixed", False):
+        return
+
+    def patched(tensor, scope) -> None:  # type: ignore[no-untyped-def]
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._hisparse_fixed = True  # type: ignore[attr-defined]
+    interp._patch_lang_tensor = patched
+
+
+if interpreting():
+    _fix_interpreter_index()
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# --------------------------------------------------------------------------------------------
+# resolve_residency
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _resolve_kernel(
+    topk_ptr, stk_r, stk_c,
+    row_req_ptr, R,
+    state_ptr, Q,
+    src_bt_ptr, s_src_q, s_src_b,
+    res_bt_ptr, s_res_q, s_res_b,
+    hot_bt_ptr, s_hbt_s, s_hbt_b,
+    hot_index_ptr, s_hi_s, s_hi_h,
+    lru_ptr, s_lru_s, s_lru_h,
+    out_ptr, s_out_r, s_out_c,
+    swap_src_ptr, s_ss_q, s_ss_h,
+    swap_dst_ptr, s_sd_q, s_sd_h,
+    swap_count_ptr, s_sc,
+    valid_ptr, s_v,
+    hm_ptr, s_hm_q, s_hm_c,
+    sc_rows_ptr, sc_sorted_ptr, sc_uniq_ptr, sc_slot_u_ptr, sc_flag_ptr,
+    sc_slot_hit_ptr, sc_evict_ptr, sc_newlru_ptr,
+    K, H, bs,
+    ROWS: tl.constexpr, KP: tl.constexpr, LOGN: tl.constexpr, BH: tl.constexpr,
+    BR: tl.constexpr, HAS_RES: tl.constexpr, HAS_VALID: tl.constexpr, HAS_HM: tl.constexpr,
+):  # fmt: skip
+    N: tl.constexpr = ROWS * KP
+    SENT: tl.constexpr = _SENTINEL
+    q = tl.program_id(0)
+    q64 = q.to(tl.int64)
+
+    # Rows whose request is padding (or out of range) are written here, spread over programs.
+    cols = tl.arange(0, KP)
+    for r in range(q, R, Q):
+        rq = tl.load(row_req_ptr + r)
+        in_range = (rq >= 0) & (rq < Q)
+        st = tl.load(state_ptr + tl.where(in_range, rq, 0))
+        dead = (~in_range) | (st < 0)
+        r64 = tl.cast(r, tl.int64)
+        tl.store(
+            out_ptr + r64 * s_out_r + cols * s_out_c,
+            tl.full([KP], -1, tl.int32),
+            mask=(cols < K) & dead,
+        )
+        if HAS_VALID:
+            tl.store(valid_ptr + r64 * s_v, 0, mask=dead)
+
+    s = tl.load(state_ptr + q)
+    if s < 0:
+        tl.store(swap_count_ptr + q64 * s_sc, 0)
+        if HAS_HM:
+            tl.store(hm_ptr + q64 * s_hm_q, 0)
+            tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, 0)
+    else:
+        s64 = s.to(tl.int64)
+        # ---- 1. this request's rows, in row order -------------------------------------
+        n_rows = 0
+        br = tl.arange(0, BR)
+        for r0 in range(0, R, BR):
+            offs = r0 + br
+            rq = tl.load(row_req_ptr + offs, mask=offs < R, other=-1)
+            mine = rq == q
+            rank = n_rows + tl.cumsum(mine.to(tl.int32), 0) - 1
+            tl.store(sc_rows_ptr + q64 * ROWS + rank, offs, mask=mine & (rank < ROWS))
+            n_rows += tl.sum(mine.to(tl.int32), 0)
+        tl.debug_barrier()
+
+        ri = tl.arange(0, ROWS)[:, None]
+        col = tl.arange(0, KP)[None, :]
+        row_ok = ri < n_rows
+        row = tl.load(sc_rows_ptr + q64 * ROWS + ri, mask=row_ok, other=0).to(tl.int64)
+        emask = row_ok & (col < K)
+        p = tl.load(topk_ptr + row * stk_r + col * stk_c, mask=emask, other=-1).to(tl.int64)
+        valid = p >= 0
+        pc = tl.maximum(p, 0)
+        blk = pc // bs
+        off = pc % bs
+        sblk = tl.load(src_bt_ptr + q64 * s_src_q + blk * s_src_b, mask=valid, other=0)
+        g = sblk.to(tl.int64) * bs + off
+        out_direct = tl.full([ROWS, KP], -1, tl.int64)
+        if HAS_RES:
+            rblk = tl.load(res_bt_ptr + q64 * s_res_q + blk * s_res_b, mask=valid, other=0)
+            rblk = rblk.to(tl.int64)
+            resident = valid & (rblk != 0)
+            out_direct = tl.where(resident, rblk * bs + off, out_direct)
+            needs = valid & (rblk == 0)
+        else:
+            needs = valid
+        out_addr = out_ptr + row * s_out_r + col * s_out_c
+        tl.store(out_addr, out_direct, mask=emask & ~needs)
+        if HAS_VALID:
+            tl.store(
+                valid_ptr + tl.reshape(row, [ROWS]) * s_v,
+                tl.sum(valid.to(tl.int32), 1),
+                mask=tl.arange(0, ROWS) < n_rows,
+            )
+
+        # ---- 2. sort by (host row, position); run heads are the wanted set ------------
+        pos = ri * KP + col
+        key = tl.where(needs, g, SENT) * N + pos
+        keys = tl.sort(tl.reshape(key, [N]))
+        gs = keys >> LOGN
+        ps = (keys & (N - 1)).to(tl.int32)
+        idx = tl.arange(0, N)
+        live = gs != SENT
+        base_n = q64 * N
+        tl.store(sc_sorted_ptr + base_n + idx, gs)
+        tl.debug_barrier()
+        prev = tl.load(sc_sorted_ptr + base_n + idx - 1, mask=idx > 0, other=-1)
+        head = live & (gs != prev)
+        uid = tl.cumsum(head.to(tl.int32), 0) - 1
+        n_unique = tl.sum(head.to(tl.int32), 0)
+        tl.store(sc_uniq_ptr + base_n + uid, gs, mask=head)
+        tl.store(sc_uniq_ptr + base_n + idx, tl.full([N], SENT, tl.int64), mask=idx >= n_unique)
+        tl.store(sc_slot_u_ptr + base_n + idx, tl.full([N], -1, tl.int32))
+        tl.debug_barrier()
+
+        # ---- 3. hits: each hot slot looks its row up among the unique rows ------------
+        base_h = q64 * H
+        n_hit = 0
+        bh = tl.arange(0, BH)
+        for h0 in range(0, H, BH):
+            h = h0 + bh
+            hm = h < H
+            v = tl.load(hot_index_ptr + s64 * s_hi_s + h * s_hi_h, mask=hm, other=-1)
+            v = v.to(tl.int64)
+            lo = tl.zeros([BH], tl.int32)
+            for k in tl.static_range(LOGN):
+                step: tl.constexpr = N >> (k + 1)
+                mid = tl.load(sc_uniq_ptr + base_n + lo + (step - 1))
+                lo = tl.where(mid < v, lo + step, lo)
+            found = tl.load(sc_uniq_ptr + base_n + lo)
+            hit = hm & (v >= 0) & (found == v)
+            tl.store(sc_slot_u_ptr + base_n + lo, h, mask=hit)
+            tl.store(sc_slot_hit_ptr + base_h + h, hit.to(tl.int8), mask=hm)
+            n_hit += tl.sum(hit.to(tl.int32), 0)
+        n_miss = n_unique - n_hit
+        n_evict = H - n_hit
+        tl.debug_barrier()
+
+        # ---- 4. new LRU order in closed form; evictable slot of each miss rank ---------
+        ce = 0
+        ch = 0
+        for j0 in range(0, H, BH):
+            j = j0 + bh
+            jm = j < H
+            sl = tl.load(lru_ptr + s64 * s_lru_s + j * s_lru_h, mask=jm, other=0).to(tl.int32)
+            was_hit = tl.load(sc_slot_hit_ptr + base_h + sl, mask=jm, other=0) != 0
+            ev = jm & ~was_hit
+            hh = jm & was_hit
+            e = ce + tl.cumsum(ev.to(tl.int32), 0) - 1
+            kh = ch + tl.cumsum(hh.to(tl.int32), 0) - 1
+            newpos = tl.where(
+                hh, n_evict + kh, tl.where(e >= n_miss, e - n_miss, n_evict - n_miss + e)
+            )
+            ok = jm & (newpos >= 0) & (newpos < H)
+            tl.store(sc_newlru_ptr + base_h + newpos, sl, mask=ok)
+            tl.store(sc_evict_ptr + base_h + e, sl, mask=ev & (e < n_miss))
+            ce += tl.sum(ev.to(tl.int32), 0)
+            ch += tl.sum(hh.to(tl.int32), 0)
+
+        # ---- 5. misses: wanted-order rank -> slot; swap list; every entry's row -------
+        slot_u = tl.load(sc_slot_u_ptr + base_n + uid, mask=head, other=0)
+        miss_head = head & (slot_u < 0)
+        tl.store(sc_flag_ptr + base_n + ps, miss_head.to(tl.int32))  # ps is a permutation
+        tl.debug_barrier()
+        for j0 in range(0, H, BH):
+            j = j0 + bh
+            jm = j < H
+            nl = tl.load(sc_newlru_ptr + base_h + j, mask=jm)
+            tl.store(lru_ptr + s64 * s_lru_s + j * s_lru_h, nl, mask=jm)
+        flag = tl.load(sc_flag_ptr + base_n + idx)
+        mrank = tl.cumsum(flag, 0) - 1
+        fm = (flag != 0) & (mrank < H)
+        slot_m = tl.load(sc_evict_ptr + base_h + mrank, mask=fm, other=0)
+        tl.store(sc_flag_ptr + base_n + idx, slot_m, mask=fm)
+        tl.debug_barrier()
+        slot_new = tl.load(sc_flag_ptr + base_n + ps, mask=miss_head, other=0)
+        tl.store(sc_slot_u_ptr + base_n + uid, slot_new, mask=miss_head)
+        tl.store(hot_index_ptr + s64 * s_hi_s + slot_new * s_hi_h, gs, mask=miss_head)
+        hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_new // bs) * s_hbt_b, mask=miss_head)
+        phys_m = hb.to(tl.int64) * bs + slot_new % bs
+        widx = tl.cumsum(miss_head.to(tl.int32), 0) - 1
+        tl.store(swap_src_ptr + q64 * s_ss_q + widx * s_ss_h, gs, mask=miss_head)
+        tl.store(swap_dst_ptr + q64 * s_sd_q + widx * s_sd_h, phys_m, mask=miss_head)
+        tl.store(swap_count_ptr + q64 * s_sc, n_miss)
+        if HAS_HM:
+            tl.store(hm_ptr + q64 * s_hm_q, n_hit)
+            tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, n_miss)
+        tl.debug_barrier()
+        slot_all = tl.load(sc_slot_u_ptr + base_n + uid, mask=live, other=0)
+        hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_all // bs) * s_hbt_b, mask=live)
+        phys = hb.to(tl.int64) * bs + slot_all % bs
+        erow = tl.load(sc_rows_ptr + q64 * ROWS + ps // KP, mask=live, other=0).to(tl.int64)
+        ecol = ps % KP
+        tl.store(out_ptr + erow * s_out_r + ecol * s_out_c, phys, mask=live)
+
+
+def resolve_residency(
+    topk: Tensor,
+    row_req: Tensor,
+    request_state_indices: Tensor,
+    source_block_table: Tensor,
+    resident_block_table: Tensor | None,
+    hot_block_table: Tensor,
+    hot_index: Tensor,
+    lru: Tensor,
+    block_size: int,
+    out_physical: Tensor,
+    swap_src: Tensor,
+    swap_dst: Tensor,
+    swap_count: Tensor,
+    valid_counts: Tensor | None = None,
+    hit_miss: Tensor | None = None,
+    *,
+    max_rows_per_request: int | None = None,
+) -> None:
+    """Triton `reference.resolve_residency`; same arguments, outputs and state updates.
+
+    ``max_rows_per_request`` (keyword only, not in the reference) bounds the rows one request
+    may own in this call; it sizes the in-program sort (``pow2(rows) * pow2(top_k)`` keys),
+    so a decode-only caller passes 1. Default: ``max(1, min(R, H // top_k))``.
+    """
+    R, K = topk.shape
+    Q = request_state_indices.shape[0]
+    H = hot_index.shape[1]
+    if R == 0 or Q == 0:
+        # Nothing to resolve; keep the reference's zero-fills (fixed shapes, no sync).
+        out_physical[:R].fill_(-1)
+        if valid_counts is not None:
+            valid_counts[:R].zero_()
+        swap_count.zero_()
+        if hit_miss is not None:
+            hit_miss.zero_()
+        return
+    if max_rows_per_request is None:
+        max_rows_per_request = max(1, min(R, H // max(K, 1)))
+    rows = _next_pow2(max(1, min(R, max_rows_per_request)))
+    kp = _next_pow2(max(K, 1))
+    n = rows * kp
+    logn = n.bit_length() - 1
+    bh = min(_next_pow2(H), 1024)
+    br = min(_next_pow2(R), 1024)
+    dev = topk.device
+    # One scratch allocation per call (graph-capturable: the graph's pool owns it).
+    i64 = torch.empty(2 * Q * n, dtype=torch.int64, device=dev)
+    i32 = torch.empty(Q * (rows + 2 * n + 2 * H), dtype=torch.int32, device=dev)
+    i8 = torch.empty(Q * H, dtype=torch.int8, device=dev)
+    sc_sorted, sc_uniq = i64[: Q * n], i64[Q * n :]
+    o = 0
+    sc_rows = i32[o : o + Q * rows]
+    o += Q * rows
+    sc_slot_u = i32[o : o + Q * n]
+    o += Q * n
+    sc_flag = i32[o : o + Q * n]
+    o += Q * n
+    sc_evict = i32[o : o + Q * H]
+    o += Q * H
+    sc_newlru = i32[o : o + Q * H]
+    res = resident_block_table if resident_block_table is not None else source_block_table
+    vc = valid_counts if valid_counts is not None else swap_count
+    hm = hit_miss if hit_miss is not None else swap_count.view(-1, 1)
+    num_warps = 4 if n <= 1024 else (8 if n <= 4096 else 16)
+    _resolve_kernel[(Q,)](
+        topk, topk.stride(0), topk.stride(1),
+        row_req, R,
+        request_state_indices, Q,
+        source_block_table, source_block_table.stride(0), source_block_table.stride(1),
+        res, res.stride(0), res.stride(1),
+        hot_block_table, hot_block_table.stride(0), hot_block_table.stride(1),
+        hot_index, hot_index.stride(0), hot_index.stride(1),
+        lru, lru.stride(0), lru.stride(1),
+        out_physical, out_physical.stride(0), out_physical.stride(1),
+        swap_src, swap_src.stride(0), swap_src.stride(1),
+        swap_dst, swap_dst.stride(0), swap_dst.stride(1),
+        swap_count, swap_count.stride(0),
+        vc, vc.stride(0),
+        hm, hm.stride(0), hm.stride(1) if hm.dim() > 1 else 1,
+        sc_rows, sc_sorted, sc_uniq, sc_slot_u, sc_flag, i8, sc_evict, sc_newlru,
+        K, H, block_size,
+        ROWS=rows, KP=kp, LOGN=logn, BH=bh, BR=br,
+        HAS_RES=resident_block_table is not None,
+        HAS_VALID=valid_counts is not None,
+        HAS_HM=hit_miss is not None,
+        num_warps=num_warps,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# gathers
+# --------------------------------------------------------------------------------------------
+
+
+def _words(view: Tensor) -> tuple[Tensor, int, int, int]:
+    """A paged uint8 view as int32 words: (tensor, block stride, row stride, row words)."""
+    if view.dtype != torch.uint8 or view.dim() != 3 or view.stride(2) != 1:
+        raise ValueError(
+            f"expected a [blocks, block_size, row_bytes] uint8 view with unit byte stride, got "
+            f"dtype={view.dtype}, shape={tuple(view.shape)}, strides={view.stride()}"
+        )
+    rb = view.shape[2]
+    if rb % 16 or view.stride(0) % 16 or view.stride(1) % 16 or view.data_ptr() % 16:
+        raise ValueError(
+            f"16-byte row copies need row bytes, strides and base aligned to 16 B; got row "
+            f"{rb} B, strides {view.stride()[:2]}, base offset {view.data_ptr() % 16}"
+        )
+    w = view.view(torch.int32)
+    return w, w.stride(0), w.stride(1), rb // 4
+
+
+def _copy_tile_shape(row_words: int) -> tuple[int, int, int]:
+    """(rows per program step, padded row words, warps): ~16 KB moved per step."""
+    rwp = _next_pow2(row_words)
+    t = max(1, min(64, 4096 // rwp))
+    return t, rwp, 4
+
+
+def _num_programs(device: torch.device, work: int) -> int:
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(work, 4 * sms))
+    return max(1, min(work, 4))
+
+
+@triton.jit
+def _gather_compact_kernel(
+    host_ptr, h_sb, h_sr,
+    dev_ptr, d_sb, d_sr,
+    src_ptr, s_sq, s_sh,
+    dst_ptr, t_sq, t_sh,
+    cnt_ptr, s_c, Q, bs, G,
+    RW: tl.constexpr, RWP: tl.constexpr, T: tl.constexpr, QP: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    qs = tl.arange(0, QP)
+    cnt = tl.load(cnt_ptr + qs * s_c, mask=qs < Q, other=0).to(tl.int32)
+    cnt = tl.maximum(cnt, 0)
+    chunks = (cnt + T - 1) // T
+    incl = tl.cumsum(chunks, 0)
+    total = tl.sum(chunks, 0)
+    ti = tl.arange(0, T)
+    w = tl.arange(0, RWP)[None, :]
+    wm = w < RW
+    for item in range(pid, total, G):
+        q = tl.sum((incl <= item).to(tl.int32), 0)
+        sel = qs == q
+        first = tl.sum(tl.where(sel, incl - chunks, 0), 0)
+        n_q = tl.sum(tl.where(sel, cnt, 0), 0)
+        j = (item - first) * T + ti
+        jm = j < n_q
+        q64 = q.to(tl.int64)
+        sr = tl.load(src_ptr + q64 * s_sq + j * s_sh, mask=jm, other=0).to(tl.int64)
+        dr = tl.load(dst_ptr + q64 * t_sq + j * t_sh, mask=jm, other=0).to(tl.int64)
+        so = tl.multiple_of((sr // bs) * h_sb + (sr % bs) * h_sr, 4)
+        do = tl.multiple_of((dr // bs) * d_sb + (dr % bs) * d_sr, 4)
+        m = jm[:, None] & wm
+        v = tl.load(host_ptr + so[:, None] + w, mask=m)
+        tl.store(dev_ptr + do[:, None] + w, v, mask=m)
+
+
+def gather_compact(
+    host: Tensor, device: Tensor, swap_src: Tensor, swap_dst: Tensor, swap_count: Tensor
+) -> None:
+    """Triton `reference.gather_compact`: each request's first ``swap_count[q]`` listed rows.
+
+    ``host`` may be a pinned CPU view (read zero-copy over PCIe) or a GPU view.
+    """
+    Q, H = swap_src.shape
+    if Q == 0 or H == 0:
+        return
+    hw, h_sb, h_sr, rw = _words(host)
+    dw, d_sb, d_sr, rw2 = _words(device)
+    if rw != rw2:
+        raise ValueError(f"row sizes differ: host {4 * rw} B, device {4 * rw2} B")
+    t, rwp, nw = _copy_tile_shape(rw)
+    g = _num_programs(device.device, Q * triton.cdiv(H, t))
+    _gather_compact_kernel[(g,)](
+        hw, h_sb, h_sr, dw, d_sb, d_sr,
+        swap_src, swap_src.stride(0), swap_src.stride(1),
+        swap_dst, swap_dst.stride(0), swap_dst.stride(1),
+        swap_count, swap_count.stride(0), Q, host.shape[1], g,
+        RW=rw, RWP=rwp, T=t, QP=_next_pow2(Q), num_warps=nw,
+    )  # fmt: skip
+
+
+@triton.jit
+def _gather_plan_kernel(
+    src_ptr, s_sb, s_sr,
+    dst_ptr, d_sb, d_sr,
+    srow_ptr, drow_ptr, mask_ptr, n, bs_s, bs_d, G,
+    RW: tl.constexpr, RWP: tl.constexpr, T: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    ti = tl.arange(0, T)
+    w = tl.arange(0, RWP)[None, :]
+    wm = w < RW
+    n_items = (n + T - 1) // T
+    for item in range(pid, n_items, G):
+        j = tl.cast(item, tl.int64) * T + ti
+        jm = j < n
+        live = jm & (tl.load(mask_ptr + j, mask=jm, other=0) != 0)
+        sr = tl.load(srow_ptr + j, mask=live, other=0).to(tl.int64)
+        dr = tl.load(drow_ptr + j, mask=live, other=0).to(tl.int64)
+        so = tl.multiple_of((sr // bs_s) * s_sb + (sr % bs_s) * s_sr, 4)
+        do = tl.multiple_of((dr // bs_d) * d_sb + (dr % bs_d) * d_sr, 4)
+        m = live[:, None] & wm
+        v = tl.load(src_ptr + so[:, None] + w, mask=m)
+        tl.store(dst_ptr + do[:, None] + w, v, mask=m)
+
+
+def gather_plan(
+    src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, mask: Tensor
+) -> None:
+    """Triton `reference.gather_plan`: copy row ``src_rows[i]`` to ``dst_rows[i]`` where masked."""
+    sr = src_rows.reshape(-1)
+    dr = dst_rows.reshape(-1)
+    mk = mask.reshape(-1)
+    if mk.dtype == torch.bool:
+        mk = mk.view(torch.uint8)
+    n = min(sr.numel(), dr.numel(), mk.numel())
+    if n == 0:
+        return
+    sw, s_sb, s_sr, rw = _words(src)
+    dw, d_sb, d_sr, rw2 = _words(dst)
+    if rw != rw2:
+        raise ValueError(f"row sizes differ: src {4 * rw} B, dst {4 * rw2} B")
+    t, rwp, nw = _copy_tile_shape(rw)
+    g = _num_programs(dst.device, triton.cdiv(n, t))
+    _gather_plan_kernel[(g,)](
+        sw, s_sb, s_sr, dw, d_sb, d_sr,
+        sr.contiguous(), dr.contiguous(), mk.contiguous(), n, src.shape[1], dst.shape[1], g,
+        RW=rw, RWP=rwp, T=t, num_warps=nw,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# invalidate_written_slots
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _invalidate_kernel(
+    hot_index_ptr, s_hi_s, s_hi_h, state_ptr, Q, row_req_ptr, written_ptr, H,
+    BH: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0)
+    q = tl.load(row_req_ptr + i)
+    r = tl.load(written_ptr + i).to(tl.int64)
+    if (q >= 0) & (r >= 0):
+        s = tl.load(state_ptr + tl.minimum(q, Q - 1)).to(tl.int64)
+        if s >= 0:
+            bh = tl.arange(0, BH)
+            for h0 in range(0, H, BH):
+                h = h0 + bh
+                ptr = hot_index_ptr + s * s_hi_s + h * s_hi_h
+                v = tl.load(ptr, mask=h < H, other=-1)
+                # Racing programs only ever write -1 over a matching row: benign.
+                tl.store(ptr, tl.full([BH], -1, tl.int32), mask=(h < H) & (v.to(tl.int64) == r))
+
+
+def invalidate_written_slots(
+    hot_index: Tensor, request_state_indices: Tensor, row_req: Tensor, written_rows: Tensor
+) -> None:
+    """Triton `reference.invalidate_written_slots`: one program per written row."""
+    n = min(row_req.numel(), written_rows.numel())
+    Q = request_state_indices.numel()
+    if n == 0 or Q == 0 or hot_index.numel() == 0:
+        return
+    H = hot_index.shape[1]
+    _invalidate_kernel[(n,)](
+        hot_index, hot_index.stride(0), hot_index.stride(1), request_state_indices, Q,
+        row_req.reshape(-1), written_rows.reshape(-1), H,
+        BH=min(_next_pow2(H), 2048), num_warps=4,
+    )  # fmt: skip
+
+
+__all__ = [
+    "gather_compact",
+    "gather_plan",
+    "interpreting",
+    "invalidate_written_slots",
+    "resolve_residency",
+]
