@@ -20,9 +20,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from hisparse.runtime.ops import reference as ref  # noqa: E402
-from hisparse.runtime.ops import triton_kernels as tk  # noqa: E402
-from hisparse.runtime.ops.triton_testing import (  # noqa: E402
+from hisparse.runtime.ops import reference as ref
+from hisparse.runtime.ops import triton_kernels as tk
+from hisparse.runtime.ops.triton_testing import (
     POISON,
     compare,
     make_resolve_case,

@@ -1,0 +1,180 @@
+"""Triton data-plane ops on CUDA at real sizes equal the reference exactly; graph replay works.
+
+Runs on the GPU machine only (``pytest tests/gpu``; CI ignores this folder). The host side of
+every gather is a pinned CPU tensor read zero-copy by the kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from hisparse.runtime.ops import ops_for
+from hisparse.runtime.ops import reference as ref
+from hisparse.runtime.ops.triton_testing import (
+    POISON,
+    compare,
+    make_resolve_case,
+    next_step_topk,
+)
+
+DEV = torch.device("cuda")
+tk = ops_for(DEV)
+
+
+def test_cuda_dispatch_is_triton() -> None:
+    assert tk.__name__.endswith("triton_kernels")
+
+
+def _steps(case, steps: int, seed: int, **kw) -> None:
+    a, b = case.to(DEV), case.to(DEV)
+    for step in range(steps):
+        if step:
+            topk = next_step_topk(a, seed * 100 + step)
+            for c in (a, b):
+                c.topk = topk.clone()
+                for t in (c.out_physical, c.swap_src, c.swap_dst, c.swap_count):
+                    t.fill_(POISON - step)
+        ref.resolve_residency(*a.args())
+        tk.resolve_residency(*b.args(), **kw)
+        torch.cuda.synchronize()
+        bad = compare(a.state_and_outputs(), b.state_and_outputs())
+        assert not bad, f"step {step}: {bad} differ"
+
+
+@pytest.mark.parametrize(
+    "Q,H,max_rows,seed",
+    [(64, 4096, 1, 0), (64, 8192, 2, 1), (128, 4096, 2, 2), (256, 8192, 1, 3), (16, 8192, 4, 4)],
+)
+def test_resolve_real_sizes(Q: int, H: int, max_rows: int, seed: int) -> None:
+    case = make_resolve_case(
+        Q=Q, K=2048, H=H, block_size=64, seed=seed, max_rows=max_rows, p_neg=0.02,
+        p_dup=0.02, p_resident_page=0.05, reuse=0.95, hot_fill=0.9, extra_out_rows=1,
+    )  # fmt: skip
+    _steps(case, steps=3, seed=seed)
+
+
+def test_resolve_decode_bound_keyword() -> None:
+    case = make_resolve_case(Q=64, K=2048, H=8192, block_size=64, seed=9, max_rows=1)
+    _steps(case, steps=2, seed=9, max_rows_per_request=1)
+
+
+def test_resolve_small_random_many() -> None:
+    for seed in range(40):
+        g = torch.Generator().manual_seed(seed)
+        K = [3, 8, 64, 100][seed % 4]
+        H = [128, 256, 300][seed % 3]
+        case = make_resolve_case(
+            Q=int(torch.randint(1, 9, (1,), generator=g)), K=K, H=H,
+            block_size=[1, 4, 16][seed % 3], seed=seed, max_rows=max(1, min(3, H // K)),
+            p_neg=0.1, p_dup=0.2, p_resident_page=0.2, p_pad_req=0.2, p_pad_row=0.1,
+            hot_fill=[0.0, 0.6, 1.0][seed % 3], reuse=[0.3, 0.8, 1.0][seed % 3],
+            with_resident=seed % 5 != 0, with_optional=seed % 7 != 0,
+            index_dtype=[torch.int32, torch.int64][seed % 2],
+        )  # fmt: skip
+        _steps(case, steps=2, seed=seed)
+
+
+def _host_paged(num_blocks: int, bs: int, row_bytes: int, row_stride: int) -> torch.Tensor:
+    """A pinned host paged view filled with random bytes."""
+    block_stride = bs * row_stride
+    raw = torch.empty(num_blocks * block_stride, dtype=torch.uint8).pin_memory()
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, device=DEV).cpu())
+    return raw.as_strided((num_blocks, bs, row_bytes), (block_stride, row_stride, 1))
+
+
+@pytest.mark.parametrize("row_bytes,row_stride", [(656, 656), (1152, 1152), (768, 768 * 3)])
+def test_gather_compact_pinned_host_real_sizes(row_bytes: int, row_stride: int) -> None:
+    case = make_resolve_case(Q=64, K=2048, H=4096, block_size=64, seed=5, reuse=0.9).to(DEV)
+    ref.resolve_residency(*case.args())
+    host = _host_paged(int(case.source_block_table.max()) + 1, 64, row_bytes, row_stride)
+    nb = int(case.hot_block_table.max()) + 1
+    dev_a = torch.randint(0, 256, (nb, 64, row_bytes), dtype=torch.uint8, device=DEV)
+    dev_b = dev_a.clone()
+    ref.gather_compact(host, dev_a, case.swap_src, case.swap_dst, case.swap_count)
+    tk.gather_compact(host, dev_b, case.swap_src, case.swap_dst, case.swap_count)
+    torch.cuda.synchronize()
+    assert int(case.swap_count.sum()) > 1000
+    assert torch.equal(dev_a, dev_b)
+
+
+def test_gather_plan_host_and_device_sources() -> None:
+    g = torch.Generator().manual_seed(3)
+    host = _host_paged(200, 64, 656, 656)
+    dev_src = torch.randint(0, 256, (50, 64, 656), dtype=torch.uint8, device=DEV)
+    for src in (host, dev_src):
+        n = 5000
+        src_rows = torch.randint(0, src.shape[0] * 64, (n,), generator=g).to(DEV)
+        dst_rows = torch.randperm(300 * 64, generator=g)[:n].to(DEV)
+        mask = (torch.rand(n, generator=g) < 0.7).to(DEV)
+        dst_a = torch.randint(0, 256, (300, 64, 656), dtype=torch.uint8, device=DEV)
+        dst_b = dst_a.clone()
+        ref.gather_plan(src, dst_a, src_rows, dst_rows, mask)
+        tk.gather_plan(src, dst_b, src_rows, dst_rows, mask)
+        torch.cuda.synchronize()
+        assert torch.equal(dst_a, dst_b)
+
+
+def test_invalidate_real_sizes() -> None:
+    case = make_resolve_case(Q=64, K=2048, H=4096, block_size=64, seed=8).to(DEV)
+    g = torch.Generator().manual_seed(8)
+    n = 512
+    row_req = torch.randint(-1, 64, (n,), generator=g).int().to(DEV)
+    slot = case.request_state_indices.clamp_min(0).long()[row_req.clamp_min(0).long()]
+    held = case.hot_index[slot]
+    pick = held[torch.arange(n, device=DEV), torch.randint(0, 4096, (n,), device=DEV)]
+    written = torch.where(torch.rand(n, device=DEV) < 0.8, pick, 123).int()
+    a, b = case.hot_index.clone(), case.hot_index.clone()
+    ref.invalidate_written_slots(a, case.request_state_indices, row_req, written)
+    tk.invalidate_written_slots(b, case.request_state_indices, row_req, written)
+    torch.cuda.synchronize()
+    assert not torch.equal(a, case.hot_index)
+    assert torch.equal(a, b)
+
+
+def test_resolve_and_gather_in_cuda_graph_equal_eager() -> None:
+    """Capture resolve + gather once; replays with new top-k equal eager calls."""
+    Q, K, H, bs, rb = 64, 2048, 4096, 64, 656
+    case = make_resolve_case(Q=Q, K=K, H=H, block_size=bs, seed=21, reuse=0.95).to(DEV)
+    host = _host_paged(int(case.source_block_table.max()) + 1, bs, rb, rb)
+    nb = int(case.hot_block_table.max()) + 1
+    dev = torch.randint(0, 256, (nb, bs, rb), dtype=torch.uint8, device=DEV)
+    g_case = case.clone()  # the graph's static tensors
+    g_dev = dev.clone()
+    e_case, e_dev = case.clone(), dev.clone()
+
+    def step(c, d) -> None:
+        tk.resolve_residency(*c.args())
+        tk.gather_compact(host, d, c.swap_src, c.swap_dst, c.swap_count)
+
+    # Warm up (compiles) on copies, on a side stream, then capture.
+    w_case, w_dev = case.clone(), dev.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(w_case, w_dev)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(g_case, g_dev)
+    # Capture does not run the kernels: the static state is still the initial one.
+    assert torch.equal(g_case.hot_index, case.hot_index)
+    for it in range(4):
+        topk = next_step_topk(e_case, 500 + it, reuse=0.9)
+        e_case.topk.copy_(topk)
+        g_case.topk.copy_(topk)
+        for t in (g_case.out_physical, g_case.swap_src, g_case.swap_dst):
+            t.fill_(POISON)
+        for t in (e_case.out_physical, e_case.swap_src, e_case.swap_dst):
+            t.fill_(POISON)
+        graph.replay()
+        step(e_case, e_dev)
+        torch.cuda.synchronize()
+        bad = compare(e_case.state_and_outputs(), g_case.state_and_outputs())
+        assert not bad, f"replay {it}: {bad} differ"
+        assert torch.equal(e_dev, g_dev)
+        assert int(e_case.swap_count.sum()) > 0
