@@ -1,0 +1,438 @@
+"""DeepSeek-V3.2 and GLM-5 (DSA) in plain PyTorch, running through paged KV caches.
+
+The network is the transformers reference (same module and weight names, so checkpoints load
+1:1), but attention always runs in the absorbed ("MQA") form over the paged cache: the layer
+packs its 576-dim ``[latent ‖ rope]`` rows in the cache's row format, the lightning indexer
+picks each token's top-k earlier positions, the cache turns them into physical rows, and
+`sparse_mla_decode_reference` attends over exactly those rows. Prefill and decode share this
+path, so an all-GPU cache, HiSparse's offloaded cache and the dense test cache differ only in
+where the rows sit. Exact in fp32 against transformers (up to summation order).
+
+GLM-5 differs by configuration only: interleaved RoPE in the indexer, and IndexShare layers
+(no indexer; they reuse the previous full layer's logical top-k).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hisparse.attention.indexer_reference import (
+    hadamard_transform,
+    indexer_scores_exact,
+    indexer_scores_fp8,
+    indexer_topk,
+    quantize_indexer_fp8,
+)
+from hisparse.attention.sparse_mla_reference import sparse_mla_decode_reference
+from hisparse.kv.row_formats import (
+    IndexerCacheFormat,
+    MlaFormat,
+    pack_mla_rows,
+    read_indexer_keys,
+    write_indexer_keys,
+)
+from hisparse.models.dsa_config import DsaConfig
+from hisparse.models.kv_access import DenseDsaCache, DsaKVCache, DsaStep
+
+INDEXER_MODES = ("exact", "fp8")
+
+
+# ---------------------------------------------------------------------------------------------
+# Small pieces
+# ---------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """RMS norm computed in fp32, cast back, then scaled (transformers' order)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin of the rotary slice at given positions (YaRN-scaled when configured)."""
+
+    def __init__(self, config: DsaConfig) -> None:
+        super().__init__()
+        inv_freq, factor = config.rope.inv_freq_and_factor(config.qk_rope_head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.factor = factor
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """``(cos, sin)``, each ``[N, R / 2]`` (one angle per rotated pair)."""
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        return (freqs.cos() * self.factor).to(dtype), (freqs.sin() * self.factor).to(dtype)
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs ``(x[2i], x[2i+1])`` by angle ``i``; output keeps the interleaved layout.
+
+    ``x [N, ..., R]``, ``cos/sin [N, R / 2]``. transformers returns the same values
+    de-interleaved (evens then odds); dot products are the same, and keeping DeepSeek's own
+    layout makes the cached RoPE bytes match other DeepSeek inference stacks.
+    """
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c, s = cos.view(shape), sin.view(shape)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+
+
+def rope_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``(x[i], x[i + R/2])`` by angle ``i`` (the non-interleaved, "rotate_half" form)."""
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c, s = cos.view(shape), sin.view(shape)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid scores, bias-corrected grouped top-k (DeepSeek ``noaux_tc``); weights in fp32."""
+
+    def __init__(self, config: DsaConfig) -> None:
+        super().__init__()
+        e = config.n_routed_experts
+        self.weight = nn.Parameter(torch.zeros(e, config.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(e, dtype=torch.float32))
+        self.top_k = config.num_experts_per_tok
+        self.n_group = config.n_group
+        self.topk_group = config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.scaling = config.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [N, k] fp32, expert ids [N, k])``."""
+        n, e = x.shape[0], self.weight.shape[0]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        # Groups ranked by the sum of their two best bias-corrected scores; keep topk_group.
+        grouped = choice.view(n, self.n_group, e // self.n_group)
+        group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        keep_groups = group_score.topk(self.topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_score, dtype=torch.bool)
+        group_mask.scatter_(1, keep_groups, True)
+        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(n, e)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+class MoE(nn.Module):
+    """Routed experts (one `MLP` each, original checkpoint layout) plus shared experts."""
+
+    def __init__(self, config: DsaConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.moe_intermediate_size
+        self.gate = Router(config)
+        self.experts = nn.ModuleList(MLP(h, i) for _ in range(config.n_routed_experts))
+        self.shared_experts = MLP(h, i * config.n_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            tok, slot = torch.where(ids == e)
+            y = self.experts[e](x[tok]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out + self.shared_experts(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lightning indexer
+# ---------------------------------------------------------------------------------------------
+class Indexer(nn.Module):
+    """Scores earlier tokens for each query token; keys live in their own paged cache."""
+
+    def __init__(self, config: DsaConfig) -> None:
+        super().__init__()
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.topk = config.index_topk
+        self.interleaved = config.indexer_rope_interleaved
+        self.softmax_scale = self.head_dim**-0.5
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        # Kept in fp32 whatever the model dtype (transformers: _keep_in_fp32_modules).
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot = (rope_interleaved if self.interleaved else rope_half_split)(
+            x[..., : self.rope_dim], cos, sin
+        )
+        return torch.cat((rot, x[..., self.rope_dim :]), dim=-1)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: DsaStep,
+        pages_write: tuple[torch.Tensor, torch.Tensor],
+        pages_read: tuple[torch.Tensor, torch.Tensor],
+        fmt: IndexerCacheFormat,
+        mode: str,
+    ) -> torch.Tensor:
+        """Write this step's keys, then return logical top-k ``[N, index_topk]`` int32 (-1 pad)."""
+        n = x.shape[0]
+        q = self._rope(self.wq_b(q_resid).view(n, self.n_heads, self.head_dim), cos, sin)
+        k = self._rope(self.k_norm(self.wk(x)), cos, sin)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
+        pages, slots = pages_write
+        q_scale = None
+        if mode == "fp8":
+            if fmt.kind != "fp8":
+                raise ValueError("the fp8 indexer mode needs fp8 indexer pages")
+            q, q_scale = quantize_indexer_fp8(hadamard_transform(q.float()), fmt.tile)
+            k_fp8, k_scale = quantize_indexer_fp8(hadamard_transform(k.float()), fmt.tile)
+            write_indexer_keys(pages, fmt, slots, k_fp8, k_scale)
+        else:
+            if fmt.kind != "fp32":
+                raise ValueError("the exact indexer mode needs fp32 indexer pages")
+            write_indexer_keys(pages, fmt, slots, k.float())
+        read_pages, table = pages_read
+        bs = read_pages.shape[1] // fmt.row_bytes
+        out = torch.full((n, self.topk), -1, dtype=torch.int32, device=x.device)
+        for r in range(step.seq_lens.shape[0]):
+            tok = torch.nonzero(step.req_index == r).flatten()
+            if tok.numel() == 0:
+                continue
+            length = int(step.seq_lens[r])
+            pos = torch.arange(length, device=x.device)
+            rows = table[r, pos // bs].long() * bs + pos % bs
+            keys, k_scales = read_indexer_keys(read_pages, fmt, rows)
+            if mode == "fp8":
+                assert q_scale is not None and k_scales is not None
+                scores = indexer_scores_fp8(
+                    q[tok], q_scale[tok], w[tok], keys, k_scales, self.softmax_scale
+                )
+            else:
+                scores = indexer_scores_exact(q[tok], w[tok], keys, self.softmax_scale)
+            out[tok] = indexer_topk(scores, step.positions[tok] + 1, self.topk)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention, layers, model
+# ---------------------------------------------------------------------------------------------
+class MLAttention(nn.Module):
+    """Multi-head latent attention, absorbed form, sparse over the indexer's top-k."""
+
+    def __init__(self, config: DsaConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads = config.num_attention_heads
+        self.nope = config.qk_nope_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.v_dim = config.v_head_dim
+        self.c = config.kv_lora_rank
+        self.scale = config.softmax_scale
+        bias = config.attention_bias
+        self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=bias)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6)
+        self.q_b_proj = nn.Linear(
+            config.q_lora_rank, self.n_heads * (self.nope + self.rope_dim), bias=False
+        )
+        self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, self.c + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.c, 1e-6)
+        self.kv_b_proj = nn.Linear(self.c, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, config.hidden_size, bias=bias)
+        self.indexer = Indexer(config) if config.indexer_full[layer] else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: DsaStep,
+        cache: DsaKVCache,
+        shared_topk: torch.Tensor | None,
+        indexer_mode: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(output [N, hidden], logical top-k [N, K])`` (the top-k feeds IndexShare layers)."""
+        n = x.shape[0]
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(n, self.n_heads, self.nope + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        q_pe = rope_interleaved(q_pe, cos, sin)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.c, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        k_pe = rope_interleaved(k_pe, cos, sin)
+
+        # 1. this step's rows into the paged cache.
+        kv = cache.attention(self.layer)
+        view, slots = kv.write_target()
+        rows = pack_mla_rows(cache.row_format, latent, k_pe)
+        keep = slots >= 0
+        bs = view.shape[1]
+        dst = slots[keep].long()
+        view[dst // bs, dst % bs] = rows[keep]
+        kv.finish_kv_update()
+
+        # 2. logical top-k: own indexer, or the index-group leader's selection.
+        if self.indexer is not None:
+            idx_cache = cache.indexer(self.layer)
+            topk = self.indexer(
+                x,
+                q_resid,
+                cos,
+                sin,
+                step,
+                idx_cache.write_target(),
+                idx_cache.read_source(),
+                cache.indexer_format,
+                indexer_mode,
+            )
+        elif shared_topk is not None:
+            topk = shared_topk
+        else:
+            raise RuntimeError(f"layer {self.layer} shares top-k but no full layer precedes it")
+
+        # 3./4. physical rows, then sparse attention in latent space.
+        physical = kv.swap_in(topk)
+        w_kv = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.c)
+        w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope :]
+        q_latent = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
+        out_latent, _ = sparse_mla_decode_reference(
+            q_latent, q_pe, view, physical, self.scale, cache.row_format
+        )
+        out = torch.einsum("nhc,hvc->nhv", out_latent.to(x.dtype), w_uv)
+        return self.o_proj(out.reshape(n, self.n_heads * self.v_dim)), topk
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DsaConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MLAttention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp: nn.Module = (
+            MoE(config)
+            if config.mlp_layer_types[layer] == "sparse"
+            else MLP(config.hidden_size, config.intermediate_size)
+        )
+
+
+class DsaBackbone(nn.Module):
+    def __init__(self, config: DsaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DsaForCausalLM(nn.Module):
+    """DeepSeek-V3.2 / GLM-5 causal LM. State-dict keys are the Hugging Face names.
+
+    ``indexer_mode``: ``"exact"`` (fp32 scores, transformers' reference; fp32 key pages) or
+    ``"fp8"`` (Hadamard + e4m3 keys/queries, DeepSeek's inference path; 132 B key pages).
+    """
+
+    def __init__(self, config: DsaConfig, indexer_mode: str = "exact") -> None:
+        super().__init__()
+        if indexer_mode not in INDEXER_MODES:
+            raise ValueError(f"indexer_mode {indexer_mode!r}: expected one of {INDEXER_MODES}")
+        self.config = config
+        self.indexer_mode = indexer_mode
+        self.model = DsaBackbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = Rotary(config)
+
+    @property
+    def indexer_format(self) -> IndexerCacheFormat:
+        """The indexer key pages this model's indexer mode reads and writes."""
+        return IndexerCacheFormat.for_mode(self.indexer_mode, self.config.index_head_dim)
+
+    def keep_fp32_parts(self) -> DsaForCausalLM:
+        """Router and indexer head weights stay fp32 in any model dtype (as in transformers)."""
+        for module in self.modules():
+            if isinstance(module, Router):
+                module.float()
+            elif isinstance(module, Indexer):
+                module.weights_proj.float()
+        return self
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, step: DsaStep, cache: DsaKVCache) -> torch.Tensor:
+        """Final hidden states ``[N, hidden]`` of a packed batch ``input_ids [N]``."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(step.positions, x.dtype)
+        topk: torch.Tensor | None = None
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            attn, topk = layer.self_attn(
+                layer.input_layernorm(x), cos, sin, step, cache, topk, self.indexer_mode
+            )
+            x = x + attn
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def new_dense_cache(
+        self,
+        *,
+        max_reqs: int,
+        max_len: int,
+        block_size: int = 64,
+        row_format: MlaFormat = "fp32",
+    ) -> DenseDsaCache:
+        """A `DenseDsaCache` with this model's indexer format, on the model's device."""
+        return DenseDsaCache(
+            self.config,
+            max_reqs=max_reqs,
+            max_len=max_len,
+            block_size=block_size,
+            row_format=row_format,
+            indexer_format=self.indexer_format,
+            device=self.lm_head.weight.device,
+        )
+
+    @torch.no_grad()
+    def prefill_logits(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        row_format: MlaFormat = "fp32",
+        block_size: int = 16,
+    ) -> list[torch.Tensor]:
+        """Logits ``[len_i, vocab]`` of each prompt, all prompts in one packed step."""
+        cache = self.new_dense_cache(
+            max_reqs=len(prompts),
+            max_len=max(len(p) for p in prompts),
+            block_size=block_size,
+            row_format=row_format,
+        )
+        step = cache.begin_step(range(len(prompts)), [len(p) for p in prompts])
+        ids = torch.tensor([t for p in prompts for t in p], device=self.lm_head.weight.device)
+        logits = self.logits(self(ids, step, cache))
+        return list(logits.split([len(p) for p in prompts]))
