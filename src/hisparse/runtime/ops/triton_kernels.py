@@ -42,7 +42,7 @@ import triton.language as tl
 
 Tensor = torch.Tensor
 
-_SENTINEL = 1 << 40  # larger than any host row: marks entries that do not need the hot buffer
+_SENTINEL = tl.constexpr(1 << 40)  # above any host row: entries not needing the hot buffer
 
 
 def interpreting() -> bool:
@@ -208,9 +208,8 @@ def _resolve_kernel(
             v = v.to(tl.int64)
             lo = tl.zeros([BH], tl.int32)
             for k in tl.static_range(LOGN):
-                step: tl.constexpr = N >> (k + 1)
-                mid = tl.load(sc_uniq_ptr + base_n + lo + (step - 1))
-                lo = tl.where(mid < v, lo + step, lo)
+                mid = tl.load(sc_uniq_ptr + base_n + lo + ((N >> (k + 1)) - 1))
+                lo = tl.where(mid < v, lo + (N >> (k + 1)), lo)
             found = tl.load(sc_uniq_ptr + base_n + lo)
             hit = hm & (v >= 0) & (found == v)
             tl.store(sc_slot_u_ptr + base_n + lo, h, mask=hit)
@@ -322,7 +321,7 @@ def resolve_residency(
     n = rows * kp
     logn = n.bit_length() - 1
     bh = min(_next_pow2(H), 1024)
-    br = min(_next_pow2(R), 1024)
+    br = 256  # fixed: one compiled variant for every batch size
     dev = topk.device
     # One scratch allocation per call (graph-capturable: the graph's pool owns it).
     i64 = torch.empty(2 * Q * n, dtype=torch.int64, device=dev)
