@@ -176,7 +176,9 @@ def load_dsa_model(
                 f"{tuple(ref.shape)}"
             )
         target = torch.float32 if name in fp32_names else dtype
-        state[name] = t.to(device=device, dtype=target).contiguous()
+        # A fresh copy: tensors read from safetensors may alias the (mmapped) file buffer,
+        # which made every CPU matmul on them ~100x slower.
+        state[name] = t.to(device=device, dtype=target, copy=True).contiguous()
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = Rotary(config).to(device)
     return model.eval()
