@@ -320,7 +320,7 @@ def resolve_residency(
     kp = _next_pow2(max(K, 1))
     n = rows * kp
     logn = n.bit_length() - 1
-    bh = min(_next_pow2(H), 1024)
+    bh = min(_next_pow2(H), 4096)  # few sequential chunks: the binary searches are latency
     br = 256  # fixed: one compiled variant for every batch size
     dev = topk.device
     # One scratch allocation per call (graph-capturable: the graph's pool owns it).
