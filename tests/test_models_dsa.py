@@ -17,6 +17,7 @@ logits whatever the block size or block table), which is the property HiSparse r
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -356,3 +357,42 @@ def test_cache_handle_fits_the_attention_protocol():
     from hisparse.runtime.cache_handle import CacheHandle
 
     assert issubclass(CacheHandle, SparseMlaLayerCache)
+
+
+def test_release_configs_parse_and_agree_with_the_cache_planner():
+    """Real-release config.json shapes (legacy rope_scaling, IndexShare keys) parse, and the
+    model's indexer schedule is the one the KV layout planner plans caches for."""
+    from hisparse.kv.models import cache_shape_from_hf_config
+
+    v32 = {
+        "model_type": "deepseek_v32",
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "quantization_config": {"fmt": "e4m3", "weight_block_size": [128, 128]},
+    }
+    cfg = DsaConfig.from_dict(v32)
+    assert cfg.num_hidden_layers == 61 and cfg.mlp_layer_types[:4] == ("dense",) * 3 + ("sparse",)
+    assert cfg.rope.rope_type == "yarn" and cfg.rope.factor == 40
+    mscale = 0.1 * 1.0 * math.log(40) + 1.0
+    assert cfg.softmax_scale == pytest.approx(192**-0.5 * mscale**2)
+    _, factor = cfg.rope.inv_freq_and_factor(64)
+    assert factor == pytest.approx(1.0)  # mscale == mscale_all_dim
+    glm = {"model_type": "glm_moe_dsa", "index_topk_freq": 4, "index_skip_topk_offset": 3}
+    for raw in (v32, glm):
+        cfg = DsaConfig.from_dict(raw)
+        shape = cache_shape_from_hf_config(raw)
+        planned = [s.name for s in shape.indexer_specs]
+        assert planned == [f"layers.{i}.indexer" for i, f in enumerate(cfg.indexer_full) if f]
+        leaders = [s.index_leader for s in shape.sparse_specs]
+        assert leaders == [f"layers.{cfg.index_leader(i)}.attn" for i in range(len(leaders))]
+    assert sum(DsaConfig.from_dict(glm).indexer_full) == 21

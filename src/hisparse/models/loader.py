@@ -9,7 +9,8 @@ Accepted layouts and names:
   ``mlp.experts.gate_up_proj [E, 2I, H]`` / ``mlp.experts.down_proj [E, H, I]`` (transformers'
   in-memory layout);
 - fp8 block-scaled weights: an e4m3 ``X`` with ``X_scale_inv`` (one fp32 factor per 128 x 128
-  tile, DeepSeek's release format) is dequantized at load;
+  tile, DeepSeek's release format; ``quantization_config.weight_block_size`` if given) is
+  dequantized at load;
 - layers past ``num_hidden_layers`` (DeepSeek's multi-token-prediction layer) are skipped.
 
 A missing, unexpected or mis-shaped tensor raises `CheckpointError` naming it.
@@ -57,22 +58,24 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def dequantize_fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+def dequantize_fp8_weight(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
     """fp32 weight from e4m3 ``[..., out, in]`` and 128 x 128 tile scales ``scale_inv``.
 
     ``scale_inv`` is ``[..., ceil(out / 128), ceil(in / 128)]``: each tile's values times its
     factor give the weight (DeepSeek's ``weight_dequant``).
     """
     out_dim, in_dim = weight.shape[-2:]
-    b = FP8_WEIGHT_BLOCK
-    expected = (*weight.shape[:-2], -(-out_dim // b), -(-in_dim // b))
+    bo, bi = block
+    expected = (*weight.shape[:-2], -(-out_dim // bo), -(-in_dim // bi))
     if tuple(scale_inv.shape) != expected:
         raise CheckpointError(
             f"fp8 scale shape {tuple(scale_inv.shape)} does not tile weight "
-            f"{tuple(weight.shape)} in {b}x{b} blocks (expected {expected})"
+            f"{tuple(weight.shape)} in {bo}x{bi} blocks (expected {expected})"
         )
-    s = scale_inv.float().repeat_interleave(b, dim=-2)[..., :out_dim, :]
-    s = s.repeat_interleave(b, dim=-1)[..., :in_dim]
+    s = scale_inv.float().repeat_interleave(bo, dim=-2)[..., :out_dim, :]
+    s = s.repeat_interleave(bi, dim=-1)[..., :in_dim]
     return weight.float() * s
 
 
@@ -85,9 +88,22 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, handle.get_tensor(key)
 
 
+def fp8_weight_block(path: Path) -> tuple[int, int]:
+    """``quantization_config.weight_block_size`` of config.json (DeepSeek: 128 x 128)."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return (FP8_WEIGHT_BLOCK, FP8_WEIGHT_BLOCK)
+    block = (cfg.get("quantization_config") or {}).get("weight_block_size")
+    if not block:
+        return (FP8_WEIGHT_BLOCK, FP8_WEIGHT_BLOCK)
+    return (int(block[0]), int(block[1]))
+
+
 def read_checkpoint(path: str | Path, config: DsaConfig) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under this model's parameter names, fp8 dequantized to fp32."""
     path = Path(path)
+    block = fp8_weight_block(path)
     raw: dict[str, torch.Tensor] = {}
     for key, tensor in _iter_tensors(checkpoint_files(path)):
         m = _LAYER.match(key)
@@ -106,7 +122,7 @@ def read_checkpoint(path: str | Path, config: DsaConfig) -> dict[str, torch.Tens
             if scale is None:
                 raise CheckpointError(f"{key} is fp8 but {key}_scale_inv is missing")
             try:
-                tensor = dequantize_fp8_weight(tensor, scale)
+                tensor = dequantize_fp8_weight(tensor, scale, block)
             except CheckpointError as err:
                 raise CheckpointError(f"{key}: {err}") from None
         elif scale is not None:
@@ -176,9 +192,7 @@ def load_dsa_model(
                 f"{tuple(ref.shape)}"
             )
         target = torch.float32 if name in fp32_names else dtype
-        # A fresh copy: tensors read from safetensors may alias the (mmapped) file buffer,
-        # which made every CPU matmul on them ~100x slower.
-        state[name] = t.to(device=device, dtype=target, copy=True).contiguous()
+        state[name] = t.to(device=device, dtype=target).contiguous()
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = Rotary(config).to(device)
     return model.eval()
