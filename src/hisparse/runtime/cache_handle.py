@@ -112,6 +112,33 @@ class CacheHandle:
             return physical, group.valid_counts[:rows]
         return physical
 
+    def resident_rows(self, logical_topk: torch.Tensor) -> torch.Tensor:
+        """Physical rows of ``logical_topk`` through the resident block table alone.
+
+        For prefill: the engine keeps every page of a prefilling request resident, so its
+        many query rows need no hot state and no swap (their wanted set would exceed the hot
+        buffer anyway).
+
+        A page that is not resident would be attended as masked: the reference path (which
+        may synchronise) refuses it; pages that left the GPU are for `PrefillStagingPlan`.
+        """
+        meta, tables = self._step()
+        bs = self.runtime.config.block_size
+        rows = logical_topk.shape[0]
+        pos = logical_topk.long().clamp_min(0)
+        req = meta.req_per_token[:rows].long()
+        table = tables.resident_block_table.long()
+        blk = table[req.clamp_min(0)[:, None], pos // bs]
+        live = (logical_topk >= 0) & (req >= 0)[:, None]
+        physical = torch.where(live & (blk > 0), blk * bs + pos % bs, -1).to(torch.int32)
+        if self.runtime.device.type == "cpu" and bool((live & (blk == 0)).any()):
+            raise RuntimeError(
+                f"{self.runtime.name}: a prefill top-k entry lies on a page that is not "
+                "resident; the engine must keep a prefilling request's pages on the GPU "
+                "(or stage them with PrefillStagingPlan)."
+            )
+        return physical
+
     def warm_start(self, logical_topk: torch.Tensor) -> None:
         """Leader: seed the hot buffers from a finished prefill's last-token selection."""
         meta, tables = self._step()
