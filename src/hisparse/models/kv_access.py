@@ -92,45 +92,32 @@ class DsaKVCache(Protocol):
     def indexer(self, layer: int) -> IndexerLayerCache: ...
 
 
-class DenseDsaCache:
-    """Every row of every request in plain tensors on one device (no host tier, no eviction).
+class DenseBlockTables:
+    """Block tables of a fixed set of request slots, each owning its own range of blocks.
 
     Request ``r`` owns blocks ``1 + r * MB .. (r + 1) * MB`` (block 0 is the null block, as in
     the engine's pools), so physical row = ``table[r, p // BS] * BS + p % BS``. Call
     `begin_step` before each forward with the requests of the batch and their new token counts.
+    The dense caches of every model family share this (`DenseDsaCache`, the Llama
+    `hisparse.models.llama.DenseGqaCache`); each adds the per-layer tensors it addresses:
+    ``kv`` (paged rows of each layer) and ``index_pages`` (indexer pages by layer).
     """
+
+    kv: list[torch.Tensor]
+    index_pages: dict[int, torch.Tensor]
 
     def __init__(
         self,
-        config: DsaConfig,
         *,
         max_reqs: int,
         max_len: int,
-        block_size: int = 64,
-        row_format: MlaFormat = "fp32",
-        indexer_format: IndexerCacheFormat | None = None,
+        block_size: int,
         device: torch.device | str = "cpu",
     ) -> None:
-        self.config = config
-        self._row_format = row_format
-        self._indexer_format = indexer_format or IndexerCacheFormat.for_mode(
-            "exact", config.index_head_dim
-        )
         self.block_size = block_size
         self.max_blocks = -(-max_len // block_size)
         self.device = torch.device(device)
-        num_blocks = 1 + max_reqs * self.max_blocks
-        row_bytes = mla_row_bytes(row_format, config.kv_lora_rank, config.qk_rope_head_dim)
-        self.kv = [
-            torch.zeros(num_blocks, block_size, row_bytes, dtype=torch.uint8, device=self.device)
-            for _ in range(config.num_hidden_layers)
-        ]
-        page = self._indexer_format.page_bytes(block_size)
-        self.index_pages = {
-            i: torch.zeros(num_blocks, page, dtype=torch.uint8, device=self.device)
-            for i, full in enumerate(config.indexer_full)
-            if full
-        }
+        self.num_blocks = 1 + max_reqs * self.max_blocks
         self.block_table = (
             1 + torch.arange(max_reqs * self.max_blocks, dtype=torch.int32, device=self.device)
         ).view(max_reqs, self.max_blocks)
@@ -139,14 +126,6 @@ class DenseDsaCache:
         self._slots: torch.Tensor | None = None
         self._tables: torch.Tensor | None = None
         self._req_of_token: torch.Tensor | None = None
-
-    @property
-    def row_format(self) -> MlaFormat:
-        return self._row_format
-
-    @property
-    def indexer_format(self) -> IndexerCacheFormat:
-        return self._indexer_format
 
     def reset(self, req: int) -> None:
         """Forget request ``req`` (its slots are rewritten by the next request using them)."""
@@ -182,22 +161,68 @@ class DenseDsaCache:
         rows = blk * bs + pos.clamp(min=0) % bs
         return torch.where((pos >= 0) & (req_row >= 0), rows, torch.full_like(rows, -1))
 
+    def _step_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._slots is None or self._tables is None or self._req_of_token is None:
+            raise RuntimeError(f"{type(self).__name__}.begin_step was not called")
+        return self._slots, self._tables, self._req_of_token
+
     def attention(self, layer: int) -> _DenseAttentionLayer:
         return _DenseAttentionLayer(self, layer)
 
     def indexer(self, layer: int) -> _DenseIndexerLayer:
         if layer not in self.index_pages:
-            raise KeyError(f"layer {layer} has no indexer of its own (IndexShare follower)")
+            raise KeyError(f"layer {layer} has no indexer of its own (e.g. IndexShare follower)")
         return _DenseIndexerLayer(self, layer)
 
-    def _step_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._slots is None or self._tables is None or self._req_of_token is None:
-            raise RuntimeError("DenseDsaCache.begin_step was not called")
-        return self._slots, self._tables, self._req_of_token
+
+class DenseDsaCache(DenseBlockTables):
+    """Every row of every request in plain tensors on one device (no host tier, no eviction).
+
+    Block tables and step metadata come from `DenseBlockTables`.
+    """
+
+    def __init__(
+        self,
+        config: DsaConfig,
+        *,
+        max_reqs: int,
+        max_len: int,
+        block_size: int = 64,
+        row_format: MlaFormat = "fp32",
+        indexer_format: IndexerCacheFormat | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(max_reqs=max_reqs, max_len=max_len, block_size=block_size, device=device)
+        self.config = config
+        self._row_format = row_format
+        self._indexer_format = indexer_format or IndexerCacheFormat.for_mode(
+            "exact", config.index_head_dim
+        )
+        row_bytes = mla_row_bytes(row_format, config.kv_lora_rank, config.qk_rope_head_dim)
+        self.kv = [
+            torch.zeros(
+                self.num_blocks, block_size, row_bytes, dtype=torch.uint8, device=self.device
+            )
+            for _ in range(config.num_hidden_layers)
+        ]
+        page = self._indexer_format.page_bytes(block_size)
+        self.index_pages = {
+            i: torch.zeros(self.num_blocks, page, dtype=torch.uint8, device=self.device)
+            for i, full in enumerate(config.indexer_full)
+            if full
+        }
+
+    @property
+    def row_format(self) -> MlaFormat:
+        return self._row_format
+
+    @property
+    def indexer_format(self) -> IndexerCacheFormat:
+        return self._indexer_format
 
 
 class _DenseAttentionLayer:
-    def __init__(self, cache: DenseDsaCache, layer: int) -> None:
+    def __init__(self, cache: DenseBlockTables, layer: int) -> None:
         self.cache, self.layer = cache, layer
 
     def write_target(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,7 +241,7 @@ class _DenseAttentionLayer:
 
 
 class _DenseIndexerLayer:
-    def __init__(self, cache: DenseDsaCache, layer: int) -> None:
+    def __init__(self, cache: DenseBlockTables, layer: int) -> None:
         self.cache, self.layer = cache, layer
 
     def write_target(self) -> tuple[torch.Tensor, torch.Tensor]:

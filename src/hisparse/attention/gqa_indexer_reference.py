@@ -1,0 +1,326 @@
+"""Training-free indexer for GQA/MHA layers: one top-k per query token and layer.
+
+A GQA model has no trained indexer, so the selection approximates the attention itself from a
+compact copy of the keys that stays on the GPU (at most a quarter of a KV row's bytes per
+token). Three scoring methods share one selection rule:
+
+- ``fp8``: every key of every KV head as **unscaled, saturating e4m3** (``G·D`` bytes: exactly a
+  quarter of a bf16 row; a per-token scale would not fit). e4m3 is a float, so relative
+  precision (3 mantissa bits) does not depend on a scale; only magnitudes outside
+  ``[2^-9, 448]`` suffer, and such tiny components add nothing to a dot product while keys of
+  RoPE Llama models stay far below 448 (SmolLM2: ``|k| < 30``).
+- ``quest``: Quest-style page bounds. Per chunk of ``quest_chunk`` consecutive positions (must
+  divide the block size; chunk borders are logical, so placement does not matter) the
+  element-wise min and max of the keys, fp32 (``8·G·D / chunk`` B per token: 96 B for SmolLM2 at
+  chunk 16). A chunk's score is the upper bound ``Σ_d max(q_d·min_d, q_d·max_d)``; its tokens
+  share it, so whole chunks are chosen.
+- ``lowrank``: the ``lowrank_pairs`` rotary pairs (dims ``i`` and ``i + D/2``, which RoPE only
+  rotates together, so a pair's contribution to ``q·k`` survives any position) of each KV head
+  whose weight energy ``‖W_q pair‖·‖W_k pair‖`` is largest, stored as fp16. Chosen from the
+  weights at load time; no calibration data.
+
+Selection, common to all: per query head, a softmax over the candidate keys of the scaled
+approximate logits; the scores of a token are the attention **mass** summed over all query
+heads (dropping the tokens of least total mass bounds the mass every head loses). The first
+``sink_tokens`` positions and the last ``recent_window`` positions up to the query are always
+kept and are left out of the softmax, so whatever they hold cannot move the choice among the
+others (in particular: a prefill and token-by-token decoding choose the same rows). The result
+lists positions ascending, ``-1`` padded. With ``top_k`` at least the context length every
+earlier position is chosen: attention is then exactly dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INDEXER_METHODS = ("fp8", "quest", "lowrank")
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+#: Upper bound on the fp32 elements of one ``[T, H, S]`` score chunk.
+_CHUNK_ELEMENTS = 1 << 25
+
+
+@dataclass(frozen=True)
+class GqaIndexerConfig:
+    """How a GQA model chooses its rows. ``top_k=None`` attends to every earlier token."""
+
+    top_k: int | None = None
+    method: str = "fp8"
+    sink_tokens: int = 4
+    recent_window: int = 64
+    quest_chunk: int = 16
+    lowrank_pairs: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in INDEXER_METHODS:
+            raise ValueError(f"indexer method {self.method!r}: expected one of {INDEXER_METHODS}")
+        if self.sink_tokens < 0 or self.recent_window < 1:
+            raise ValueError("sink_tokens must be >= 0 and recent_window >= 1 (the token itself)")
+        if self.top_k is not None and self.top_k < self.sink_tokens + self.recent_window:
+            raise ValueError(
+                f"top_k={self.top_k} is smaller than sink_tokens + recent_window = "
+                f"{self.sink_tokens + self.recent_window}; raise top_k or shrink the window"
+            )
+        if self.method == "quest" and self.recent_window < self.quest_chunk:
+            raise ValueError(
+                f"quest needs recent_window >= quest_chunk ({self.quest_chunk}) so a query's own, "
+                "partly written chunk is always kept rather than scored"
+            )
+
+
+@dataclass(frozen=True)
+class GqaIndexerFormat:
+    """Bytes of the compact key cache of one layer (pages ``[NB, page_bytes(BS)]`` uint8)."""
+
+    method: str
+    num_kv_heads: int
+    head_dim: int
+    quest_chunk: int = 16
+    lowrank_pairs: int = 8
+
+    @classmethod
+    def for_config(cls, cfg: GqaIndexerConfig, num_kv_heads: int, head_dim: int):
+        return cls(cfg.method, num_kv_heads, head_dim, cfg.quest_chunk, cfg.lowrank_pairs)
+
+    @property
+    def key_dim(self) -> int:
+        """Values kept per KV head and token (fp8: all; lowrank: the chosen pairs)."""
+        return 2 * self.lowrank_pairs if self.method == "lowrank" else self.head_dim
+
+    @property
+    def chunk_bytes(self) -> int:
+        """quest: bytes of one chunk's bounds (fp32 min then fp32 max of every value)."""
+        return 8 * self.num_kv_heads * self.head_dim
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per token (quest: its share of a chunk)."""
+        g = self.num_kv_heads
+        if self.method == "fp8":
+            return g * self.head_dim
+        if self.method == "lowrank":
+            return 2 * g * self.key_dim
+        return self.chunk_bytes // self.quest_chunk
+
+    def page_bytes(self, block_size: int) -> int:
+        if self.method == "quest" and block_size % self.quest_chunk:
+            raise ValueError(
+                f"block size {block_size} is not a multiple of quest_chunk {self.quest_chunk}"
+            )
+        return block_size * self.row_bytes
+
+    def block_size_of(self, pages: torch.Tensor) -> int:
+        if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] % self.row_bytes:
+            raise ValueError(
+                f"{self.method} index pages must be uint8 [num_blocks, block_size * "
+                f"{self.row_bytes}]; got {pages.dtype} {tuple(pages.shape)}"
+            )
+        return pages.shape[1] // self.row_bytes
+
+
+def rope_pair_dims(
+    wq: torch.Tensor, wk: torch.Tensor, num_heads: int, num_kv_heads: int, pairs: int
+) -> torch.Tensor:
+    """``[G, 2·pairs]`` dims (ascending) of each KV head that the ``lowrank`` method keeps.
+
+    Pair ``i`` (dims ``i``, ``i + D/2``) is ranked by ``Σ_{h in group} ‖W_q,h pair‖ · ‖W_k pair‖``,
+    the scale of its contribution to ``q·k`` for unit-norm inputs.
+    """
+    g = num_kv_heads
+    d = wk.shape[0] // g
+    half = d // 2
+    if not 0 < pairs <= half:
+        raise ValueError(f"lowrank_pairs must be in 1..{half}; got {pairs}")
+    q_rows = wq.float().view(num_heads, d, -1).pow(2).sum(-1)  # [H, D]
+    k_rows = wk.float().view(g, d, -1).pow(2).sum(-1)  # [G, D]
+    q_pair = (q_rows[:, :half] + q_rows[:, half:]).sqrt().view(g, num_heads // g, half).sum(1)
+    k_pair = (k_rows[:, :half] + k_rows[:, half:]).sqrt()
+    best = (q_pair * k_pair).topk(pairs, dim=-1).indices.sort(dim=-1).values  # [G, pairs]
+    return torch.cat((best, best + half), dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The compact key cache
+# ---------------------------------------------------------------------------------------------
+def write_index_keys(
+    pages: torch.Tensor,
+    fmt: GqaIndexerFormat,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    dims: torch.Tensor | None = None,
+) -> None:
+    """Store keys ``k [N, G, D]`` (rotated) of the tokens at physical ``slots`` (``< 0`` skipped).
+
+    quest: a token at the first position of its chunk restarts the chunk's bounds, later ones
+    widen them; tokens of one step may share a chunk.
+    """
+    fmt.block_size_of(pages)  # validates the page shape
+    keep = slots >= 0
+    slots, k = slots[keep].long(), k[keep].float()
+    if slots.numel() == 0:
+        return
+    if fmt.method == "fp8":
+        rows = pages.view(-1, fmt.row_bytes)
+        rows[slots] = k.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).flatten(1).view(torch.uint8)
+        return
+    if fmt.method == "lowrank":
+        if dims is None:
+            raise ValueError("lowrank index keys need the kept dims")
+        picked = torch.gather(k, 2, dims[None].expand(k.shape[0], -1, -1).to(k.device))
+        rows = pages.view(-1, fmt.row_bytes)
+        rows[slots] = picked.to(torch.float16).flatten(1).view(torch.uint8)
+        return
+    c = fmt.quest_chunk
+    bounds = _quest_view(pages, fmt)
+    lo, hi = bounds[:, 0], bounds[:, 1]
+    chunk = slots // c  # blocks hold bs // c whole chunks, so this is the global chunk index
+    fresh = chunk[slots % c == 0]
+    lo[fresh] = float("inf")
+    hi[fresh] = float("-inf")
+    flat = k.flatten(1)
+    lo.index_reduce_(0, chunk, flat, "amin", include_self=True)
+    hi.index_reduce_(0, chunk, flat, "amax", include_self=True)
+
+
+def _quest_view(pages: torch.Tensor, fmt: GqaIndexerFormat) -> torch.Tensor:
+    """``[num_chunks, 2, G·D]`` fp32 bounds of every chunk of the pages."""
+    bs = fmt.block_size_of(pages)
+    n = pages.shape[0] * (bs // fmt.quest_chunk)
+    return pages.view(n, 8 * fmt.num_kv_heads * fmt.head_dim).view(torch.float32).view(n, 2, -1)
+
+
+def read_index_keys(
+    pages: torch.Tensor, fmt: GqaIndexerFormat, table: torch.Tensor, length: int
+) -> torch.Tensor:
+    """A request's compact keys, in position order, as fp32.
+
+    ``table`` is the request's block-table row. fp8 / lowrank: ``[length, G, key_dim]``;
+    quest: ``[num_chunks, 2, G, D]`` (min, max) of chunks ``0 .. ceil(length / chunk) - 1``.
+    """
+    bs = fmt.block_size_of(pages)
+    g = fmt.num_kv_heads
+    if fmt.method == "quest":
+        c = fmt.quest_chunk
+        start = torch.arange(0, length, c, device=pages.device)
+        chunk = table[start // bs].long() * (bs // c) + (start % bs) // c
+        return _quest_view(pages, fmt)[chunk].view(-1, 2, g, fmt.head_dim)
+    pos = torch.arange(length, device=pages.device)
+    rows = table[pos // bs].long() * bs + pos % bs
+    raw = pages.view(-1, fmt.row_bytes)[rows]
+    dtype = FP8_DTYPE if fmt.method == "fp8" else torch.float16
+    return raw.view(dtype).float().view(length, g, fmt.key_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scores and selection
+# ---------------------------------------------------------------------------------------------
+def approx_logits(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    fmt: GqaIndexerFormat,
+    scale: float,
+    dims: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[T, H, S]`` approximate ``q·k·scale`` of queries ``q [T, H, D]`` against every position.
+
+    ``keys`` is what `read_index_keys` returned; quest logits are per chunk, repeated over its
+    positions (``S = chunks · chunk``; the caller masks positions past the length).
+    """
+    t, h, d = q.shape
+    g = fmt.num_kv_heads
+    qg = q.float().view(t, g, h // g, d)
+    if fmt.method == "fp8":
+        return torch.einsum("tgqd,sgd->tgqs", qg, keys).reshape(t, h, -1) * scale
+    if fmt.method == "lowrank":
+        assert dims is not None
+        idx = dims.to(q.device)[None, :, None, :].expand(t, g, h // g, -1)
+        qr = torch.gather(qg, 3, idx)
+        return torch.einsum("tgqd,sgd->tgqs", qr, keys).reshape(t, h, -1) * scale
+    lo, hi = keys[:, 0], keys[:, 1]  # [C, G, D]
+    ub = torch.maximum(
+        torch.einsum("tgqd,cgd->tgqcd", qg, lo), torch.einsum("tgqd,cgd->tgqcd", qg, hi)
+    ).sum(-1)
+    ub = ub.reshape(t, h, -1) * scale
+    return ub.repeat_interleave(fmt.quest_chunk, dim=-1)
+
+
+def forced_mask(
+    positions: torch.Tensor, length: int, sink_tokens: int, recent_window: int
+) -> torch.Tensor:
+    """``[T, length]`` bool: the sink and recent-window positions each query always keeps."""
+    s = torch.arange(length, device=positions.device)[None, :]
+    t = positions[:, None]
+    return (s <= t) & ((s < sink_tokens) | (s > t - recent_window))
+
+
+def select_topk(
+    logits: torch.Tensor,
+    positions: torch.Tensor,
+    length: int,
+    cfg: GqaIndexerConfig,
+    width: int,
+) -> torch.Tensor:
+    """Positions ``int32 [T, width]`` (ascending, ``-1`` padded) from ``logits [T, H, >= length]``.
+
+    Scores are the attention mass over query heads among non-forced candidates ``s <= t``;
+    forced positions come first, then the best candidates up to ``top_k``.
+    """
+    assert cfg.top_k is not None
+    t = positions.shape[0]
+    s = torch.arange(length, device=logits.device)
+    causal = s[None, :] <= positions[:, None]
+    forced = forced_mask(positions, length, cfg.sink_tokens, cfg.recent_window)
+    cand = causal & ~forced
+    lg = logits[..., :length].masked_fill(~cand[:, None, :], float("-inf"))
+    lse = torch.logsumexp(lg, dim=-1, keepdim=True)
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    mass = torch.exp(lg - lse).sum(dim=1)  # [T, S]; 0 where not a candidate
+    score = mass.masked_fill(~cand, -1.0).masked_fill(forced, 2.0 * logits.shape[1])
+    kk = min(cfg.top_k, length)
+    vals, idx = score.topk(kk, dim=-1)
+    idx = torch.where(vals >= 0, idx, torch.full_like(idx, length))  # non-causal -> sorts last
+    idx = idx.sort(dim=-1).values
+    idx = torch.where(idx < length, idx, torch.full_like(idx, -1))
+    out = torch.full((t, width), -1, dtype=torch.int32, device=logits.device)
+    n = min(kk, width)
+    out[:, :n] = idx[:, :n].to(torch.int32)
+    return out
+
+
+def dense_topk(positions: torch.Tensor, width: int) -> torch.Tensor:
+    """Every position ``<= t`` for each query, ascending, ``int32 [T, width]`` (-1 padded)."""
+    s = torch.arange(width, device=positions.device)[None, :]
+    out = s.expand(positions.shape[0], -1).to(torch.int32)
+    return torch.where(s <= positions[:, None], out, torch.full_like(out, -1))
+
+
+def gqa_indexer_topk(
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    pages: torch.Tensor,
+    table: torch.Tensor,
+    length: int,
+    fmt: GqaIndexerFormat,
+    cfg: GqaIndexerConfig,
+    scale: float,
+    width: int,
+    dims: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logical top-k ``int32 [T, width]`` of one request's queries ``q [T, H, D]``.
+
+    The request holds ``length`` keys, read from ``pages`` through its block-table row
+    ``table``. A request that fits in ``top_k`` skips the scoring (dense).
+    """
+    if cfg.top_k is None or length <= cfg.top_k:
+        return dense_topk(positions, width)
+    keys = read_index_keys(pages, fmt, table, length)
+    h = q.shape[1]
+    step = max(1, _CHUNK_ELEMENTS // max(1, h * length))
+    out = []
+    for lo in range(0, q.shape[0], step):
+        hi = min(q.shape[0], lo + step)
+        logits = approx_logits(q[lo:hi], keys, fmt, scale, dims)
+        out.append(select_topk(logits, positions[lo:hi], length, cfg, width))
+    return torch.cat(out)

@@ -1,0 +1,149 @@
+"""Reference sparse GQA attention over paged KV rows, and the GQA row format.
+
+A GQA/MHA layer's cache row (DESIGN.md §2) is one token's K then V of every KV head, in the
+model dtype: ``[K_0 … K_{G-1} ‖ V_0 … V_{G-1}]``, ``row_bytes = 2 · G · D · itemsize``
+(SmolLM2, G = 3, D = 64: 768 B in bf16, 1536 B in fp32; both multiples of 16). Every tier
+stores these same bytes, so `GqaRowFormat.pack` / `unpack` are the single source of truth and
+the Triton kernel decodes the same layout in-register.
+
+`sparse_gqa_reference` is the oracle of that kernel and the model's attention for prefill and
+decode alike: each query token attends to its own list of physical rows (``-1`` masked); query
+head ``h`` reads KV head ``h // (H / G)``. With every earlier position listed it is exactly
+dense causal attention (up to summation order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: Model dtypes a GQA row may hold, by name.
+GQA_ROW_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+#: Upper bound on the fp32 elements of one gathered chunk (bounds CPU memory on long prompts).
+_CHUNK_ELEMENTS = 1 << 26
+
+
+def gqa_dtype_name(dtype: torch.dtype | str) -> str:
+    """``"fp32"`` / ``"bf16"`` / ``"fp16"`` for a dtype or one of those names."""
+    if isinstance(dtype, str):
+        if dtype not in GQA_ROW_DTYPES:
+            raise ValueError(f"GQA row dtype {dtype!r}: expected one of {sorted(GQA_ROW_DTYPES)}")
+        return dtype
+    for name, dt in GQA_ROW_DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"GQA rows cannot hold {dtype}; expected one of {sorted(GQA_ROW_DTYPES)}")
+
+
+@dataclass(frozen=True)
+class GqaRowFormat:
+    """Byte layout of one token's K and V of all KV heads of one layer."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        gqa_dtype_name(self.dtype)
+        if self.num_kv_heads <= 0 or self.head_dim <= 0:
+            raise ValueError(f"bad GQA row shape: {self.num_kv_heads} heads x {self.head_dim}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return GQA_ROW_DTYPES[self.dtype]
+
+    @property
+    def kv_width(self) -> int:
+        """Values of K (or V) per token: ``G · D``."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def row_bytes(self) -> int:
+        return 2 * self.kv_width * self.torch_dtype.itemsize
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``k, v [..., G, D]`` -> rows ``[..., row_bytes]`` uint8."""
+        want = (self.num_kv_heads, self.head_dim)
+        if tuple(k.shape[-2:]) != want or k.shape != v.shape:
+            raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)}: expected [..., {want}]")
+        kv = torch.cat((k.flatten(-2), v.flatten(-2)), dim=-1).to(self.torch_dtype).contiguous()
+        return kv.view(torch.uint8)
+
+    def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[..., row_bytes]`` uint8 -> ``(k, v)``, each ``[..., G, D]`` in the row dtype."""
+        if rows.dtype != torch.uint8 or rows.shape[-1] != self.row_bytes:
+            raise ValueError(
+                f"GQA rows must be uint8 [..., {self.row_bytes}]; got {rows.dtype} "
+                f"{tuple(rows.shape)}"
+            )
+        kv = rows.contiguous().view(self.torch_dtype)
+        k, v = kv.split(self.kv_width, dim=-1)
+        shape = (*rows.shape[:-1], self.num_kv_heads, self.head_dim)
+        return k.reshape(shape), v.reshape(shape)
+
+
+def gather_rows(kv_cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Rows ``[..., row_bytes]`` at physical indices (``block * block_size + offset``).
+
+    Negative indices read row 0 and must be masked by the caller.
+    """
+    bs = kv_cache.shape[1]
+    safe = indices.long().clamp(min=0)
+    return kv_cache[safe // bs, safe % bs]
+
+
+def sparse_gqa_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    row_format: GqaRowFormat,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse grouped-query attention over the rows ``indices`` selects, computed in fp32.
+
+    Args:
+        q: ``[T, H, D]`` queries (rotated); ``H`` a multiple of the row format's KV heads.
+        kv_cache: ``[num_blocks, block_size, row_bytes]`` uint8 paged rows.
+        indices: ``[T, K]`` int physical rows per query token; ``-1`` entries are masked.
+        scale: softmax scale on ``q · k`` (``D^-0.5``).
+        row_format: the rows' `GqaRowFormat`.
+
+    Returns:
+        ``out [T, H, D]`` in ``q``'s dtype and ``lse [T, H]`` fp32 (natural log). A row with no
+        valid index gives ``out = 0`` and ``lse = -inf``.
+    """
+    t, h, d = q.shape
+    g = row_format.num_kv_heads
+    if d != row_format.head_dim or h % g or indices.dim() != 2 or indices.shape[0] != t:
+        raise ValueError(
+            f"shapes disagree: q {tuple(q.shape)}, indices {tuple(indices.shape)}, "
+            f"rows of {g} KV heads x {row_format.head_dim}"
+        )
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != row_format.row_bytes:
+        raise ValueError(
+            f"kv_cache {tuple(kv_cache.shape)} does not hold {row_format.row_bytes} B GQA rows"
+        )
+    k = indices.shape[1]
+    out = torch.zeros(t, h, d, dtype=q.dtype, device=q.device)
+    lse = torch.full((t, h), float("-inf"), dtype=torch.float32, device=q.device)
+    step = max(1, _CHUNK_ELEMENTS // max(1, k * (2 * g * d + h)))
+    for lo in range(0, t, step):
+        hi = min(t, lo + step)
+        idx = indices[lo:hi]
+        valid = idx >= 0
+        keys, values = row_format.unpack(gather_rows(kv_cache, idx))  # [t, K, G, D]
+        qg = q[lo:hi].float().view(hi - lo, g, h // g, d)
+        scores = torch.einsum("tgqd,tkgd->tgqk", qg, keys.float()) * scale
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)
+        finite = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))
+        probs = torch.exp(scores - finite[..., None])  # masked entries: exp(-inf) = 0
+        o = torch.einsum("tgqk,tkgd->tgqd", probs, values.float())
+        out[lo:hi] = o.reshape(hi - lo, h, d).to(out.dtype)
+        lse[lo:hi] = row_lse.reshape(hi - lo, h)
+    return out, lse

@@ -1,0 +1,399 @@
+"""Llama-architecture models (SmolLM2 and kin) in plain PyTorch, through paged GQA caches.
+
+The network is transformers' ``LlamaForCausalLM`` (same module and weight names), but every
+attention layer goes through the same cache protocol as the DSA model
+(`hisparse.models.kv_access`):
+
+1. pack this step's K and V of all KV heads as one row per token (`GqaRowFormat`) and write
+   them at the physical slots of ``write_target()``, then ``finish_kv_update()``;
+2. write the compact indexer keys into the layer's index pages and choose ONE logical top-k
+   per query token (`gqa_indexer_topk`: training-free, shared by all heads of the layer);
+3. ``swap_in(logical_topk)`` -> physical rows (HiSparse gathers misses from the host);
+4. sparse GQA attention over those rows (`sparse_gqa_reference`).
+
+Prefill and decode share this path (packed variable-length batches), so the dense test cache,
+the all-GPU placement and HiSparse differ only in where rows sit. With ``top_k=None`` or a
+``top_k`` at least the context length, every earlier token is chosen and attention is dense.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from hisparse.attention.gqa_indexer_reference import (
+    GqaIndexerConfig,
+    GqaIndexerFormat,
+    gqa_indexer_topk,
+    rope_pair_dims,
+    write_index_keys,
+)
+from hisparse.attention.sparse_gqa_reference import (
+    GqaRowFormat,
+    gqa_dtype_name,
+    sparse_gqa_reference,
+)
+from hisparse.models.deepseek_v32 import MLP, RMSNorm, rope_half_split
+from hisparse.models.kv_access import (
+    DenseBlockTables,
+    DsaStep,
+    IndexerLayerCache,
+    SparseMlaLayerCache,
+)
+
+#: Step metadata of a packed batch (the same for every model family).
+Step = DsaStep
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The shape of a Llama-architecture model (names as in transformers' ``LlamaConfig``)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+
+    def row_format(self, dtype: torch.dtype | str) -> GqaRowFormat:
+        """The KV row of one layer in ``dtype`` (SmolLM2: 768 B bf16, 1536 B fp32)."""
+        return GqaRowFormat(self.num_key_value_heads, self.head_dim, gqa_dtype_name(dtype))
+
+
+@runtime_checkable
+class GqaKVCache(Protocol):
+    """The model-level view of a GQA model's caches (like `DsaKVCache`)."""
+
+    @property
+    def row_format(self) -> GqaRowFormat: ...
+
+    @property
+    def indexer_format(self) -> GqaIndexerFormat: ...
+
+    def attention(self, layer: int) -> SparseMlaLayerCache: ...
+
+    def indexer(self, layer: int) -> IndexerLayerCache: ...
+
+
+class DenseGqaCache(DenseBlockTables):
+    """Every KV row and index page of every request in plain tensors (tests, CPU use)."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        indexer_format: GqaIndexerFormat,
+        *,
+        max_reqs: int,
+        max_len: int,
+        block_size: int = 16,
+        row_format: GqaRowFormat | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(max_reqs=max_reqs, max_len=max_len, block_size=block_size, device=device)
+        self._row_format = row_format or config.row_format("fp32")
+        self._indexer_format = indexer_format
+        page = indexer_format.page_bytes(block_size)
+        shape = (self.num_blocks, block_size, self._row_format.row_bytes)
+        self.kv = [
+            torch.zeros(shape, dtype=torch.uint8, device=self.device)
+            for _ in range(config.num_hidden_layers)
+        ]
+        self.index_pages = {
+            i: torch.zeros(self.num_blocks, page, dtype=torch.uint8, device=self.device)
+            for i in range(config.num_hidden_layers)
+        }
+
+    @property
+    def row_format(self) -> GqaRowFormat:
+        return self._row_format
+
+    @property
+    def indexer_format(self) -> GqaIndexerFormat:
+        return self._indexer_format
+
+
+class Rotary(nn.Module):
+    """cos/sin of each position, computed as transformers does (fp32, then the model dtype)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        d = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """``(cos, sin)``, each ``[N, D / 2]``."""
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        h, d = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        #: ``lowrank`` indexer: the rotary dims kept per KV head (set by `prepare_indexer`).
+        self.register_buffer("index_dims", torch.zeros(0, dtype=torch.long), persistent=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: Step,
+        cache: GqaKVCache,
+        indexer: GqaIndexerConfig,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q = rope_half_split(self.q_proj(x).view(n, self.n_heads, self.head_dim), cos, sin)
+        k = rope_half_split(self.k_proj(x).view(n, self.n_kv, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
+
+        # 1. this step's rows into the paged cache.
+        kv = cache.attention(self.layer)
+        view, slots = kv.write_target()
+        rows = cache.row_format.pack(k, v)
+        keep = slots >= 0
+        bs = view.shape[1]
+        dst = slots[keep].long()
+        view[dst // bs, dst % bs] = rows[keep]
+        kv.finish_kv_update()
+
+        # 2. compact keys, then one logical top-k per query token.
+        fmt = cache.indexer_format
+        dims = self.index_dims if fmt.method == "lowrank" else None
+        idx = cache.indexer(self.layer)
+        pages, idx_slots = idx.write_target()
+        write_index_keys(pages, fmt, idx_slots, k, dims)
+        read_pages, table = idx.read_source()
+        topk = self._select(q, step, read_pages, table, fmt, indexer, dims)
+
+        # 3./4. physical rows, then sparse attention.
+        physical = kv.swap_in(topk)
+        out, _ = sparse_gqa_reference(q, view, physical, self.scale, cache.row_format)
+        return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
+
+    def _select(
+        self,
+        q: torch.Tensor,
+        step: Step,
+        pages: torch.Tensor,
+        table: torch.Tensor,
+        fmt: GqaIndexerFormat,
+        cfg: GqaIndexerConfig,
+        dims: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Logical top-k ``int32 [N, width]``, ``width = min(top_k, longest request)``."""
+        longest = int(step.seq_lens.max()) if step.seq_lens.numel() else 0
+        width = longest if cfg.top_k is None else min(cfg.top_k, longest)
+        out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
+        for r in range(step.seq_lens.shape[0]):
+            tok = torch.nonzero(step.req_index == r).flatten()
+            if tok.numel() == 0:
+                continue
+            out[tok] = gqa_indexer_topk(
+                q[tok],
+                step.positions[tok],
+                pages,
+                table[r],
+                int(step.seq_lens[r]),
+                fmt,
+                cfg,
+                self.scale,
+                width,
+                dims,
+            )
+        return out
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+
+class LlamaBackbone(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama causal LM; state-dict keys are the Hugging Face names (``lm_head`` tied or not).
+
+    ``indexer`` (a `GqaIndexerConfig`) sets the top-k budget and scoring method; change it at
+    any time with `set_indexer` (caches must then be built with the new `indexer_format`).
+    """
+
+    def __init__(self, config: LlamaConfig, indexer: GqaIndexerConfig | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.indexer = indexer or GqaIndexerConfig()
+        self.model = LlamaBackbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(config)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def indexer_format(self) -> GqaIndexerFormat:
+        """The index pages this model's indexer method reads and writes."""
+        cfg = self.config
+        return GqaIndexerFormat.for_config(self.indexer, cfg.num_key_value_heads, cfg.head_dim)
+
+    def set_indexer(self, indexer: GqaIndexerConfig | None = None, **changes) -> LlamaForCausalLM:
+        """Replace the indexer settings (``set_indexer(top_k=256)`` keeps the rest)."""
+        self.indexer = replace(indexer or self.indexer, **changes)
+        self.prepare_indexer()
+        return self
+
+    @torch.no_grad()
+    def prepare_indexer(self) -> None:
+        """Derive weight-dependent indexer state (``lowrank`` dims); call after loading weights."""
+        if self.indexer.method != "lowrank":
+            return
+        cfg = self.config
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            assert isinstance(attn, LlamaAttention)
+            attn.index_dims = rope_pair_dims(
+                attn.q_proj.weight,
+                attn.k_proj.weight,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                self.indexer.lowrank_pairs,
+            ).to(self.device)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, step: Step, cache: GqaKVCache) -> torch.Tensor:
+        """Final hidden states ``[N, hidden]`` of a packed batch ``input_ids [N]``."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(step.positions, x.dtype)
+        for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, step, cache, self.indexer)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def new_dense_cache(
+        self,
+        *,
+        max_reqs: int,
+        max_len: int,
+        block_size: int = 16,
+        kv_dtype: torch.dtype | str | None = None,
+    ) -> DenseGqaCache:
+        """A `DenseGqaCache` on the model's device; rows in ``kv_dtype`` (default: model dtype)."""
+        return DenseGqaCache(
+            self.config,
+            self.indexer_format,
+            max_reqs=max_reqs,
+            max_len=max_len,
+            block_size=block_size,
+            row_format=self.config.row_format(kv_dtype or self.dtype),
+            device=self.device,
+        )
+
+    @torch.no_grad()
+    def prefill_logits(
+        self, prompts: Sequence[Sequence[int]], *, block_size: int = 16
+    ) -> list[torch.Tensor]:
+        """Logits ``[len_i, vocab]`` of each prompt, all prompts in one packed step."""
+        cache = self.new_dense_cache(
+            max_reqs=len(prompts), max_len=max(len(p) for p in prompts), block_size=block_size
+        )
+        step = cache.begin_step(range(len(prompts)), [len(p) for p in prompts])
+        ids = torch.tensor([t for p in prompts for t in p], device=self.device)
+        logits = self.logits(self(ids, step, cache))
+        return list(logits.split([len(p) for p in prompts]))
+
+    @torch.no_grad()
+    def generate_greedy(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        stop_ids: Sequence[int] = (),
+        block_size: int = 16,
+        kv_dtype: torch.dtype | str | None = None,
+        cache: DenseGqaCache | None = None,
+    ) -> list[list[int]]:
+        """Greedy continuation of each prompt (packed prefill, then batched decode).
+
+        A request stops after emitting a token of ``stop_ids`` (kept in its output) or after
+        ``max_new_tokens``. A reference path for tests and small demos; the engine batches
+        through the scheduler instead.
+        """
+        cache = cache or self.new_dense_cache(
+            max_reqs=len(prompts),
+            max_len=max(len(p) for p in prompts) + max_new_tokens,
+            block_size=block_size,
+            kv_dtype=kv_dtype,
+        )
+        outs: list[list[int]] = [[] for _ in prompts]
+        live = list(range(len(prompts)))
+        feed = [list(p) for p in prompts]
+        stops = set(stop_ids)
+        for _ in range(max_new_tokens):
+            if not live:
+                break
+            step = cache.begin_step(live, [len(feed[r]) for r in live])
+            ids = torch.tensor([t for r in live for t in feed[r]], device=self.device)
+            hidden = self(ids, step, cache)
+            last = torch.cumsum(torch.tensor([len(feed[r]) for r in live]), 0) - 1
+            nxt = self.logits(hidden[last.to(self.device)]).argmax(-1).tolist()
+            still = []
+            for r, t in zip(live, nxt, strict=True):
+                outs[r].append(int(t))
+                feed[r] = [int(t)]
+                if int(t) not in stops:
+                    still.append(r)
+            live = still
+        return outs
