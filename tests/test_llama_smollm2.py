@@ -27,7 +27,6 @@ CHATS = [
         {"role": "system", "content": "You answer in one short sentence."},
         {"role": "user", "content": "Why is the sky blue?"},
     ],
-    [{"role": "user", "content": "List three prime numbers larger than 10."}],
 ]
 NEW_TOKENS = 20
 #: A prose passage several times longer than the sparse budgets used below.
@@ -119,12 +118,12 @@ def test_greedy_matches_transformers_generate(ours, tok, ref_tok, ref_model):
                 do_sample=False,
             )
             expected.append(out[0, len(ids) :].tolist())
-    stops = tok.stop_token_ids
-    for top_k in (None, ours.config.max_position_embeddings):
-        ours.set_indexer(top_k=top_k)
-        got = ours.generate_greedy(prompts, NEW_TOKENS, stop_ids=stops, block_size=16)
-        assert got == expected, (top_k, [tok.decode(g) for g in got])
-    ours.set_indexer(GqaIndexerConfig())
+    ours.set_indexer(top_k=ours.config.max_position_embeddings)
+    try:
+        got = ours.generate_greedy(prompts, NEW_TOKENS, stop_ids=tok.stop_token_ids)
+    finally:
+        ours.set_indexer(GqaIndexerConfig())
+    assert got == expected, [tok.decode(g) for g in got]
     assert "Paris" in tok.decode(expected[0])
 
 
@@ -191,14 +190,14 @@ def test_paged_decode_matches_full_forward(ours, tok):
 def test_sparse_topk_is_placement_invariant(ours, tok, method):
     """Prompts longer than top_k: the sparse path runs, stays sensible, and block size or
     block-table order changes no bit of the logits."""
-    cfg = GqaIndexerConfig(top_k=48, method=method, sink_tokens=4, recent_window=16)
+    cfg = GqaIndexerConfig(top_k=32, method=method, sink_tokens=4, recent_window=16)
     ours.set_indexer(cfg)
     try:
-        prompt = [1, *_passage_ids(tok, 90)]
+        prompt = [1, *_passage_ids(tok, 63)]
         other = tok.encode_chat(CHATS[0])
 
         def run(block_size: int, shuffle: bool) -> tuple[torch.Tensor, list[int]]:
-            cache = ours.new_dense_cache(max_reqs=2, max_len=100, block_size=block_size)
+            cache = ours.new_dense_cache(max_reqs=2, max_len=72, block_size=block_size)
             if shuffle:
                 perm = torch.randperm(
                     cache.block_table.numel(), generator=torch.Generator().manual_seed(5)
@@ -208,7 +207,7 @@ def test_sparse_topk_is_placement_invariant(ours, tok, method):
             hidden = ours(torch.tensor(prompt + other), step, cache)
             logits = [ours.logits(hidden[[len(prompt) - 1, -1]])]
             toks = [int(logits[0][0].argmax())]
-            for _ in range(5):
+            for _ in range(3):
                 step = cache.begin_step([0], [1])
                 logits.append(ours.logits(ours(torch.tensor(toks[-1:]), step, cache)))
                 toks.append(int(logits[-1][0].argmax()))
@@ -216,9 +215,8 @@ def test_sparse_topk_is_placement_invariant(ours, tok, method):
 
         base, toks = run(16, False)
         assert torch.isfinite(base).all()
-        for bs, shuffle in ((32, False), (16, True)):
-            again, toks2 = run(bs, shuffle)
-            assert toks2 == toks and torch.equal(again, base), (bs, shuffle)
+        again, toks2 = run(32, True)
+        assert toks2 == toks and torch.equal(again, base)
         # Still the model: the sparse next token is among dense attention's top candidates.
         ours.set_indexer(GqaIndexerConfig())
         dense = ours.prefill_logits([prompt])[0][-1]
@@ -260,4 +258,3 @@ def test_sparse_selection_uses_the_budget(ours, tok):
         row = set(sparse[t][sparse[t] >= 0].tolist())
         assert {0, 1, 2, 3} | set(range(t - 7, t + 1)) <= row and max(row) == t
     assert torch.equal((dense >= 0).sum(-1), pos + 1)
-

@@ -180,8 +180,9 @@ def write_index_keys(
     lo[fresh] = float("inf")
     hi[fresh] = float("-inf")
     flat = k.flatten(1)
-    lo.index_reduce_(0, chunk, flat, "amin", include_self=True)
-    hi.index_reduce_(0, chunk, flat, "amax", include_self=True)
+    index = chunk[:, None].expand_as(flat)
+    lo.scatter_reduce_(0, index, flat, "amin", include_self=True)
+    hi.scatter_reduce_(0, index, flat, "amax", include_self=True)
 
 
 def _quest_view(pages: torch.Tensor, fmt: GqaIndexerFormat) -> torch.Tensor:
