@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hisparse.attention import sparse_mla_decode
 from hisparse.attention.indexer_reference import (
     hadamard_transform,
     indexer_scores_exact,
@@ -27,7 +28,6 @@ from hisparse.attention.indexer_reference import (
     indexer_topk,
     quantize_indexer_fp8,
 )
-from hisparse.attention.sparse_mla_reference import sparse_mla_decode_reference
 from hisparse.kv.row_formats import (
     IndexerCacheFormat,
     MlaFormat,
@@ -319,7 +319,7 @@ class MLAttention(nn.Module):
         w_kv = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.c)
         w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope :]
         q_latent = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
-        out_latent, _ = sparse_mla_decode_reference(
+        out_latent, _ = sparse_mla_decode(
             q_latent, q_pe, view, physical, self.scale, cache.row_format
         )
         out = torch.einsum("nhc,hvc->nhv", out_latent.to(x.dtype), w_uv)

@@ -1,0 +1,230 @@
+"""Sparse MLA decode on the GPU: the Triton kernel vs the same run's HBM copy and the reference.
+
+Run on the GPU machine: ``PYTHONPATH=src python benchmarks/bench_sparse_mla.py``.
+
+For fp8_ds_mla (656 B) and bf16 (1152 B) rows, batch (tokens) 1, 64 and 256, top_k 2048,
+128 heads, bf16 queries: the median µs of one call for each tile shape in ``CONFIGS`` (the
+best is reported), timed as CUDA-graph replays (as a decode step runs; a graph holds one
+call per index set and enough sets to move >= 256 MB, so L2 cannot serve repeats; the eager
+``do_bench`` time of the best shape, launch overhead included, is reported too); achieved
+GB/s over the fewest bytes a call must move (gathered rows + q + out, `decode_bytes`)
+against the HBM device-to-device copy bandwidth measured in this run (bytes read +
+written); the matrix TFLOP/s (`decode_flops`); and the plain PyTorch gather + attention
+(`sparse_mla_decode_reference` on the GPU, fp32). Rows come from a fresh pool of a few GiB
+(far above the 60 MB L2) at uniformly random indices. Every tile shape is checked against
+the reference in the same run (max abs error and relative Frobenius error) and reports its
+registers and spills.
+
+Prints a table last and writes JSON to ``$OUT/bench_sparse_mla.json`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+import triton
+
+from hisparse.attention import sparse_mla_triton as smt
+from hisparse.attention.sparse_mla_reference import sparse_mla_decode_reference
+from hisparse.kv.row_formats import mla_row_bytes, pack_mla_rows
+
+DEV = torch.device("cuda")
+H, K, C, R, BS = 128, 2048, 512, 64, 64
+SCALE = 192**-0.5
+GRAPH_BYTES = 256e6
+CONFIGS = [
+    smt.DecodeConfig(16, 32, 4, 2),
+    smt.DecodeConfig(32, 32, 4, 2),
+    smt.DecodeConfig(32, 32, 4, 1),
+    smt.DecodeConfig(64, 32, 8, 2),
+    smt.DecodeConfig(64, 32, 8, 1),
+    smt.DecodeConfig(64, 16, 8, 1),
+    smt.DecodeConfig(64, 16, 4, 1),
+    smt.DecodeConfig(64, 32, 8, 2, scale_on_k=True),  # fp8 only
+]
+
+
+def _median_us(fn, rep_ms: int = 100) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
+
+
+def graph_us(fn, sets: list[torch.Tensor], reps: int = 15) -> float:
+    """Median µs per call of ``fn(idx)`` over CUDA-graph replays of one call per set."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for idx in sets:
+            fn(idx)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for idx in sets:
+            fn(idx)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(sets))
+    del graph
+    return statistics.median(times)
+
+
+def hbm_copy_gbs(gib: float = 2.0) -> float:
+    """Device-to-device copy bandwidth (bytes read + written)."""
+    n = int(gib * (1 << 30))
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    us = _median_us(lambda: dst.copy_(src))
+    return 2 * n / us / 1e3
+
+
+def make_pool(fmt: str, gib: float) -> torch.Tensor:
+    """A ``[NB, 64, row_bytes]`` pool of random rows packed by `pack_mla_rows`."""
+    rb = mla_row_bytes(fmt, C, R)
+    nb = int(gib * (1 << 30)) // (rb * BS)
+    pool = torch.empty(nb, BS, rb, dtype=torch.uint8, device=DEV)
+    flat = pool.view(nb * BS, rb)
+    step = 1 << 18
+    g = torch.Generator(device=DEV).manual_seed(1)
+    for lo in range(0, nb * BS, step):
+        hi = min(nb * BS, lo + step)
+        lat = torch.randn(hi - lo, C, generator=g, device=DEV)
+        rope = torch.randn(hi - lo, R, generator=g, device=DEV)
+        flat[lo:hi] = pack_mla_rows(fmt, lat, rope)
+    return pool
+
+
+def bench_case(fmt: str, pool: torch.Tensor, t: int, copy_gbs: float) -> dict:
+    g = torch.Generator(device=DEV).manual_seed(100 + t)
+    rows = pool.shape[0] * pool.shape[1]
+    n_sets = min(128, max(4, math.ceil(GRAPH_BYTES / smt.decode_bytes(t, H, K, fmt))))
+    sets = [
+        torch.randint(0, rows, (t, K), generator=g, device=DEV, dtype=torch.int32)
+        for _ in range(n_sets)
+    ]
+    ql = torch.randn(t, H, C, generator=g, device=DEV).bfloat16()
+    qr = torch.randn(t, H, R, generator=g, device=DEV).bfloat16()
+    ref_o, ref_l = sparse_mla_decode_reference(ql, qr, pool, sets[0], SCALE, fmt)
+    nbytes = smt.decode_bytes(t, H, K, fmt)
+    flops = smt.decode_flops(t, H, K)
+    counter = [0]
+
+    def rotating(fn):
+        def call() -> None:
+            counter[0] += 1
+            fn(sets[counter[0] % n_sets])
+
+        return call
+
+    ref_us = _median_us(
+        rotating(lambda idx: sparse_mla_decode_reference(ql, qr, pool, idx, SCALE, fmt)),
+        rep_ms=60,
+    )
+    per_config = []
+    for cfg in CONFIGS:
+        if cfg.scale_on_k and fmt != "fp8_ds_mla":
+            continue
+        entry: dict = {"config": cfg.__dict__, "splits": smt.num_splits_for(t, H, K, cfg, DEV)}
+        try:
+            out, lse = smt.sparse_mla_decode_triton(ql, qr, pool, sets[0], SCALE, fmt, config=cfg)
+            torch.cuda.synchronize()
+            err = (out.float() - ref_o.float()).abs().max().item()
+            rel = ((out.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
+            lse_err = (lse - ref_l).abs().max().item()
+            ck = smt.last_compiled[0]
+            entry.update(n_regs=getattr(ck, "n_regs", None), n_spills=getattr(ck, "n_spills", None))
+            us = graph_us(
+                lambda idx, cfg=cfg: smt.sparse_mla_decode_triton(
+                    ql, qr, pool, idx, SCALE, fmt, config=cfg
+                ),
+                sets,
+            )
+            entry.update(
+                us=us, gbs=nbytes / us / 1e3, tflops=flops / us / 1e6, max_abs_err=err,
+                rel_err=rel, lse_err=lse_err,
+                ok=bool(err <= 1e-3 + 1.6e-2 * ref_o.float().abs().max().item() and rel < 1e-2),
+            )  # fmt: skip
+        except Exception as exc:  # a tile shape that does not compile or fit is reported
+            entry.update(error=f"{type(exc).__name__}: {str(exc)[:200]}")
+        print(fmt, t, entry, flush=True)
+        per_config.append(entry)
+    good = [e for e in per_config if e.get("ok")]
+    best = min(good, key=lambda e: e["us"]) if good else None
+    if best is not None:
+        bcfg = smt.DecodeConfig(**best["config"])
+        best["eager_us"] = _median_us(
+            rotating(
+                lambda idx: smt.sparse_mla_decode_triton(ql, qr, pool, idx, SCALE, fmt, config=bcfg)
+            )
+        )
+    return {
+        "fmt": fmt, "tokens": t, "bytes": nbytes, "flops": flops, "ref_us": ref_us,
+        "ref_gbs": nbytes / ref_us / 1e3, "best": best, "configs": per_config,
+        "pct_hbm": (best["gbs"] / copy_gbs * 100) if best else None,
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--out", default=os.path.join(os.environ.get("OUT", "."), "bench_sparse_mla.json")
+    )
+    ap.add_argument("--pool-gib", type=float, default=2.0)
+    ap.add_argument("--batches", default="1,64,256")
+    args = ap.parse_args()
+    t0 = time.time()
+    props = torch.cuda.get_device_properties(DEV)
+    copy_gbs = hbm_copy_gbs()
+    print(f"{props.name}: HBM d2d copy {copy_gbs:.0f} GB/s", flush=True)
+    results = []
+    for fmt in ("fp8_ds_mla", "bf16"):
+        pool = make_pool(fmt, args.pool_gib)
+        for t in (int(x) for x in args.batches.split(",")):
+            results.append(bench_case(fmt, pool, t, copy_gbs))
+        del pool
+        torch.cuda.empty_cache()
+    doc = {
+        "device": props.name, "torch": torch.__version__, "triton": triton.__version__,
+        "copy_gbs": copy_gbs, "pool_gib": args.pool_gib, "heads": H, "top_k": K,
+        "results": results, "wall_s": time.time() - t0,
+    }  # fmt: skip
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+
+    print(f"\nsparse MLA decode, H={H}, top_k={K}, bf16 q; HBM copy {copy_gbs:.0f} GB/s")
+    hdr = (
+        f"{'rows':>10} {'T':>4} {'config (h,n,w,s)':>17} {'splits':>6} {'µs':>8} {'eager':>7} "
+        f"{'GB/s':>6} {'%HBM':>5} {'TFLOP/s':>7} {'ref µs':>8} {'×ref':>6} {'max err':>8}"
+    )
+    print(hdr)
+    for r in results:
+        b = r["best"]
+        if b is None:
+            print(f"{r['fmt']:>10} {r['tokens']:>4}  no tile shape passed")
+            continue
+        c = b["config"]
+        shape = f"{c['block_h']},{c['block_n']},{c['num_warps']},{c['num_stages']}"
+        shape += "k" if c["scale_on_k"] else ""
+        print(
+            f"{r['fmt']:>10} {r['tokens']:>4} {shape:>17} {b['splits']:>6} {b['us']:>8.1f} "
+            f"{b['eager_us']:>7.1f} "
+            f"{b['gbs']:>6.0f} {r['pct_hbm']:>5.1f} {b['tflops']:>7.1f} {r['ref_us']:>8.1f} "
+            f"{r['ref_us'] / b['us']:>6.1f} {b['max_abs_err']:>8.1e}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,424 @@
+"""Triton sparse MLA decode over physical row indices; `sparse_mla_decode_reference` is the oracle.
+
+Absorbed (MQA) form: every query head attends to the same ``top_k`` rows of one shared KV
+head, so a program takes a block of ``BLOCK_H`` heads of one token, gathers each KV row once
+into registers/shared memory and reuses it for all of those heads (``[BLOCK_H, 576] x
+[576, BLOCK_N]`` for the scores, ``[BLOCK_H, BLOCK_N] x [BLOCK_N, 512]`` for the values).
+
+Work is split over the top-k (flash-decoding): program ``(head block, token, split)`` runs an
+online softmax over its slice of the indices and, when there is more than one split, writes
+an fp32 partial (normalised output and its log-sum-exp); a second kernel combines the splits.
+With one split the first kernel writes the final output directly (no partial traffic).
+
+Row decoding happens in the kernel, on the same bytes `row_formats` writes:
+
+- ``fp8_ds_mla``: the latent is four 128-wide e4m3 tiles with one fp32 scale each. The e4m3
+  values go to the tensor cores as bf16 (exact), and the scales are applied to what the tile
+  produces instead of to the 128 values: ``s += (q_j · k8_j) * scale_j`` for the scores and
+  ``acc_j += (p * scale_j) · v8_j`` for the values (the same products, reassociated).
+- ``bf16``: latent and RoPE read as bf16.
+
+Numerics: dots take bf16 operands (q, the rows, and the probabilities ``p``) and accumulate in
+fp32; the softmax runs in fp32 in base 2. Under Triton's CPU interpreter (CI) the dots run in
+fp32 instead (the interpreter's bf16 dot is wrong and its bf16 casts truncate), so the CPU
+tests check the indexing and the softmax tightly and the GPU tests check the bf16 error.
+
+No host synchronisation and no data-dependent shapes: the split count depends on shapes only,
+so a decode step calling this can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from hisparse.kv.row_formats import MlaFormat, mla_format_name, mla_row_bytes
+
+Tensor = torch.Tensor
+
+#: Latent width and RoPE width the kernel is written for (DeepSeek-V3.2 and GLM-5).
+LATENT_DIM = 512
+ROPE_DIM = 64
+_TILE = 128
+_LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+if interpreting():  # the interpreter needs the numpy >= 2.4 loop-bound fix the ops carry
+    from hisparse.runtime.ops import triton_kernels as _ops_tk  # noqa: F401
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile shape of the decode kernel (benchmarks sweep these; `default_config` picks one)."""
+
+    block_h: int = 64
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+    #: fp8 rows only: dequantise the K tile (``k8 * scale`` rounded to bf16) and chain the dots
+    #: instead of scaling the tile's products (exact); a speed variant for the sweep.
+    scale_on_k: bool = False
+
+
+def default_config(num_tokens: int, num_heads: int) -> DecodeConfig:
+    """Tile shape used when the caller gives none (chosen from benchmarks/bench_sparse_mla.py)."""
+    del num_tokens, num_heads
+    return DecodeConfig()
+
+
+def supports(q_latent: Tensor, q_rope: Tensor, kv_cache: Tensor, row_format: MlaFormat) -> bool:
+    """Whether the kernel handles these inputs (else callers use the reference)."""
+    name = mla_format_name(row_format)
+    return (
+        name in ("fp8_ds_mla", "bf16")
+        and q_latent.shape[-1] == LATENT_DIM
+        and q_rope.shape[-1] == ROPE_DIM
+        and kv_cache.dim() == 3
+        and kv_cache.dtype == torch.uint8
+        and kv_cache.stride(2) == 1
+        and kv_cache.shape[2] == mla_row_bytes(name, LATENT_DIM, ROPE_DIM)
+    )
+
+
+@triton.jit
+def _load_tile(base_ptr, rows, col0, valid, TILE: tl.constexpr, DOT: tl.constexpr):
+    """``[BLOCK_N, TILE]`` values at element ``col0`` of each row (masked rows read 0)."""
+    cols = col0 + tl.arange(0, TILE)
+    ptrs = base_ptr + rows[:, None] + cols[None, :]
+    return tl.load(ptrs, mask=valid[:, None], other=0.0).to(DOT)
+
+
+@triton.jit
+def _sparse_mla_decode_kernel(
+    q_lat_ptr,
+    q_rope_ptr,
+    lat_ptr,  # latent view: e4m3 (fp8 rows) or bf16 (bf16 rows)
+    scale_ptr,  # fp32 view of the rows (fp8 only; unused for bf16)
+    rope_ptr,  # bf16 view of the rows
+    idx_ptr,
+    out_ptr,
+    lse_ptr,
+    sm_scale_log2,
+    num_heads,
+    top_k,
+    block_size,
+    split_len,
+    s_ql_t,
+    s_ql_h,
+    s_qr_t,
+    s_qr_h,
+    s_lat_b,
+    s_lat_r,
+    s_sc_b,
+    s_sc_r,
+    s_rp_b,
+    s_rp_r,
+    s_idx_t,
+    s_o_t,
+    s_o_h,
+    s_o_s,
+    s_l_t,
+    s_l_h,
+    s_l_s,
+    IS_FP8: tl.constexpr,
+    SCALE_ON_K: tl.constexpr,
+    SC_OFF: tl.constexpr,  # fp32 element of the first scale within a row
+    RP_OFF: tl.constexpr,  # bf16 element of the RoPE part within a row
+    TILE: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    hb = tl.program_id(0)  # fastest: the head blocks of one (token, split) read the same rows
+    t = tl.program_id(1).to(tl.int64)
+    sp = tl.program_id(2)
+
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    d = tl.arange(0, TILE)
+    r = tl.arange(0, R)
+    ql = q_lat_ptr + t * s_ql_t + heads[:, None] * s_ql_h + d[None, :]
+    q0 = tl.load(ql, mask=hmask[:, None], other=0.0).to(DOT)
+    q1 = tl.load(ql + TILE, mask=hmask[:, None], other=0.0).to(DOT)
+    q2 = tl.load(ql + 2 * TILE, mask=hmask[:, None], other=0.0).to(DOT)
+    q3 = tl.load(ql + 3 * TILE, mask=hmask[:, None], other=0.0).to(DOT)
+    qrp = q_rope_ptr + t * s_qr_t + heads[:, None] * s_qr_h + r[None, :]
+    qr = tl.load(qrp, mask=hmask[:, None], other=0.0).to(DOT)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, TILE], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, TILE], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, TILE], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, TILE], tl.float32)
+
+    start = sp * split_len
+    end = tl.minimum(start + split_len, top_k)
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_ptr + t * s_idx_t + offs, mask=offs < end, other=-1)
+        valid = idx >= 0
+        safe = tl.where(valid, idx, 0).to(tl.int64)
+        blk = safe // block_size
+        off = safe % block_size
+        lat_rows = blk * s_lat_b + off * s_lat_r
+        rp_rows = blk * s_rp_b + off * s_rp_r
+
+        k0 = _load_tile(lat_ptr, lat_rows, 0, valid, TILE, DOT)
+        k1 = _load_tile(lat_ptr, lat_rows, TILE, valid, TILE, DOT)
+        k2 = _load_tile(lat_ptr, lat_rows, 2 * TILE, valid, TILE, DOT)
+        k3 = _load_tile(lat_ptr, lat_rows, 3 * TILE, valid, TILE, DOT)
+        kr = tl.load(
+            rope_ptr + rp_rows[:, None] + RP_OFF + r[None, :], mask=valid[:, None], other=0.0
+        ).to(DOT)
+
+        s = tl.dot(qr, tl.trans(kr), input_precision=PRECISION)
+        if IS_FP8:
+            sc_rows = scale_ptr + blk * s_sc_b + off * s_sc_r + SC_OFF
+            c0 = tl.load(sc_rows, mask=valid, other=0.0)
+            c1 = tl.load(sc_rows + 1, mask=valid, other=0.0)
+            c2 = tl.load(sc_rows + 2, mask=valid, other=0.0)
+            c3 = tl.load(sc_rows + 3, mask=valid, other=0.0)
+            if SCALE_ON_K:
+                k0 = (k0.to(tl.float32) * c0[:, None]).to(DOT)
+                k1 = (k1.to(tl.float32) * c1[:, None]).to(DOT)
+                k2 = (k2.to(tl.float32) * c2[:, None]).to(DOT)
+                k3 = (k3.to(tl.float32) * c3[:, None]).to(DOT)
+        if IS_FP8 and not SCALE_ON_K:
+            s += tl.dot(q0, tl.trans(k0), input_precision=PRECISION) * c0[None, :]
+            s += tl.dot(q1, tl.trans(k1), input_precision=PRECISION) * c1[None, :]
+            s += tl.dot(q2, tl.trans(k2), input_precision=PRECISION) * c2[None, :]
+            s += tl.dot(q3, tl.trans(k3), input_precision=PRECISION) * c3[None, :]
+        else:
+            s = tl.dot(q0, tl.trans(k0), s, input_precision=PRECISION)
+            s = tl.dot(q1, tl.trans(k1), s, input_precision=PRECISION)
+            s = tl.dot(q2, tl.trans(k2), s, input_precision=PRECISION)
+            s = tl.dot(q3, tl.trans(k3), s, input_precision=PRECISION)
+        s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        acc0 = acc0 * alpha[:, None]
+        acc1 = acc1 * alpha[:, None]
+        acc2 = acc2 * alpha[:, None]
+        acc3 = acc3 * alpha[:, None]
+        if IS_FP8 and not SCALE_ON_K:
+            acc0 = tl.dot((p * c0[None, :]).to(DOT), k0, acc0, input_precision=PRECISION)
+            acc1 = tl.dot((p * c1[None, :]).to(DOT), k1, acc1, input_precision=PRECISION)
+            acc2 = tl.dot((p * c2[None, :]).to(DOT), k2, acc2, input_precision=PRECISION)
+            acc3 = tl.dot((p * c3[None, :]).to(DOT), k3, acc3, input_precision=PRECISION)
+        else:
+            pd = p.to(DOT)
+            acc0 = tl.dot(pd, k0, acc0, input_precision=PRECISION)
+            acc1 = tl.dot(pd, k1, acc1, input_precision=PRECISION)
+            acc2 = tl.dot(pd, k2, acc2, input_precision=PRECISION)
+            acc3 = tl.dot(pd, k3, acc3, input_precision=PRECISION)
+
+    # Normalise; a head that saw no valid row gets out 0 and lse -inf.
+    has = l_i > 0
+    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
+    tl.store(lse_ptr + t * s_l_t + sp * s_l_s + heads * s_l_h, lse, mask=hmask)
+    o = out_ptr + t * s_o_t + sp * s_o_s + heads[:, None] * s_o_h + d[None, :]
+    odt = out_ptr.dtype.element_ty
+    tl.store(o, (acc0 * inv[:, None]).to(odt), mask=hmask[:, None])
+    tl.store(o + TILE, (acc1 * inv[:, None]).to(odt), mask=hmask[:, None])
+    tl.store(o + 2 * TILE, (acc2 * inv[:, None]).to(odt), mask=hmask[:, None])
+    tl.store(o + 3 * TILE, (acc3 * inv[:, None]).to(odt), mask=hmask[:, None])
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr,
+    plse_ptr,
+    out_ptr,
+    lse_ptr,
+    num_splits,
+    s_p_t,
+    s_p_h,
+    s_p_s,
+    s_pl_t,
+    s_pl_h,
+    s_o_t,
+    s_o_h,
+    s_l_t,
+    C: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Merge the splits of one (token, head): weights ``exp(lse_s - max)``."""
+    h = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1).to(tl.int64)
+    sidx = tl.arange(0, BLOCK_S)
+    smask = sidx < num_splits
+    lses = tl.load(plse_ptr + t * s_pl_t + h * s_pl_h + sidx, mask=smask, other=float("-inf"))
+    m = tl.max(lses, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lses - m_safe)  # -inf splits (and padding) weigh 0
+    total = tl.sum(w, 0)
+    c = tl.arange(0, C)
+    parts = tl.load(
+        part_ptr + t * s_p_t + h * s_p_h + sidx[:, None] * s_p_s + c[None, :],
+        mask=smask[:, None],
+        other=0.0,
+    )
+    has = total > 0
+    acc = tl.sum(parts * w[:, None], 0) / tl.where(has, total, 1.0)
+    tl.store(out_ptr + t * s_o_t + h * s_o_h + c, acc.to(out_ptr.dtype.element_ty))
+    lse = tl.where(has, m_safe + tl.log(tl.where(has, total, 1.0)), float("-inf"))
+    tl.store(lse_ptr + t * s_l_t + h, lse)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+#: The compiled kernel of the last launch (benchmarks read its registers and spills).
+last_compiled: list = [None]
+
+
+def num_splits_for(
+    num_tokens: int, num_heads: int, top_k: int, cfg: DecodeConfig, device: torch.device
+) -> int:
+    """Splits over top-k: enough programs for ~2 waves, each split at least 2 tiles long."""
+    head_blocks = triton.cdiv(num_heads, cfg.block_h)
+    programs = max(1, num_tokens * head_blocks)
+    want = triton.cdiv(2 * _num_sms(device), programs)
+    most = max(1, triton.cdiv(top_k, 2 * cfg.block_n))
+    return max(1, min(want, most))
+
+
+def sparse_mla_decode_triton(
+    q_latent: Tensor,
+    q_rope: Tensor,
+    kv_cache: Tensor,
+    indices: Tensor,
+    scale: float,
+    row_format: MlaFormat,
+    *,
+    config: DecodeConfig | None = None,
+    num_splits: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Same contract as `sparse_mla_decode_reference` (``out [T,H,512]``, ``lse [T,H]`` fp32).
+
+    ``kv_cache`` is ``[num_blocks, block_size, row_bytes]`` uint8 with any strides on the
+    first two dims and unit stride on the bytes; ``indices [T, K]`` int32 physical rows,
+    ``-1`` masked. ``config`` / ``num_splits`` override the tile shape and split count.
+    """
+    name = mla_format_name(row_format)
+    t, h, c = q_latent.shape
+    if q_rope.shape[:2] != (t, h) or indices.dim() != 2 or indices.shape[0] != t:
+        raise ValueError(
+            f"shapes disagree: q_latent {tuple(q_latent.shape)}, q_rope {tuple(q_rope.shape)}, "
+            f"indices {tuple(indices.shape)}"
+        )
+    if not supports(q_latent, q_rope, kv_cache, name):
+        raise ValueError(
+            f"Triton sparse MLA needs fp8_ds_mla or bf16 rows of a {LATENT_DIM}+{ROPE_DIM} "
+            f"latent with unit byte stride; got {name} kv {tuple(kv_cache.shape)} strides "
+            f"{kv_cache.stride()}, q {tuple(q_latent.shape)} / {tuple(q_rope.shape)}"
+        )
+    device = q_latent.device
+    k = indices.shape[1]
+    cfg = config or default_config(t, h)
+    splits = num_splits or num_splits_for(t, h, k, cfg, device)
+    split_len = triton.cdiv(triton.cdiv(max(k, 1), splits), cfg.block_n) * cfg.block_n
+
+    q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
+    q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
+    if indices.dtype != torch.int32 or indices.stride(-1) != 1:
+        indices = indices.to(torch.int32).contiguous()
+
+    is_fp8 = name == "fp8_ds_mla"
+    rope_view = kv_cache.view(torch.bfloat16)
+    if is_fp8:
+        lat_view = kv_cache.view(torch.float8_e4m3fn)
+        scale_view = kv_cache.view(torch.float32)
+        sc_off, rp_off = LATENT_DIM // 4, (LATENT_DIM + 4 * (LATENT_DIM // _TILE)) // 2
+    else:
+        lat_view = rope_view
+        scale_view = rope_view  # unused
+        sc_off, rp_off = 0, LATENT_DIM
+
+    out = torch.empty(t, h, c, dtype=q_latent.dtype, device=device)
+    lse = torch.empty(t, h, dtype=torch.float32, device=device)
+    if t == 0:
+        return out, lse
+    if splits == 1:
+        o_buf, l_buf = out, lse
+        so = (out.stride(0), out.stride(1), 0)
+        sl = (lse.stride(0), lse.stride(1), 0)
+    else:
+        o_buf = torch.empty(t, h, splits, c, dtype=torch.float32, device=device)
+        l_buf = torch.empty(t, h, splits, dtype=torch.float32, device=device)
+        so = (o_buf.stride(0), o_buf.stride(1), o_buf.stride(2))
+        sl = (l_buf.stride(0), l_buf.stride(1), l_buf.stride(2))
+
+    interp = interpreting() or device.type != "cuda"
+    grid = (triton.cdiv(h, cfg.block_h), t, splits)
+    last_compiled[0] = _sparse_mla_decode_kernel[grid](
+        q_latent, q_rope, lat_view, scale_view, rope_view, indices, o_buf, l_buf,
+        scale * _LOG2E, h, k, kv_cache.shape[1], split_len,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        lat_view.stride(0), lat_view.stride(1), scale_view.stride(0), scale_view.stride(1),
+        rope_view.stride(0), rope_view.stride(1), indices.stride(0),
+        so[0], so[1], so[2], sl[0], sl[1], sl[2],
+        IS_FP8=is_fp8, SCALE_ON_K=cfg.scale_on_k and is_fp8,
+        SC_OFF=sc_off, RP_OFF=rp_off, TILE=_TILE, R=ROPE_DIM,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        DOT=tl.float32 if interp else tl.bfloat16,
+        PRECISION="ieee" if interp else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        _combine_kernel[(h, t)](
+            o_buf, l_buf, out, lse, splits,
+            o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), l_buf.stride(0), l_buf.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0),
+            C=c, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
+        )  # fmt: skip
+    return out, lse
+
+
+def decode_bytes(num_tokens: int, num_heads: int, top_k: int, row_format: MlaFormat,
+                 q_bytes: int = 2) -> int:  # fmt: skip
+    """Fewest HBM bytes of one call: gathered rows + q read + out written (benchmarks)."""
+    rows = num_tokens * top_k * mla_row_bytes(row_format, LATENT_DIM, ROPE_DIM)
+    q = num_tokens * num_heads * (LATENT_DIM + ROPE_DIM) * q_bytes
+    out = num_tokens * num_heads * LATENT_DIM * q_bytes
+    return rows + q + out
+
+
+def decode_flops(num_tokens: int, num_heads: int, top_k: int) -> int:
+    """Matrix FLOPs of one call (scores over 576 dims, values over 512)."""
+    return 2 * num_tokens * num_heads * top_k * (LATENT_DIM + ROPE_DIM + LATENT_DIM)
+
+
+__all__ = [
+    "DecodeConfig",
+    "decode_bytes",
+    "decode_flops",
+    "default_config",
+    "num_splits_for",
+    "sparse_mla_decode_triton",
+    "supports",
+]

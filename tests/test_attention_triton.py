@@ -1,0 +1,149 @@
+"""Triton sparse MLA decode equals the reference (Triton's CPU interpreter, CI).
+
+``TRITON_INTERPRET=1`` is set before the kernel module is imported. Every case draws fresh
+random rows, queries and indices (with ``-1`` entries and an all-masked token) and reads the
+rows through a strided (token-interleaved) view of the pool; outputs are checked to be fully
+written (NaN-poisoned allocations).
+
+Tolerances: under the interpreter the kernel's dots run in fp32 (the interpreter's bf16 dot
+is wrong), so with fp32 queries it differs from the fp32 reference by summation order only
+(abs/rel 1e-5). With bf16 queries the output is stored as bf16; the interpreter's bf16 cast
+truncates (up to one bf16 ulp, 2^-7 relative) where torch rounds to nearest, so those cases
+use the field's bf16 bar, abs 1e-3 / rel 1.6e-2. ``lse`` is fp32 in both: 1e-5.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hisparse.attention import sparse_mla_decode
+from hisparse.attention import sparse_mla_triton as smt
+from hisparse.attention.sparse_mla_reference import sparse_mla_decode_reference
+from hisparse.kv.row_formats import pack_mla_rows
+
+pytestmark = pytest.mark.skipif(
+    not smt.interpreting(), reason="Triton kernels were defined outside the interpreter"
+)
+
+C, R = 512, 64
+SCALE = 192**-0.5
+
+
+def _pool(fmt: str, nb: int, bs: int, g: torch.Generator) -> torch.Tensor:
+    """A ``[nb, bs, row_bytes]`` view with a token stride of two rows (any strides allowed)."""
+    lat = torch.randn(nb * bs, C, generator=g) * 2
+    rope = torch.randn(nb * bs, R, generator=g)
+    rows = pack_mla_rows(fmt, lat, rope).view(nb, bs, -1)
+    big = torch.randint(0, 255, (nb, 2 * bs, rows.shape[-1]), generator=g, dtype=torch.uint8)
+    big[:, ::2] = rows
+    return big[:, ::2]
+
+
+def _indices(t: int, k: int, rows: int, g: torch.Generator) -> torch.Tensor:
+    idx = torch.randint(0, rows, (t, k), generator=g, dtype=torch.int32)
+    idx[torch.rand(t, k, generator=g) < 0.25] = -1
+    if t > 1:
+        idx[t - 1] = -1  # an all-masked token: out 0, lse -inf
+    return idx
+
+
+def _run(fmt: str, t: int, h: int, k: int, dtype: torch.dtype, seed: int, **kw) -> None:
+    g = torch.Generator().manual_seed(seed)
+    nb, bs = 5, 8
+    kv = _pool(fmt, nb, bs, g)
+    idx = _indices(t, k, nb * bs, g)
+    ql = torch.randn(t, h, C, generator=g).to(dtype)
+    qr = torch.randn(t, h, R, generator=g).to(dtype)
+    ref_o, ref_l = sparse_mla_decode_reference(ql, qr, kv, idx, SCALE, fmt)
+    out, lse = smt.sparse_mla_decode_triton(ql, qr, kv, idx, SCALE, fmt, **kw)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=1.6e-2)
+    torch.testing.assert_close(out.float(), ref_o.float(), **tol)
+    torch.testing.assert_close(lse, ref_l, atol=1e-5, rtol=1e-5)
+    if t > 1:
+        assert torch.equal(out[t - 1], torch.zeros_like(out[t - 1]))
+        assert torch.isneginf(lse[t - 1]).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_matches_reference(fmt: str, dtype: torch.dtype, splits: int) -> None:
+    seed = 10 * (fmt == "bf16") + 5 * (dtype == torch.bfloat16) + splits
+    _run(fmt, 3, 4, 32, dtype, seed, num_splits=splits, config=smt.DecodeConfig(4, 8))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_random_shapes(seed: int) -> None:
+    g = torch.Generator().manual_seed(500 + seed)
+    t = int(torch.randint(1, 4, (1,), generator=g))
+    h = int(torch.randint(1, 5, (1,), generator=g))
+    k = int(torch.randint(1, 33, (1,), generator=g))
+    fmt = ["fp8_ds_mla", "bf16"][seed % 2]
+    # Default tile shape (heads and indices padded and masked inside the kernel).
+    _run(fmt, t, h, k, torch.float32, seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_fp8_scale_on_k_variant(dtype: torch.dtype) -> None:
+    """The sweep's variant that dequantises the K tile before the dots (same function)."""
+    cfg = smt.DecodeConfig(4, 8, scale_on_k=True)
+    _run("fp8_ds_mla", 3, 4, 32, dtype, 61, num_splits=2, config=cfg)
+
+
+def test_more_splits_than_tiles_gives_empty_splits() -> None:
+    """A split past the last index contributes nothing (lse -inf), not NaN."""
+    _run("fp8_ds_mla", 2, 3, 9, torch.float32, 77, num_splits=4, config=smt.DecodeConfig(4, 8))
+
+
+def test_poisoned_outputs_are_overwritten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every element of out / lse is written, also through the combine step (NaN-filled
+    allocations: an unwritten element would fail the comparison)."""
+    real_empty = torch.empty
+
+    def poisoned(*a, **kw):  # type: ignore[no-untyped-def]
+        x = real_empty(*a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    for splits in (1, 2):
+        _run("bf16", 3, 4, 16, torch.float32, 90 + splits, num_splits=splits)
+
+
+def test_dispatch_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr(smt, "sparse_mla_decode_triton", lambda *a, **k: calls.append(1))
+    g = torch.Generator().manual_seed(3)
+    kv = _pool("bf16", 2, 8, g)
+    ql, qr = torch.randn(1, 2, C, generator=g), torch.randn(1, 2, R, generator=g)
+    idx = torch.arange(8, dtype=torch.int32)[None]
+    monkeypatch.delenv("HISPARSE_ATTENTION", raising=False)
+    out, _ = sparse_mla_decode(ql, qr, kv, idx, SCALE, "bf16")
+    assert not calls and out.shape == (1, 2, C)
+    monkeypatch.setenv("HISPARSE_ATTENTION", "triton")
+    sparse_mla_decode(ql, qr, kv, idx, SCALE, "bf16")
+    assert calls == [1]
+    # The fp32 test format is not a kernel format: it falls back even when forced.
+    kv32 = pack_mla_rows("fp32", torch.randn(16, C), torch.randn(16, R)).view(2, 8, -1)
+    sparse_mla_decode(ql, qr, kv32, idx, SCALE, "fp32")
+    assert calls == [1]
+    monkeypatch.setenv("HISPARSE_ATTENTION", "bogus")
+    with pytest.raises(ValueError, match="HISPARSE_ATTENTION"):
+        sparse_mla_decode(ql, qr, kv, idx, SCALE, "bf16")
+
+
+def test_rejects_unsupported_inputs() -> None:
+    kv = torch.zeros(2, 8, 2 * (256 + R), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="Triton sparse MLA"):
+        smt.sparse_mla_decode_triton(
+            torch.zeros(1, 1, 256), torch.zeros(1, 1, R), kv,
+            torch.zeros(1, 4, dtype=torch.int32), SCALE, "bf16",
+        )  # fmt: skip
