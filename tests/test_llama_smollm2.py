@@ -258,3 +258,17 @@ def test_sparse_selection_uses_the_budget(ours, tok):
         row = set(sparse[t][sparse[t] >= 0].tolist())
         assert {0, 1, 2, 3} | set(range(t - 7, t + 1)) <= row and max(row) == t
     assert torch.equal((dense >= 0).sum(-1), pos + 1)
+
+
+def test_bf16_model_and_rows(ours, tok):
+    """The serving dtype: bf16 weights and 768 B bf16 rows, dense and sparse, still answer."""
+    import copy
+
+    model = copy.deepcopy(ours).to(torch.bfloat16)
+    ids = tok.encode_chat(CHATS[0])
+    # top_k 24 < the 37-token prompt: its first 24 tokens attend densely, the rest sparsely.
+    model.set_indexer(GqaIndexerConfig(top_k=24, recent_window=16))
+    cache = model.new_dense_cache(max_reqs=1, max_len=len(ids) + 8)
+    assert cache.row_format.row_bytes == 768 and cache.kv[0].shape[-1] == 768
+    out = model.generate_greedy([ids], 8, cache=cache)[0]
+    assert "Paris" in tok.decode(out), tok.decode(out)

@@ -147,3 +147,38 @@ def sparse_gqa_reference(
         out[lo:hi] = o.reshape(hi - lo, h, d).to(out.dtype)
         lse[lo:hi] = row_lse.reshape(hi - lo, h)
     return out, lse
+
+
+def causal_gqa_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    row_format: GqaRowFormat,
+) -> torch.Tensor:
+    """Dense causal attention of one request: query at position ``p`` reads ``rows[: p + 1]``.
+
+    The same result as `sparse_gqa_reference` with every earlier position selected, but the
+    request's rows (``rows [L]`` physical, in position order) are gathered once instead of once
+    per query token: a long prefill costs ``L`` row reads, not ``T · L``. Returns
+    ``[T, H, D]`` in ``q``'s dtype.
+    """
+    t, h, d = q.shape
+    g = row_format.num_kv_heads
+    keys, values = row_format.unpack(gather_rows(kv_cache, rows))  # [L, G, D]
+    keys = keys.float().permute(1, 2, 0)  # [G, D, L]
+    values = values.float().transpose(0, 1)  # [G, L, D]
+    s = torch.arange(rows.shape[0], device=q.device)
+    out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+    step = max(1, _CHUNK_ELEMENTS // max(1, h * rows.shape[0]))
+    for lo in range(0, t, step):
+        hi = min(t, lo + step)
+        qg = q[lo:hi].float().view(hi - lo, g, h // g, d).transpose(0, 1)  # [G, t, q, D]
+        scores = torch.matmul(qg.reshape(g, -1, d), keys).view(g, hi - lo, h // g, -1) * scale
+        mask = s[None, :] > positions[lo:hi, None]  # [t, L]
+        scores = scores.masked_fill(mask[None, :, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs.view(g, -1, rows.shape[0]), values)  # [G, t*q, D]
+        out[lo:hi] = o.view(g, hi - lo, h // g, d).transpose(0, 1).reshape(hi - lo, h, d)
+    return out

@@ -34,6 +34,7 @@ from hisparse.attention.gqa_indexer_reference import (
 )
 from hisparse.attention.sparse_gqa_reference import (
     GqaRowFormat,
+    causal_gqa_reference,
     gqa_dtype_name,
     sparse_gqa_reference,
 )
@@ -199,8 +200,45 @@ class LlamaAttention(nn.Module):
 
         # 3./4. physical rows, then sparse attention.
         physical = kv.swap_in(topk)
-        out, _ = sparse_gqa_reference(q, view, physical, self.scale, cache.row_format)
+        out = self._attend(q, step, view, physical, cache.row_format, indexer)
         return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        step: Step,
+        view: torch.Tensor,
+        physical: torch.Tensor,
+        fmt: GqaRowFormat,
+        cfg: GqaIndexerConfig,
+    ) -> torch.Tensor:
+        """Sparse attention; a request whose selection is dense (it fits in ``top_k``) reads its
+        rows once for all its tokens (`causal_gqa_reference`): the same rows, far less copying
+        in long prefills."""
+        lens = step.seq_lens.tolist()
+        dense = [cfg.top_k is None or n <= cfg.top_k for n in lens]
+        if not any(dense):
+            out, _ = sparse_gqa_reference(q, view, physical, self.scale, fmt)
+            return out
+        out = torch.zeros_like(q)  # padding tokens (no request) stay 0
+        sparse_tok = []
+        for r, is_dense in enumerate(dense):
+            tok = torch.nonzero(step.req_index == r).flatten()
+            if tok.numel() == 0:
+                continue
+            if not is_dense:
+                sparse_tok.append(tok)
+                continue
+            # The request's latest token selects every position 0..len-1, ascending.
+            last = tok[step.positions[tok].argmax()]
+            rows = physical[last, : lens[r]]
+            out[tok] = causal_gqa_reference(
+                q[tok], view, rows, step.positions[tok], self.scale, fmt
+            )
+        if sparse_tok:
+            tok = torch.cat(sparse_tok)
+            out[tok], _ = sparse_gqa_reference(q[tok], view, physical[tok], self.scale, fmt)
+        return out
 
     def _select(
         self,
