@@ -27,6 +27,12 @@ kept and are left out of the softmax, so whatever they hold cannot move the choi
 others (in particular: a prefill and token-by-token decoding choose the same rows). The result
 lists positions ascending, ``-1`` padded. With ``top_k`` at least the context length every
 earlier position is chosen: attention is then exactly dense.
+
+Default ``fp8``, by measurement (SmolLM2-135M fp32, 768 tokens of the Python language reference,
+teacher-forced over the last 384, sinks 4, window 32; increase of mean NLL over dense / top-1
+agreement with dense): top_k 64: fp8 +0.068 / 85%, lowrank +0.206 / 78%, quest +0.301 / 72%;
+top_k 128: fp8 +0.012 / 92%, lowrank +0.109 / 85%, quest +0.133 / 81%. fp8 also reads the
+fewest bytes per useful bit of scoring and needs no weight-derived state.
 """
 
 from __future__ import annotations
