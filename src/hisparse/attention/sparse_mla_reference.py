@@ -72,6 +72,10 @@ def sparse_mla_decode_reference(
         idx = indices[lo:hi]
         valid = idx >= 0
         latent, rope = unpack_mla_rows(row_format, gather_mla_rows(kv_cache, idx), c, r)
+        # Masked entries read row 0 of the null block, which holds garbage (NaN bytes too):
+        # zero them so 0-probability * NaN cannot leak into the output.
+        latent = latent.masked_fill(~valid[..., None], 0.0)
+        rope = rope.masked_fill(~valid[..., None], 0.0)
         scores = torch.einsum("thc,tkc->thk", q_latent[lo:hi].float(), latent)
         scores = scores + torch.einsum("thr,tkr->thk", q_rope[lo:hi].float(), rope)
         scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))

@@ -1,0 +1,1 @@
+"""The serving engine: requests, scheduler, KV block manager, model runner, sampler, `LLM`."""

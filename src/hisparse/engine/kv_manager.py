@@ -1,0 +1,261 @@
+"""Block accounting and the physical KV pools of one engine, for both placements.
+
+HiSparse placement: every page of every request gets a host block (the full copy, mirrored
+eagerly); on the GPU a request holds its indexer pages, its resident pages (every page while it
+prefills, the two tail pages once it decodes) and, while it decodes, a leased hot region per
+hot group and a hot-state slot. All-GPU placement: one resident group holds every page of every
+layer, nothing on the host. Both placements run the same runtime code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hisparse.config import ResolvedHiSparseConfig, cdiv
+from hisparse.kv.block_pool import BlockPool
+from hisparse.kv.host_pool import HostPool
+from hisparse.kv.layout import RESIDENT_TAIL_PAGES, GroupKind, KVLayout, plan_kv_layout
+from hisparse.kv.specs import LayerCacheSpec
+
+
+class KVCapacityError(RuntimeError):
+    """The pools cannot hold what a step needs; the scheduler preempts or waits."""
+
+
+@dataclass
+class RequestBlocks:
+    """Blocks one request holds. Page ``p`` covers tokens ``[p * bs, (p + 1) * bs)``."""
+
+    host: list[int] = field(default_factory=list)
+    indexer: list[int] = field(default_factory=list)
+    #: Per resident group: page index -> GPU block.
+    resident: list[dict[int, int]] = field(default_factory=list)
+    #: Per hot group: the leased hot region (empty while not decoding).
+    hot: list[list[int]] = field(default_factory=list)
+    #: Hot-state slot while decoding, else -1.
+    slot: int = -1
+    #: Host blocks promised at admission but not yet allocated.
+    host_reserved: int = 0
+
+
+class KVCacheManager:
+    """Owns the GPU pool tensor, the host pool and every request's blocks."""
+
+    def __init__(
+        self,
+        specs: list[LayerCacheSpec],
+        config: ResolvedHiSparseConfig,
+        *,
+        placement: str,
+        gpu_budget_bytes: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.placement = placement
+        self.offload = placement == "hisparse"
+        self.block_size = config.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks = cdiv(max_model_len, self.block_size)
+        self.device = device
+        self.layout: KVLayout = plan_kv_layout(
+            specs, config, gpu_budget_bytes, max_model_len, placement  # type: ignore[arg-type]
+        )
+        lay = self.layout
+        self.gpu_raw = torch.empty(lay.gpu_pool_bytes, dtype=torch.uint8, device=device)
+        # Poisoned (0xFF: NaN in every float format) so a read of a row nothing wrote shows
+        # up as NaN in tests instead of passing as a plausible zero.
+        self.gpu_raw.fill_(255)
+        self.gpu_blocks = BlockPool(lay.gpu_num_blocks, "GPU block pool")
+        self.host_pool: HostPool | None = None
+        self.host_blocks: BlockPool | None = None
+        if self.offload:
+            self.host_pool = HostPool(lay.host_pool_bytes, pin=device.type == "cuda")
+            self.host_blocks = BlockPool(lay.host_num_blocks, "host block pool")
+        self.resident_groups = list(lay.groups(GroupKind.RESIDENT))
+        self.hot_groups = list(lay.groups(GroupKind.HOT))
+        #: group index (into resident_groups) of each sparse layer
+        self.group_of_layer = {
+            name: gi for gi, g in enumerate(self.resident_groups) for name in g.layers
+        }
+        hb = config.hot_blocks_per_request
+        #: per hot group: [max_num_seqs, hot blocks] GPU block ids of each slot's region
+        self.hot_block_tables = [
+            torch.zeros((max_num_seqs, hb), dtype=torch.int32, device=device)
+            for _ in self.hot_groups
+        ]
+        self.free_slots = list(range(max_num_seqs))
+        #: slots leased since the runner last reset hot state (a new request in an old slot)
+        self.pending_slot_resets: list[int] = []
+        self.requests: dict[str, RequestBlocks] = {}
+
+    # --- views ---------------------------------------------------------------------------
+    def gpu_view(self, name: str) -> torch.Tensor:
+        return self.layout.gpu_views[name].view(self.gpu_raw)
+
+    def gpu_pages(self, name: str) -> torch.Tensor:
+        return self.layout.gpu_views[name].page_view(self.gpu_raw)
+
+    def host_view(self, name: str) -> torch.Tensor:
+        assert self.host_pool is not None
+        return self.layout.host_views[name].view(self.host_pool.backing)
+
+    # --- capacity ------------------------------------------------------------------------
+    @property
+    def indexer_in_resident(self) -> bool:
+        """All-GPU placement keeps indexer pages in the (single) resident group."""
+        return not self.offload
+
+    def host_pages_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size) + 1  # + copy-on-write tail
+
+    def host_available(self) -> int:
+        if self.host_blocks is None:
+            return 1 << 62
+        reserved = sum(r.host_reserved for r in self.requests.values())
+        return self.host_blocks.num_free - reserved
+
+    def prefill_gpu_blocks(self, num_tokens: int, already: RequestBlocks | None = None) -> int:
+        """GPU blocks to add so a request holds ``num_tokens`` tokens, all pages resident."""
+        pages = cdiv(num_tokens, self.block_size)
+        have_idx = len(already.indexer) if already else 0
+        need = 0 if self.indexer_in_resident else max(pages - have_idx, 0)
+        for gi in range(len(self.resident_groups)):
+            have = len(already.resident[gi]) if already else 0
+            need += max(pages - have, 0)
+        return need
+
+    def decode_gpu_blocks(self, blocks: RequestBlocks, new_len: int) -> int:
+        """GPU blocks a decoding request must add to hold ``new_len`` tokens."""
+        page = (new_len - 1) // self.block_size
+        need = 0
+        if not self.indexer_in_resident and page >= len(blocks.indexer):
+            need += 1
+        for gi in range(len(self.resident_groups)):
+            if page not in blocks.resident[gi]:
+                need += 1
+        return need
+
+    def hot_lease_blocks(self) -> int:
+        return len(self.hot_groups) * self.config.hot_blocks_per_request
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def admit(self, req_id: str, total_tokens: int) -> RequestBlocks:
+        """Register a request and reserve host blocks for every token it may ever hold."""
+        if req_id in self.requests:
+            raise ValueError(f"request {req_id} is already admitted")
+        blocks = RequestBlocks(resident=[{} for _ in self.resident_groups])
+        blocks.hot = [[] for _ in self.hot_groups]
+        if self.offload:
+            need = self.host_pages_for(total_tokens)
+            if need > self.host_available():
+                raise KVCapacityError("host pool full")
+            blocks.host_reserved = need
+        self.requests[req_id] = blocks
+        return blocks
+
+    def grow(self, req_id: str, new_len: int, *, keep_all_resident: bool) -> None:
+        """Make pages for tokens ``[0, new_len)`` exist (all-or-nothing on the GPU)."""
+        b = self.requests[req_id]
+        bs = self.block_size
+        pages = cdiv(new_len, bs)
+        first = 0 if keep_all_resident else max(pages - 1, 0)
+        wanted_resident = [
+            [p for p in range(first, pages) if p not in b.resident[gi]]
+            for gi in range(len(self.resident_groups))
+        ]
+        idx_new = 0 if self.indexer_in_resident else max(pages - len(b.indexer), 0)
+        n_gpu = idx_new + sum(len(w) for w in wanted_resident)
+        if n_gpu > self.gpu_blocks.num_free:
+            raise KVCapacityError(f"GPU pool: {n_gpu} blocks wanted, {self.gpu_blocks.num_free}")
+        if self.host_blocks is not None and pages > len(b.host):
+            n = pages - len(b.host)
+            b.host.extend(self.host_blocks.allocate(n))
+            b.host_reserved = max(b.host_reserved - n, 0)
+        b.indexer.extend(self.gpu_blocks.allocate(idx_new))
+        for gi, want in enumerate(wanted_resident):
+            for p, blk in zip(want, self.gpu_blocks.allocate(len(want)), strict=True):
+                b.resident[gi][p] = blk
+
+    def trim_resident(self, req_id: str, num_tokens: int) -> list[tuple[int, int, int]]:
+        """HiSparse: drop resident pages older than the tail; returns (group, page, block)
+        dropped so the caller can write dirty rows back first when mirroring is lazy."""
+        if not self.offload:
+            return []
+        b = self.requests[req_id]
+        pages = cdiv(num_tokens, self.block_size)
+        keep_from = max(pages - RESIDENT_TAIL_PAGES, 0)
+        dropped = []
+        for gi, res in enumerate(b.resident):
+            for p in [p for p in res if p < keep_from]:
+                dropped.append((gi, p, res[p]))
+        return dropped
+
+    def release_resident(self, req_id: str, dropped: list[tuple[int, int, int]]) -> None:
+        b = self.requests[req_id]
+        for gi, p, blk in dropped:
+            del b.resident[gi][p]
+            self.gpu_blocks.free([blk])
+
+    def lease_hot(self, req_id: str) -> int:
+        """Give a request a hot-state slot and its hot regions (HiSparse) for decoding.
+
+        Leased at admission, so a request that prefilled can always start decoding."""
+        b = self.requests[req_id]
+        if b.slot >= 0:
+            return b.slot
+        if not self.free_slots:
+            raise KVCapacityError("no hot-state slot free")
+        n = self.hot_lease_blocks()
+        if n > self.gpu_blocks.num_free:
+            raise KVCapacityError("GPU pool: no room for a hot region")
+        b.slot = self.free_slots.pop(0)
+        self.pending_slot_resets.append(b.slot)
+        hb = self.config.hot_blocks_per_request
+        for hi, table in enumerate(self.hot_block_tables):
+            region = self.gpu_blocks.allocate(hb)
+            b.hot[hi] = region
+            table[b.slot] = torch.tensor(region, dtype=torch.int32)
+        return b.slot
+
+    def free(self, req_id: str) -> None:
+        b = self.requests.pop(req_id, None)
+        if b is None:
+            return
+        if self.host_blocks is not None and b.host:
+            self.host_blocks.free(b.host)
+        self.gpu_blocks.free(b.indexer)
+        for res in b.resident:
+            self.gpu_blocks.free(res.values())
+        for region in b.hot:
+            self.gpu_blocks.free(region)
+        if b.slot >= 0:
+            for table in self.hot_block_tables:
+                table[b.slot] = 0
+            self.free_slots.append(b.slot)
+
+    def close(self) -> None:
+        if self.host_pool is not None:
+            self.host_pool.close()
+            self.host_pool = None
+
+    # --- per-step tables -----------------------------------------------------------------
+    def block_table(self, req_ids: list[str], kind: str, group: int = 0) -> torch.Tensor:
+        """``[R, max_blocks]`` int32 table: ``host``, ``indexer`` or ``resident`` (group)."""
+        out = torch.zeros((len(req_ids), self.max_blocks), dtype=torch.int32)
+        for r, rid in enumerate(req_ids):
+            b = self.requests[rid]
+            if kind == "host":
+                ids = b.host
+                out[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+            elif kind == "indexer" and not self.indexer_in_resident:
+                out[r, : len(b.indexer)] = torch.tensor(b.indexer, dtype=torch.int32)
+            else:
+                res = b.resident[group]
+                if res:
+                    pages = torch.tensor(list(res.keys()))
+                    out[r, pages] = torch.tensor(list(res.values()), dtype=torch.int32)
+        return out.to(self.device)

@@ -1,0 +1,289 @@
+"""`hisparse.LLM`: load a checkpoint and generate, with the KV cache in the HiSparse host
+pool (``kv_placement="hisparse"``) or every row on the GPU (``kv_placement="gpu"``).
+
+The sparse-attention settings (top_k, indexer) apply to both placements; ``kv_placement``
+changes only where the KV rows live, so both give the same tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from hisparse.config import HiSparseConfig
+from hisparse.engine.kv_manager import KVCacheManager
+from hisparse.engine.model_runner import ModelRunner, dsa_engine_specs
+from hisparse.engine.request import Request, RequestOutput, Status
+from hisparse.engine.sampling import SamplingParams, sample
+from hisparse.engine.scheduler import Scheduler
+from hisparse.models.loader import load_dsa_model
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PLACEMENTS = ("hisparse", "gpu")
+
+
+class LLM:
+    """A model plus its engine.
+
+    Args:
+        model: a checkpoint directory (``config.json`` + safetensors) of a ``deepseek_v32`` or
+            ``glm_moe_dsa`` model.
+        kv_placement: ``"hisparse"`` (host pool + GPU hot buffers) or ``"gpu"``.
+        hisparse: HiSparse settings; ``top_k`` defaults to the model's ``index_topk``.
+        max_num_seqs: most requests running at once.
+        max_model_len: most tokens of one request (prompt + output); default: the model's.
+        gpu_memory_gib: GPU (or, on a CPU run, device) memory for the KV cache.
+        dtype: ``"auto"`` (bf16 on CUDA, fp32 on the CPU), ``"float32"``, ``"bfloat16"``.
+        device: ``"cuda"``/``"cpu"``; default CUDA when available.
+        kv_format: MLA row format: ``"fp8_ds_mla"`` (default), ``"bf16"``, ``"fp32"``.
+        indexer: ``"fp8"`` (DeepSeek's quantized scoring, 132 B keys) or ``"exact"``.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        kv_placement: str = "hisparse",
+        hisparse: HiSparseConfig | None = None,
+        max_num_seqs: int = 8,
+        max_model_len: int | None = None,
+        gpu_memory_gib: float | None = None,
+        dtype: str = "auto",
+        device: str | None = None,
+        kv_format: str = "fp8_ds_mla",
+        indexer: str = "fp8",
+        max_num_batched_tokens: int = 2048,
+    ) -> None:
+        if kv_placement not in PLACEMENTS:
+            raise ValueError(f"kv_placement={kv_placement!r}: use one of {PLACEMENTS}.")
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model {str(model)!r}: no config.json there. Pass a checkpoint directory "
+                "(config.json + *.safetensors), e.g. one written by `hisparse make-tiny`."
+            )
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype == "auto":
+            torch_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        elif dtype in _DTYPES:
+            torch_dtype = _DTYPES[dtype]
+        else:
+            raise ValueError(f"dtype={dtype!r}: use 'auto' or one of {sorted(_DTYPES)}.")
+        self.model = load_dsa_model(
+            path, dtype=torch_dtype, device=self.device, indexer_mode=indexer
+        )
+        mcfg = self.model.config
+        self.max_model_len = max_model_len or mcfg.max_position_embeddings
+        self.config = (hisparse or HiSparseConfig()).resolve(model_top_k=mcfg.index_topk)
+        if self.config.top_k != mcfg.index_topk:
+            # The sparse-attention budget applies to both placements alike.
+            _set_index_topk(self.model, self.config.top_k)
+        if gpu_memory_gib is None:
+            gpu_memory_gib = _default_kv_gib(self.device)
+        specs = dsa_engine_specs(self.model, kv_format, self.config.block_size)  # type: ignore[arg-type]
+        self.kv = KVCacheManager(
+            specs, self.config, placement=kv_placement,
+            gpu_budget_bytes=int(gpu_memory_gib * 2**30), max_model_len=self.max_model_len,
+            max_num_seqs=max_num_seqs, device=self.device,
+        )
+        self.runner = ModelRunner(
+            self.model, self.config, self.kv, row_format=kv_format,  # type: ignore[arg-type]
+            max_num_seqs=max_num_seqs, device=self.device,
+        )
+        self.scheduler = Scheduler(
+            self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        )
+        self.tokenizer = _load_tokenizer(path)
+        self.eos_token_ids = _eos_ids(path, mcfg)
+        self._ids = itertools.count()
+        self.step_stats: list[dict[str, float]] = []
+
+    # ------------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in input order. A bad prompt gets an error in
+        its own output; the other prompts run as usual."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompts or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        n = len(prompts) if prompts is not None else len(prompt_token_ids or [])
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * n
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != n:
+            raise ValueError(f"{len(params)} sampling params for {n} prompts")
+        requests = []
+        for i in range(n):
+            text = prompts[i] if prompts is not None else None
+            req = Request(req_id=str(next(self._ids)), prompt_token_ids=[], params=params[i],
+                          prompt=text)
+            error = self._tokenize(req, text, prompt_token_ids[i] if prompt_token_ids else None)
+            if error:
+                req.status, req.finish_reason, req.error = Status.FINISHED, "error", error
+            else:
+                self.scheduler.add(req)
+            requests.append(req)
+        self._run(requests, progress)
+        return [
+            RequestOutput(
+                req_id=r.req_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
+                token_ids=list(r.output_token_ids), text=r.text,
+                finish_reason=r.finish_reason, error=r.error, metrics=r.metrics,
+            )
+            for r in requests
+        ]
+
+    def _tokenize(self, req: Request, text: str | None, ids: Sequence[int] | None) -> str | None:
+        if text is not None:
+            if self.tokenizer is None:
+                return "this checkpoint has no tokenizer.json; pass prompt_token_ids instead"
+            ids = self.tokenizer.encode(text).ids
+        assert ids is not None
+        ids = [int(t) for t in ids]
+        vocab = self.model.config.vocab_size
+        if not ids:
+            return "the prompt is empty; give at least one token"
+        if any(t < 0 or t >= vocab for t in ids):
+            return f"the prompt has token ids outside the vocabulary [0, {vocab})"
+        if len(ids) >= self.max_model_len:
+            return (
+                f"the prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves "
+                "no room for output. Shorten the prompt or raise max_model_len."
+            )
+        req.prompt_token_ids = ids
+        return None
+
+    def _run(self, requests: list[Request], progress: bool) -> None:
+        sched = self.scheduler
+        bar = _progress(len(requests), progress)
+        done = sum(r.finished for r in requests)
+        stalls = 0
+        while sched.has_work:
+            step = sched.schedule()
+            if step is None:
+                stalls += 1
+                if stalls > len(requests) + 2:
+                    raise RuntimeError("scheduler stalled: nothing fits and nothing runs")
+                continue
+            stalls = 0
+            t0 = time.perf_counter()
+            result = self.runner.run(step.batch, decode=step.decode, finishing=step.finishing)
+            tokens = sample(
+                result.logits, [r.params for r in result.sample_reqs],
+                [r.generator for r in result.sample_reqs],
+            )
+            now = time.perf_counter()
+            for req, n in step.batch:
+                req.num_computed += n
+            for req, tok in zip(result.sample_reqs, tokens, strict=True):
+                self._append(req, tok, now)
+            if not step.decode:
+                for (req, _), fin in zip(step.batch, step.finishing, strict=True):
+                    if fin and not req.finished:
+                        req.status = Status.DECODING
+            for (req, _), fin in zip(step.batch, step.finishing, strict=True):
+                if not req.finished and (step.decode or fin):
+                    # the rows are on the host: keep only the tail pages resident
+                    dropped = self.kv.trim_resident(req.req_id, req.num_computed)
+                    self.runner.write_back(dropped, req)
+                    self.kv.release_resident(req.req_id, dropped)
+            self.step_stats.append(
+                dict(decode=float(step.decode), tokens=sum(n for _, n in step.batch),
+                     seconds=now - t0)
+            )
+            new_done = sum(r.finished for r in requests)
+            if bar is not None and new_done > done:
+                bar.update(new_done - done)
+            done = new_done
+        for req in sched.failed:
+            req.metrics.finished = time.perf_counter()
+        sched.failed.clear()
+        if bar is not None:
+            bar.close()
+
+    def _append(self, req: Request, token: int, now: float) -> None:
+        req.output_token_ids.append(token)
+        if req.metrics.first_token is None:
+            req.metrics.first_token = now
+        req.metrics.token_times.append(now)
+        if self.tokenizer is not None:
+            req.text = self.tokenizer.decode(req.output_token_ids)
+        p = req.params
+        reason = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+        elif p.stop and any(s in req.text for s in p.stop):
+            cut = min(req.text.index(s) for s in p.stop if s in req.text)
+            req.text = req.text[:cut]
+            reason = "stop"
+        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            req.metrics.finished = now
+            self.scheduler.finish(req, reason)
+
+    def close(self) -> None:
+        self.kv.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _set_index_topk(model: torch.nn.Module, top_k: int) -> None:
+    for module in model.modules():
+        if module.__class__.__name__ == "Indexer":
+            module.topk = top_k  # type: ignore[assignment]
+
+
+def _default_kv_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return 0.85 * free / 2**30
+    return 1.0
+
+
+def _load_tokenizer(path: Path):
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(file))
+
+
+def _eos_ids(path: Path, mcfg: object) -> set[int]:
+    eos = getattr(mcfg, "eos_token_id", None)
+    if eos is None:
+        import json
+
+        cfg = json.loads((path / "config.json").read_text())
+        eos = cfg.get("eos_token_id")
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req")

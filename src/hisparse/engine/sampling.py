@@ -1,0 +1,75 @@
+"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, seeded)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each new token and when to stop.
+
+    ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1`` switch those filters off.
+    ``seed`` makes a request's random choices reproducible whatever else runs beside it.
+    Generation stops at ``max_tokens`` new tokens, at an end-of-sequence token (unless
+    ``ignore_eos``), at one of ``stop_token_ids``, or when the text ends with one of ``stop``
+    (the stop string is cut from the returned text).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy).")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1].")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off).")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> list[int]:
+    """One token per row of ``logits [B, V]`` (computed in fp32)."""
+    out: list[int] = []
+    logits = logits.float()
+    for row, p, gen in zip(logits, params, generators, strict=True):
+        if p.greedy:
+            out.append(int(torch.argmax(row)))
+            continue
+        x = row / p.temperature
+        if p.top_k:
+            kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
+            x = torch.where(x < kth, torch.full_like(x, float("-inf")), x)
+        probs = torch.softmax(x, dim=-1)
+        if p.top_p < 1:
+            sorted_p, order = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sorted_p, 0)
+            drop = cum - sorted_p > p.top_p  # keep the smallest prefix reaching top_p
+            sorted_p[drop] = 0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+        choice = torch.multinomial(probs.cpu(), 1, generator=gen)
+        out.append(int(choice))
+    return out

@@ -1,0 +1,152 @@
+"""Continuous batching with chunked prefill, admission that counts future tokens, and
+preemption with recompute.
+
+Each engine step is either a prefill step (chunks of admitted prompts up to a token budget)
+or a decode step (one token for every decoding request). New requests join between steps.
+Admission reserves host blocks for the prompt *and* every token the request may still
+generate, so the host pool never overflows: a full pool means waiting. The GPU pool is checked
+for the whole prompt's pages; when a decode step cannot grow, the most recently admitted
+decoding request is preempted (its blocks freed, its tokens recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from hisparse.engine.kv_manager import KVCacheManager, KVCapacityError
+from hisparse.engine.request import Request, Status
+
+
+@dataclass
+class ScheduledStep:
+    decode: bool
+    batch: list[tuple[Request, int]]
+    #: per batch entry: does this step compute the request's last prompt token
+    finishing: list[bool]
+
+
+class Scheduler:
+    def __init__(
+        self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.failed: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _fail(self, req: Request, message: str) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = "error"
+        req.error = message
+        self.failed.append(req)
+
+    def _admit(self) -> None:
+        kv = self.kv
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            total = min(req.max_total_tokens, kv.max_blocks * kv.block_size)
+            need_gpu = kv.prefill_gpu_blocks(req.num_tokens) + kv.hot_lease_blocks()
+            # Blocks the admitted prompts still have to take are spoken for.
+            promised = sum(
+                kv.prefill_gpu_blocks(r.num_tokens, kv.requests[r.req_id])
+                for r in self.running
+                if r.status is Status.PREFILLING
+            )
+            if need_gpu > kv.gpu_blocks.num_usable:
+                self.waiting.popleft()
+                self._fail(
+                    req,
+                    f"the prompt needs {need_gpu} GPU KV blocks but the GPU pool has "
+                    f"{kv.gpu_blocks.num_usable}; raise gpu_memory_gib or shorten the prompt.",
+                )
+                continue
+            if need_gpu > kv.gpu_blocks.num_free - promised:
+                break
+            try:
+                kv.admit(req.req_id, total)
+                kv.lease_hot(req.req_id)
+            except KVCapacityError:
+                kv.free(req.req_id)
+                break  # a pool is full for now: wait for a request to finish
+            self.waiting.popleft()
+            req.status = Status.PREFILLING
+            self.running.append(req)
+
+    def schedule(self) -> ScheduledStep | None:
+        self._admit()
+        budget = self.max_num_batched_tokens
+        batch: list[tuple[Request, int]] = []
+        finishing: list[bool] = []
+        for req in self.running:
+            if req.status is not Status.PREFILLING or budget <= 0:
+                continue
+            remaining = req.num_tokens - req.num_computed
+            n = min(remaining, budget)
+            try:
+                self.kv.grow(req.req_id, req.num_computed + n, keep_all_resident=True)
+            except KVCapacityError:
+                break
+            batch.append((req, n))
+            finishing.append(n == remaining)
+            budget -= n
+        if batch:
+            return ScheduledStep(decode=False, batch=batch, finishing=finishing)
+        decoding = [r for r in self.running if r.status is Status.DECODING]
+        batch = []
+        for req in list(decoding):
+            if req.status is not Status.DECODING:
+                continue  # preempted below for an earlier request
+            while True:
+                try:
+                    self.kv.grow(req.req_id, req.num_computed + 1, keep_all_resident=False)
+                    break
+                except KVCapacityError:
+                    victim = self._victim(exclude=req)
+                    if victim is None:
+                        self._fail(req, "the GPU KV pool cannot hold this request alone")
+                        self._release(req)
+                        break
+                    self.preempt(victim)
+                    batch = [(r, n) for r, n in batch if r is not victim]
+            if req.status is Status.DECODING:
+                batch.append((req, 1))
+        if not batch:
+            if self.running:
+                # Prompts that cannot grow and nothing decoding: free the newest to progress.
+                self.preempt(self.running[-1])
+            return None
+        return ScheduledStep(decode=True, batch=batch, finishing=[False] * len(batch))
+
+    def _victim(self, exclude: Request) -> Request | None:
+        for req in reversed(self.running):
+            if req is not exclude:
+                return req
+        return None
+
+    def preempt(self, req: Request) -> None:
+        """Free everything; the request recomputes prompt + generated tokens later."""
+        self._release(req)
+        req.status = Status.WAITING
+        req.num_computed = 0
+        req.metrics.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.free(req.req_id)
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        self._release(req)
