@@ -966,8 +966,13 @@ def test_too_many_rows_is_a_clear_error(mql: int) -> None:
     h.prepare_group_for_batch(meta, tables)
     with pytest.raises(ValueError, match="max_query_len"):
         h.swap_in(torch.zeros((rows, 2), dtype=torch.int32))
-    # Exactly at capacity is fine.
+    # Exactly at capacity (max_query_len rows for each request) is fine.
     ok = torch.full((2 * mql, 2), -1, dtype=torch.int32)
-    meta.req_per_token = torch.zeros(2 * mql, dtype=torch.int32)
+    meta.req_per_token = _i32([0] * mql + [1] * mql)
     meta.num_tokens = 2 * mql
     assert h.swap_in(ok).shape == (2 * mql, 2)
+    # One request bringing more than max_query_len rows could want more rows than its hot
+    # buffer holds: refused, naming the setting.
+    meta.req_per_token = _i32([0] * (mql + 1) + [1] * (mql - 1))
+    with pytest.raises(ValueError, match="max_rows_per_request"):
+        h.swap_in(ok)

@@ -134,6 +134,7 @@ class IndexGroup:
                 self.swap_count,
                 self.valid_counts[:rows],
                 self.hit_miss,
+                max_rows_per_request=self.config.max_query_len,
             )
             hm = self.hit_miss[: meta.num_reqs].sum(0, dtype=torch.int64)
             self.totals[:2] += hm

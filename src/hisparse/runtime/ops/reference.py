@@ -52,6 +52,8 @@ def resolve_residency(
     swap_count: Tensor,
     valid_counts: Tensor | None = None,
     hit_miss: Tensor | None = None,
+    *,
+    max_rows_per_request: int | None = None,
 ) -> None:
     """Map logical top-k positions to physical rows; assign misses to LRU hot slots.
 
@@ -69,6 +71,8 @@ def resolve_residency(
             past the count are untouched.
         valid_counts: ``[R]`` non-negative entries per row.
         hit_miss: ``[Q, 2]`` hits and misses over each request's wanted set.
+        max_rows_per_request: most rows one request brings (lets kernels size their work);
+            more is an error.
     """
     bs = block_size
     H = hot_index.shape[1]
@@ -86,6 +90,11 @@ def resolve_residency(
         rows = torch.nonzero(row_req[:num_rows] == q).flatten()
         if rows.numel() == 0:
             continue
+        if max_rows_per_request is not None and rows.numel() > max_rows_per_request:
+            raise ValueError(
+                f"request {q} brings {rows.numel()} rows, more than max_rows_per_request="
+                f"{max_rows_per_request} (HiSparseConfig.max_query_len: speculative tokens + 1)"
+            )
         pos = topk[rows].long()  # [r, K]
         valid = pos >= 0
         p = pos.clamp_min(0)
