@@ -167,35 +167,48 @@ def write_index_keys(
     slots, k = slots[keep].long(), k[keep].float()
     if slots.numel() == 0:
         return
+    bs = fmt.block_size_of(pages)
+    rows = _row_view(pages, fmt.row_bytes)
     if fmt.method == "fp8":
-        rows = pages.view(-1, fmt.row_bytes)
-        rows[slots] = k.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).flatten(1).view(torch.uint8)
+        rows[slots // bs, slots % bs] = (
+            k.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).flatten(1).view(torch.uint8)
+        )
         return
     if fmt.method == "lowrank":
         if dims is None:
             raise ValueError("lowrank index keys need the kept dims")
         picked = torch.gather(k, 2, dims[None].expand(k.shape[0], -1, -1).to(k.device))
-        rows = pages.view(-1, fmt.row_bytes)
-        rows[slots] = picked.to(torch.float16).flatten(1).view(torch.uint8)
+        rows[slots // bs, slots % bs] = picked.to(torch.float16).flatten(1).view(torch.uint8)
         return
     c = fmt.quest_chunk
-    bounds = _quest_view(pages, fmt)
-    lo, hi = bounds[:, 0], bounds[:, 1]
+    per_block = bs // c
+    bounds = _quest_view(pages, fmt)  # [blocks, chunks per block, 2, G·D]
     chunk = slots // c  # blocks hold bs // c whole chunks, so this is the global chunk index
-    fresh = chunk[slots % c == 0]
+    touched, local = torch.unique(chunk, return_inverse=True)
+    cur = bounds[touched // per_block, touched % per_block].clone()  # [U, 2, G·D]
+    lo, hi = cur[:, 0], cur[:, 1]
+    fresh = local[slots % c == 0]
     lo[fresh] = float("inf")
     hi[fresh] = float("-inf")
     flat = k.flatten(1)
-    index = chunk[:, None].expand_as(flat)
+    index = local[:, None].expand_as(flat)
     lo.scatter_reduce_(0, index, flat, "amin", include_self=True)
     hi.scatter_reduce_(0, index, flat, "amax", include_self=True)
+    bounds[touched // per_block, touched % per_block] = cur
+
+
+def _row_view(pages: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """``[blocks, block_size, row_bytes]`` view of pages whose blocks may be strided (the
+    engine's pages are layers of a shared GPU pool: one block's page, then other groups)."""
+    return pages.unflatten(1, (pages.shape[1] // row_bytes, row_bytes))
 
 
 def _quest_view(pages: torch.Tensor, fmt: GqaIndexerFormat) -> torch.Tensor:
-    """``[num_chunks, 2, G·D]`` fp32 bounds of every chunk of the pages."""
+    """``[blocks, chunks per block, 2, G·D]`` fp32 bounds of every chunk of the pages."""
     bs = fmt.block_size_of(pages)
-    n = pages.shape[0] * (bs // fmt.quest_chunk)
-    return pages.view(n, 8 * fmt.num_kv_heads * fmt.head_dim).view(torch.float32).view(n, 2, -1)
+    width = 8 * fmt.num_kv_heads * fmt.head_dim
+    chunks = _row_view(pages, width).view(torch.float32)
+    return chunks.view(pages.shape[0], bs // fmt.quest_chunk, 2, -1)
 
 
 def read_index_keys(
@@ -211,11 +224,11 @@ def read_index_keys(
     if fmt.method == "quest":
         c = fmt.quest_chunk
         start = torch.arange(0, length, c, device=pages.device)
-        chunk = table[start // bs].long() * (bs // c) + (start % bs) // c
-        return _quest_view(pages, fmt)[chunk].view(-1, 2, g, fmt.head_dim)
+        blocks = table[start // bs].long()
+        bounds = _quest_view(pages, fmt)[blocks, (start % bs) // c]
+        return bounds.reshape(-1, 2, g, fmt.head_dim)
     pos = torch.arange(length, device=pages.device)
-    rows = table[pos // bs].long() * bs + pos % bs
-    raw = pages.view(-1, fmt.row_bytes)[rows]
+    raw = _row_view(pages, fmt.row_bytes)[table[pos // bs].long(), pos % bs]
     dtype = FP8_DTYPE if fmt.method == "fp8" else torch.float16
     return raw.view(dtype).float().view(length, g, fmt.key_dim)
 

@@ -16,7 +16,7 @@ import torch
 
 from hisparse.config import HiSparseConfig
 from hisparse.engine.kv_manager import KVCacheManager
-from hisparse.engine.model_runner import ModelRunner, dsa_engine_specs
+from hisparse.engine.model_runner import ModelRunner, engine_specs
 from hisparse.engine.request import Request, RequestOutput, Status
 from hisparse.engine.sampling import SamplingParams, sample
 from hisparse.engine.scheduler import Scheduler
@@ -24,6 +24,30 @@ from hisparse.models.loader import load_dsa_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PLACEMENTS = ("hisparse", "gpu")
+#: top_k of GQA models, which declare none (provisional until benchmarks/quality.py picks it).
+DEFAULT_GQA_TOP_K = 256
+
+
+def indexer_method(indexer: str) -> str:
+    """DSA indexer modes map onto the GQA scorer: fp8 keys for either."""
+    return "fp8" if indexer in ("fp8", "exact") else indexer
+
+
+def _resolve_model(model: str | Path) -> Path:
+    """A checkpoint directory (config.json), a ``.gguf`` file, or ``smollm2``."""
+    text = str(model)
+    if text.lower() in ("smollm2", "smollm2-135m-instruct") or text.endswith(".gguf"):
+        from hisparse.models.smollm2 import resolve_model_path
+
+        return resolve_model_path(model)
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {text!r}: no config.json there. Pass a checkpoint directory "
+            "(config.json + *.safetensors) of a deepseek_v32 / glm_moe_dsa model, a .gguf "
+            "file of a Llama model, or 'smollm2' (the bundled SmolLM2-135M-Instruct)."
+        )
+    return path
 
 
 class LLM:
@@ -31,7 +55,7 @@ class LLM:
 
     Args:
         model: a checkpoint directory (``config.json`` + safetensors) of a ``deepseek_v32`` or
-            ``glm_moe_dsa`` model.
+            ``glm_moe_dsa`` model, a Llama ``.gguf`` file, or ``"smollm2"`` (bundled).
         kv_placement: ``"hisparse"`` (host pool + GPU hot buffers) or ``"gpu"``.
         hisparse: HiSparse settings; ``top_k`` defaults to the model's ``index_topk``.
         max_num_seqs: most requests running at once.
@@ -39,7 +63,8 @@ class LLM:
         gpu_memory_gib: GPU (or, on a CPU run, device) memory for the KV cache.
         dtype: ``"auto"`` (bf16 on CUDA, fp32 on the CPU), ``"float32"``, ``"bfloat16"``.
         device: ``"cuda"``/``"cpu"``; default CUDA when available.
-        kv_format: MLA row format: ``"fp8_ds_mla"`` (default), ``"bf16"``, ``"fp32"``.
+        kv_format: row format: DSA ``"fp8_ds_mla"`` (auto), ``"bf16"``, ``"fp32"``; GQA
+            ``"bf16"``/``"fp32"`` (auto: the model dtype).
         indexer: ``"fp8"`` (DeepSeek's quantized scoring, 132 B keys) or ``"exact"``.
     """
 
@@ -54,18 +79,12 @@ class LLM:
         gpu_memory_gib: float | None = None,
         dtype: str = "auto",
         device: str | None = None,
-        kv_format: str = "fp8_ds_mla",
+        kv_format: str = "auto",
         indexer: str = "fp8",
         max_num_batched_tokens: int = 2048,
     ) -> None:
         if kv_placement not in PLACEMENTS:
             raise ValueError(f"kv_placement={kv_placement!r}: use one of {PLACEMENTS}.")
-        path = Path(model)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model {str(model)!r}: no config.json there. Pass a checkpoint directory "
-                "(config.json + *.safetensors), e.g. one written by `hisparse make-tiny`."
-            )
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype == "auto":
             torch_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -73,32 +92,54 @@ class LLM:
             torch_dtype = _DTYPES[dtype]
         else:
             raise ValueError(f"dtype={dtype!r}: use 'auto' or one of {sorted(_DTYPES)}.")
-        self.model = load_dsa_model(
-            path, dtype=torch_dtype, device=self.device, indexer_mode=indexer
-        )
-        mcfg = self.model.config
-        self.max_model_len = max_model_len or mcfg.max_position_embeddings
-        self.config = (hisparse or HiSparseConfig()).resolve(model_top_k=mcfg.index_topk)
-        if self.config.top_k != mcfg.index_topk:
-            # The sparse-attention budget applies to both placements alike.
-            _set_index_topk(self.model, self.config.top_k)
+        hs = hisparse or HiSparseConfig()
+        path = _resolve_model(model)
+        row_format: object
+        if path.suffix == ".gguf":
+            # A GQA model (SmolLM2 by default): training-free indexer, K+V rows.
+            from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig
+            from hisparse.models.gguf_loader import load_llama_gguf
+            from hisparse.models.tokenizer import GgufTokenizer
+
+            self.config = hs.resolve(model_top_k=DEFAULT_GQA_TOP_K)
+            self.model = load_llama_gguf(
+                path, dtype=torch_dtype, device=self.device,
+                indexer=GqaIndexerConfig(top_k=self.config.top_k, method=indexer_method(indexer)),
+            )
+            self.tokenizer = GgufTokenizer.from_gguf(path)
+            self.eos_token_ids = set(self.tokenizer.stop_token_ids)
+            kv_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(kv_format, torch_dtype)
+            row_format = self.model.config.row_format(kv_dtype)
+            model_max_len = self.model.config.max_position_embeddings
+        else:
+            self.model = load_dsa_model(
+                path, dtype=torch_dtype, device=self.device, indexer_mode=indexer
+            )
+            mcfg = self.model.config
+            self.config = hs.resolve(model_top_k=mcfg.index_topk)
+            if self.config.top_k != mcfg.index_topk:
+                # The sparse-attention budget applies to both placements alike.
+                _set_index_topk(self.model, self.config.top_k)
+            self.tokenizer = _load_tokenizer(path)
+            self.eos_token_ids = _eos_ids(path, mcfg)
+            row_format = "fp8_ds_mla" if kv_format == "auto" else kv_format
+            model_max_len = mcfg.max_position_embeddings
+        self.max_model_len = max_model_len or model_max_len
         if gpu_memory_gib is None:
             gpu_memory_gib = _default_kv_gib(self.device)
-        specs = dsa_engine_specs(self.model, kv_format, self.config.block_size)  # type: ignore[arg-type]
+        specs = engine_specs(self.model, row_format, self.config.block_size)
         self.kv = KVCacheManager(
             specs, self.config, placement=kv_placement,
             gpu_budget_bytes=int(gpu_memory_gib * 2**30), max_model_len=self.max_model_len,
             max_num_seqs=max_num_seqs, device=self.device,
         )
         self.runner = ModelRunner(
-            self.model, self.config, self.kv, row_format=kv_format,  # type: ignore[arg-type]
+            self.model, self.config, self.kv, specs, row_format=row_format,
             max_num_seqs=max_num_seqs, device=self.device,
         )
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
         )
-        self.tokenizer = _load_tokenizer(path)
-        self.eos_token_ids = _eos_ids(path, mcfg)
         self._ids = itertools.count()
         self.step_stats: list[dict[str, float]] = []
 
@@ -222,7 +263,7 @@ class LLM:
             req.metrics.first_token = now
         req.metrics.token_times.append(now)
         if self.tokenizer is not None:
-            req.text = self.tokenizer.decode(req.output_token_ids)
+            req.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
         p = req.params
         reason = None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):

@@ -17,7 +17,7 @@ import torch
 from hisparse.config import ResolvedHiSparseConfig
 from hisparse.engine.kv_manager import KVCacheManager
 from hisparse.engine.request import Request
-from hisparse.kv.row_formats import IndexerCacheFormat, MlaFormat, mla_row_bytes
+from hisparse.kv.row_formats import mla_row_bytes
 from hisparse.kv.specs import CacheKind, LayerCacheSpec, RowFormat
 from hisparse.models.deepseek_v32 import DsaForCausalLM
 from hisparse.models.kv_access import DsaStep
@@ -29,24 +29,31 @@ from hisparse.runtime.streams import CopyStream
 _ROW_FORMAT_ENUM = {"fp8_ds_mla": RowFormat.FP8_DS_MLA, "bf16": RowFormat.BF16_MLA}
 
 
-def dsa_engine_specs(
-    model: DsaForCausalLM, row_format: MlaFormat, block_size: int
+def engine_specs(
+    model: torch.nn.Module, row_format: object, block_size: int
 ) -> list[LayerCacheSpec]:
-    """Cache specs of ``model`` with the row sizes it really writes (any row format)."""
-    cfg = model.config
-    row = mla_row_bytes(row_format, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-    idx_row = model.indexer_format.row_bytes
+    """Cache specs of ``model`` with the row sizes it really writes.
+
+    DSA models: MLA rows (any row format, fp32 included) and an indexer cache on every full
+    indexer layer; IndexShare followers name their leader. GQA models (Llama): K+V rows and
+    a compact key cache on every layer (index groups of one).
+    """
     specs: list[LayerCacheSpec] = []
+    idx_row = model.indexer_format.row_bytes  # type: ignore[union-attr]
+    if isinstance(model, DsaForCausalLM):
+        cfg = model.config
+        row = mla_row_bytes(row_format, cfg.kv_lora_rank, cfg.qk_rope_head_dim)  # type: ignore[arg-type]
+        fmt = _ROW_FORMAT_ENUM.get(str(row_format))
+        full_layers = list(cfg.indexer_full)
+    else:
+        row = row_format.row_bytes  # type: ignore[attr-defined]
+        fmt = RowFormat.GQA
+        full_layers = [True] * model.config.num_hidden_layers  # type: ignore[union-attr]
     leader = ""
-    for i, full in enumerate(cfg.indexer_full):
+    for i, full in enumerate(full_layers):
         name = f"layers.{i}.attn"
         leader = name if full else leader
-        specs.append(
-            LayerCacheSpec(
-                name, CacheKind.SPARSE_MLA, row, block_size,
-                _ROW_FORMAT_ENUM.get(str(row_format)), leader,
-            )
-        )
+        specs.append(LayerCacheSpec(name, CacheKind.SPARSE_MLA, row, block_size, fmt, leader))
         if full:
             specs.append(
                 LayerCacheSpec(f"layers.{i}.indexer", CacheKind.INDEXER, idx_row, block_size)
@@ -103,11 +110,11 @@ class _StepCache:
         self.idx_slots, self.idx_table = idx_slots, idx_table
 
     @property
-    def row_format(self) -> MlaFormat:
+    def row_format(self) -> object:
         return self.runner.row_format
 
     @property
-    def indexer_format(self) -> IndexerCacheFormat:
+    def indexer_format(self) -> object:
         return self.runner.model.indexer_format
 
     def attention(self, layer: int) -> CacheHandle | _PrefillLayerCache:
@@ -122,11 +129,12 @@ class _StepCache:
 class ModelRunner:
     def __init__(
         self,
-        model: DsaForCausalLM,
+        model: torch.nn.Module,
         config: ResolvedHiSparseConfig,
         kv: KVCacheManager,
+        specs: list[LayerCacheSpec],
         *,
-        row_format: MlaFormat,
+        row_format: object,
         max_num_seqs: int,
         device: torch.device,
     ) -> None:
@@ -134,40 +142,38 @@ class ModelRunner:
         self.row_format = row_format
         self.device = device
         self.max_num_seqs = max_num_seqs
-        cfg = model.config
         copy = CopyStream(device)
-        row = mla_row_bytes(row_format, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         self.runtimes: list[SparseLayerRuntime] = []
         self.handles: list[CacheHandle] = []
         self.leaders: list[CacheHandle] = []
         group_handles: list[list[CacheHandle]] = []
-        for i, full in enumerate(cfg.indexer_full):
-            name = f"layers.{i}.attn"
+        for spec in (s for s in specs if s.kind is CacheKind.SPARSE_MLA):
+            lead = spec.is_index_group_leader
             rt = SparseLayerRuntime(
-                name, config, row_bytes=row, max_num_reqs=max_num_seqs, device=device,
-                index_group=None if full else self.runtimes[-1].group,
+                spec.name, config, row_bytes=spec.row_bytes, max_num_reqs=max_num_seqs,
+                device=device, index_group=None if lead else self.runtimes[-1].group,
                 copy_stream=copy, offload=kv.offload,
             )
-            rt.bind_device(kv.gpu_view(name))
+            rt.bind_device(kv.gpu_view(spec.name))
             if kv.offload:
-                rt.bind_host(kv.host_view(name))
+                rt.bind_host(kv.host_view(spec.name))
             handle = CacheHandle(rt)
             self.runtimes.append(rt)
             self.handles.append(handle)
-            if full:
+            if lead:
                 self.leaders.append(handle)
                 group_handles.append([handle])
                 if kv.offload:
-                    gi = kv.group_of_layer[name]
-                    rt.group.bind_hot_block_table(kv.hot_block_tables[gi])
+                    rt.group.bind_hot_block_table(kv.hot_block_tables[kv.group_of_layer[spec.name]])
             else:
                 group_handles[-1].append(handle)
         for hs in group_handles:
             CacheHandle.link_index_group(hs)
+        #: layer index -> that layer's indexer pages ``[blocks, block_size * row_bytes]``
         self.indexer_pages = {
-            i: kv.gpu_pages(f"layers.{i}.indexer")
-            for i, full in enumerate(cfg.indexer_full)
-            if full
+            int(s.name.split(".")[1]): kv.gpu_pages(s.name)
+            for s in specs
+            if s.kind is CacheKind.INDEXER
         }
         self.warm_rows: torch.Tensor | None = None
         self.warm_topk: dict[str, torch.Tensor] = {}
