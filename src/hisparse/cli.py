@@ -2,7 +2,8 @@
 
 ``hisparse plan`` shows how a model's KV cache would be laid out and how many requests of a
 given length fit, with HiSparse and with every row on the GPU, before anything is allocated.
-Later subcommands (``generate``, ``bench``) register themselves in `build_parser`.
+``hisparse generate`` answers a prompt (default: the bundled SmolLM2 demo) with the KV cache in
+the host pool; see `hisparse.cli_generate`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
+from hisparse.cli_generate import add_generate_parser
 from hisparse.config import HiSparseConfig, HiSparseConfigError
 from hisparse.kv.layout import (
     KVLayout,
@@ -35,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_plan_parser(sub)
+    add_generate_parser(sub)
     return parser
 
 

@@ -137,6 +137,10 @@ def sparse_gqa_reference(
         idx = indices[lo:hi]
         valid = idx >= 0
         keys, values = row_format.unpack(gather_rows(kv_cache, idx))  # [t, K, G, D]
+        # Masked entries read the null block's garbage (NaN bytes too): zero them so that
+        # 0-probability * NaN cannot reach the output.
+        keys = keys.masked_fill(~valid[..., None, None], 0.0)
+        values = values.masked_fill(~valid[..., None, None], 0.0)
         qg = q[lo:hi].float().view(hi - lo, g, h // g, d)
         scores = torch.einsum("tgqd,tkgd->tgqk", qg, keys.float()) * scale
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))

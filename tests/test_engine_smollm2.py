@@ -1,0 +1,56 @@
+"""Lossless on real weights: SmolLM2-135M-Instruct (the bundled GGUF) served by the engine with
+prompts longer than top_k gives the same greedy tokens with the KV cache in the HiSparse host
+pool as with every row on the GPU (CPU), also with the hot buffer at its minimum."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse import HiSparseConfig
+from hisparse.engine.llm import LLM
+from hisparse.engine.sampling import SamplingParams
+
+smollm2 = pytest.importorskip("hisparse.models.smollm2")
+try:
+    smollm2.smollm2_gguf_path()
+except FileNotFoundError as err:  # pragma: no cover - `make test` installs it
+    pytest.skip(str(err), allow_module_level=True)
+
+TOP_K = 96  # above the indexer's 4 sinks + 64-token window, below the prompts
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _prompts(llm: LLM) -> list[list[int]]:
+    from pydoc_data.topics import topics
+
+    texts = [topics["for"][:1100], topics["while"][:900]]
+    return [llm.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+
+
+def _generate(placement: str, **hs) -> tuple[list[list[int]], list]:
+    cfg = HiSparseConfig(top_k=TOP_K, host_pool_gib=0.25, **hs)
+    with LLM("smollm2", kv_placement=placement, hisparse=cfg, max_model_len=1024,
+             gpu_memory_gib=0.25, max_num_seqs=2) as llm:
+        prompts = _prompts(llm)
+        assert min(len(p) for p in prompts) > 2 * TOP_K
+        outs = llm.generate(prompt_token_ids=prompts,
+                            sampling_params=SamplingParams(temperature=0, max_tokens=16))
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    return [o.token_ids for o in outs], outs
+
+
+def test_smollm2_hisparse_equals_all_gpu():
+    gpu, _ = _generate("gpu")
+    hs, outs = _generate("hisparse")
+    assert hs == gpu
+    assert sum(o.metrics.misses for o in outs) > 0  # rows really came from the host pool
+    minimal, _ = _generate("hisparse", device_buffer_size=TOP_K)
+    assert minimal == gpu
