@@ -5,6 +5,8 @@ hot buffer on the GPU, and each decode step swaps in only the top-k rows it miss
 """
 
 from hisparse.config import HiSparseConfig
+from hisparse.engine.llm import LLM
+from hisparse.engine.sampling import SamplingParams
 
-__all__ = ["HiSparseConfig"]
+__all__ = ["LLM", "HiSparseConfig", "SamplingParams"]
 __version__ = "0.1.0"
