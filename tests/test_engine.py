@@ -22,14 +22,6 @@ from hisparse.models.tiny import make_tiny
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
 def checkpoint(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)

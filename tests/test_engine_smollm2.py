@@ -5,7 +5,6 @@ pool as with every row on the GPU (CPU), also with the hot buffer at its minimum
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hisparse import HiSparseConfig
 from hisparse.engine.llm import LLM
@@ -18,14 +17,6 @@ except FileNotFoundError as err:  # pragma: no cover - `make test` installs it
     pytest.skip(str(err), allow_module_level=True)
 
 TOP_K = 96  # above the indexer's 4 sinks + 64-token window, below the prompts
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _prompts(llm: LLM) -> list[list[int]]:

@@ -29,14 +29,6 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, VOCAB = 64, 4, 2, 16, 96, 2, 80
 Q = gguf.GGMLQuantizationType
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py does to q_proj / k_proj rows."""
     return (

@@ -23,14 +23,6 @@ from hisparse.attention.sparse_gqa_reference import (
 G, H, D = 3, 9, 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

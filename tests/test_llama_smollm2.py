@@ -41,15 +41,6 @@ PASSAGE = (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Spinning OpenMP workers on a busy 2-core CI machine made each small matmul far slower."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 @pytest.fixture(scope="module")
 def gguf_file():
     try:

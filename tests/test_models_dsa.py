@@ -34,16 +34,6 @@ ARCHS = ["deepseek_v32", "glm_moe_dsa"]
 ATOL, RTOL = 2e-5, 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices gain nothing from threads; spinning OpenMP workers on a busy 2-core CI
-    machine made each matmul ~1000x slower."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 @pytest.fixture(scope="module", params=ARCHS)
 def tiny(request, tmp_path_factory):
     arch = request.param

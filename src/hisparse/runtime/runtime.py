@@ -110,32 +110,42 @@ class IndexGroup:
         if topk.dtype != torch.int32:
             raise TypeError(f"logical top-k indices must be int32, got {topk.dtype}")
 
+    def _resolve(
+        self,
+        meta: StepMetadata,
+        resident_block_table: torch.Tensor | None,
+        topk: torch.Tensor,
+        max_rows_per_request: int | None,
+    ) -> None:
+        """One resolve into the group's step buffers (physical rows, swap lists, counters)."""
+        self.check_rows(topk)
+        rows, k = topk.shape
+        self.ops.resolve_residency(
+            topk,
+            meta.req_per_token[:rows],
+            meta.request_state_indices,
+            meta.source_block_table,
+            resident_block_table,
+            self.hot_block_table,
+            self.hot_index,
+            self.lru,
+            self.config.block_size,
+            self.physical[:rows, :k],
+            self.swap_src,
+            self.swap_dst,
+            self.swap_count,
+            self.valid_counts[:rows],
+            self.hit_miss,
+            max_rows_per_request=max_rows_per_request,
+        )
+
     def resolve_and_stage(
         self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor
     ) -> None:
         """Leader only: resolve once, then gather for this layer and (decode) every follower."""
-        self.check_rows(topk)
-        rows, k = topk.shape
         self.copy.wait_for_compute()
         with self.copy.active():
-            self.ops.resolve_residency(
-                topk,
-                meta.req_per_token[:rows],
-                meta.request_state_indices,
-                meta.source_block_table,
-                tables.resident_block_table,
-                self.hot_block_table,
-                self.hot_index,
-                self.lru,
-                self.config.block_size,
-                self.physical[:rows, :k],
-                self.swap_src,
-                self.swap_dst,
-                self.swap_count,
-                self.valid_counts[:rows],
-                self.hit_miss,
-                max_rows_per_request=self.config.max_query_len,
-            )
+            self._resolve(meta, tables.resident_block_table, topk, self.config.max_query_len)
             hm = self.hit_miss[: meta.num_reqs].sum(0, dtype=torch.int64)
             self.totals[:2] += hm
             self.totals[2] += hm[1] * len(self.layers)
@@ -150,27 +160,12 @@ class IndexGroup:
         Called while every row of the request is still on the GPU: the first decode step then
         hits the rows the prefill's last token chose instead of missing all of them.
         """
-        self.check_rows(topk)
         rows, k = topk.shape
         bs = self.config.block_size
         # Resolve as if nothing were resident: every selected row gets a hot slot.
         self.copy.wait_for_compute()
         with self.copy.active():
-            self.ops.resolve_residency(
-                topk,
-                meta.req_per_token[:rows],
-                meta.request_state_indices,
-                meta.source_block_table,
-                None,
-                self.hot_block_table,
-                self.hot_index,
-                self.lru,
-                bs,
-                self.physical[:rows, :k],
-                self.swap_src,
-                self.swap_dst,
-                self.swap_count,
-            )
+            self._resolve(meta, None, topk, None)
             pos = topk.long().clamp_min(0)
             req = meta.req_per_token[:rows].long().clamp_min(0)[:, None]
             res_rows = tables.resident_block_table.long()[req, pos // bs] * bs + pos % bs
