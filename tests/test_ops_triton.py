@@ -185,6 +185,76 @@ def test_gather_compact_matches_reference(seed: int) -> None:
     assert int(case.swap_count.sum()) > 0 or seed % 3 != 0
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_gather_compact_group_matches_reference(seed: int) -> None:
+    """One span read per token for G layers equals G reference gathers, bit for bit."""
+    g = torch.Generator().manual_seed(300 + seed)
+    bs = [1, 2, 4, 8][seed % 4]
+    rb = [16, 48, 80, 656][seed % 4]
+    G = [2, 3, 4, 1][seed % 4]
+    case = make_resolve_case(
+        Q=[1, 3, 5][seed % 3], K=8, H=24, block_size=bs, seed=seed, max_rows=2,
+        hot_fill=[0.0, 0.5][seed % 2], reuse=[0.0, 0.7][seed % 2],
+    )  # fmt: skip
+    ref.resolve_residency(*case.args())
+    nh = int(case.source_block_table.max()) + 1
+    span = _paged(nh, bs, G * rb, G * rb, g)  # token-major: each token's G rows side by side
+    nd = int(case.hot_block_table.max()) + 1
+    # One device pool, block-outermost, each layer's page at its own offset (+ padding).
+    page = bs * rb
+    block = G * page + 16 * (seed % 3)
+    raw = torch.randint(0, 256, (nd * block + 16,), dtype=torch.uint8, generator=g)
+    order = torch.randperm(G, generator=g).tolist()  # layer j's page is slot order[j]
+
+    def views(buf: torch.Tensor) -> list[torch.Tensor]:
+        return [buf.as_strided((nd, bs, rb), (block, rb, 1), 16 + o * page) for o in order]
+
+    pool_a, pool_b = raw.clone(), raw.clone()
+    ref.gather_compact_group(span, views(pool_a), case.swap_src, case.swap_dst, case.swap_count)
+    tk.gather_compact_group(span, views(pool_b), case.swap_src, case.swap_dst, case.swap_count)
+    assert torch.equal(pool_a, pool_b)
+    assert int(case.swap_count.sum()) == 0 or not torch.equal(pool_a, raw)
+    # The same as G separate per-layer gathers from the span's slices.
+    pool_c = raw.clone()
+    for j, v in enumerate(views(pool_c)):
+        sl = span[:, :, j * rb : (j + 1) * rb]
+        tk.gather_compact(sl, v, case.swap_src, case.swap_dst, case.swap_count)
+    assert torch.equal(pool_a, pool_c)
+
+
+@pytest.mark.parametrize("tile", [(64, 1), (256, 2)])
+def test_gather_compact_group_tile_override(tile: tuple[int, int]) -> None:
+    """Other lane counts per step (several entries per step, a tail) give the same bytes."""
+    g = torch.Generator().manual_seed(9)
+    bs, rb, G = 2, 48, 3
+    case = make_resolve_case(Q=3, K=8, H=24, block_size=bs, seed=4, max_rows=2, hot_fill=0.0)
+    ref.resolve_residency(*case.args())
+    span = _paged(int(case.source_block_table.max()) + 1, bs, G * rb, G * rb, g)
+    nd = int(case.hot_block_table.max()) + 1
+    pool = torch.randint(0, 256, (nd, G, bs, rb), dtype=torch.uint8, generator=g)
+    a, b = pool.clone(), pool.clone()
+    ref.gather_compact_group(span, [a[:, j] for j in range(G)], *_swap(case))
+    tk.gather_compact_group(span, [b[:, j] for j in range(G)], *_swap(case), tile=tile)
+    assert torch.equal(a, b) and not torch.equal(a, pool)
+
+
+def _swap(case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return case.swap_src, case.swap_dst, case.swap_count
+
+
+def test_gather_compact_group_rejects_bad_views() -> None:
+    span = torch.zeros(2, 2, 64, dtype=torch.uint8)
+    z = torch.zeros(1, 1, dtype=torch.int32)
+    one = torch.ones(1, dtype=torch.int32)
+    pool = torch.zeros(4, 2, 2, 32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="share one storage"):
+        tk.gather_compact_group(span, [pool[:, 0], pool.clone()[:, 1]], z, z, one)
+    with pytest.raises(ValueError, match="equal shapes and strides"):
+        tk.gather_compact_group(span, [pool[:, 0], pool[:3, 1]], z, z, one)
+    with pytest.raises(ValueError, match="layers x"):
+        tk.gather_compact_group(span, [pool[:, 0]], z, z, one)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_gather_plan_matches_reference(seed: int) -> None:
     g = torch.Generator().manual_seed(50 + seed)

@@ -25,16 +25,26 @@ from hisparse.runtime.ops import reference
 class DataPlaneOps(Protocol):
     resolve_residency: object
     gather_compact: object
+    gather_compact_group: object
     gather_plan: object
     invalidate_written_slots: object
 
+
+#: The ops every backend must provide (the fields of `DataPlaneOps`).
+OP_NAMES: tuple[str, ...] = (
+    "resolve_residency",
+    "gather_compact",
+    "gather_compact_group",
+    "gather_plan",
+    "invalidate_written_slots",
+)
 
 _backends: dict[str, ModuleType | object] = {}
 
 
 def register_backend(device_type: str, ops: ModuleType | object) -> None:
-    """Make ``ops`` (a namespace with the four ops) the implementation for ``device_type``."""
-    for name in ("resolve_residency", "gather_compact", "gather_plan", "invalidate_written_slots"):
+    """Make ``ops`` (a namespace with every op of `OP_NAMES`) the implementation for a device."""
+    for name in OP_NAMES:
         if not callable(getattr(ops, name, None)):
             raise TypeError(f"ops backend for {device_type!r} lacks {name}()")
     _backends[device_type] = ops
@@ -72,4 +82,4 @@ def ops_for(device: torch.device | str) -> ModuleType | object:
     return _backends.get(kind, reference)
 
 
-__all__ = ["DataPlaneOps", "ops_for", "reference", "register_backend", "triton_ops"]
+__all__ = ["OP_NAMES", "DataPlaneOps", "ops_for", "reference", "register_backend", "triton_ops"]

@@ -168,6 +168,32 @@ def gather_compact(
     _set_rows(device, dst, _rows(host, src).to(device.device))
 
 
+def gather_compact_group(
+    host_span: Tensor,
+    devices: list[Tensor],
+    swap_src: Tensor,
+    swap_dst: Tensor,
+    swap_count: Tensor,
+) -> None:
+    """`gather_compact` for every layer of an index group from one token-major host span.
+
+    ``host_span`` is ``[NB, BS, G * row_bytes]``: token ``t``'s rows of the group's ``G``
+    layers side by side (DESIGN.md §2); bytes ``[j * row_bytes, (j + 1) * row_bytes)`` of a
+    span are layer ``j``'s row and go to ``devices[j]`` (``[NBd, BS, row_bytes]``). The kernel
+    reads each span once; the oracle simply gathers layer by layer.
+    """
+    G = len(devices)
+    if G == 0:
+        return
+    rb = devices[0].shape[2]
+    if host_span.shape[2] != G * rb:
+        raise ValueError(
+            f"host span holds {host_span.shape[2]} B per token, expected {G} layers x {rb} B"
+        )
+    for j, dev in enumerate(devices):
+        gather_compact(host_span[:, :, j * rb : (j + 1) * rb], dev, swap_src, swap_dst, swap_count)
+
+
 def gather_plan(
     src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, mask: Tensor
 ) -> None:

@@ -465,6 +465,128 @@ def gather_compact(
 
 
 @triton.jit
+def _gather_group_kernel(
+    host_ptr, h_sb, h_sr,
+    dev_ptr, d_sb, d_sr, delta_ptr,
+    src_ptr, s_sq, s_sh,
+    dst_ptr, t_sq, t_sh,
+    cnt_ptr, s_c, Q, bs, NPROG,
+    C: tl.constexpr, CPR: tl.constexpr, T: tl.constexpr, F: tl.constexpr, QP: tl.constexpr,
+):  # fmt: skip
+    """Each step moves T entries' whole spans as F lanes of one 16-byte chunk each.
+
+    Lane ``f`` is chunk ``f % C`` of entry ``f // C``; a span has ``C`` chunks and a row
+    ``CPR``, so the chunk belongs to layer ``(f % C) // CPR``, whose rows sit ``delta[layer]``
+    words from the base device view. Flat lanes waste no lanes on padding rows to a power of 2.
+    """
+    pid = tl.program_id(0)
+    qs = tl.arange(0, QP)
+    cnt = tl.load(cnt_ptr + qs * s_c, mask=qs < Q, other=0).to(tl.int32)
+    cnt = tl.maximum(cnt, 0)
+    chunks = (cnt + T - 1) // T
+    incl = tl.cumsum(chunks, 0)
+    total = tl.sum(chunks, 0)
+    f = tl.arange(0, F)
+    e = f // C
+    c = f % C
+    fm = e < T
+    layer = c // CPR
+    delta = tl.load(delta_ptr + layer, mask=fm, other=0)
+    dcol = delta + (c % CPR) * 4
+    scol = c * 4
+    k = tl.arange(0, 4)[None, :]
+    for item in range(pid, total, NPROG):
+        q = tl.sum((incl <= item).to(tl.int32), 0)
+        sel = qs == q
+        first = tl.sum(tl.where(sel, incl - chunks, 0), 0)
+        n_q = tl.sum(tl.where(sel, cnt, 0), 0)
+        j = (item - first) * T + e
+        jm = fm & (j < n_q)
+        q64 = q.to(tl.int64)
+        sr = tl.load(src_ptr + q64 * s_sq + j * s_sh, mask=jm, other=0).to(tl.int64)
+        dr = tl.load(dst_ptr + q64 * t_sq + j * t_sh, mask=jm, other=0).to(tl.int64)
+        so = tl.multiple_of((sr // bs) * h_sb + (sr % bs) * h_sr + scol, 4)
+        do = tl.multiple_of((dr // bs) * d_sb + (dr % bs) * d_sr + dcol, 4)
+        m = jm[:, None]
+        v = tl.load(host_ptr + so[:, None] + k, mask=m)
+        tl.store(dev_ptr + do[:, None] + k, v, mask=m)
+
+
+#: Word offsets of each layer's view from the group's base view, one small device tensor per
+#: (device, offsets): built on the first call (outside graph capture, like the JIT compile),
+#: then reused, so later calls upload nothing and can be captured.
+_group_deltas: dict[tuple[str, tuple[int, ...]], Tensor] = {}
+
+
+def _group_delta_tensor(device: torch.device, deltas: tuple[int, ...]) -> Tensor:
+    key = (str(device), deltas)
+    t = _group_deltas.get(key)
+    if t is None:
+        t = torch.tensor(deltas, dtype=torch.int64, device=device)
+        _group_deltas[key] = t
+    return t
+
+
+def group_tile(span_chunks: int) -> tuple[int, int]:
+    """(lanes per step, warps): ~16 KB per program step, like the per-layer gather."""
+    return max(1024, _next_pow2(span_chunks)), 4
+
+
+def gather_compact_group(
+    host_span: Tensor,
+    devices: list[Tensor],
+    swap_src: Tensor,
+    swap_dst: Tensor,
+    swap_count: Tensor,
+    *,
+    tile: tuple[int, int] | None = None,
+) -> None:
+    """Triton `reference.gather_compact_group`: one contiguous read per token for G layers.
+
+    Reads each listed token's ``G * row_bytes`` span once (token-major host layout: the span
+    length is what sets PCIe bandwidth, FACTS.md) and stores its 16-byte chunks into the
+    ``G`` device views. The device views must share one storage (they are pages of one GPU
+    pool) with equal shapes and strides; the kernel addresses them from the lowest one.
+    ``tile`` (keyword only, benchmarks) overrides `group_tile`.
+    """
+    G = len(devices)
+    Q, H = swap_src.shape
+    if G == 0 or Q == 0 or H == 0:
+        return
+    hw, h_sb, h_sr, span_words = _words(host_span)
+    rb = devices[0].shape[2]
+    if span_words * 4 != G * rb:
+        raise ValueError(
+            f"host span holds {4 * span_words} B per token, expected {G} layers x {rb} B"
+        )
+    d0 = devices[0]
+    storage = d0.untyped_storage().data_ptr()
+    for d in devices:
+        if d.shape != d0.shape or d.stride() != d0.stride() or d.device != d0.device:
+            raise ValueError("the group's device views must have equal shapes and strides")
+        if d.untyped_storage().data_ptr() != storage:
+            raise ValueError("the group's device views must share one storage (one GPU pool)")
+        _words(d)  # alignment checks: deltas are then multiples of 16 B
+    base = min(devices, key=lambda d: d.data_ptr())
+    dw, d_sb, d_sr, rw = _words(base)
+    deltas = tuple((d.data_ptr() - base.data_ptr()) // 4 for d in devices)
+    delta_t = _group_delta_tensor(base.device, deltas)
+    chunks, cpr = span_words // 4, rw // 4
+    f, nw = tile if tile is not None else group_tile(chunks)
+    t = f // chunks
+    if t < 1:
+        raise ValueError(f"tile of {f} lanes is smaller than one span ({chunks} chunks)")
+    g = _num_programs(base.device, Q * triton.cdiv(H, t))
+    _gather_group_kernel[(g,)](
+        hw, h_sb, h_sr, dw, d_sb, d_sr, delta_t,
+        swap_src, swap_src.stride(0), swap_src.stride(1),
+        swap_dst, swap_dst.stride(0), swap_dst.stride(1),
+        swap_count, swap_count.stride(0), Q, host_span.shape[1], g,
+        C=chunks, CPR=cpr, T=t, F=f, QP=_next_pow2(Q), num_warps=nw,
+    )  # fmt: skip
+
+
+@triton.jit
 def _gather_plan_kernel(
     src_ptr, s_sb, s_sr,
     dst_ptr, d_sb, d_sr,
@@ -557,6 +679,7 @@ def invalidate_written_slots(
 
 __all__ = [
     "gather_compact",
+    "gather_compact_group",
     "gather_plan",
     "interpreting",
     "invalidate_written_slots",
