@@ -153,6 +153,43 @@ def sparse_gqa_reference(
     return out, lse
 
 
+def selected_gqa_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    rows: torch.Tensor,
+    selected: torch.Tensor,
+    scale: float,
+    row_format: GqaRowFormat,
+) -> torch.Tensor:
+    """Attention of one request's tokens over the rows each selected, reading every row once.
+
+    ``rows [U]`` are the physical rows of the union of the tokens' selections, in logical
+    position order; ``selected [T, U]`` says which of them token ``t`` attends to. The same
+    result as `sparse_gqa_reference` on the per-token selections (each position selected at
+    most once), but a prefill of ``T`` tokens reads ``U`` rows instead of ``T * K``. Returns
+    ``[T, H, D]`` in ``q``'s dtype; a token that selects nothing gets 0.
+    """
+    t, h, d = q.shape
+    g = row_format.num_kv_heads
+    keys, values = row_format.unpack(gather_rows(kv_cache, rows))  # [U, G, D]
+    keys = keys.float().permute(1, 2, 0)  # [G, D, U]
+    values = values.float().transpose(0, 1)  # [G, U, D]
+    out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+    u = rows.shape[0]
+    step = max(1, _CHUNK_ELEMENTS // max(1, h * u))
+    for lo in range(0, t, step):
+        hi = min(t, lo + step)
+        qg = q[lo:hi].float().view(hi - lo, g, h // g, d).transpose(0, 1)  # [G, t, q, D]
+        scores = torch.matmul(qg.reshape(g, -1, d), keys).view(g, hi - lo, h // g, u) * scale
+        scores = scores.masked_fill(~selected[None, lo:hi, None, :], float("-inf"))
+        row_max = scores.amax(dim=-1, keepdim=True)
+        probs = torch.exp(scores - torch.where(torch.isfinite(row_max), row_max, 0.0))
+        probs = probs / probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        o = torch.matmul(probs.view(g, -1, u), values)  # [G, t*q, D]
+        out[lo:hi] = o.view(g, hi - lo, h // g, d).transpose(0, 1).reshape(hi - lo, h, d)
+    return out
+
+
 def causal_gqa_reference(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -163,26 +200,9 @@ def causal_gqa_reference(
 ) -> torch.Tensor:
     """Dense causal attention of one request: query at position ``p`` reads ``rows[: p + 1]``.
 
-    The same result as `sparse_gqa_reference` with every earlier position selected, but the
-    request's rows (``rows [L]`` physical, in position order) are gathered once instead of once
-    per query token: a long prefill costs ``L`` row reads, not ``T · L``. Returns
-    ``[T, H, D]`` in ``q``'s dtype.
+    `selected_gqa_reference` with every earlier position selected (``rows [L]`` physical, in
+    position order). Returns ``[T, H, D]`` in ``q``'s dtype.
     """
-    t, h, d = q.shape
-    g = row_format.num_kv_heads
-    keys, values = row_format.unpack(gather_rows(kv_cache, rows))  # [L, G, D]
-    keys = keys.float().permute(1, 2, 0)  # [G, D, L]
-    values = values.float().transpose(0, 1)  # [G, L, D]
     s = torch.arange(rows.shape[0], device=q.device)
-    out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
-    step = max(1, _CHUNK_ELEMENTS // max(1, h * rows.shape[0]))
-    for lo in range(0, t, step):
-        hi = min(t, lo + step)
-        qg = q[lo:hi].float().view(hi - lo, g, h // g, d).transpose(0, 1)  # [G, t, q, D]
-        scores = torch.matmul(qg.reshape(g, -1, d), keys).view(g, hi - lo, h // g, -1) * scale
-        mask = s[None, :] > positions[lo:hi, None]  # [t, L]
-        scores = scores.masked_fill(mask[None, :, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.matmul(probs.view(g, -1, rows.shape[0]), values)  # [G, t*q, D]
-        out[lo:hi] = o.view(g, hi - lo, h // g, d).transpose(0, 1).reshape(hi - lo, h, d)
-    return out
+    selected = s[None, :] <= positions[:, None]
+    return selected_gqa_reference(q, kv_cache, rows, selected, scale, row_format)

@@ -36,6 +36,7 @@ from hisparse.attention.sparse_gqa_reference import (
     GqaRowFormat,
     causal_gqa_reference,
     gqa_dtype_name,
+    selected_gqa_reference,
     sparse_gqa_reference,
 )
 from hisparse.models.deepseek_v32 import MLP, RMSNorm, rope_half_split
@@ -200,7 +201,7 @@ class LlamaAttention(nn.Module):
 
         # 3./4. physical rows, then sparse attention.
         physical = kv.swap_in(topk)
-        out = self._attend(q, step, view, physical, cache.row_format, indexer)
+        out = self._attend(q, step, view, topk, physical, cache.row_format, indexer)
         return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
 
     def _attend(
@@ -208,17 +209,20 @@ class LlamaAttention(nn.Module):
         q: torch.Tensor,
         step: Step,
         view: torch.Tensor,
+        topk: torch.Tensor,
         physical: torch.Tensor,
         fmt: GqaRowFormat,
         cfg: GqaIndexerConfig,
     ) -> torch.Tensor:
-        """Sparse attention; a request whose selection is dense (it fits in ``top_k``) reads its
-        rows once for all its tokens (`causal_gqa_reference`): the same rows, far less copying
-        in long prefills."""
+        """Sparse attention. A request with several tokens in this step (a prefill) reads the
+        union of its tokens' rows once and masks each token to its own selection
+        (`selected_gqa_reference`; dense requests through `causal_gqa_reference`): the same
+        attention, far less copying than one gather per token. Single tokens (decode) gather
+        their rows (`sparse_gqa_reference`)."""
         lens = step.seq_lens.tolist()
         dense = [cfg.top_k is None or n <= cfg.top_k for n in lens]
-        if not any(dense):
-            out, _ = sparse_gqa_reference(q, view, physical, self.scale, fmt)
+        if not any(dense) and q.shape[0] == len(lens):
+            out, _ = sparse_gqa_reference(q, view, physical, self.scale, fmt)  # pure decode
             return out
         out = torch.zeros_like(q)  # padding tokens (no request) stay 0
         sparse_tok = []
@@ -227,7 +231,11 @@ class LlamaAttention(nn.Module):
             if tok.numel() == 0:
                 continue
             if not is_dense:
-                sparse_tok.append(tok)
+                if tok.numel() == 1:
+                    sparse_tok.append(tok)
+                else:
+                    out[tok] = _selected_attention(q[tok], view, topk[tok], physical[tok],
+                                                   self.scale, fmt)
                 continue
             # The request's latest token selects every position 0..len-1, ascending.
             last = tok[step.positions[tok].argmax()]
@@ -271,6 +279,25 @@ class LlamaAttention(nn.Module):
                 dims,
             )
         return out
+
+
+def _selected_attention(
+    q: torch.Tensor,
+    view: torch.Tensor,
+    logical: torch.Tensor,
+    physical: torch.Tensor,
+    scale: float,
+    fmt: GqaRowFormat,
+) -> torch.Tensor:
+    """One request's tokens over the union of their selections, rows in position order (so
+    the result does not depend on where the rows sit: both placements compute the same)."""
+    valid = logical >= 0
+    positions, inverse = torch.unique(logical[valid].long(), return_inverse=True)
+    rows = torch.empty_like(positions)
+    rows[inverse] = physical[valid].long()
+    selected = torch.zeros(q.shape[0], positions.numel(), dtype=torch.bool, device=q.device)
+    selected[torch.nonzero(valid)[:, 0], inverse] = True
+    return selected_gqa_reference(q, view, rows, selected, scale, fmt)
 
 
 class LlamaDecoderLayer(nn.Module):
