@@ -178,3 +178,63 @@ def test_resolve_and_gather_in_cuda_graph_equal_eager() -> None:
         assert not bad, f"replay {it}: {bad} differ"
         assert torch.equal(e_dev, g_dev)
         assert int(e_case.swap_count.sum()) > 0
+
+
+def _group_inputs(G: int, rb: int, seed: int, resolve: bool = True):
+    """A real-size resolve, a pinned token-major host span and one device pool of G layers."""
+    case = make_resolve_case(
+        Q=64, K=2048, H=4096, block_size=64, seed=seed, reuse=0.9, hot_fill=0.9
+    ).to(DEV)
+    if resolve:
+        ref.resolve_residency(*case.args())
+    span = _host_paged(int(case.source_block_table.max()) + 1, 64, G * rb, G * rb)
+    nb = int(case.hot_block_table.max()) + 1
+    # Block-outermost pool: each layer's page at its own in-block offset (layers reversed).
+    pool = torch.randint(0, 256, (nb, G, 64, rb), dtype=torch.uint8, device=DEV)
+    return case, span, pool, [G - 1 - j for j in range(G)]
+
+
+@pytest.mark.parametrize("G,rb", [(4, 656), (2, 656), (3, 1152), (1, 656)])
+def test_gather_compact_group_pinned_host_real_sizes(G: int, rb: int) -> None:
+    case, span, pool, order = _group_inputs(G, rb, seed=31 + G)
+    a, b = pool.clone(), pool.clone()
+    swap = (case.swap_src, case.swap_dst, case.swap_count)
+    ref.gather_compact_group(span, [a[:, o] for o in order], *swap)
+    tk.gather_compact_group(span, [b[:, o] for o in order], *swap)
+    torch.cuda.synchronize()
+    assert int(case.swap_count.sum()) > 1000
+    assert torch.equal(a, b) and not torch.equal(a, pool)
+
+
+def test_gather_compact_group_in_cuda_graph_equal_eager() -> None:
+    """Capture resolve + group gather; replays with new top-k equal eager calls."""
+    G, rb = 4, 656
+    case, span, pool, order = _group_inputs(G, rb, seed=41, resolve=False)
+    g_case, e_case, w_case = case.clone(), case.clone(), case.clone()
+    g_pool, e_pool, w_pool = pool.clone(), pool.clone(), pool.clone()
+
+    def step(c, p) -> None:
+        tk.resolve_residency(*c.args())
+        tk.gather_compact_group(
+            span, [p[:, o] for o in order], c.swap_src, c.swap_dst, c.swap_count
+        )
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(w_case, w_pool)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(g_case, g_pool)
+    for it in range(3):
+        topk = next_step_topk(e_case, 700 + it, reuse=0.9)
+        e_case.topk.copy_(topk)
+        g_case.topk.copy_(topk)
+        graph.replay()
+        step(e_case, e_pool)
+        torch.cuda.synchronize()
+        assert not compare(e_case.state_and_outputs(), g_case.state_and_outputs())
+        assert torch.equal(e_pool, g_pool)
+        assert int(e_case.swap_count.sum()) > 0
