@@ -45,3 +45,15 @@ def test_smollm2_hisparse_equals_all_gpu():
     assert sum(o.metrics.misses for o in outs) > 0  # rows really came from the host pool
     minimal, _ = _generate("hisparse", device_buffer_size=TOP_K)
     assert minimal == gpu
+
+
+def test_text_prompts_and_stop_strings():
+    with LLM("smollm2", hisparse=HiSparseConfig(top_k=TOP_K, host_pool_gib=0.25),
+             max_model_len=512, gpu_memory_gib=0.1, max_num_seqs=2) as llm:
+        outs = llm.generate(
+            ["The capital of France is", "1, 2, 3, 4,"],
+            SamplingParams(temperature=0, max_tokens=12, stop=[" 7"]),
+        )
+    assert all(o.ok for o in outs)
+    assert outs[1].finish_reason == "stop" and " 7" not in outs[1].text
+    assert outs[0].text.strip()

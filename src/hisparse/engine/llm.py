@@ -193,7 +193,8 @@ class LLM:
         if text is not None:
             if self.tokenizer is None:
                 return "this checkpoint has no tokenizer.json; pass prompt_token_ids instead"
-            ids = self.tokenizer.encode(text).ids
+            encoded = self.tokenizer.encode(text)
+            ids = getattr(encoded, "ids", encoded)  # tokenizers.Encoding or a plain list
         assert ids is not None
         ids = [int(t) for t in ids]
         vocab = self.model.config.vocab_size
