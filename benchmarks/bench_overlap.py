@@ -47,6 +47,8 @@ class Stack:
         # tail pages) + hot regions; block 0 is the null block.
         res_pages = nb if not offload else 2
         dev_blocks = 1 + batch * res_pages + (batch * hot_blocks if offload else 0)
+        self.group = group
+        self.pools: list[torch.Tensor] = []
         self.runtimes: list[SparseLayerRuntime] = []
         self.handles: list[CacheHandle] = []
         self.leaders: list[CacheHandle] = []
@@ -58,8 +60,14 @@ class Stack:
                 index_group=None if lead else self.runtimes[i - i % group].group,
                 offload=offload,
             )
-            rt.bind_device(torch.randint(0, 255, (dev_blocks, BS, ROW), dtype=torch.uint8,
-                                         device=dev))
+            if lead:
+                # one GPU pool per index group, block-outermost, layer pages side by side in a
+                # block (as in the planner's hot groups): the group gather writes into it
+                pool = torch.randint(0, 255, (dev_blocks * group * BS * ROW,), dtype=torch.uint8,
+                                     device=dev)
+            self.pools.append(pool)
+            rt.bind_device(pool.as_strided((dev_blocks, BS, ROW), (group * BS * ROW, ROW, 1),
+                                           (i % group) * BS * ROW))
             if offload:
                 assert host is not None
                 # block-outermost host pool, token-major inside each index group
@@ -105,8 +113,12 @@ class Stack:
             if h.runtime.is_leader:
                 h.prepare_group_for_batch(self.meta, self.tables)
             phys = h.swap_in(self.topk)
-            view = h.runtime.device_view.view(-1, ROW)
-            rows = view.index_select(0, phys.reshape(-1).clamp_min(0).long())
+            flat = phys.reshape(-1).clamp_min(0).long()
+            # row r of layer j of the group pool: block r // BS, page j, token r % BS
+            blk, tok = flat // BS, flat % BS
+            rows = self.pools[i].view(-1, ROW).index_select(
+                0, (blk * self.group + i % self.group) * BS + tok
+            )
             self.sink += rows[:, :16].view(torch.float32).float().sum() * 0
             y = self.x @ self.weights[i % len(self.weights)]
             self.sink += y[0, 0].float() * 0
