@@ -174,6 +174,50 @@ def graph_resolve_us(Q: int, H: int, miss: float, reps: int = 50) -> dict:
     return res
 
 
+def ablate_resolve(reps: int = 50) -> list[dict]:
+    """Where the resolve time goes: CUDA-graph µs of each kernel and stage-skipping variant.
+
+    ``sort`` is the first kernel (one program per request, bitonic sort of (host row,
+    position) keys); ``sort-skip-N`` leaves stages out (wrong results, timing only: 1 the
+    sort, 2 the binary searches, 4 the LRU pass, 8 stage 5, 15 all four); ``hash`` is the
+    hash-table kernel at its default warps and at 4 / 16 warps.
+    """
+    variants = [("sort", "sort", 0, 0)]
+    variants += [(f"sort-skip-{a}", "sort", a, 0) for a in (1, 2, 4, 8, 15)]
+    variants += [("hash", "hash", 0, 0), ("hash-w4", "hash", 0, 4), ("hash-w16", "hash", 0, 16)]
+    out = []
+    for Q, H, miss in ((64, 4096, 0.05), (64, 4096, 1.0), (256, 8192, 0.05)):
+        for name, impl, abl, warps in variants:
+            if (Q, miss) != (64, 0.05) and name not in ("sort", "hash"):
+                continue
+            tk.RESOLVE_IMPL, tk.RESOLVE_ABLATE, tk.RESOLVE_WARPS = impl, abl, warps
+            try:
+                r = graph_resolve_us(Q, H, miss, reps)
+            except Exception as e:  # keep going; report the failure
+                r = {"error": repr(e)[:300], "batch": Q, "hot": H, "miss": miss}
+            finally:
+                tk.RESOLVE_IMPL, tk.RESOLVE_ABLATE, tk.RESOLVE_WARPS = "sort", 0, 0
+            r["variant"] = name
+            out.append(r)
+            print("ablate", r, flush=True)
+    # Both real kernels against the oracle on GPU-sized cases (few and many misses).
+    for impl in ("hash", "sort"):
+        tk.RESOLVE_IMPL = impl
+        for reuse in (0.95, 0.0):
+            case = make_resolve_case(
+                Q=64, K=K, H=4096, block_size=BS, seed=78, reuse=reuse, hot_fill=0.9, p_neg=0.01
+            ).to(DEV)
+            a, b = case.clone(), case.clone()
+            ref.resolve_residency(*a.args())
+            tk.resolve_residency(*b.args())
+            torch.cuda.synchronize()
+            bad = compare(a.state_and_outputs(), b.state_and_outputs())
+            out.append({"variant": f"check-{impl}-reuse{reuse}", "bad": bad})
+            print("ablate check", impl, reuse, bad, flush=True)
+        tk.RESOLVE_IMPL = "sort"
+    return out
+
+
 def check_resolve_once() -> dict:
     """Reference vs Triton on one realistic batch (bit-exact outputs and state)."""
     case = make_resolve_case(
@@ -454,6 +498,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", choices=["all", "resolve", "gather", "group"], default="all")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip the rest after this")
+    ap.add_argument("--ablate", action="store_true", help="resolve: time stages and kernels")
     args = ap.parse_args()
     if args.only == "group":
         main_group(args)
@@ -485,6 +530,9 @@ def main() -> None:
             graph_resolve_us(256, 8192, 0.05),
         ]
         print("graph", result["graph_check"], flush=True)
+        if args.ablate:
+            result["ablate"] = ablate_resolve()
+            _dump(result, args.out)
     result["check"] = check_resolve_once()
     print("check", result["check"], flush=True)
     for H in hots:

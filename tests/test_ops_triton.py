@@ -150,6 +150,23 @@ def test_resolve_wanted_fills_whole_hot_buffer() -> None:
     _run_both(case, steps=1)
 
 
+@pytest.mark.parametrize(
+    ("impl", "small_sort"), [("hash", 2), ("hash", 4), ("sort", 256), ("hash", 256)]
+)
+@pytest.mark.parametrize("seed", range(4))
+def test_resolve_each_kernel(
+    impl: str, small_sort: int, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hash kernel (both swap-list sort sizes) and the sort fallback equal the oracle."""
+    monkeypatch.setattr(tk, "RESOLVE_IMPL", impl)
+    monkeypatch.setattr(tk, "_HASH_SMALL_SORT", small_sort)
+    case = make_resolve_case(
+        Q=3, K=8, H=32, block_size=4, seed=50 + seed, max_rows=2, p_dup=0.2, hot_fill=0.7,
+        reuse=0.5 if seed % 2 else 0.0,
+    )  # fmt: skip
+    _run_both(case, steps=3, seed=seed)
+
+
 def test_resolve_max_rows_per_request_keyword() -> None:
     case = make_resolve_case(Q=3, K=4, H=16, block_size=2, seed=11, max_rows=1)
     a, b = case.clone(), case.clone()

@@ -20,6 +20,14 @@ resident, ordered with CTA barriers):
    their wanted-order rank, hence their slot; the swap list is the miss heads in sorted
    (host address) order; every entry then reads its ``u``'s slot.
 
+``RESOLVE_IMPL = "hash"`` selects a second, equally exact resolve kernel that replaces the sort
+with a per-request open-addressing hash table in global scratch (CAS insertion, ``atomic_min``
+for the first appearance, hot slots probe the table, misses ranked by a prefix sum in entry
+order, swap list sorted at 256 keys when it fits). Measured on an H200 it is slower than the
+sort kernel (140 vs 79 µs at batch 64, top_k 2048, hot 4096): the probe loops of atomics cost
+more than the sort saves. Stage ablation of the sort kernel (docs/benchmarks.md): the 2048-key
+int64 ``tl.sort`` is ~52 of its 79 µs.
+
 The gathers copy whole rows as int32x4 (16-byte) accesses, reading the pinned host pool
 directly: Triton's launcher turns a pinned or ``cudaHostRegister``-ed CPU tensor's address
 into its device (UVA) address with ``cuPointerGetAttribute``, so a pinned CPU tensor can be
@@ -43,6 +51,17 @@ import triton.language as tl
 Tensor = torch.Tensor
 
 _SENTINEL = tl.constexpr(1 << 40)  # above any host row: entries not needing the hot buffer
+
+#: resolve_residency implementation: "sort" (default, the faster one) or "hash" (per-request
+#: hash table; correct but measured 1.8x slower on an H200, docs/benchmarks.md; falls back to
+#: "sort" beyond its size limits). Benchmarks and tests switch it; callers need not.
+RESOLVE_IMPL = "sort"
+#: Benchmarks only: stage-skipping variants of the sort kernel (wrong results) and warps.
+RESOLVE_ABLATE = 0
+RESOLVE_WARPS = 0
+_HASH_MAX_N = 8192  # entries per request (rows x padded top_k) the hash kernel holds
+_HASH_MAX_H = 16384  # padded hot slots per request the hash kernel holds
+_HASH_SMALL_SORT = 256  # swap lists up to this long are sorted at this size (power of 2)
 
 
 def interpreting() -> bool:
@@ -105,7 +124,10 @@ def _resolve_kernel(
     K, H, bs,
     ROWS: tl.constexpr, KP: tl.constexpr, LOGN: tl.constexpr, BH: tl.constexpr,
     BR: tl.constexpr, HAS_RES: tl.constexpr, HAS_VALID: tl.constexpr, HAS_HM: tl.constexpr,
+    ABL: tl.constexpr = 0,
 ):  # fmt: skip
+    # ABL (benchmarks only, wrong results): 1 skips the sort, 2 the binary searches,
+    # 4 the LRU pass, 8 stage 5.
     N: tl.constexpr = ROWS * KP
     SENT: tl.constexpr = _SENTINEL
     q = tl.program_id(0)
@@ -180,7 +202,10 @@ def _resolve_kernel(
         # ---- 2. sort by (host row, position); run heads are the wanted set ------------
         pos = ri * KP + col
         key = tl.where(needs, g, SENT) * N + pos
-        keys = tl.sort(tl.reshape(key, [N]))
+        if ABL & 1:  # noqa: SIM108
+            keys = tl.reshape(key, [N])
+        else:
+            keys = tl.sort(tl.reshape(key, [N]))
         gs = keys >> LOGN
         ps = (keys & (N - 1)).to(tl.int32)
         idx = tl.arange(0, N)
@@ -207,7 +232,7 @@ def _resolve_kernel(
             v = tl.load(hot_index_ptr + s64 * s_hi_s + h * s_hi_h, mask=hm, other=-1)
             v = v.to(tl.int64)
             lo = tl.zeros([BH], tl.int32)
-            for k in tl.static_range(LOGN):
+            for k in tl.static_range(0 if ABL & 2 else LOGN):
                 mid = tl.load(sc_uniq_ptr + base_n + lo + ((N >> (k + 1)) - 1))
                 lo = tl.where(mid < v, lo + (N >> (k + 1)), lo)
             found = tl.load(sc_uniq_ptr + base_n + lo)
@@ -222,7 +247,7 @@ def _resolve_kernel(
         # ---- 4. new LRU order in closed form; evictable slot of each miss rank ---------
         ce = 0
         ch = 0
-        for j0 in range(0, H, BH):
+        for j0 in range(0, 0 if ABL & 4 else H, BH):
             j = j0 + bh
             jm = j < H
             sl = tl.load(lru_ptr + s64 * s_lru_s + j * s_lru_h, mask=jm, other=0).to(tl.int32)
@@ -241,40 +266,260 @@ def _resolve_kernel(
             ch += tl.sum(hh.to(tl.int32), 0)
 
         # ---- 5. misses: wanted-order rank -> slot; swap list; every entry's row -------
-        slot_u = tl.load(sc_slot_u_ptr + base_n + uid, mask=head, other=0)
-        miss_head = head & (slot_u < 0)
-        tl.store(sc_flag_ptr + base_n + ps, miss_head.to(tl.int32))  # ps is a permutation
+        if (ABL & 8) == 0:
+            slot_u = tl.load(sc_slot_u_ptr + base_n + uid, mask=head, other=0)
+            miss_head = head & (slot_u < 0)
+            tl.store(sc_flag_ptr + base_n + ps, miss_head.to(tl.int32))  # ps is a permutation
+            tl.debug_barrier()
+            for j0 in range(0, H, BH):
+                j = j0 + bh
+                jm = j < H
+                nl = tl.load(sc_newlru_ptr + base_h + j, mask=jm)
+                tl.store(lru_ptr + s64 * s_lru_s + j * s_lru_h, nl, mask=jm)
+            flag = tl.load(sc_flag_ptr + base_n + idx)
+            mrank = tl.cumsum(flag, 0) - 1
+            fm = (flag != 0) & (mrank < H)
+            slot_m = tl.load(sc_evict_ptr + base_h + mrank, mask=fm, other=0)
+            tl.store(sc_flag_ptr + base_n + idx, slot_m, mask=fm)
+            tl.debug_barrier()
+            slot_new = tl.load(sc_flag_ptr + base_n + ps, mask=miss_head, other=0)
+            if ABL:  # skipped stages leave garbage: keep the timing runs in bounds
+                slot_new = tl.minimum(tl.maximum(slot_new, 0), H - 1)
+            tl.store(sc_slot_u_ptr + base_n + uid, slot_new, mask=miss_head)
+            tl.store(hot_index_ptr + s64 * s_hi_s + slot_new * s_hi_h, gs, mask=miss_head)
+            hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_new // bs) * s_hbt_b, mask=miss_head)
+            phys_m = hb.to(tl.int64) * bs + slot_new % bs
+            widx = tl.cumsum(miss_head.to(tl.int32), 0) - 1
+            tl.store(swap_src_ptr + q64 * s_ss_q + widx * s_ss_h, gs, mask=miss_head)
+            tl.store(swap_dst_ptr + q64 * s_sd_q + widx * s_sd_h, phys_m, mask=miss_head)
+            tl.store(swap_count_ptr + q64 * s_sc, n_miss)
+            if HAS_HM:
+                tl.store(hm_ptr + q64 * s_hm_q, n_hit)
+                tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, n_miss)
+            tl.debug_barrier()
+            slot_all = tl.load(sc_slot_u_ptr + base_n + uid, mask=live, other=0)
+            if ABL:
+                slot_all = tl.minimum(tl.maximum(slot_all, 0), H - 1)
+            hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_all // bs) * s_hbt_b, mask=live)
+            phys = hb.to(tl.int64) * bs + slot_all % bs
+            erow = tl.load(sc_rows_ptr + q64 * ROWS + ps // KP, mask=live, other=0).to(tl.int64)
+            ecol = ps % KP
+            tl.store(out_ptr + erow * s_out_r + ecol * s_out_c, phys, mask=live)
+
+
+@triton.jit
+def _hash(g, LOGT: tl.constexpr):
+    """Fibonacci hash of host rows (``0 <= g < 2**31``) into ``[0, 2**LOGT)``."""
+    return (((g.to(tl.int64) * 2654435761) & 0xFFFFFFFF) >> (32 - LOGT)).to(tl.int32)
+
+
+@triton.jit
+def _write_swap_list(
+    mg_ptr, ms_ptr, base_n, n_miss, hot_bt_ptr, hbt_row, s_hbt_b, bs,
+    src_ptr, s_src, dst_ptr, s_dst,
+    S: tl.constexpr, LOGS: tl.constexpr,
+):  # fmt: skip
+    """Sort the first ``n_miss <= S`` (host row, slot) misses by host row; write the list."""
+    i = tl.arange(0, S)
+    im = i < n_miss
+    gm = tl.load(mg_ptr + base_n + i, mask=im, other=0).to(tl.int64)
+    key = tl.sort(tl.where(im, (gm << LOGS) | i, 1 << 62))
+    ii = (key & (S - 1)).to(tl.int32)
+    slot = tl.load(ms_ptr + base_n + ii, mask=im, other=0)
+    hb = tl.load(hot_bt_ptr + hbt_row + (slot // bs) * s_hbt_b, mask=im)
+    tl.store(src_ptr + i * s_src, key >> LOGS, mask=im)
+    tl.store(dst_ptr + i * s_dst, hb.to(tl.int64) * bs + slot % bs, mask=im)
+
+
+@triton.jit
+def _resolve_hash_kernel(
+    topk_ptr, stk_r, stk_c,
+    row_req_ptr, R,
+    state_ptr, Q,
+    src_bt_ptr, s_src_q, s_src_b,
+    res_bt_ptr, s_res_q, s_res_b,
+    hot_bt_ptr, s_hbt_s, s_hbt_b,
+    hot_index_ptr, s_hi_s, s_hi_h,
+    lru_ptr, s_lru_s, s_lru_h,
+    out_ptr, s_out_r, s_out_c,
+    swap_src_ptr, s_ss_q, s_ss_h,
+    swap_dst_ptr, s_sd_q, s_sd_h,
+    swap_count_ptr, s_sc,
+    valid_ptr, s_v,
+    hm_ptr, s_hm_q, s_hm_c,
+    sc_rows_ptr, tab_key_ptr, tab_pos_ptr, tab_slot_ptr, dummy_ptr,
+    sc_slot_hit_ptr, sc_evict_ptr, sc_mg_ptr, sc_ms_ptr,
+    K, H, bs,
+    ROWS: tl.constexpr, KP: tl.constexpr, LOGT: tl.constexpr, HP: tl.constexpr,
+    SM: tl.constexpr, LOGSM: tl.constexpr, LOGN: tl.constexpr,
+    BR: tl.constexpr, HAS_RES: tl.constexpr, HAS_VALID: tl.constexpr, HAS_HM: tl.constexpr,
+):  # fmt: skip
+    """resolve_residency with a per-request hash table instead of a sort (module docstring)."""
+    N: tl.constexpr = ROWS * KP
+    T: tl.constexpr = 1 << LOGT
+    q = tl.program_id(0)
+    q64 = q.to(tl.int64)
+
+    cols = tl.arange(0, KP)
+    for r in range(q, R, Q):
+        rq = tl.load(row_req_ptr + r)
+        in_range = (rq >= 0) & (rq < Q)
+        st = tl.load(state_ptr + tl.where(in_range, rq, 0))
+        dead = (~in_range) | (st < 0)
+        r64 = tl.cast(r, tl.int64)
+        tl.store(
+            out_ptr + r64 * s_out_r + cols * s_out_c,
+            tl.full([KP], -1, tl.int32),
+            mask=(cols < K) & dead,
+        )
+        if HAS_VALID:
+            tl.store(valid_ptr + r64 * s_v, 0, mask=dead)
+
+    s = tl.load(state_ptr + q)
+    if s < 0:
+        tl.store(swap_count_ptr + q64 * s_sc, 0)
+        if HAS_HM:
+            tl.store(hm_ptr + q64 * s_hm_q, 0)
+            tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, 0)
+    else:
+        s64 = s.to(tl.int64)
+        base_t = q64 * T
+        base_n = q64 * N
+        base_h = q64 * H
+        # ---- 1. empty hash table; this request's rows, in row order --------------------
+        t = tl.arange(0, T)
+        tl.store(tab_key_ptr + base_t + t, tl.full([T], -1, tl.int32))
+        tl.store(tab_pos_ptr + base_t + t, tl.full([T], N, tl.int32))
+        tl.store(tab_slot_ptr + base_t + t, tl.full([T], -1, tl.int32))
+        n_rows = 0
+        br = tl.arange(0, BR)
+        for r0 in range(0, R, BR):
+            offs = r0 + br
+            rq = tl.load(row_req_ptr + offs, mask=offs < R, other=-1)
+            mine = rq == q
+            rank = n_rows + tl.cumsum(mine.to(tl.int32), 0) - 1
+            tl.store(sc_rows_ptr + q64 * ROWS + rank, offs, mask=mine & (rank < ROWS))
+            n_rows += tl.sum(mine.to(tl.int32), 0)
         tl.debug_barrier()
-        for j0 in range(0, H, BH):
-            j = j0 + bh
-            jm = j < H
-            nl = tl.load(sc_newlru_ptr + base_h + j, mask=jm)
-            tl.store(lru_ptr + s64 * s_lru_s + j * s_lru_h, nl, mask=jm)
-        flag = tl.load(sc_flag_ptr + base_n + idx)
-        mrank = tl.cumsum(flag, 0) - 1
-        fm = (flag != 0) & (mrank < H)
-        slot_m = tl.load(sc_evict_ptr + base_h + mrank, mask=fm, other=0)
-        tl.store(sc_flag_ptr + base_n + idx, slot_m, mask=fm)
+
+        # ---- 2. entries (flat, entry order); resident and -1 entries written at once ---
+        e = tl.arange(0, N)
+        ri = e // KP
+        col = e % KP
+        row_ok = ri < n_rows
+        row = tl.load(sc_rows_ptr + q64 * ROWS + ri, mask=row_ok, other=0).to(tl.int64)
+        emask = row_ok & (col < K)
+        p = tl.load(topk_ptr + row * stk_r + col * stk_c, mask=emask, other=-1).to(tl.int64)
+        valid = p >= 0
+        pc = tl.maximum(p, 0)
+        blk = pc // bs
+        off = pc % bs
+        sblk = tl.load(src_bt_ptr + q64 * s_src_q + blk * s_src_b, mask=valid, other=0)
+        g = sblk.to(tl.int64) * bs + off
+        g32 = g.to(tl.int32)
+        out_direct = tl.full([N], -1, tl.int64)
+        if HAS_RES:
+            rblk = tl.load(res_bt_ptr + q64 * s_res_q + blk * s_res_b, mask=valid, other=0)
+            rblk = rblk.to(tl.int64)
+            out_direct = tl.where(valid & (rblk != 0), rblk * bs + off, out_direct)
+            needs = valid & (rblk == 0)
+        else:
+            needs = valid
+        out_addr = out_ptr + row * s_out_r + col * s_out_c
+        tl.store(out_addr, out_direct, mask=emask & ~needs)
+        if HAS_VALID:
+            vrow = tl.sum(tl.reshape(valid.to(tl.int32), [ROWS, KP]), 1)
+            rr = tl.arange(0, ROWS)
+            vr = tl.load(sc_rows_ptr + q64 * ROWS + rr, mask=rr < n_rows, other=0).to(tl.int64)
+            tl.store(valid_ptr + vr * s_v, vrow, mask=rr < n_rows)
+
+        # ---- 3. insert host rows (CAS, linear probing); first position per row ----------
+        hs = _hash(g, LOGT)
+        pending = needs
+        while tl.max(pending.to(tl.int32), 0) > 0:
+            ptr = tl.where(needs, tab_key_ptr + base_t + hs, dummy_ptr + base_n + e)
+            old = tl.atomic_cas(ptr, tl.full([N], -1, tl.int32), g32, sem="relaxed")
+            took = (old == -1) | (old == g32)
+            hs = tl.where(pending & ~took, (hs + 1) & (T - 1), hs)
+            pending = pending & ~took
+        tl.atomic_min(tab_pos_ptr + base_t + hs, e, mask=needs, sem="relaxed")
         tl.debug_barrier()
-        slot_new = tl.load(sc_flag_ptr + base_n + ps, mask=miss_head, other=0)
-        tl.store(sc_slot_u_ptr + base_n + uid, slot_new, mask=miss_head)
-        tl.store(hot_index_ptr + s64 * s_hi_s + slot_new * s_hi_h, gs, mask=miss_head)
-        hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_new // bs) * s_hbt_b, mask=miss_head)
-        phys_m = hb.to(tl.int64) * bs + slot_new % bs
-        widx = tl.cumsum(miss_head.to(tl.int32), 0) - 1
-        tl.store(swap_src_ptr + q64 * s_ss_q + widx * s_ss_h, gs, mask=miss_head)
-        tl.store(swap_dst_ptr + q64 * s_sd_q + widx * s_sd_h, phys_m, mask=miss_head)
+        first = tl.load(tab_pos_ptr + base_t + hs, mask=needs, other=-1, cache_modifier=".cg")
+        head = needs & (first == e)
+        n_unique = tl.sum(head.to(tl.int32), 0)
+
+        # ---- 4. hits: each hot slot probes the table for its host row ------------------
+        h = tl.arange(0, HP)
+        hm = h < H
+        v = tl.load(hot_index_ptr + s64 * s_hi_s + h * s_hi_h, mask=hm, other=-1)
+        hv = _hash(tl.maximum(v, 0), LOGT)
+        pend = hm & (v >= 0)
+        found = h < 0
+        while tl.max(pend.to(tl.int32), 0) > 0:
+            k = tl.load(tab_key_ptr + base_t + hv, mask=pend, other=-1, cache_modifier=".cg")
+            f = pend & (k == v)
+            found = found | f
+            stop = f | (k == -1)
+            hv = tl.where(pend & ~stop, (hv + 1) & (T - 1), hv)
+            pend = pend & ~stop
+        tl.store(tab_slot_ptr + base_t + hv, h, mask=found)
+        tl.store(sc_slot_hit_ptr + base_h + h, found.to(tl.int8), mask=hm)
+        n_hit = tl.sum(found.to(tl.int32), 0)
+        n_miss = n_unique - n_hit
+        n_evict = H - n_hit
+        tl.debug_barrier()
+
+        # ---- 5. new LRU order in closed form; evictable slot of each miss rank ---------
+        j = tl.arange(0, HP)
+        jm = j < H
+        sl = tl.load(lru_ptr + s64 * s_lru_s + j * s_lru_h, mask=jm, other=0).to(tl.int32)
+        was_hit = tl.load(sc_slot_hit_ptr + base_h + sl, mask=jm, other=0) != 0
+        ev = jm & ~was_hit
+        hh = jm & was_hit
+        ce = tl.cumsum(ev.to(tl.int32), 0) - 1
+        kh = tl.cumsum(hh.to(tl.int32), 0) - 1
+        newpos = tl.where(
+            hh, n_evict + kh, tl.where(ce >= n_miss, ce - n_miss, n_evict - n_miss + ce)
+        )
+        tl.store(sc_evict_ptr + base_h + ce, sl, mask=ev & (ce < n_miss))
+        tl.debug_barrier()  # every lru load is done, the evict list is visible
+        ok = jm & (newpos >= 0) & (newpos < H)
+        tl.store(lru_ptr + s64 * s_lru_s + newpos * s_lru_h, sl.to(tl.int16), mask=ok)
+
+        # ---- 6. misses in wanted (entry) order take the evictable slots ----------------
+        tslot = tl.load(tab_slot_ptr + base_t + hs, mask=head, other=0)
+        miss_head = head & (tslot < 0)
+        mrank = tl.cumsum(miss_head.to(tl.int32), 0) - 1
+        slot_m = tl.load(sc_evict_ptr + base_h + mrank, mask=miss_head, other=0)
+        tl.store(tab_slot_ptr + base_t + hs, slot_m, mask=miss_head)
+        tl.store(hot_index_ptr + s64 * s_hi_s + slot_m * s_hi_h, g32, mask=miss_head)
+        tl.store(sc_mg_ptr + base_n + mrank, g32, mask=miss_head)
+        tl.store(sc_ms_ptr + base_n + mrank, slot_m, mask=miss_head)
         tl.store(swap_count_ptr + q64 * s_sc, n_miss)
         if HAS_HM:
             tl.store(hm_ptr + q64 * s_hm_q, n_hit)
             tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, n_miss)
         tl.debug_barrier()
-        slot_all = tl.load(sc_slot_u_ptr + base_n + uid, mask=live, other=0)
-        hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_all // bs) * s_hbt_b, mask=live)
+
+        # ---- 7. every hot entry reads its row's slot ------------------------------------
+        slot_all = tl.load(tab_slot_ptr + base_t + hs, mask=needs, other=0)
+        hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_all // bs) * s_hbt_b, mask=needs)
         phys = hb.to(tl.int64) * bs + slot_all % bs
-        erow = tl.load(sc_rows_ptr + q64 * ROWS + ps // KP, mask=live, other=0).to(tl.int64)
-        ecol = ps % KP
-        tl.store(out_ptr + erow * s_out_r + ecol * s_out_c, phys, mask=live)
+        tl.store(out_addr, phys, mask=needs)
+
+        # ---- 8. swap list ascending by host row (small sort when few misses) -----------
+        if n_miss <= SM:
+            _write_swap_list(
+                sc_mg_ptr, sc_ms_ptr, base_n, n_miss, hot_bt_ptr, s64 * s_hbt_s, s_hbt_b, bs,
+                swap_src_ptr + q64 * s_ss_q, s_ss_h, swap_dst_ptr + q64 * s_sd_q, s_sd_h,
+                SM, LOGSM,
+            )  # fmt: skip
+        else:
+            _write_swap_list(
+                sc_mg_ptr, sc_ms_ptr, base_n, n_miss, hot_bt_ptr, s64 * s_hbt_s, s_hbt_b, bs,
+                swap_src_ptr + q64 * s_ss_q, s_ss_h, swap_dst_ptr + q64 * s_sd_q, s_sd_h,
+                N, LOGN,
+            )  # fmt: skip
 
 
 def resolve_residency(
@@ -323,6 +568,46 @@ def resolve_residency(
     bh = min(_next_pow2(H), 4096)  # few sequential chunks: the binary searches are latency
     br = 256  # fixed: one compiled variant for every batch size
     dev = topk.device
+    res = resident_block_table if resident_block_table is not None else source_block_table
+    vc = valid_counts if valid_counts is not None else swap_count
+    hm = hit_miss if hit_miss is not None else swap_count.view(-1, 1)
+    hp = _next_pow2(H)
+    if RESOLVE_IMPL == "hash" and n <= _HASH_MAX_N and hp <= _HASH_MAX_H:
+        logt = (2 * n).bit_length() - 1  # table of 2 * n slots: load factor <= 1/2
+        sm = min(n, _HASH_SMALL_SORT)
+        i32 = torch.empty(Q * (rows + 3 * (2 * n) + 3 * n + H), dtype=torch.int32, device=dev)
+        i8 = torch.empty(Q * H, dtype=torch.int8, device=dev)
+        o = 0
+        parts = []
+        for size in (Q * rows, Q * 2 * n, Q * 2 * n, Q * 2 * n, Q * n, Q * H, Q * n, Q * n):
+            parts.append(i32[o : o + size])
+            o += size
+        sc_rows, tab_key, tab_pos, tab_slot, dummy, sc_evict, sc_mg, sc_ms = parts
+        _resolve_hash_kernel[(Q,)](
+            topk, topk.stride(0), topk.stride(1),
+            row_req, R,
+            request_state_indices, Q,
+            source_block_table, source_block_table.stride(0), source_block_table.stride(1),
+            res, res.stride(0), res.stride(1),
+            hot_block_table, hot_block_table.stride(0), hot_block_table.stride(1),
+            hot_index, hot_index.stride(0), hot_index.stride(1),
+            lru, lru.stride(0), lru.stride(1),
+            out_physical, out_physical.stride(0), out_physical.stride(1),
+            swap_src, swap_src.stride(0), swap_src.stride(1),
+            swap_dst, swap_dst.stride(0), swap_dst.stride(1),
+            swap_count, swap_count.stride(0),
+            vc, vc.stride(0),
+            hm, hm.stride(0), hm.stride(1) if hm.dim() > 1 else 1,
+            sc_rows, tab_key, tab_pos, tab_slot, dummy, i8, sc_evict, sc_mg, sc_ms,
+            K, H, block_size,
+            ROWS=rows, KP=kp, LOGT=logt, HP=hp, SM=sm, LOGSM=sm.bit_length() - 1, LOGN=logn,
+            BR=br,
+            HAS_RES=resident_block_table is not None,
+            HAS_VALID=valid_counts is not None,
+            HAS_HM=hit_miss is not None,
+            num_warps=RESOLVE_WARPS or (8 if max(n, hp) <= 4096 else 16),
+        )  # fmt: skip
+        return
     # One scratch allocation per call (graph-capturable: the graph's pool owns it).
     i64 = torch.empty(2 * Q * n, dtype=torch.int64, device=dev)
     i32 = torch.empty(Q * (rows + 2 * n + 2 * H), dtype=torch.int32, device=dev)
@@ -338,9 +623,6 @@ def resolve_residency(
     sc_evict = i32[o : o + Q * H]
     o += Q * H
     sc_newlru = i32[o : o + Q * H]
-    res = resident_block_table if resident_block_table is not None else source_block_table
-    vc = valid_counts if valid_counts is not None else swap_count
-    hm = hit_miss if hit_miss is not None else swap_count.view(-1, 1)
     num_warps = 4 if n <= 1024 else (8 if n <= 4096 else 16)
     _resolve_kernel[(Q,)](
         topk, topk.stride(0), topk.stride(1),
@@ -363,6 +645,7 @@ def resolve_residency(
         HAS_RES=resident_block_table is not None,
         HAS_VALID=valid_counts is not None,
         HAS_HM=hit_miss is not None,
+        ABL=RESOLVE_ABLATE,
         num_warps=num_warps,
     )  # fmt: skip
 
