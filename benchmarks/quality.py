@@ -82,6 +82,7 @@ def main() -> None:
                     "seconds": time.perf_counter() - t0,
                 }
                 bar.update(1)
+                Path(args.out, "quality.json").write_text(json.dumps(results, indent=1))
         ids = text_ids[: args.ppl_len]
         (logits,) = model.prefill_logits([ids])
         nll = torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]))
