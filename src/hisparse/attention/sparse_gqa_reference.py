@@ -206,3 +206,29 @@ def causal_gqa_reference(
     s = torch.arange(rows.shape[0], device=q.device)
     selected = s[None, :] <= positions[:, None]
     return selected_gqa_reference(q, kv_cache, rows, selected, scale, row_format)
+
+
+def sparse_gqa_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    row_format: GqaRowFormat,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse GQA (contract of `sparse_gqa_reference`) on the best backend available.
+
+    The Triton kernel (`sparse_gqa_triton`) for CUDA tensors, the reference elsewhere;
+    ``HISPARSE_ATTENTION=reference|triton`` forces one, as for sparse MLA. Inputs the kernel
+    does not handle (head dims that are not a power of two, a non-contiguous byte dim) and
+    machines without Triton fall back to the reference. Triton is imported on first use.
+    """
+    from hisparse.attention import _attention_backend
+
+    if _attention_backend(q.device) == "triton":
+        try:
+            from hisparse.attention import sparse_gqa_triton as sgt
+        except ImportError:  # pragma: no cover - Triton missing: the reference still works
+            sgt = None
+        if sgt is not None and sgt.supports(q, kv_cache, row_format):
+            return sgt.sparse_gqa_decode_triton(q, kv_cache, indices, scale, row_format)
+    return sparse_gqa_reference(q, kv_cache, indices, scale, row_format)
