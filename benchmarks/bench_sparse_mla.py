@@ -38,16 +38,69 @@ DEV = torch.device("cuda")
 H, K, C, R, BS = 128, 2048, 512, 64, 64
 SCALE = 192**-0.5
 GRAPH_BYTES = 256e6
+#: ``--sweep`` times all of these; without it only the default shape runs.
 CONFIGS = [
-    smt.DecodeConfig(16, 32, 4, 2),
-    smt.DecodeConfig(32, 32, 4, 2),
-    smt.DecodeConfig(32, 32, 4, 1),
     smt.DecodeConfig(64, 32, 8, 2),
+    smt.DecodeConfig(64, 32, 8, 3),
     smt.DecodeConfig(64, 32, 8, 1),
-    smt.DecodeConfig(64, 16, 8, 1),
-    smt.DecodeConfig(64, 16, 4, 1),
-    smt.DecodeConfig(64, 32, 8, 2, scale_on_k=True),  # fp8 only
+    smt.DecodeConfig(64, 64, 8, 2),
+    smt.DecodeConfig(64, 16, 8, 3),
+    smt.DecodeConfig(16, 32, 4, 2, kernel="tiled"),
+    smt.DecodeConfig(64, 32, 8, 2, kernel="tiled"),
+    smt.DecodeConfig(64, 32, 8, 2, scale_on_k=True, kernel="tiled"),  # fp8 only
 ]
+PREFILL_TOKENS = 2048
+
+
+def _skip(cfg: smt.DecodeConfig, fmt: str) -> bool:
+    return cfg.scale_on_k and fmt != "fp8_ds_mla"
+
+
+def _label(cfg: smt.DecodeConfig) -> str:
+    tag = "W" if cfg.kernel == "wide" else "T"
+    tag += "k" if cfg.scale_on_k else ""
+    return f"{tag}{cfg.block_h},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}"
+
+
+def _warm_one(job: tuple[str, dict]) -> str:
+    """Compile one (format, shape) in a worker process: Triton's on-disk cache is shared, so
+    the timed process only loads it (16 CPU cores compile the sweep in parallel)."""
+    fmt, cfg_dict = job
+    cfg = smt.DecodeConfig(**cfg_dict)
+    rb = mla_row_bytes(fmt, C, R)
+    pool = torch.zeros(8, BS, rb, dtype=torch.uint8, device=DEV)
+    idx = torch.zeros(2, K, dtype=torch.int32, device=DEV)
+    ql = torch.zeros(2, H, C, device=DEV).bfloat16()
+    qr = torch.zeros(2, H, R, device=DEV).bfloat16()
+    t0 = time.time()
+    try:
+        for splits in (1, 2):  # bf16 output / fp32 partials + combine
+            smt.sparse_mla_decode_triton(
+                ql, qr, pool, idx, SCALE, fmt, config=cfg, num_splits=splits
+            )
+        torch.cuda.synchronize()
+        return f"{fmt} {_label(cfg)} compiled in {time.time() - t0:.1f} s"
+    except Exception as exc:  # reported again, with the error, in the timed run
+        return f"{fmt} {_label(cfg)} failed: {type(exc).__name__}: {str(exc)[:120]}"
+
+
+def precompile(configs: list[smt.DecodeConfig], workers: int = 12) -> None:
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    jobs = [(f, c.__dict__) for f in ("fp8_ds_mla", "bf16") for c in configs if not _skip(c, f)]
+    t0 = time.time()
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        for line in ex.map(_warm_one, jobs):
+            print("  ", line, flush=True)
+    print(f"precompiled {len(jobs)} kernels in {time.time() - t0:.1f} s", flush=True)
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    """bf16 matrix-product rate on random data (the tensor-core ceiling of this run)."""
+    a = torch.randn(n, n, device=DEV).bfloat16()
+    b = torch.randn(n, n, device=DEV).bfloat16()
+    return 2 * n**3 / _median_us(lambda: a @ b) / 1e6
 
 
 def _median_us(fn, rep_ms: int = 100) -> float:
@@ -106,7 +159,9 @@ def make_pool(fmt: str, gib: float) -> torch.Tensor:
     return pool
 
 
-def bench_case(fmt: str, pool: torch.Tensor, t: int, copy_gbs: float) -> dict:
+def bench_case(
+    fmt: str, pool: torch.Tensor, t: int, copy_gbs: float, configs: list, with_ref: bool = True
+) -> dict:
     g = torch.Generator(device=DEV).manual_seed(100 + t)
     rows = pool.shape[0] * pool.shape[1]
     n_sets = min(128, max(4, math.ceil(GRAPH_BYTES / smt.decode_bytes(t, H, K, fmt))))
@@ -116,7 +171,11 @@ def bench_case(fmt: str, pool: torch.Tensor, t: int, copy_gbs: float) -> dict:
     ]
     ql = torch.randn(t, H, C, generator=g, device=DEV).bfloat16()
     qr = torch.randn(t, H, R, generator=g, device=DEV).bfloat16()
-    ref_o, ref_l = sparse_mla_decode_reference(ql, qr, pool, sets[0], SCALE, fmt)
+    # The oracle in fp32 on the GPU; past 256 tokens only the first 256 are checked.
+    n_chk = min(t, 256)
+    ref_o, ref_l = sparse_mla_decode_reference(
+        ql[:n_chk], qr[:n_chk], pool, sets[0][:n_chk], SCALE, fmt
+    )
     nbytes = smt.decode_bytes(t, H, K, fmt)
     flops = smt.decode_flops(t, H, K)
     counter = [0]
@@ -128,18 +187,26 @@ def bench_case(fmt: str, pool: torch.Tensor, t: int, copy_gbs: float) -> dict:
 
         return call
 
-    ref_us = _median_us(
-        rotating(lambda idx: sparse_mla_decode_reference(ql, qr, pool, idx, SCALE, fmt)),
-        rep_ms=60,
+    ref_us = (
+        _median_us(
+            rotating(lambda idx: sparse_mla_decode_reference(ql, qr, pool, idx, SCALE, fmt)),
+            rep_ms=60,
+        )
+        if with_ref
+        else float("nan")
     )
     per_config = []
-    for cfg in CONFIGS:
-        if cfg.scale_on_k and fmt != "fp8_ds_mla":
+    for cfg in configs:
+        if _skip(cfg, fmt):
             continue
-        entry: dict = {"config": cfg.__dict__, "splits": smt.num_splits_for(t, H, K, cfg, DEV)}
+        entry: dict = {
+            "config": cfg.__dict__, "label": _label(cfg),
+            "splits": smt.num_splits_for(t, H, K, cfg, DEV),
+        }  # fmt: skip
         try:
             out, lse = smt.sparse_mla_decode_triton(ql, qr, pool, sets[0], SCALE, fmt, config=cfg)
             torch.cuda.synchronize()
+            out, lse = out[:n_chk], lse[:n_chk]
             err = (out.float() - ref_o.float()).abs().max().item()
             rel = ((out.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
             lse_err = (lse - ref_l).abs().max().item()
@@ -155,14 +222,19 @@ def bench_case(fmt: str, pool: torch.Tensor, t: int, copy_gbs: float) -> dict:
                 us=us, gbs=nbytes / us / 1e3, tflops=flops / us / 1e6, max_abs_err=err,
                 rel_err=rel, lse_err=lse_err,
                 ok=bool(err <= 1e-3 + 1.6e-2 * ref_o.float().abs().max().item() and rel < 1e-2),
+                pct_copy=nbytes / us / 1e3 / copy_gbs * 100,
             )  # fmt: skip
         except Exception as exc:  # a tile shape that does not compile or fit is reported
             entry.update(error=f"{type(exc).__name__}: {str(exc)[:200]}")
-        print(fmt, t, entry, flush=True)
+        print(fmt, t, {k: (round(v, 5) if isinstance(v, float) else v)
+                       for k, v in entry.items() if k != "config"}, flush=True)  # fmt: skip
         per_config.append(entry)
     good = [e for e in per_config if e.get("ok")]
     best = min(good, key=lambda e: e["us"]) if good else None
-    if best is not None:
+    default = next(
+        (e for e in per_config if e["config"] == smt.default_config(t, H).__dict__), None
+    )
+    if best is not None and with_ref:
         bcfg = smt.DecodeConfig(**best["config"])
         best["eager_us"] = _median_us(
             rotating(
@@ -171,7 +243,7 @@ def bench_case(fmt: str, pool: torch.Tensor, t: int, copy_gbs: float) -> dict:
         )
     return {
         "fmt": fmt, "tokens": t, "bytes": nbytes, "flops": flops, "ref_us": ref_us,
-        "ref_gbs": nbytes / ref_us / 1e3, "best": best, "configs": per_config,
+        "ref_gbs": nbytes / ref_us / 1e3, "best": best, "default": default, "configs": per_config,
         "pct_hbm": (best["gbs"] / copy_gbs * 100) if best else None,
     }  # fmt: skip
 
@@ -183,46 +255,77 @@ def main() -> None:
     )
     ap.add_argument("--pool-gib", type=float, default=2.0)
     ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--sweep", action="store_true", help="time every shape in CONFIGS")
+    ap.add_argument("--prefill", type=int, default=PREFILL_TOKENS, help="0 = no prefill case")
     args = ap.parse_args()
     t0 = time.time()
+    configs = CONFIGS if args.sweep else [smt.default_config(1, H)]
+    if smt.default_config(1, H) not in configs:
+        configs = [smt.default_config(1, H), *configs]
+    precompile(configs)
     props = torch.cuda.get_device_properties(DEV)
     copy_gbs = hbm_copy_gbs()
-    print(f"{props.name}: HBM d2d copy {copy_gbs:.0f} GB/s", flush=True)
+    mm_tflops = matmul_tflops()
+    print(f"{props.name}: HBM d2d copy {copy_gbs:.0f} GB/s, bf16 matmul {mm_tflops:.0f} TFLOP/s")
     results = []
     for fmt in ("fp8_ds_mla", "bf16"):
         pool = make_pool(fmt, args.pool_gib)
         for t in (int(x) for x in args.batches.split(",")):
-            results.append(bench_case(fmt, pool, t, copy_gbs))
+            results.append(bench_case(fmt, pool, t, copy_gbs, configs))
+        if args.prefill:
+            # Prefill: many tokens, each with its own top-k; the best decode shapes only.
+            big = [r for r in results if r["fmt"] == fmt and r["best"] is not None]
+            pick = {smt.DecodeConfig(**r["best"]["config"]) for r in big[-1:]}
+            pick.add(smt.default_config(args.prefill, H))
+            results.append(
+                bench_case(fmt, pool, args.prefill, copy_gbs, sorted(pick, key=str), False)
+            )
         del pool
         torch.cuda.empty_cache()
     doc = {
         "device": props.name, "torch": torch.__version__, "triton": triton.__version__,
-        "copy_gbs": copy_gbs, "pool_gib": args.pool_gib, "heads": H, "top_k": K,
-        "results": results, "wall_s": time.time() - t0,
+        "copy_gbs": copy_gbs, "matmul_tflops": mm_tflops, "pool_gib": args.pool_gib,
+        "heads": H, "top_k": K, "results": results, "wall_s": time.time() - t0,
     }  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
 
-    print(f"\nsparse MLA decode, H={H}, top_k={K}, bf16 q; HBM copy {copy_gbs:.0f} GB/s")
+    print(
+        f"\nsparse MLA decode, H={H}, top_k={K}, bf16 q; HBM copy {copy_gbs:.0f} GB/s "
+        f"(100% = that), matmul {mm_tflops:.0f} TFLOP/s; W = wide kernel, T = tiled"
+    )
+    if args.sweep:  # every shape, µs (graph replay); * = failed the reference check
+        labels = [_label(c) for c in configs]
+        print(f"{'rows':>10} {'T':>5} " + " ".join(f"{lb:>13}" for lb in labels))
+        for r in results:
+            by = {e.get("label"): e for e in r["configs"]}
+            cells = []
+            for lb in labels:
+                e = by.get(lb)
+                if e is None or "us" not in e:
+                    cells.append(f"{'-':>13}")
+                else:
+                    cells.append(f"{e['us']:>12.1f}{'' if e['ok'] else '*'}")
+            print(f"{r['fmt']:>10} {r['tokens']:>5} " + " ".join(cells))
+        print()
     hdr = (
-        f"{'rows':>10} {'T':>4} {'config (h,n,w,s)':>17} {'splits':>6} {'µs':>8} {'eager':>7} "
-        f"{'GB/s':>6} {'%HBM':>5} {'TFLOP/s':>7} {'ref µs':>8} {'×ref':>6} {'max err':>8}"
+        f"{'rows':>10} {'T':>5} {'shape':>14} {'splits':>6} {'µs':>8} {'eager':>7} "
+        f"{'GB/s':>6} {'%copy':>5} {'TFLOP/s':>7} {'%mm':>4} {'ref µs':>8} {'×ref':>6} "
+        f"{'rel err':>8} {'default µs':>10}"
     )
     print(hdr)
     for r in results:
         b = r["best"]
         if b is None:
-            print(f"{r['fmt']:>10} {r['tokens']:>4}  no tile shape passed")
+            print(f"{r['fmt']:>10} {r['tokens']:>5}  no tile shape passed")
             continue
-        c = b["config"]
-        shape = f"{c['block_h']},{c['block_n']},{c['num_warps']},{c['num_stages']}"
-        shape += "k" if c["scale_on_k"] else ""
+        d = r.get("default") or {}
         print(
-            f"{r['fmt']:>10} {r['tokens']:>4} {shape:>17} {b['splits']:>6} {b['us']:>8.1f} "
-            f"{b['eager_us']:>7.1f} "
-            f"{b['gbs']:>6.0f} {r['pct_hbm']:>5.1f} {b['tflops']:>7.1f} {r['ref_us']:>8.1f} "
-            f"{r['ref_us'] / b['us']:>6.1f} {b['max_abs_err']:>8.1e}"
+            f"{r['fmt']:>10} {r['tokens']:>5} {b['label']:>14} {b['splits']:>6} {b['us']:>8.1f} "
+            f"{b.get('eager_us', float('nan')):>7.1f} {b['gbs']:>6.0f} {r['pct_hbm']:>5.1f} "
+            f"{b['tflops']:>7.1f} {b['tflops'] / mm_tflops * 100:>4.0f} {r['ref_us']:>8.1f} "
+            f"{r['ref_us'] / b['us']:>6.1f} {b['rel_err']:>8.1e} {d.get('us', float('nan')):>10.1f}"
         )
 
 

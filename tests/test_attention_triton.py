@@ -73,12 +73,20 @@ def _run(fmt: str, t: int, h: int, k: int, dtype: torch.dtype, seed: int, **kw) 
         assert torch.isneginf(lse[t - 1]).all()
 
 
+@pytest.mark.parametrize("kernel", ["wide", "tiled"])
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_matches_reference(fmt: str, dtype: torch.dtype, splits: int) -> None:
-    seed = 10 * (fmt == "bf16") + 5 * (dtype == torch.bfloat16) + splits
-    _run(fmt, 3, 4, 32, dtype, seed, num_splits=splits, config=smt.DecodeConfig(4, 8))
+def test_decode_matches_reference(kernel: str, fmt: str, dtype: torch.dtype, splits: int) -> None:
+    seed = 10 * (fmt == "bf16") + 5 * (dtype == torch.bfloat16) + splits + 20 * (kernel == "wide")
+    cfg = smt.DecodeConfig(4, 8, kernel=kernel)
+    _run(fmt, 3, 4, 32, dtype, seed, num_splits=splits, config=cfg)
+
+
+def test_wide_kernel_head_block_wider_than_heads() -> None:
+    """Heads padded inside a block (5 of 8) and a top-k not a multiple of the row tile."""
+    cfg = smt.DecodeConfig(8, 16, kernel="wide")
+    _run("fp8_ds_mla", 2, 5, 37, torch.float32, 71, num_splits=2, config=cfg)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -94,8 +102,8 @@ def test_decode_random_shapes(seed: int) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_fp8_scale_on_k_variant(dtype: torch.dtype) -> None:
-    """The sweep's variant that dequantises the K tile before the dots (same function)."""
-    cfg = smt.DecodeConfig(4, 8, scale_on_k=True)
+    """The tiled kernel's variant that dequantises the K tile before the dots (same function)."""
+    cfg = smt.DecodeConfig(4, 8, scale_on_k=True, kernel="tiled")
     _run("fp8_ds_mla", 3, 4, 32, dtype, 61, num_splits=2, config=cfg)
 
 
@@ -116,6 +124,18 @@ def test_poisoned_outputs_are_overwritten(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(torch, "empty", poisoned)
     for splits in (1, 2):
         _run("bf16", 3, 4, 16, torch.float32, 90 + splits, num_splits=splits)
+    cfg = smt.DecodeConfig(4, 8, kernel="tiled")
+    _run("fp8_ds_mla", 3, 4, 16, torch.float32, 95, num_splits=2, config=cfg)
+
+
+def test_split_heuristic() -> None:
+    """Wide kernel: one split once the batch fills the SMs (no partials), many at batch 1."""
+    cfg = smt.DecodeConfig()
+    cpu = torch.device("cpu")  # 4 SMs assumed off-GPU
+    assert smt.num_splits_for(64, 128, 2048, cfg, cpu) == 1
+    assert smt.num_splits_for(1, 128, 2048, cfg, cpu) > 1
+    with pytest.raises(ValueError, match="kernel"):
+        smt.DecodeConfig(kernel="bogus")
 
 
 def test_dispatch_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

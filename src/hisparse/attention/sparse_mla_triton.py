@@ -60,15 +60,31 @@ if interpreting():  # the interpreter needs the numpy >= 2.4 loop-bound fix the 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tile shape of the decode kernel (benchmarks sweep these; `default_config` picks one)."""
+    """Tile shape of the decode kernel (benchmarks sweep these; `default_config` picks one).
+
+    ``kernel="wide"`` (default) runs `_sparse_mla_wide_kernel`: whole 512-wide latent tiles,
+    fp8 rows dequantised to bf16 (``bf16(k8 * scale)``) before the dots. ``kernel="tiled"``
+    runs the four-tile kernel, which can keep the fp8 scales exact (``scale_on_k=False``).
+    """
 
     block_h: int = 64
     block_n: int = 32
     num_warps: int = 8
     num_stages: int = 2
-    #: fp8 rows only: dequantise the K tile (``k8 * scale`` rounded to bf16) and chain the dots
-    #: instead of scaling the tile's products (exact); a speed variant for the sweep.
+    #: fp8 rows, tiled kernel only: dequantise the K tile (``k8 * scale`` rounded to bf16) and
+    #: chain the dots instead of scaling the tile's products (exact); the wide kernel always
+    #: dequantises.
     scale_on_k: bool = False
+    kernel: str = "wide"
+
+    def __post_init__(self) -> None:
+        if self.kernel not in ("wide", "tiled"):
+            raise ValueError(f"DecodeConfig.kernel={self.kernel!r}: use 'wide' or 'tiled'")
+
+    @property
+    def rounds_fp8_scale(self) -> bool:
+        """Whether fp8 rows are dequantised to bf16 before the dots (lse error ~1e-3)."""
+        return self.kernel == "wide" or self.scale_on_k
 
 
 def default_config(num_tokens: int, num_heads: int) -> DecodeConfig:
@@ -245,6 +261,128 @@ def _sparse_mla_decode_kernel(
 
 
 @triton.jit
+def _sparse_mla_wide_kernel(
+    q_lat_ptr,
+    q_rope_ptr,
+    lat_ptr,  # latent view: e4m3 (fp8 rows) or bf16 (bf16 rows)
+    scale_ptr,  # fp32 view of the rows (fp8 only; unused for bf16)
+    rope_ptr,  # bf16 view of the rows
+    idx_ptr,
+    out_ptr,
+    lse_ptr,
+    sm_scale_log2,
+    num_heads,
+    top_k,
+    block_size,
+    split_len,
+    s_ql_t,
+    s_ql_h,
+    s_qr_t,
+    s_qr_h,
+    s_lat_b,
+    s_lat_r,
+    s_sc_b,
+    s_sc_r,
+    s_rp_b,
+    s_rp_r,
+    s_idx_t,
+    s_o_t,
+    s_o_h,
+    s_o_s,
+    s_l_t,
+    s_l_h,
+    s_l_s,
+    IS_FP8: tl.constexpr,
+    SC_OFF: tl.constexpr,
+    RP_OFF: tl.constexpr,
+    C: tl.constexpr,
+    TILE: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One ``[BLOCK_N, 512]`` latent tile per step, used whole by both dots.
+
+    Why: the four-tile kernel issues five small score dots, each waited on before the next,
+    and keeps four accumulators; here the scores are one ``K = 512`` dot plus the RoPE dot
+    and the values one ``N = 512`` dot, so the tensor cores see long uninterrupted chains.
+    fp8 tiles are dequantised once per row (``bf16(k8 * scale)``) for all heads of the block.
+    """
+    hb = tl.program_id(0)  # fastest: the head blocks of one (token, split) read the same rows
+    t = tl.program_id(1).to(tl.int64)
+    sp = tl.program_id(2)
+
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    c = tl.arange(0, C)
+    r = tl.arange(0, R)
+    q = tl.load(
+        q_lat_ptr + t * s_ql_t + heads[:, None] * s_ql_h + c[None, :],
+        mask=hmask[:, None],
+        other=0.0,
+    ).to(DOT)
+    qr = tl.load(
+        q_rope_ptr + t * s_qr_t + heads[:, None] * s_qr_h + r[None, :],
+        mask=hmask[:, None],
+        other=0.0,
+    ).to(DOT)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, C], tl.float32)
+
+    start = sp * split_len
+    end = tl.minimum(start + split_len, top_k)
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_ptr + t * s_idx_t + offs, mask=offs < end, other=-1)
+        valid = idx >= 0
+        safe = tl.where(valid, idx, 0)  # int32 division; int64 only for the byte offsets
+        blk = (safe // block_size).to(tl.int64)
+        off = (safe % block_size).to(tl.int64)
+        lat_rows = blk * s_lat_b + off * s_lat_r
+        if IS_FP8:
+            j = tl.arange(0, C // TILE)
+            d = tl.arange(0, TILE)
+            k8 = tl.load(
+                lat_ptr + lat_rows[:, None, None] + j[None, :, None] * TILE + d[None, None, :],
+                mask=valid[:, None, None],
+                other=0.0,
+            )
+            sc_rows = blk * s_sc_b + off * s_sc_r + SC_OFF
+            sc = tl.load(scale_ptr + sc_rows[:, None] + j[None, :], mask=valid[:, None], other=0.0)
+            kv = tl.reshape(k8.to(tl.float32) * sc[:, :, None], [BLOCK_N, C]).to(DOT)
+        else:
+            kv = tl.load(
+                lat_ptr + lat_rows[:, None] + c[None, :], mask=valid[:, None], other=0.0
+            ).to(DOT)
+        rp_rows = blk * s_rp_b + off * s_rp_r + RP_OFF
+        kr = tl.load(rope_ptr + rp_rows[:, None] + r[None, :], mask=valid[:, None], other=0.0)
+
+        s = tl.dot(qr, tl.trans(kr.to(DOT)), input_precision=PRECISION)
+        s = tl.dot(q, tl.trans(kv), s, input_precision=PRECISION)
+        s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(DOT), kv, acc, input_precision=PRECISION)
+
+    has = l_i > 0
+    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
+    tl.store(lse_ptr + t * s_l_t + sp * s_l_s + heads * s_l_h, lse, mask=hmask)
+    o = out_ptr + t * s_o_t + sp * s_o_s + heads[:, None] * s_o_h + c[None, :]
+    tl.store(o, (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+
+
+@triton.jit
 def _combine_kernel(
     part_ptr,
     plse_ptr,
@@ -299,12 +437,28 @@ last_compiled: list = [None]
 def num_splits_for(
     num_tokens: int, num_heads: int, top_k: int, cfg: DecodeConfig, device: torch.device
 ) -> int:
-    """Splits over top-k: enough programs for ~2 waves, each split at least 2 tiles long."""
+    """Splits over top-k for the (token, head block) programs.
+
+    Wide kernel: its shared memory (q plus the staged rows, 130-220 KB) allows one program
+    per SM, so pick the split count with the shortest makespan in tiles (waves x tiles per
+    program) plus a combine cost that grows with the splits; large batches and prefill get
+    one split (no partials). Tiled kernel: enough programs for ~2 waves, each split at least
+    2 tiles long (several of its programs share an SM).
+    """
     head_blocks = triton.cdiv(num_heads, cfg.block_h)
     programs = max(1, num_tokens * head_blocks)
-    want = triton.cdiv(2 * _num_sms(device), programs)
-    most = max(1, triton.cdiv(top_k, 2 * cfg.block_n))
-    return max(1, min(want, most))
+    tiles = max(1, triton.cdiv(top_k, cfg.block_n))
+    sms = _num_sms(device)
+    if cfg.kernel == "tiled":
+        want = triton.cdiv(2 * sms, programs)
+        return max(1, min(want, triton.cdiv(tiles, 2)))
+    best, best_cost = 1, float("inf")
+    for splits in range(1, tiles + 1):
+        waves = triton.cdiv(programs * splits, sms)
+        cost = waves * triton.cdiv(tiles, splits) + (1 + splits / 16 if splits > 1 else 0)
+        if cost < best_cost:
+            best, best_cost = splits, cost
+    return best
 
 
 def sparse_mla_decode_triton(
@@ -375,20 +529,27 @@ def sparse_mla_decode_triton(
 
     interp = interpreting() or device.type != "cuda"
     grid = (triton.cdiv(h, cfg.block_h), t, splits)
-    last_compiled[0] = _sparse_mla_decode_kernel[grid](
+    common = (
         q_latent, q_rope, lat_view, scale_view, rope_view, indices, o_buf, l_buf,
         scale * _LOG2E, h, k, kv_cache.shape[1], split_len,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         lat_view.stride(0), lat_view.stride(1), scale_view.stride(0), scale_view.stride(1),
         rope_view.stride(0), rope_view.stride(1), indices.stride(0),
         so[0], so[1], so[2], sl[0], sl[1], sl[2],
-        IS_FP8=is_fp8, SCALE_ON_K=cfg.scale_on_k and is_fp8,
-        SC_OFF=sc_off, RP_OFF=rp_off, TILE=_TILE, R=ROPE_DIM,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        DOT=tl.float32 if interp else tl.bfloat16,
-        PRECISION="ieee" if interp else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    dot = dict(DOT=tl.float32 if interp else tl.bfloat16, PRECISION="ieee" if interp else "tf32")
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.kernel == "wide":
+        last_compiled[0] = _sparse_mla_wide_kernel[grid](
+            *common, IS_FP8=is_fp8, SC_OFF=sc_off, RP_OFF=rp_off, C=LATENT_DIM, TILE=_TILE,
+            R=ROPE_DIM, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, **dot, **launch,
+        )  # fmt: skip
+    else:
+        last_compiled[0] = _sparse_mla_decode_kernel[grid](
+            *common, IS_FP8=is_fp8, SCALE_ON_K=cfg.scale_on_k and is_fp8,
+            SC_OFF=sc_off, RP_OFF=rp_off, TILE=_TILE, R=ROPE_DIM,
+            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, **dot, **launch,
+        )  # fmt: skip
     if splits > 1:
         _combine_kernel[(h, t)](
             o_buf, l_buf, out, lse, splits,
