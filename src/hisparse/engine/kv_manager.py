@@ -5,6 +5,11 @@ eagerly); on the GPU a request holds its indexer pages, its resident pages (ever
 prefills, the two tail pages once it decodes) and, while it decodes, a leased hot region per
 hot group and a hot-state slot. All-GPU placement: one resident group holds every page of every
 layer, nothing on the host. Both placements run the same runtime code.
+
+Block tables live on the device, one row per hot-state slot (every admitted request holds a
+slot), and are written only when a request's blocks change (a new page, a dropped page, a
+freed request). A step gathers its requests' rows with one index on the device: no per-step
+Python over the context, which at 128K tokens (2048 pages) would dominate a decode step.
 """
 
 from __future__ import annotations
@@ -62,7 +67,11 @@ class KVCacheManager:
         self.max_blocks = cdiv(max_model_len, self.block_size)
         self.device = device
         self.layout: KVLayout = plan_kv_layout(
-            specs, config, gpu_budget_bytes, max_model_len, placement  # type: ignore[arg-type]
+            specs,
+            config,
+            gpu_budget_bytes,
+            max_model_len,
+            placement,  # type: ignore[arg-type]
         )
         lay = self.layout
         self.gpu_raw = torch.empty(lay.gpu_pool_bytes, dtype=torch.uint8, device=device)
@@ -87,6 +96,11 @@ class KVCacheManager:
             torch.zeros((max_num_seqs, hb), dtype=torch.int32, device=device)
             for _ in self.hot_groups
         ]
+        S, MB, i32 = max_num_seqs, self.max_blocks, dict(dtype=torch.int32, device=device)
+        #: Persistent ``[max_num_seqs, max_blocks]`` tables by slot (0 = no block).
+        self.host_table = torch.zeros((S, MB), **i32) if self.offload else None
+        self.indexer_table = torch.zeros((S, MB), **i32) if self.offload else None
+        self.resident_tables = [torch.zeros((S, MB), **i32) for _ in self.resident_groups]
         self.free_slots = list(range(max_num_seqs))
         #: slots leased since the runner last reset hot state (a new request in an old slot)
         self.pending_slot_resets: list[int] = []
@@ -173,12 +187,18 @@ class KVCacheManager:
             raise KVCapacityError(f"GPU pool: {n_gpu} blocks wanted, {self.gpu_blocks.num_free}")
         if self.host_blocks is not None and pages > len(b.host):
             n = pages - len(b.host)
-            b.host.extend(self.host_blocks.allocate(n))
+            new = self.host_blocks.allocate(n)
+            self._write_span(self.host_table, b.slot, len(b.host), new)
+            b.host.extend(new)
             b.host_reserved = max(b.host_reserved - n, 0)
-        b.indexer.extend(self.gpu_blocks.allocate(idx_new))
+        new = self.gpu_blocks.allocate(idx_new)
+        self._write_span(self.indexer_table, b.slot, len(b.indexer), new)
+        b.indexer.extend(new)
         for gi, want in enumerate(wanted_resident):
-            for p, blk in zip(want, self.gpu_blocks.allocate(len(want)), strict=True):
+            new = self.gpu_blocks.allocate(len(want))
+            for p, blk in zip(want, new, strict=True):
                 b.resident[gi][p] = blk
+            self._write_pages(self.resident_tables[gi], b.slot, want, new)
 
     def trim_resident(self, req_id: str, num_tokens: int) -> list[tuple[int, int, int]]:
         """HiSparse: drop resident pages older than the tail; returns (group, page, block)
@@ -199,6 +219,9 @@ class KVCacheManager:
         for gi, p, blk in dropped:
             del b.resident[gi][p]
             self.gpu_blocks.free([blk])
+        for gi in {gi for gi, _, _ in dropped}:
+            pages = [p for g, p, _ in dropped if g == gi]
+            self._write_pages(self.resident_tables[gi], b.slot, pages, [0] * len(pages))
 
     def lease_hot(self, req_id: str) -> int:
         """Give a request a hot-state slot and its hot regions (HiSparse) for decoding.
@@ -219,6 +242,11 @@ class KVCacheManager:
             region = self.gpu_blocks.allocate(hb)
             b.hot[hi] = region
             table[b.slot] = torch.tensor(region, dtype=torch.int32)
+        # blocks taken before the slot (none in the engine's order: admit, lease, grow)
+        self._write_span(self.host_table, b.slot, 0, b.host)
+        self._write_span(self.indexer_table, b.slot, 0, b.indexer)
+        for gi, res in enumerate(b.resident):
+            self._write_pages(self.resident_tables[gi], b.slot, list(res), list(res.values()))
         return b.slot
 
     def free(self, req_id: str) -> None:
@@ -235,6 +263,9 @@ class KVCacheManager:
         if b.slot >= 0:
             for table in self.hot_block_tables:
                 table[b.slot] = 0
+            for table in (self.host_table, self.indexer_table, *self.resident_tables):
+                if table is not None:
+                    table[b.slot] = 0
             self.free_slots.append(b.slot)
 
     def close(self) -> None:
@@ -242,9 +273,48 @@ class KVCacheManager:
             self.host_pool.close()
             self.host_pool = None
 
-    # --- per-step tables -----------------------------------------------------------------
+    # --- block tables --------------------------------------------------------------------
+    @staticmethod
+    def _write_span(table: torch.Tensor | None, slot: int, start: int, ids: list[int]) -> None:
+        """``table[slot, start : start + len(ids)] = ids`` (one small host-to-device copy)."""
+        if table is None or slot < 0 or not ids:
+            return
+        table[slot, start : start + len(ids)] = torch.tensor(ids, dtype=torch.int32)
+
+    @staticmethod
+    def _write_pages(table: torch.Tensor, slot: int, pages: list[int], ids: list[int]) -> None:
+        if slot < 0 or not pages:
+            return
+        if pages == list(range(pages[0], pages[0] + len(pages))):
+            table[slot, pages[0] : pages[0] + len(pages)] = torch.tensor(ids, dtype=torch.int32)
+        else:
+            dev = table.device
+            table[slot, torch.tensor(pages, device=dev)] = torch.tensor(
+                ids, dtype=torch.int32, device=dev
+            )
+
+    def step_tables(
+        self, slots: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor, list[torch.Tensor]]:
+        """(host, indexer, per resident group) ``[R, max_blocks]`` tables of the requests in
+        slots ``slots`` (device int64): gathered on the device from the persistent tables.
+
+        All-GPU placement has no host table (``None``) and reads indexer pages through the
+        resident table (one block id addresses both)."""
+        res = [t.index_select(0, slots) for t in self.resident_tables]
+        host = self.host_table.index_select(0, slots) if self.host_table is not None else None
+        idx = (
+            self.indexer_table.index_select(0, slots)
+            if self.indexer_table is not None and not self.indexer_in_resident
+            else res[0]
+        )
+        return host, idx, res
+
     def block_table(self, req_ids: list[str], kind: str, group: int = 0) -> torch.Tensor:
-        """``[R, max_blocks]`` int32 table: ``host``, ``indexer`` or ``resident`` (group)."""
+        """``[R, max_blocks]`` int32 table: ``host``, ``indexer`` or ``resident`` (group).
+
+        Built in Python from the block lists: the oracle the persistent tables are tested
+        against; the runner uses `step_tables`."""
         out = torch.zeros((len(req_ids), self.max_blocks), dtype=torch.int32)
         for r, rid in enumerate(req_ids):
             b = self.requests[rid]

@@ -16,7 +16,7 @@ import torch
 
 from hisparse.config import HiSparseConfig
 from hisparse.engine.kv_manager import KVCacheManager
-from hisparse.engine.model_runner import ModelRunner, engine_specs
+from hisparse.engine.model_runner import ModelRunner, ReplaySettings, engine_specs
 from hisparse.engine.request import Request, RequestOutput, Status
 from hisparse.engine.sampling import SamplingParams, sample
 from hisparse.engine.scheduler import Scheduler
@@ -67,6 +67,14 @@ class LLM:
         kv_format: row format: DSA ``"fp8_ds_mla"`` (auto), ``"bf16"``, ``"fp32"``; GQA
             ``"bf16"``/``"fp32"`` (auto: the model dtype).
         indexer: ``"fp8"`` (DeepSeek's quantized scoring, 132 B keys) or ``"exact"``.
+        topk_replay: benchmark only: replace every decode top-k by replayed selections with
+            this step-to-step overlap (`hisparse.engine.replay`); both placements alike.
+        synthetic_prefill: benchmark only: fill prompts' KV rows and indexer keys with
+            pseudo-random valid rows instead of running the prefill (DSA models; time to
+            first token is then meaningless).
+        timing: record resolve / gather time of every decode step (CUDA events, read at the
+            end of `generate`) into ``step_stats``.
+        seed: seed of the replayed selections and synthetic rows.
     """
 
     def __init__(
@@ -83,6 +91,10 @@ class LLM:
         kv_format: str = "auto",
         indexer: str = "fp8",
         max_num_batched_tokens: int = 2048,
+        topk_replay: float | None = None,
+        synthetic_prefill: bool = False,
+        timing: bool = False,
+        seed: int = 0,
     ) -> None:
         if kv_placement not in PLACEMENTS:
             raise ValueError(f"kv_placement={kv_placement!r}: use one of {PLACEMENTS}.")
@@ -104,7 +116,9 @@ class LLM:
 
             self.config = hs.resolve(model_top_k=DEFAULT_GQA_TOP_K)
             self.model = load_llama_gguf(
-                path, dtype=torch_dtype, device=self.device,
+                path,
+                dtype=torch_dtype,
+                device=self.device,
                 indexer=GqaIndexerConfig(top_k=self.config.top_k, method=indexer_method(indexer)),
             )
             self.tokenizer = GgufTokenizer.from_gguf(path)
@@ -130,13 +144,25 @@ class LLM:
             gpu_memory_gib = _default_kv_gib(self.device)
         specs = engine_specs(self.model, row_format, self.config.block_size)
         self.kv = KVCacheManager(
-            specs, self.config, placement=kv_placement,
-            gpu_budget_bytes=int(gpu_memory_gib * 2**30), max_model_len=self.max_model_len,
-            max_num_seqs=max_num_seqs, device=self.device,
+            specs,
+            self.config,
+            placement=kv_placement,
+            gpu_budget_bytes=int(gpu_memory_gib * 2**30),
+            max_model_len=self.max_model_len,
+            max_num_seqs=max_num_seqs,
+            device=self.device,
         )
         self.runner = ModelRunner(
-            self.model, self.config, self.kv, specs, row_format=row_format,
-            max_num_seqs=max_num_seqs, device=self.device,
+            self.model,
+            self.config,
+            self.kv,
+            specs,
+            row_format=row_format,
+            max_num_seqs=max_num_seqs,
+            device=self.device,
+            replay=None if topk_replay is None else ReplaySettings(topk_replay, seed),
+            synthetic_prefill=synthetic_prefill,
+            timing=timing,
         )
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
@@ -172,8 +198,9 @@ class LLM:
         requests = []
         for i in range(n):
             text = prompts[i] if prompts is not None else None
-            req = Request(req_id=str(next(self._ids)), prompt_token_ids=[], params=params[i],
-                          prompt=text)
+            req = Request(
+                req_id=str(next(self._ids)), prompt_token_ids=[], params=params[i], prompt=text
+            )
             error = self._tokenize(req, text, prompt_token_ids[i] if prompt_token_ids else None)
             if error:
                 req.status, req.finish_reason, req.error = Status.FINISHED, "error", error
@@ -183,9 +210,14 @@ class LLM:
         self._run(requests, progress)
         return [
             RequestOutput(
-                req_id=r.req_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
-                token_ids=list(r.output_token_ids), text=r.text,
-                finish_reason=r.finish_reason, error=r.error, metrics=r.metrics,
+                req_id=r.req_id,
+                prompt=r.prompt,
+                prompt_token_ids=r.prompt_token_ids,
+                token_ids=list(r.output_token_ids),
+                text=r.text,
+                finish_reason=r.finish_reason,
+                error=r.error,
+                metrics=r.metrics,
             )
             for r in requests
         ]
@@ -216,6 +248,7 @@ class LLM:
         bar = _progress(len(requests), progress)
         done = sum(r.finished for r in requests)
         stalls = 0
+        first_stat = len(self.step_stats)
         while sched.has_work:
             step = sched.schedule()
             if step is None:
@@ -226,10 +259,15 @@ class LLM:
             stalls = 0
             t0 = time.perf_counter()
             result = self.runner.run(step.batch, decode=step.decode, finishing=step.finishing)
-            tokens = sample(
-                result.logits, [r.params for r in result.sample_reqs],
-                [r.generator for r in result.sample_reqs],
-            )
+            if result.token_ids is not None:
+                tokens = result.token_ids
+            else:
+                assert result.logits is not None
+                tokens = sample(
+                    result.logits,
+                    [r.params for r in result.sample_reqs],
+                    [r.generator for r in result.sample_reqs],
+                )
             now = time.perf_counter()
             for req, n in step.batch:
                 req.num_computed += n
@@ -246,8 +284,13 @@ class LLM:
                     self.runner.write_back(dropped, req)
                     self.kv.release_resident(req.req_id, dropped)
             self.step_stats.append(
-                dict(decode=float(step.decode), tokens=sum(n for _, n in step.batch),
-                     seconds=now - t0)
+                dict(
+                    decode=float(step.decode),
+                    tokens=sum(n for _, n in step.batch),
+                    running=len(step.batch) if step.decode else len(sched.running),
+                    seconds=now - t0,
+                    end=now,
+                )
             )
             new_done = sum(r.finished for r in requests)
             if bar is not None and new_done > done:
@@ -256,6 +299,11 @@ class LLM:
         for req in sched.failed:
             req.metrics.finished = time.perf_counter()
         sched.failed.clear()
+        # per-request and per-step swap counters, read from the device once per run
+        decode_stats = iter(self.runner.flush_metrics())
+        for row in self.step_stats[first_stat:]:
+            if row["decode"]:
+                row.update(next(decode_stats, {}))
         if bar is not None:
             bar.close()
 

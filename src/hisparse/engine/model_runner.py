@@ -10,13 +10,18 @@ prefill's last-token selection, then its resident pages shrink to the tail.
 
 from __future__ import annotations
 
+import itertools
+import zlib
 from dataclasses import dataclass
 
 import torch
 
 from hisparse.config import ResolvedHiSparseConfig
 from hisparse.engine.kv_manager import KVCacheManager
+from hisparse.engine.replay import TopKReplay
 from hisparse.engine.request import Request
+from hisparse.engine.swap_timer import SwapTimer
+from hisparse.engine.synthetic import SyntheticPrefill, first_token
 from hisparse.kv.row_formats import mla_row_bytes
 from hisparse.kv.specs import CacheKind, LayerCacheSpec, RowFormat
 from hisparse.models.deepseek_v32 import DsaForCausalLM
@@ -63,15 +68,26 @@ def engine_specs(
 
 @dataclass
 class StepResult:
-    """Logits of the rows that sample (one per request whose step ends at a new token)."""
+    """Logits of the rows that sample (one per request whose step ends at a new token);
+    a synthetic prefill has no logits and gives its tokens directly."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     sample_reqs: list[Request]
+    token_ids: list[int] | None = None
+
+
+@dataclass
+class ReplaySettings:
+    """Benchmark-only top-k replay (see `hisparse.engine.replay`)."""
+
+    overlap: float
+    seed: int = 0
 
 
 class _PrefillLayerCache:
     """A prefill step's view of one layer: resident rows only; records the leader's
-    last-token top-k of requests that finish their prompt (for the warm start)."""
+    last-token top-k of requests that finish their prompt (for the warm start). With top-k
+    replay, those last-token rows take the replayed first selection instead."""
 
     def __init__(self, runner: ModelRunner, handle: CacheHandle) -> None:
         self.runner, self.handle = runner, handle
@@ -83,11 +99,35 @@ class _PrefillLayerCache:
         self.handle.finish_kv_update()
 
     def swap_in(self, logical_topk: torch.Tensor) -> torch.Tensor:
-        if self.handle.runtime.is_leader and self.runner.warm_rows is not None:
-            self.runner.warm_topk[self.handle.runtime.name] = logical_topk[
-                self.runner.warm_rows
-            ].clone()
+        runner, rt = self.runner, self.handle.runtime
+        if rt.is_leader and runner.warm_rows is not None:
+            warm = runner.replayed_warm_topk(rt.name)
+            if warm is not None:
+                logical_topk = logical_topk.clone()
+                logical_topk[runner.warm_rows] = warm[:, : logical_topk.shape[1]]
+            runner.warm_topk[rt.name] = logical_topk[runner.warm_rows].clone()
         return self.handle.resident_rows(logical_topk)
+
+
+class _DecodeLayerCache:
+    """A decode step's view of one layer: the runtime's handle, with the leader's logical
+    top-k replaced by the replayed selection when replay is on, and swap-in timed when
+    timing is on."""
+
+    def __init__(self, runner: ModelRunner, handle: CacheHandle) -> None:
+        self.runner, self.handle = runner, handle
+
+    def write_target(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.handle.write_target()
+
+    def finish_kv_update(self) -> None:
+        self.handle.finish_kv_update()
+
+    def swap_in(self, logical_topk: torch.Tensor) -> torch.Tensor:
+        rt = self.handle.runtime
+        if rt.is_leader and self.runner.replay is not None:
+            logical_topk = self.runner.replayed_decode_topk(rt.name, logical_topk)
+        return self.handle.swap_in(logical_topk)  # type: ignore[return-value]
 
 
 class _IndexerLayerCache:
@@ -104,8 +144,9 @@ class _IndexerLayerCache:
 class _StepCache:
     """The `DsaKVCache` the model sees during one step."""
 
-    def __init__(self, runner: ModelRunner, decode: bool, idx_slots: torch.Tensor,
-                 idx_table: torch.Tensor) -> None:
+    def __init__(
+        self, runner: ModelRunner, decode: bool, idx_slots: torch.Tensor, idx_table: torch.Tensor
+    ) -> None:
         self.runner, self.decode = runner, decode
         self.idx_slots, self.idx_table = idx_slots, idx_table
 
@@ -117,9 +158,13 @@ class _StepCache:
     def indexer_format(self) -> object:
         return self.runner.model.indexer_format
 
-    def attention(self, layer: int) -> CacheHandle | _PrefillLayerCache:
+    def attention(self, layer: int) -> CacheHandle | _PrefillLayerCache | _DecodeLayerCache:
         handle = self.runner.handles[layer]
-        return handle if self.decode else _PrefillLayerCache(self.runner, handle)
+        if not self.decode:
+            return _PrefillLayerCache(self.runner, handle)
+        if self.runner.replay is None:
+            return handle
+        return _DecodeLayerCache(self.runner, handle)
 
     def indexer(self, layer: int) -> _IndexerLayerCache:
         pages = self.runner.indexer_pages[layer]
@@ -127,6 +172,10 @@ class _StepCache:
 
 
 class ModelRunner:
+    """Runs engine steps; optional benchmark modes: top-k replay (``replay``), synthetic
+    prefill (``synthetic_prefill``) and swap-in timing (``timing``), all applied to both
+    placements alike."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -137,6 +186,9 @@ class ModelRunner:
         row_format: object,
         max_num_seqs: int,
         device: torch.device,
+        replay: ReplaySettings | None = None,
+        synthetic_prefill: bool = False,
+        timing: bool = False,
     ) -> None:
         self.model, self.config, self.kv = model, config, kv
         self.row_format = row_format
@@ -150,9 +202,14 @@ class ModelRunner:
         for spec in (s for s in specs if s.kind is CacheKind.SPARSE_MLA):
             lead = spec.is_index_group_leader
             rt = SparseLayerRuntime(
-                spec.name, config, row_bytes=spec.row_bytes, max_num_reqs=max_num_seqs,
-                device=device, index_group=None if lead else self.runtimes[-1].group,
-                copy_stream=copy, offload=kv.offload,
+                spec.name,
+                config,
+                row_bytes=spec.row_bytes,
+                max_num_reqs=max_num_seqs,
+                device=device,
+                index_group=None if lead else self.runtimes[-1].group,
+                copy_stream=copy,
+                offload=kv.offload,
             )
             rt.bind_device(kv.gpu_view(spec.name))
             if kv.offload:
@@ -177,89 +234,193 @@ class ModelRunner:
         }
         self.warm_rows: torch.Tensor | None = None
         self.warm_topk: dict[str, torch.Tensor] = {}
+        self.leader_index = {h.runtime.name: i for i, h in enumerate(self.leaders)}
+        #: KV bytes one miss of each leader's group moves (row bytes of all its layers)
+        self.group_row_bytes = torch.tensor(
+            [sum(ly.row_bytes for ly in h.runtime.group.layers) for h in self.leaders],
+            dtype=torch.int64,
+            device=device,
+        )
+        self.replay: TopKReplay | None = None
+        self.replay_seed = replay.seed if replay is not None else 0
+        if replay is not None:
+            self.replay = TopKReplay(
+                top_k=config.top_k,
+                overlap=replay.overlap,
+                seed=replay.seed,
+                num_leaders=len(self.leaders),
+                max_slots=max_num_seqs,
+                device=device,
+            )
+        self.synthetic = (
+            SyntheticPrefill(model, row_format, self.replay_seed) if synthetic_prefill else None
+        )
+        self.timer: SwapTimer | None = None
+        if timing and kv.offload:
+            self.timer = SwapTimer(device)
+            for h in self.leaders:
+                self.timer.wrap(h.runtime.group)
+        self._zero_table = torch.zeros(
+            (max_num_seqs, kv.max_blocks), dtype=torch.int32, device=device
+        )
+        # this step's per-request device tensors (set by `run`)
+        self._slots = self._lens = self._keys = torch.zeros(0, dtype=torch.int64)
+        self._max_len = 0
+        self._warm_idx: torch.Tensor | None = None
+        #: per decode step: (requests, device int64 [R, 3] hits / misses / bytes)
+        self._pending: list[tuple[list[Request], torch.Tensor]] = []
 
     def reset_slot(self, slot: int) -> None:
         for leader in self.leaders:
             leader.runtime.group.reset_slot(slot)
+        if self.replay is not None:
+            self.replay.reset_slot(slot)
+
+    @staticmethod
+    def request_key(req: Request) -> int:
+        """Stable key of a request for replay and synthetic data (same in both placements)."""
+        return zlib.crc32(req.req_id.encode()) & 0x7FFFFFFF
+
+    # --- replay hooks (called by the step caches) -----------------------------------------
+    def replayed_decode_topk(self, leader_name: str, logical_topk: torch.Tensor) -> torch.Tensor:
+        assert self.replay is not None
+        sel = self.replay.select(
+            self.leader_index[leader_name], self._slots, self._lens, self._keys, self._max_len
+        )
+        return sel[:, : logical_topk.shape[1]] if sel.shape[1] != logical_topk.shape[1] else sel
+
+    def replayed_warm_topk(self, leader_name: str) -> torch.Tensor | None:
+        """Replayed first selection of the requests finishing their prompt (warm rows)."""
+        if self.replay is None or self._warm_idx is None:
+            return None
+        w = self._warm_idx
+        return self.replay.select(
+            self.leader_index[leader_name],
+            self._slots[w],
+            self._lens[w],
+            self._keys[w],
+            self._max_len,
+        )
 
     # ------------------------------------------------------------------------------------
     @torch.no_grad()
     def run(
         self, batch: list[tuple[Request, int]], *, decode: bool, finishing: list[bool]
     ) -> StepResult:
-        """Forward ``batch`` (request, new tokens); logits for requests that sample now."""
+        """Forward ``batch`` (request, new tokens); logits for requests that sample now.
+
+        Per-step inputs travel in one host-to-device copy; block tables are gathered on the
+        device from the KV manager's persistent tables."""
         kv, bs, dev = self.kv, self.config.block_size, self.device
         while kv.pending_slot_resets:
             self.reset_slot(kv.pending_slot_resets.pop())
+        R = len(batch)
+        starts = [req.num_computed for req, _ in batch]
+        counts = [n for _, n in batch]
+        slots_l = [kv.requests[req.req_id].slot for req, _ in batch]
+        keys_l = [self.request_key(req) for req, _ in batch]
+        synthetic = self.synthetic is not None and not decode
         ids: list[int] = []
-        positions: list[int] = []
-        req_index: list[int] = []
-        seq_lens: list[int] = []
-        last_rows: list[int] = []
-        for r, (req, n) in enumerate(batch):
-            start = req.num_computed
-            ids.extend(req.all_token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            req_index.extend([r] * n)
-            seq_lens.append(start + n)
-            last_rows.append(len(ids) - 1)
-        req_ids = [req.req_id for req, _ in batch]
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        rix = torch.tensor(req_index, dtype=torch.int64, device=dev)
-        step = DsaStep(positions=pos, req_index=rix,
-                       seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev))
+        if not synthetic:
+            for req, n in batch:
+                ids.extend(req.token_slice(req.num_computed, n))
+        T = sum(counts)
+        packed = torch.tensor(starts + counts + slots_l + keys_l + ids, dtype=torch.int64)
+        packed = packed.to(dev)
+        start_d, count_d, slot_d, key_d = packed[: 4 * R].view(4, R)
+        seq_lens = start_d + count_d
+        if decode:
+            rix = torch.arange(R, device=dev)
+            pos = start_d
+        else:
+            rix = torch.repeat_interleave(torch.arange(R, device=dev), count_d, output_size=T)
+            first = torch.cumsum(count_d, 0) - count_d
+            pos = start_d[rix] + torch.arange(T, device=dev) - first[rix]
+        self._slots, self._lens, self._keys = slot_d, seq_lens, key_d
+        self._max_len = max(s + n for s, n in zip(starts, counts, strict=True))
+        step = DsaStep(positions=pos, req_index=rix, seq_lens=seq_lens)
 
         def rows_of(table: torch.Tensor) -> torch.Tensor:
             blk = table.long()[rix, pos // bs]
             return torch.where(blk > 0, blk * bs + pos % bs, -1).to(torch.int32)
 
-        host_bt = kv.block_table(req_ids, "host") if kv.offload else torch.zeros(
-            (len(batch), kv.max_blocks), dtype=torch.int32, device=dev)
-        idx_table = kv.block_table(req_ids, "indexer")
-        slots = torch.tensor(
-            [kv.requests[rid].slot if decode else -1 for rid in req_ids],
-            dtype=torch.int32, device=dev,
-        )
+        host_t, idx_table, res_tables = kv.step_tables(slot_d)
+        host_bt = host_t if host_t is not None else self._zero_table[:R]
+        state = slot_d.to(torch.int32) if decode else torch.full_like(slot_d, -1, dtype=torch.int32)
         meta = StepMetadata(
-            num_tokens=len(ids), is_decode=decode, req_per_token=rix.to(torch.int32),
-            request_state_indices=slots, source_block_table=host_bt,
+            num_tokens=T,
+            is_decode=decode,
+            req_per_token=rix.to(torch.int32),
+            request_state_indices=state,
+            source_block_table=host_bt,
             host_slot_mapping=rows_of(host_bt) if kv.offload else None,
         )
-        tables = []
-        for gi in range(len(kv.resident_groups)):
-            res_bt = kv.block_table(req_ids, "resident", gi)
-            tables.append(GroupTables(resident_block_table=res_bt, slot_mapping=rows_of(res_bt)))
+        tables = [GroupTables(resident_block_table=t, slot_mapping=rows_of(t)) for t in res_tables]
         for leader in self.leaders:
             leader.prepare_group_for_batch(meta, tables[kv.group_of_layer[leader.runtime.name]])
 
+        last_rows = list(itertools.accumulate(counts))
         warm = [r for r, f in enumerate(finishing) if f] if not decode and kv.offload else []
+        if not decode and self.replay is not None:
+            # replay's first selection for every finishing request (both placements alike)
+            warm = [r for r, f in enumerate(finishing) if f]
+        self._warm_idx = torch.tensor(warm, device=dev) if warm else None
         self.warm_rows = (
-            torch.tensor([last_rows[r] for r in warm], device=dev) if warm else None
+            torch.tensor([last_rows[r] - 1 for r in warm], device=dev) if warm else None
         )
         self.warm_topk = {}
-        cache = _StepCache(self, decode, rows_of(idx_table), idx_table)
-        hidden = self.model(torch.tensor(ids, device=dev), step, cache)
-
-        sample_rows = [last_rows[r] for r, f in enumerate(finishing) if f or decode]
         sample_reqs = [req for (req, _), f in zip(batch, finishing, strict=True) if f or decode]
-        logits = self.model.logits(hidden[torch.tensor(sample_rows, device=dev)])
-        if warm:
-            self._warm_start([batch[r][0] for r in warm], [r for r in warm], host_bt, tables)
+        if synthetic:
+            assert self.synthetic is not None
+            self.synthetic.write(
+                self.handles, self.indexer_pages, rows_of(idx_table), key_d[rix], pos
+            )
+            if warm:
+                for leader in self.leaders:
+                    name = leader.runtime.name
+                    topk = self.replayed_warm_topk(name)
+                    if topk is not None:
+                        self.warm_topk[name] = topk
+            vocab = self.model.config.vocab_size  # type: ignore[union-attr]
+            tokens = [
+                first_token(self.replay_seed, self.request_key(r), vocab) for r in sample_reqs
+            ]
+            logits = None
+        else:
+            cache = _StepCache(self, decode, rows_of(idx_table), idx_table)
+            if self.timer is not None:
+                self.timer.active = decode
+            hidden = self.model(packed[4 * R :], step, cache)
+            if self.timer is not None:
+                self.timer.end_step(decode)
+            if decode:
+                logits = self.model.logits(
+                    hidden[torch.tensor(last_rows, device=dev) - 1]
+                    if hidden.shape[0] != R
+                    else hidden
+                )
+            else:
+                sample_rows = [last_rows[r] - 1 for r, f in enumerate(finishing) if f]
+                logits = self.model.logits(hidden[torch.tensor(sample_rows, device=dev)])
+            tokens = None
+        if warm and kv.offload and self.warm_topk:
+            self._warm_start([batch[r][0] for r in warm], warm, host_bt, tables)
         if decode:
-            self._collect_hits(batch)
-        return StepResult(logits=logits, sample_reqs=sample_reqs)
+            self._record_hits([req for req, _ in batch])
+        return StepResult(logits=logits, sample_reqs=sample_reqs, token_ids=tokens)
 
-    def _warm_start(self, reqs: list[Request], rows: list[int], host_bt: torch.Tensor,
-                    tables: list[GroupTables]) -> None:
+    def _warm_start(
+        self, reqs: list[Request], rows: list[int], host_bt: torch.Tensor, tables: list[GroupTables]
+    ) -> None:
         """Seed the hot buffers of requests that just finished their prompt."""
         dev = self.device
         m = len(reqs)
         pick = torch.tensor(rows, device=dev)
         meta = StepMetadata(
-            num_tokens=m, is_decode=True,
+            num_tokens=m,
+            is_decode=True,
             req_per_token=torch.arange(m, dtype=torch.int32, device=dev),
-            request_state_indices=torch.tensor(
-                [self.kv.requests[r.req_id].slot for r in reqs], dtype=torch.int32, device=dev),
+            request_state_indices=self._slots[pick].to(torch.int32),
             source_block_table=host_bt[pick],
         )
         for leader in self.leaders:
@@ -268,18 +429,50 @@ class ModelRunner:
             if topk is None:
                 continue
             t = tables[self.kv.group_of_layer[name]]
-            sub = GroupTables(resident_block_table=t.resident_block_table[pick],
-                              slot_mapping=t.slot_mapping[:0])
+            sub = GroupTables(
+                resident_block_table=t.resident_block_table[pick], slot_mapping=t.slot_mapping[:0]
+            )
             leader.runtime.group.warm_start(meta, sub, topk)
 
-    def _collect_hits(self, batch: list[tuple[Request, int]]) -> None:
-        if not self.kv.offload:
-            return
-        n = len(batch)
-        hm = torch.stack([h.runtime.group.hit_miss[:n] for h in self.leaders]).sum(0).cpu()
-        for (req, _), (hits, misses) in zip(batch, hm.tolist(), strict=True):
-            req.metrics.hits += hits
-            req.metrics.misses += misses
+    def _record_hits(self, reqs: list[Request]) -> None:
+        """Keep this step's per-request hits, misses and bytes swapped in on the device (read
+        once, by `flush_metrics`): no host sync in the decode loop."""
+        n = len(reqs)
+        if self.kv.offload:
+            hm = torch.stack([h.runtime.group.hit_miss[:n] for h in self.leaders]).long()
+            hits = hm[..., 0].sum(0)
+            misses = hm[..., 1].sum(0)
+            nbytes = (hm[..., 1] * self.group_row_bytes[:, None]).sum(0)
+            counts = torch.stack((hits, misses, nbytes), dim=1)
+        else:
+            counts = torch.zeros((n, 3), dtype=torch.int64, device=self.device)
+        self._pending.append((reqs, counts))
+
+    def flush_metrics(self) -> list[dict[str, float]]:
+        """Add the recorded counters to each request's metrics; per decode step totals
+        (hits, misses, bytes, and resolve / gather milliseconds when timing) in step order."""
+        if not self._pending:
+            return []
+        all_counts = torch.cat([c for _, c in self._pending]).cpu().tolist()
+        timings = self.timer.collect() if self.timer is not None else []
+        steps: list[dict[str, float]] = []
+        i = 0
+        for k, (reqs, _) in enumerate(self._pending):
+            tot = [0, 0, 0]
+            for req in reqs:
+                h, m, b = all_counts[i]
+                i += 1
+                req.metrics.hits += h
+                req.metrics.misses += m
+                req.metrics.bytes_swapped += b
+                req.metrics.decode_steps += 1
+                tot = [tot[0] + h, tot[1] + m, tot[2] + b]
+            row: dict[str, float] = dict(hits=tot[0], misses=tot[1], bytes_swapped=tot[2])
+            if k < len(timings):
+                row.update(timings[k])
+            steps.append(row)
+        self._pending.clear()
+        return steps
 
     def write_back(self, dropped: list[tuple[int, int, int]], req: Request) -> None:
         """Lazy mirroring: copy dirty resident pages to their host blocks before release."""
@@ -289,8 +482,9 @@ class ModelRunner:
         host = kv.requests[req.req_id].host
         for gi, page, blk in dropped:
             src = torch.arange(blk * bs, (blk + 1) * bs, dtype=torch.int32, device=self.device)
-            dst = torch.arange(host[page] * bs, (host[page] + 1) * bs, dtype=torch.int32,
-                               device=self.device)
+            dst = torch.arange(
+                host[page] * bs, (host[page] + 1) * bs, dtype=torch.int32, device=self.device
+            )
             mask = torch.ones(bs, dtype=torch.int32, device=self.device)
             for name in kv.resident_groups[gi].layers:
                 rt = self.runtimes[int(name.split(".")[1])]

@@ -27,6 +27,10 @@ class RequestMetrics:
     preemptions: int = 0
     hits: int = 0
     misses: int = 0
+    #: KV bytes copied host -> GPU for this request's misses (row bytes x misses, all layers)
+    bytes_swapped: int = 0
+    #: decode steps this request took part in
+    decode_steps: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -61,6 +65,16 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """Tokens ``[start, start + n)`` of prompt + output, without copying the whole
+        sequence (at 128K tokens `all_token_ids` per step would dominate the host time)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p : start - p + n]
+        if start + n <= p:
+            return self.prompt_token_ids[start : start + n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: start + n - p]
 
     @property
     def num_tokens(self) -> int:

@@ -52,12 +52,19 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> list[int]:
-    """One token per row of ``logits [B, V]`` (computed in fp32)."""
-    out: list[int] = []
+    """One token per row of ``logits [B, V]`` (computed in fp32).
+
+    Greedy rows are decided by one batched argmax and one device-to-host copy, so a decode
+    step of many requests syncs with the device once, not once per request."""
+    out: list[int] = [0] * len(params)
     logits = logits.float()
-    for row, p, gen in zip(logits, params, generators, strict=True):
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        rows = logits if len(greedy) == len(params) else logits[greedy]
+        for i, tok in zip(greedy, torch.argmax(rows, dim=-1).tolist(), strict=True):
+            out[i] = int(tok)
+    for i, (row, p, gen) in enumerate(zip(logits, params, generators, strict=True)):
         if p.greedy:
-            out.append(int(torch.argmax(row)))
             continue
         x = row / p.temperature
         if p.top_k:
@@ -71,5 +78,5 @@ def sample(
             sorted_p[drop] = 0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
         choice = torch.multinomial(probs.cpu(), 1, generator=gen)
-        out.append(int(choice))
+        out[i] = int(choice)
     return out
