@@ -82,13 +82,13 @@ def _resolve_inputs(Q: int, H: int, miss: float, n_sets: int, seed: int):
     n_miss = round(miss * K)
     sets = []
     for _ in range(n_sets):
-        hp = torch.gather(hot_pos, 1, torch.argsort(torch.rand(Q, H, generator=g, device=DEV))[
-            :, : K - n_miss
-        ])
+        hp = torch.gather(
+            hot_pos, 1, torch.argsort(torch.rand(Q, H, generator=g, device=DEV))[:, : K - n_miss]
+        )
         cp = torch.gather(
-            cold_pos, 1, torch.argsort(torch.rand(Q, cold_pos.shape[1], generator=g, device=DEV))[
-                :, :n_miss
-            ]
+            cold_pos,
+            1,
+            torch.argsort(torch.rand(Q, cold_pos.shape[1], generator=g, device=DEV))[:, :n_miss],
         )
         row = torch.cat([hp, cp], 1)
         row = torch.gather(row, 1, torch.argsort(torch.rand(Q, K, generator=g, device=DEV)))
@@ -174,35 +174,47 @@ def graph_resolve_us(Q: int, H: int, miss: float, reps: int = 50) -> dict:
     return res
 
 
-def ablate_resolve(reps: int = 50) -> list[dict]:
-    """Where the resolve time goes: CUDA-graph µs of each kernel and stage-skipping variant.
+#: Knobs of the Triton module each ablation variant sets (the rest stay at their defaults).
+_KNOBS = ("RESOLVE_IMPL", "RESOLVE_WARPS", "RESOLVE_BH", "RESOLVE_LOG_BUCKETS")
 
-    ``sort`` is the first kernel (one program per request, bitonic sort of (host row,
-    position) keys); ``sort-skip-N`` leaves stages out (wrong results, timing only: 1 the
-    sort, 2 the binary searches, 4 the LRU pass, 8 stage 5, 15 all four); ``hash`` is the
-    hash-table kernel at its default warps and at 4 / 16 warps.
+
+def ablate_resolve(reps: int = 50) -> list[dict]:
+    """Resolve kernels and settings: CUDA-graph µs of each, then each against the oracle.
+
+    ``bucket`` is the default kernel (bucket table, no sort of the entries) at its default
+    warps / hot-slot chunk / bucket count and at other settings; ``sort`` is the previous
+    kernel (bitonic ``tl.sort`` of (host row, entry) int64 keys).
     """
-    variants = [("sort", "sort", 0, 0)]
-    variants += [(f"sort-skip-{a}", "sort", a, 0) for a in (1, 2, 4, 8, 15)]
-    variants += [("hash", "hash", 0, 0), ("hash-w4", "hash", 0, 4), ("hash-w16", "hash", 0, 16)]
+    defaults = {k: getattr(tk, k) for k in _KNOBS}
+    variants: list[tuple[str, dict]] = [
+        ("bucket", {}),
+        ("sort", {"RESOLVE_IMPL": "sort"}),
+        ("bucket-w4", {"RESOLVE_WARPS": 4}),
+        ("bucket-w16", {"RESOLVE_WARPS": 16}),
+        ("bucket-bh1024", {"RESOLVE_BH": 1024}),
+        ("bucket-4x-buckets", {"RESOLVE_LOG_BUCKETS": 13}),
+    ]
     out = []
-    for Q, H, miss in ((64, 4096, 0.05), (64, 4096, 1.0), (256, 8192, 0.05)):
-        for name, impl, abl, warps in variants:
-            if (Q, miss) != (64, 0.05) and name not in ("sort", "hash"):
+    for Q, H, miss in ((64, 4096, 0.05), (64, 4096, 1.0), (256, 8192, 0.05), (8, 4096, 0.05)):
+        for name, knobs in variants:
+            if (Q, miss) != (64, 0.05) and name not in ("sort", "bucket"):
                 continue
-            tk.RESOLVE_IMPL, tk.RESOLVE_ABLATE, tk.RESOLVE_WARPS = impl, abl, warps
+            for k, v in knobs.items():
+                setattr(tk, k, v)
             try:
                 r = graph_resolve_us(Q, H, miss, reps)
             except Exception as e:  # keep going; report the failure
                 r = {"error": repr(e)[:300], "batch": Q, "hot": H, "miss": miss}
             finally:
-                tk.RESOLVE_IMPL, tk.RESOLVE_ABLATE, tk.RESOLVE_WARPS = "sort", 0, 0
+                for k, v in defaults.items():
+                    setattr(tk, k, v)
             r["variant"] = name
             out.append(r)
             print("ablate", r, flush=True)
-    # Both real kernels against the oracle on GPU-sized cases (few and many misses).
-    for impl in ("hash", "sort"):
-        tk.RESOLVE_IMPL = impl
+    # Each kernel against the oracle on GPU-sized cases (few and many misses).
+    for name, knobs in variants:
+        for k, v in knobs.items():
+            setattr(tk, k, v)
         for reuse in (0.95, 0.0):
             case = make_resolve_case(
                 Q=64, K=K, H=4096, block_size=BS, seed=78, reuse=reuse, hot_fill=0.9, p_neg=0.01
@@ -212,9 +224,10 @@ def ablate_resolve(reps: int = 50) -> list[dict]:
             tk.resolve_residency(*b.args())
             torch.cuda.synchronize()
             bad = compare(a.state_and_outputs(), b.state_and_outputs())
-            out.append({"variant": f"check-{impl}-reuse{reuse}", "bad": bad})
-            print("ablate check", impl, reuse, bad, flush=True)
-        tk.RESOLVE_IMPL = "sort"
+            out.append({"variant": f"check-{name}-reuse{reuse}", "bad": bad})
+            print("ablate check", name, reuse, bad, flush=True)
+        for k, v in defaults.items():
+            setattr(tk, k, v)
     return out
 
 

@@ -151,15 +151,29 @@ def test_resolve_wanted_fills_whole_hot_buffer() -> None:
 
 
 @pytest.mark.parametrize(
-    ("impl", "small_sort"), [("hash", 2), ("hash", 4), ("sort", 256), ("hash", 256)]
+    ("impl", "log_buckets", "bh", "rank_tile"),
+    [
+        ("bucket", 0, 8, 2),  # one bucket: almost every row overflows; H in 4 chunks
+        ("bucket", 1, 16, 4),
+        ("bucket", 2, 4096, 2),
+        ("bucket", None, 4096, 128),
+        ("sort", None, 4096, 128),
+    ],
 )
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(3))
 def test_resolve_each_kernel(
-    impl: str, small_sort: int, seed: int, monkeypatch: pytest.MonkeyPatch
+    impl: str,
+    log_buckets: int | None,
+    bh: int,
+    rank_tile: int,
+    seed: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The hash kernel (both swap-list sort sizes) and the sort fallback equal the oracle."""
+    """Overflowing buckets, hot-slot chunks and swap-rank tiles (and the old sort kernel)."""
     monkeypatch.setattr(tk, "RESOLVE_IMPL", impl)
-    monkeypatch.setattr(tk, "_HASH_SMALL_SORT", small_sort)
+    monkeypatch.setattr(tk, "RESOLVE_LOG_BUCKETS", log_buckets)
+    monkeypatch.setattr(tk, "RESOLVE_BH", bh)
+    monkeypatch.setattr(tk, "RESOLVE_RANK_TILE", rank_tile)
     case = make_resolve_case(
         Q=3, K=8, H=32, block_size=4, seed=50 + seed, max_rows=2, p_dup=0.2, hot_fill=0.7,
         reuse=0.5 if seed % 2 else 0.0,

@@ -4,29 +4,30 @@ Every op here has exactly the reference's signature and writes bit-identical out
 state. None synchronises with the host or launches a grid sized by data, so a decode step
 that calls them can be captured in a CUDA graph.
 
-resolve_residency, one program per request, works on scratch in global memory (L1/L2
-resident, ordered with CTA barriers):
+resolve_residency, one program per request, sorts nothing on its hot path. Scratch lives in
+global memory (L1/L2 resident) and the stages are ordered with CTA barriers:
 
-1. collect the request's rows (in row order) and load its ``rows x top_k`` entries; resident
-   and ``-1`` entries are written out at once;
-2. sort the entries needing the hot buffer by ``(host row, entry position)`` (one int64 key,
-   bitonic ``tl.sort``): a run of equal host rows starts with its first appearance, so the
-   run heads are the wanted set and their rank is the dense unique id ``u``;
-3. every hot slot binary-searches its host row among the sorted unique rows: a hit records
-   its slot for ``u`` and marks the slot;
-4. one pass over ``lru`` ranks the evictable and the hit slots, which gives each slot its new
-   LRU position in closed form and the evictable slot of each miss rank;
-5. the miss heads, scattered to their entry positions and prefix-summed in entry order, get
-   their wanted-order rank, hence their slot; the swap list is the miss heads in sorted
-   (host address) order; every entry then reads its ``u``'s slot.
+1. the request's rows (in row order) and its ``rows x top_k`` entries; resident and ``-1``
+   entries are written out at once;
+2. every distinct host row gets one **cell** of a per-request bucket table (``2 x entries``
+   buckets of 4 ways, emptied by the program): in round ``r`` each unplaced entry stores its
+   row into way ``r`` of its bucket and reads it back; a row whose value stuck owns that cell
+   (equal rows store equal values, so duplicates share a cell). Rows of the rare bucket with
+   more than 4 distinct rows get overflow cells one by one. The smallest entry index per cell
+   (``atomic_min``) marks the row's first appearance;
+3. every hot slot reads its row's bucket (one 16-byte load) and the overflow cells: a match is
+   a hit, and the cell is overwritten with the slot (``-2 - slot``);
+4. miss heads (first appearances of cells still holding a row) are ranked in entry order by a
+   prefix sum; one pass over ``lru`` ranks the evictable and the hit slots, which gives each
+   slot its new LRU position in closed form and the evictable slot of each miss rank;
+5. each miss head writes its slot into its cell; every entry then reads its cell's slot; the
+   swap list is the miss heads ranked by host row (all-pairs count over the few misses, in
+   ``RESOLVE_RANK_TILE`` tiles), so the only sort left is that of the misses.
 
-``RESOLVE_IMPL = "hash"`` selects a second, equally exact resolve kernel that replaces the sort
-with a per-request open-addressing hash table in global scratch (CAS insertion, ``atomic_min``
-for the first appearance, hot slots probe the table, misses ranked by a prefix sum in entry
-order, swap list sorted at 256 keys when it fits). Measured on an H200 it is slower than the
-sort kernel (140 vs 79 µs at batch 64, top_k 2048, hot 4096): the probe loops of atomics cost
-more than the sort saves. Stage ablation of the sort kernel (docs/benchmarks.md): the 2048-key
-int64 ``tl.sort`` is ~52 of its 79 µs.
+History (docs/benchmarks.md): a first kernel sorted ``(host row, entry)`` int64 keys with
+``tl.sort`` (79 µs at batch 64, top_k 2048, hot 4096, 5% miss; the sort alone ~52 µs, the
+binary searches of the hot slots ~11); a linear-probing hash table with CAS loops was slower
+still (115-187 µs). The bucket table needs no CAS loop: a round is one store and one load.
 
 The gathers copy whole rows as int32x4 (16-byte) accesses, reading the pinned host pool
 directly: Triton's launcher turns a pinned or ``cudaHostRegister``-ed CPU tensor's address
@@ -52,16 +53,17 @@ Tensor = torch.Tensor
 
 _SENTINEL = tl.constexpr(1 << 40)  # above any host row: entries not needing the hot buffer
 
-#: resolve_residency implementation: "sort" (default, the faster one) or "hash" (per-request
-#: hash table; correct but measured 1.8x slower on an H200, docs/benchmarks.md; falls back to
-#: "sort" beyond its size limits). Benchmarks and tests switch it; callers need not.
-RESOLVE_IMPL = "sort"
-#: Benchmarks only: stage-skipping variants of the sort kernel (wrong results) and warps.
+#: resolve_residency implementation: "bucket" (default) or "sort" (the previous kernel, kept
+#: for one A/B benchmark run). Benchmarks and tests switch these; callers need not.
+RESOLVE_IMPL = "bucket"
+#: Benchmarks only: stage-skipping variants of the sort kernel (wrong results).
 RESOLVE_ABLATE = 0
+#: Warps per program (0: by size), hot-slot chunk, rank tile of the swap-list order, and
+#: log2 of the bucket count (``None``: 2 buckets per entry; tests shrink it to force overflow).
 RESOLVE_WARPS = 0
-_HASH_MAX_N = 8192  # entries per request (rows x padded top_k) the hash kernel holds
-_HASH_MAX_H = 16384  # padded hot slots per request the hash kernel holds
-_HASH_SMALL_SORT = 256  # swap lists up to this long are sorted at this size (power of 2)
+RESOLVE_BH = 4096
+RESOLVE_RANK_TILE = 128
+RESOLVE_LOG_BUCKETS: int | None = None
 
 
 def interpreting() -> bool:
@@ -104,7 +106,247 @@ def _next_pow2(n: int) -> int:
 
 
 @triton.jit
+def _bucket(g, LOGB: tl.constexpr):
+    """Fibonacci hash of host rows (``0 <= g < 2**31``) into ``[0, 2**LOGB)`` buckets."""
+    return (((g.to(tl.int64) * 2654435761) & 0xFFFFFFFF) >> (32 - LOGB)).to(tl.int32)
+
+
+@triton.jit
 def _resolve_kernel(
+    topk_ptr, stk_r, stk_c,
+    row_req_ptr, R,
+    state_ptr, Q,
+    src_bt_ptr, s_src_q, s_src_b,
+    res_bt_ptr, s_res_q, s_res_b,
+    hot_bt_ptr, s_hbt_s, s_hbt_b,
+    hot_index_ptr, s_hi_s, s_hi_h,
+    lru_ptr, s_lru_s, s_lru_h,
+    out_ptr, s_out_r, s_out_c,
+    swap_src_ptr, s_ss_q, s_ss_h,
+    swap_dst_ptr, s_sd_q, s_sd_h,
+    swap_count_ptr, s_sc,
+    valid_ptr, s_v,
+    hm_ptr, s_hm_q, s_hm_c,
+    sc_rows_ptr, tab_ptr, first_ptr, hit_ptr, evict_ptr, newlru_ptr, mg_ptr, ms_ptr,
+    K, H, bs,
+    ROWS: tl.constexpr, KP: tl.constexpr, LOGB: tl.constexpr, BH: tl.constexpr,
+    BR: tl.constexpr, BC: tl.constexpr, S: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_VALID: tl.constexpr, HAS_HM: tl.constexpr,
+):  # fmt: skip
+    """resolve_residency, one program per request, with a bucket table (module docstring)."""
+    N: tl.constexpr = ROWS * KP
+    WAYS: tl.constexpr = 4
+    NCELL: tl.constexpr = (1 << LOGB) * WAYS  # bucket cells; overflow cells follow
+    CS: tl.constexpr = NCELL + N  # cells per request
+    q = tl.program_id(0)
+    q64 = q.to(tl.int64)
+
+    # Rows whose request is padding (or out of range) are written here, spread over programs.
+    cols = tl.arange(0, KP)
+    for r in range(q, R, Q):
+        rq = tl.load(row_req_ptr + r)
+        in_range = (rq >= 0) & (rq < Q)
+        st = tl.load(state_ptr + tl.where(in_range, rq, 0))
+        dead = (~in_range) | (st < 0)
+        r64 = tl.cast(r, tl.int64)
+        tl.store(
+            out_ptr + r64 * s_out_r + cols * s_out_c,
+            tl.full([KP], -1, tl.int32),
+            mask=(cols < K) & dead,
+        )
+        if HAS_VALID:
+            tl.store(valid_ptr + r64 * s_v, 0, mask=dead)
+
+    s = tl.load(state_ptr + q)
+    if s < 0:
+        tl.store(swap_count_ptr + q64 * s_sc, 0)
+        if HAS_HM:
+            tl.store(hm_ptr + q64 * s_hm_q, 0)
+            tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, 0)
+    else:
+        s64 = s.to(tl.int64)
+        tab = tab_ptr + q64 * CS
+        first = first_ptr + q64 * CS
+        base_h = q64 * H
+        base_n = q64 * N
+        # ---- 1. empty bucket cells; this request's rows, in row order ----------------
+        bc = tl.arange(0, BC)
+        for c0 in tl.static_range(0, NCELL, BC):
+            tl.store(tab + c0 + bc, tl.full([BC], -1, tl.int32))
+        n_rows = 0
+        br = tl.arange(0, BR)
+        for r0 in range(0, R, BR):
+            offs = r0 + br
+            rq = tl.load(row_req_ptr + offs, mask=offs < R, other=-1)
+            mine = rq == q
+            rank = n_rows + tl.cumsum(mine.to(tl.int32), 0) - 1
+            tl.store(sc_rows_ptr + q64 * ROWS + rank, offs, mask=mine & (rank < ROWS))
+            n_rows += tl.sum(mine.to(tl.int32), 0)
+        tl.debug_barrier()
+
+        # ---- 2. entries (flat, entry order); resident and -1 entries written at once ---
+        e = tl.arange(0, N)
+        ri = e // KP
+        col = e % KP
+        row_ok = ri < n_rows
+        row = tl.load(sc_rows_ptr + q64 * ROWS + ri, mask=row_ok, other=0).to(tl.int64)
+        emask = row_ok & (col < K)
+        p = tl.load(topk_ptr + row * stk_r + col * stk_c, mask=emask, other=-1).to(tl.int64)
+        valid = p >= 0
+        pc = tl.maximum(p, 0)
+        blk = pc // bs
+        off = pc % bs
+        sblk = tl.load(src_bt_ptr + q64 * s_src_q + blk * s_src_b, mask=valid, other=0)
+        g = (sblk.to(tl.int64) * bs + off).to(tl.int32)
+        out_direct = tl.full([N], -1, tl.int64)
+        if HAS_RES:
+            rblk = tl.load(res_bt_ptr + q64 * s_res_q + blk * s_res_b, mask=valid, other=0)
+            rblk = rblk.to(tl.int64)
+            out_direct = tl.where(valid & (rblk != 0), rblk * bs + off, out_direct)
+            needs = valid & (rblk == 0)
+        else:
+            needs = valid
+        out_addr = out_ptr + row * s_out_r + col * s_out_c
+        tl.store(out_addr, out_direct, mask=emask & ~needs)
+        if HAS_VALID:
+            vrow = tl.sum(tl.reshape(valid.to(tl.int32), [ROWS, KP]), 1)
+            rr = tl.arange(0, ROWS)
+            vr = tl.load(sc_rows_ptr + q64 * ROWS + rr, mask=rr < n_rows, other=0).to(tl.int64)
+            tl.store(valid_ptr + vr * s_v, vrow, mask=rr < n_rows)
+
+        # ---- 3. one cell per distinct host row: round r claims way r of its bucket -----
+        b = _bucket(g, LOGB)
+        pending = needs
+        cell = tl.zeros([N], tl.int32)
+        for r in tl.static_range(WAYS):
+            c = b * WAYS + r
+            tl.store(tab + c, g, mask=pending)
+            tl.debug_barrier()
+            got = tl.load(tab + c, mask=pending, other=-1, cache_modifier=".cg")
+            won = pending & (got == g)  # this row's value stuck (equal rows share the cell)
+            cell = tl.where(won, c, cell)
+            pending = pending & ~won
+        # Rows whose bucket overflowed: one overflow cell per distinct row (rare).
+        n_ovf = 0
+        while tl.max(pending.to(tl.int32), 0) > 0:
+            e0 = tl.min(tl.where(pending, e, N), 0)
+            g0 = tl.sum(tl.where(e == e0, g, 0), 0)
+            same = pending & (g == g0)
+            cell = tl.where(same, NCELL + n_ovf, cell)
+            tl.store(tab + NCELL + n_ovf, g0)
+            pending = pending & ~same
+            n_ovf += 1
+        # First appearance of each row: any of its entries, then the smallest.
+        tl.store(first + cell, e, mask=needs)
+        tl.debug_barrier()
+        tl.atomic_min(first + cell, e, mask=needs, sem="relaxed")
+
+        # ---- 4. hits: each hot slot looks for its row in its bucket (and the overflow) ---
+        n_hit = 0
+        bh = tl.arange(0, BH)
+        ways = tl.arange(0, WAYS)[None, :]
+        for h0 in range(0, H, BH):
+            h = h0 + bh
+            hm = h < H
+            v = tl.load(hot_index_ptr + s64 * s_hi_s + h * s_hi_h, mask=hm, other=-1)
+            occ = hm & (v >= 0)
+            vc = _bucket(tl.maximum(v, 0), LOGB) * WAYS
+            tile = tl.load(
+                tab + vc[:, None] + ways, mask=occ[:, None], other=-1, cache_modifier=".cg"
+            )
+            way = tl.max(tl.where(tile == v[:, None], ways, -1), 1)
+            hit = occ & (way >= 0)
+            hcell = vc + way
+            for k in range(n_ovf):
+                gk = tl.load(tab + NCELL + k, cache_modifier=".cg")
+                mk = occ & (v == gk)
+                hit = hit | mk
+                hcell = tl.where(mk, NCELL + k, hcell)
+            # A hit cell now holds its slot (-2 - slot: below every row and below "empty").
+            tl.store(tab + hcell, -2 - h, mask=hit)
+            tl.store(hit_ptr + base_h + h, hit.to(tl.int8), mask=hm)
+            n_hit += tl.sum(hit.to(tl.int32), 0)
+        tl.debug_barrier()
+
+        # ---- 5. misses: heads (first appearances) in entry order ----------------------
+        val = tl.load(tab + cell, mask=needs, other=-1, cache_modifier=".cg")
+        miss = needs & (val >= 0)
+        fe = tl.load(first + cell, mask=miss, other=-1, cache_modifier=".cg")
+        head = miss & (fe == e)
+        n_miss = tl.sum(head.to(tl.int32), 0)
+        mrank = tl.cumsum(head.to(tl.int32), 0) - 1
+        n_evict = H - n_hit
+
+        # ---- 6. new LRU order in closed form; evictable slot of each miss rank ---------
+        ce = 0
+        ch = 0
+        for j0 in range(0, H, BH):
+            j = j0 + bh
+            jm = j < H
+            sl = tl.load(lru_ptr + s64 * s_lru_s + j * s_lru_h, mask=jm, other=0).to(tl.int32)
+            was_hit = tl.load(hit_ptr + base_h + sl, mask=jm, other=0) != 0
+            ev = jm & ~was_hit
+            hh = jm & was_hit
+            ei = ce + tl.cumsum(ev.to(tl.int32), 0) - 1
+            kh = ch + tl.cumsum(hh.to(tl.int32), 0) - 1
+            newpos = tl.where(
+                hh, n_evict + kh, tl.where(ei >= n_miss, ei - n_miss, n_evict - n_miss + ei)
+            )
+            ok = jm & (newpos >= 0) & (newpos < H)
+            tl.store(newlru_ptr + base_h + newpos, sl.to(tl.int16), mask=ok)
+            tl.store(evict_ptr + base_h + ei, sl, mask=ev & (ei < n_miss))
+            ce += tl.sum(ev.to(tl.int32), 0)
+            ch += tl.sum(hh.to(tl.int32), 0)
+        tl.debug_barrier()
+
+        # ---- 7. each miss head takes its evictable slot; its cell holds the slot -------
+        fm = head & (mrank < H)
+        slot_m = tl.load(evict_ptr + base_h + mrank, mask=fm, other=0)
+        tl.store(hot_index_ptr + s64 * s_hi_s + slot_m * s_hi_h, g, mask=fm)
+        tl.store(tab + cell, -2 - slot_m, mask=fm)
+        tl.store(mg_ptr + base_n + mrank, g, mask=fm)
+        tl.store(ms_ptr + base_n + mrank, slot_m, mask=fm)
+        tl.store(swap_count_ptr + q64 * s_sc, n_miss)
+        if HAS_HM:
+            tl.store(hm_ptr + q64 * s_hm_q, n_hit)
+            tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, n_miss)
+        for j0 in range(0, H, BH):
+            j = j0 + bh
+            jm = j < H
+            nl = tl.load(newlru_ptr + base_h + j, mask=jm)
+            tl.store(lru_ptr + s64 * s_lru_s + j * s_lru_h, nl, mask=jm)
+        tl.debug_barrier()
+
+        # ---- 8. every hot entry reads its row's slot ------------------------------------
+        val = tl.load(tab + cell, mask=needs, other=-2, cache_modifier=".cg")
+        slot_all = -2 - val
+        hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_all // bs) * s_hbt_b, mask=needs)
+        tl.store(out_addr, hb.to(tl.int64) * bs + slot_all % bs, mask=needs)
+
+        # ---- 9. swap list ascending by host row: rank of each miss among the misses ----
+        n_sw = tl.minimum(n_miss, H)
+        si = tl.arange(0, S)
+        for i0 in range(0, n_sw, S):
+            i = i0 + si
+            im = i < n_sw
+            gi = tl.load(mg_ptr + base_n + i, mask=im, other=0)
+            rank = tl.zeros([S], tl.int32)
+            for j0 in range(0, n_sw, S):
+                jj = j0 + si
+                gj = tl.load(mg_ptr + base_n + jj, mask=jj < n_sw, other=0x7FFFFFFF)
+                rank += tl.sum((gj[None, :] < gi[:, None]).to(tl.int32), 1)
+            slot_i = tl.load(ms_ptr + base_n + i, mask=im, other=0)
+            hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_i // bs) * s_hbt_b, mask=im)
+            tl.store(swap_src_ptr + q64 * s_ss_q + rank * s_ss_h, gi, mask=im)
+            tl.store(
+                swap_dst_ptr + q64 * s_sd_q + rank * s_sd_h,
+                hb.to(tl.int64) * bs + slot_i % bs,
+                mask=im,
+            )
+
+
+@triton.jit
+def _resolve_sort_kernel(
     topk_ptr, stk_r, stk_c,
     row_req_ptr, R,
     state_ptr, Q,
@@ -307,221 +549,6 @@ def _resolve_kernel(
             tl.store(out_ptr + erow * s_out_r + ecol * s_out_c, phys, mask=live)
 
 
-@triton.jit
-def _hash(g, LOGT: tl.constexpr):
-    """Fibonacci hash of host rows (``0 <= g < 2**31``) into ``[0, 2**LOGT)``."""
-    return (((g.to(tl.int64) * 2654435761) & 0xFFFFFFFF) >> (32 - LOGT)).to(tl.int32)
-
-
-@triton.jit
-def _write_swap_list(
-    mg_ptr, ms_ptr, base_n, n_miss, hot_bt_ptr, hbt_row, s_hbt_b, bs,
-    src_ptr, s_src, dst_ptr, s_dst,
-    S: tl.constexpr, LOGS: tl.constexpr,
-):  # fmt: skip
-    """Sort the first ``n_miss <= S`` (host row, slot) misses by host row; write the list."""
-    i = tl.arange(0, S)
-    im = i < n_miss
-    gm = tl.load(mg_ptr + base_n + i, mask=im, other=0).to(tl.int64)
-    key = tl.sort(tl.where(im, (gm << LOGS) | i, 1 << 62))
-    ii = (key & (S - 1)).to(tl.int32)
-    slot = tl.load(ms_ptr + base_n + ii, mask=im, other=0)
-    hb = tl.load(hot_bt_ptr + hbt_row + (slot // bs) * s_hbt_b, mask=im)
-    tl.store(src_ptr + i * s_src, key >> LOGS, mask=im)
-    tl.store(dst_ptr + i * s_dst, hb.to(tl.int64) * bs + slot % bs, mask=im)
-
-
-@triton.jit
-def _resolve_hash_kernel(
-    topk_ptr, stk_r, stk_c,
-    row_req_ptr, R,
-    state_ptr, Q,
-    src_bt_ptr, s_src_q, s_src_b,
-    res_bt_ptr, s_res_q, s_res_b,
-    hot_bt_ptr, s_hbt_s, s_hbt_b,
-    hot_index_ptr, s_hi_s, s_hi_h,
-    lru_ptr, s_lru_s, s_lru_h,
-    out_ptr, s_out_r, s_out_c,
-    swap_src_ptr, s_ss_q, s_ss_h,
-    swap_dst_ptr, s_sd_q, s_sd_h,
-    swap_count_ptr, s_sc,
-    valid_ptr, s_v,
-    hm_ptr, s_hm_q, s_hm_c,
-    sc_rows_ptr, tab_key_ptr, tab_pos_ptr, tab_slot_ptr, dummy_ptr,
-    sc_slot_hit_ptr, sc_evict_ptr, sc_mg_ptr, sc_ms_ptr,
-    K, H, bs,
-    ROWS: tl.constexpr, KP: tl.constexpr, LOGT: tl.constexpr, HP: tl.constexpr,
-    SM: tl.constexpr, LOGSM: tl.constexpr, LOGN: tl.constexpr,
-    BR: tl.constexpr, HAS_RES: tl.constexpr, HAS_VALID: tl.constexpr, HAS_HM: tl.constexpr,
-):  # fmt: skip
-    """resolve_residency with a per-request hash table instead of a sort (module docstring)."""
-    N: tl.constexpr = ROWS * KP
-    T: tl.constexpr = 1 << LOGT
-    q = tl.program_id(0)
-    q64 = q.to(tl.int64)
-
-    cols = tl.arange(0, KP)
-    for r in range(q, R, Q):
-        rq = tl.load(row_req_ptr + r)
-        in_range = (rq >= 0) & (rq < Q)
-        st = tl.load(state_ptr + tl.where(in_range, rq, 0))
-        dead = (~in_range) | (st < 0)
-        r64 = tl.cast(r, tl.int64)
-        tl.store(
-            out_ptr + r64 * s_out_r + cols * s_out_c,
-            tl.full([KP], -1, tl.int32),
-            mask=(cols < K) & dead,
-        )
-        if HAS_VALID:
-            tl.store(valid_ptr + r64 * s_v, 0, mask=dead)
-
-    s = tl.load(state_ptr + q)
-    if s < 0:
-        tl.store(swap_count_ptr + q64 * s_sc, 0)
-        if HAS_HM:
-            tl.store(hm_ptr + q64 * s_hm_q, 0)
-            tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, 0)
-    else:
-        s64 = s.to(tl.int64)
-        base_t = q64 * T
-        base_n = q64 * N
-        base_h = q64 * H
-        # ---- 1. empty hash table; this request's rows, in row order --------------------
-        t = tl.arange(0, T)
-        tl.store(tab_key_ptr + base_t + t, tl.full([T], -1, tl.int32))
-        tl.store(tab_pos_ptr + base_t + t, tl.full([T], N, tl.int32))
-        tl.store(tab_slot_ptr + base_t + t, tl.full([T], -1, tl.int32))
-        n_rows = 0
-        br = tl.arange(0, BR)
-        for r0 in range(0, R, BR):
-            offs = r0 + br
-            rq = tl.load(row_req_ptr + offs, mask=offs < R, other=-1)
-            mine = rq == q
-            rank = n_rows + tl.cumsum(mine.to(tl.int32), 0) - 1
-            tl.store(sc_rows_ptr + q64 * ROWS + rank, offs, mask=mine & (rank < ROWS))
-            n_rows += tl.sum(mine.to(tl.int32), 0)
-        tl.debug_barrier()
-
-        # ---- 2. entries (flat, entry order); resident and -1 entries written at once ---
-        e = tl.arange(0, N)
-        ri = e // KP
-        col = e % KP
-        row_ok = ri < n_rows
-        row = tl.load(sc_rows_ptr + q64 * ROWS + ri, mask=row_ok, other=0).to(tl.int64)
-        emask = row_ok & (col < K)
-        p = tl.load(topk_ptr + row * stk_r + col * stk_c, mask=emask, other=-1).to(tl.int64)
-        valid = p >= 0
-        pc = tl.maximum(p, 0)
-        blk = pc // bs
-        off = pc % bs
-        sblk = tl.load(src_bt_ptr + q64 * s_src_q + blk * s_src_b, mask=valid, other=0)
-        g = sblk.to(tl.int64) * bs + off
-        g32 = g.to(tl.int32)
-        out_direct = tl.full([N], -1, tl.int64)
-        if HAS_RES:
-            rblk = tl.load(res_bt_ptr + q64 * s_res_q + blk * s_res_b, mask=valid, other=0)
-            rblk = rblk.to(tl.int64)
-            out_direct = tl.where(valid & (rblk != 0), rblk * bs + off, out_direct)
-            needs = valid & (rblk == 0)
-        else:
-            needs = valid
-        out_addr = out_ptr + row * s_out_r + col * s_out_c
-        tl.store(out_addr, out_direct, mask=emask & ~needs)
-        if HAS_VALID:
-            vrow = tl.sum(tl.reshape(valid.to(tl.int32), [ROWS, KP]), 1)
-            rr = tl.arange(0, ROWS)
-            vr = tl.load(sc_rows_ptr + q64 * ROWS + rr, mask=rr < n_rows, other=0).to(tl.int64)
-            tl.store(valid_ptr + vr * s_v, vrow, mask=rr < n_rows)
-
-        # ---- 3. insert host rows (CAS, linear probing); first position per row ----------
-        hs = _hash(g, LOGT)
-        pending = needs
-        while tl.max(pending.to(tl.int32), 0) > 0:
-            ptr = tl.where(needs, tab_key_ptr + base_t + hs, dummy_ptr + base_n + e)
-            old = tl.atomic_cas(ptr, tl.full([N], -1, tl.int32), g32, sem="relaxed")
-            took = (old == -1) | (old == g32)
-            hs = tl.where(pending & ~took, (hs + 1) & (T - 1), hs)
-            pending = pending & ~took
-        tl.atomic_min(tab_pos_ptr + base_t + hs, e, mask=needs, sem="relaxed")
-        tl.debug_barrier()
-        first = tl.load(tab_pos_ptr + base_t + hs, mask=needs, other=-1, cache_modifier=".cg")
-        head = needs & (first == e)
-        n_unique = tl.sum(head.to(tl.int32), 0)
-
-        # ---- 4. hits: each hot slot probes the table for its host row ------------------
-        h = tl.arange(0, HP)
-        hm = h < H
-        v = tl.load(hot_index_ptr + s64 * s_hi_s + h * s_hi_h, mask=hm, other=-1)
-        hv = _hash(tl.maximum(v, 0), LOGT)
-        pend = hm & (v >= 0)
-        found = h < 0
-        while tl.max(pend.to(tl.int32), 0) > 0:
-            k = tl.load(tab_key_ptr + base_t + hv, mask=pend, other=-1, cache_modifier=".cg")
-            f = pend & (k == v)
-            found = found | f
-            stop = f | (k == -1)
-            hv = tl.where(pend & ~stop, (hv + 1) & (T - 1), hv)
-            pend = pend & ~stop
-        tl.store(tab_slot_ptr + base_t + hv, h, mask=found)
-        tl.store(sc_slot_hit_ptr + base_h + h, found.to(tl.int8), mask=hm)
-        n_hit = tl.sum(found.to(tl.int32), 0)
-        n_miss = n_unique - n_hit
-        n_evict = H - n_hit
-        tl.debug_barrier()
-
-        # ---- 5. new LRU order in closed form; evictable slot of each miss rank ---------
-        j = tl.arange(0, HP)
-        jm = j < H
-        sl = tl.load(lru_ptr + s64 * s_lru_s + j * s_lru_h, mask=jm, other=0).to(tl.int32)
-        was_hit = tl.load(sc_slot_hit_ptr + base_h + sl, mask=jm, other=0) != 0
-        ev = jm & ~was_hit
-        hh = jm & was_hit
-        ce = tl.cumsum(ev.to(tl.int32), 0) - 1
-        kh = tl.cumsum(hh.to(tl.int32), 0) - 1
-        newpos = tl.where(
-            hh, n_evict + kh, tl.where(ce >= n_miss, ce - n_miss, n_evict - n_miss + ce)
-        )
-        tl.store(sc_evict_ptr + base_h + ce, sl, mask=ev & (ce < n_miss))
-        tl.debug_barrier()  # every lru load is done, the evict list is visible
-        ok = jm & (newpos >= 0) & (newpos < H)
-        tl.store(lru_ptr + s64 * s_lru_s + newpos * s_lru_h, sl.to(tl.int16), mask=ok)
-
-        # ---- 6. misses in wanted (entry) order take the evictable slots ----------------
-        tslot = tl.load(tab_slot_ptr + base_t + hs, mask=head, other=0)
-        miss_head = head & (tslot < 0)
-        mrank = tl.cumsum(miss_head.to(tl.int32), 0) - 1
-        slot_m = tl.load(sc_evict_ptr + base_h + mrank, mask=miss_head, other=0)
-        tl.store(tab_slot_ptr + base_t + hs, slot_m, mask=miss_head)
-        tl.store(hot_index_ptr + s64 * s_hi_s + slot_m * s_hi_h, g32, mask=miss_head)
-        tl.store(sc_mg_ptr + base_n + mrank, g32, mask=miss_head)
-        tl.store(sc_ms_ptr + base_n + mrank, slot_m, mask=miss_head)
-        tl.store(swap_count_ptr + q64 * s_sc, n_miss)
-        if HAS_HM:
-            tl.store(hm_ptr + q64 * s_hm_q, n_hit)
-            tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, n_miss)
-        tl.debug_barrier()
-
-        # ---- 7. every hot entry reads its row's slot ------------------------------------
-        slot_all = tl.load(tab_slot_ptr + base_t + hs, mask=needs, other=0)
-        hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_all // bs) * s_hbt_b, mask=needs)
-        phys = hb.to(tl.int64) * bs + slot_all % bs
-        tl.store(out_addr, phys, mask=needs)
-
-        # ---- 8. swap list ascending by host row (small sort when few misses) -----------
-        if n_miss <= SM:
-            _write_swap_list(
-                sc_mg_ptr, sc_ms_ptr, base_n, n_miss, hot_bt_ptr, s64 * s_hbt_s, s_hbt_b, bs,
-                swap_src_ptr + q64 * s_ss_q, s_ss_h, swap_dst_ptr + q64 * s_sd_q, s_sd_h,
-                SM, LOGSM,
-            )  # fmt: skip
-        else:
-            _write_swap_list(
-                sc_mg_ptr, sc_ms_ptr, base_n, n_miss, hot_bt_ptr, s64 * s_hbt_s, s_hbt_b, bs,
-                swap_src_ptr + q64 * s_ss_q, s_ss_h, swap_dst_ptr + q64 * s_sd_q, s_sd_h,
-                N, LOGN,
-            )  # fmt: skip
-
-
 def resolve_residency(
     topk: Tensor,
     row_req: Tensor,
@@ -544,7 +571,7 @@ def resolve_residency(
     """Triton `reference.resolve_residency`; same arguments, outputs and state updates.
 
     ``max_rows_per_request`` (keyword only, not in the reference) bounds the rows one request
-    may own in this call; it sizes the in-program sort (``pow2(rows) * pow2(top_k)`` keys),
+    may own in this call; it sizes the program's entry vector (``pow2(rows) * pow2(top_k)``),
     so a decode-only caller passes 1. Default: ``max(1, min(R, H // top_k))``.
     """
     R, K = topk.shape
@@ -565,66 +592,12 @@ def resolve_residency(
     kp = _next_pow2(max(K, 1))
     n = rows * kp
     logn = n.bit_length() - 1
-    bh = min(_next_pow2(H), 4096)  # few sequential chunks: the binary searches are latency
     br = 256  # fixed: one compiled variant for every batch size
     dev = topk.device
     res = resident_block_table if resident_block_table is not None else source_block_table
     vc = valid_counts if valid_counts is not None else swap_count
     hm = hit_miss if hit_miss is not None else swap_count.view(-1, 1)
-    hp = _next_pow2(H)
-    if RESOLVE_IMPL == "hash" and n <= _HASH_MAX_N and hp <= _HASH_MAX_H:
-        logt = (2 * n).bit_length() - 1  # table of 2 * n slots: load factor <= 1/2
-        sm = min(n, _HASH_SMALL_SORT)
-        i32 = torch.empty(Q * (rows + 3 * (2 * n) + 3 * n + H), dtype=torch.int32, device=dev)
-        i8 = torch.empty(Q * H, dtype=torch.int8, device=dev)
-        o = 0
-        parts = []
-        for size in (Q * rows, Q * 2 * n, Q * 2 * n, Q * 2 * n, Q * n, Q * H, Q * n, Q * n):
-            parts.append(i32[o : o + size])
-            o += size
-        sc_rows, tab_key, tab_pos, tab_slot, dummy, sc_evict, sc_mg, sc_ms = parts
-        _resolve_hash_kernel[(Q,)](
-            topk, topk.stride(0), topk.stride(1),
-            row_req, R,
-            request_state_indices, Q,
-            source_block_table, source_block_table.stride(0), source_block_table.stride(1),
-            res, res.stride(0), res.stride(1),
-            hot_block_table, hot_block_table.stride(0), hot_block_table.stride(1),
-            hot_index, hot_index.stride(0), hot_index.stride(1),
-            lru, lru.stride(0), lru.stride(1),
-            out_physical, out_physical.stride(0), out_physical.stride(1),
-            swap_src, swap_src.stride(0), swap_src.stride(1),
-            swap_dst, swap_dst.stride(0), swap_dst.stride(1),
-            swap_count, swap_count.stride(0),
-            vc, vc.stride(0),
-            hm, hm.stride(0), hm.stride(1) if hm.dim() > 1 else 1,
-            sc_rows, tab_key, tab_pos, tab_slot, dummy, i8, sc_evict, sc_mg, sc_ms,
-            K, H, block_size,
-            ROWS=rows, KP=kp, LOGT=logt, HP=hp, SM=sm, LOGSM=sm.bit_length() - 1, LOGN=logn,
-            BR=br,
-            HAS_RES=resident_block_table is not None,
-            HAS_VALID=valid_counts is not None,
-            HAS_HM=hit_miss is not None,
-            num_warps=RESOLVE_WARPS or (8 if max(n, hp) <= 4096 else 16),
-        )  # fmt: skip
-        return
-    # One scratch allocation per call (graph-capturable: the graph's pool owns it).
-    i64 = torch.empty(2 * Q * n, dtype=torch.int64, device=dev)
-    i32 = torch.empty(Q * (rows + 2 * n + 2 * H), dtype=torch.int32, device=dev)
-    i8 = torch.empty(Q * H, dtype=torch.int8, device=dev)
-    sc_sorted, sc_uniq = i64[: Q * n], i64[Q * n :]
-    o = 0
-    sc_rows = i32[o : o + Q * rows]
-    o += Q * rows
-    sc_slot_u = i32[o : o + Q * n]
-    o += Q * n
-    sc_flag = i32[o : o + Q * n]
-    o += Q * n
-    sc_evict = i32[o : o + Q * H]
-    o += Q * H
-    sc_newlru = i32[o : o + Q * H]
-    num_warps = 4 if n <= 1024 else (8 if n <= 4096 else 16)
-    _resolve_kernel[(Q,)](
+    common = (
         topk, topk.stride(0), topk.stride(1),
         row_req, R,
         request_state_indices, Q,
@@ -639,14 +612,66 @@ def resolve_residency(
         swap_count, swap_count.stride(0),
         vc, vc.stride(0),
         hm, hm.stride(0), hm.stride(1) if hm.dim() > 1 else 1,
-        sc_rows, sc_sorted, sc_uniq, sc_slot_u, sc_flag, i8, sc_evict, sc_newlru,
-        K, H, block_size,
-        ROWS=rows, KP=kp, LOGN=logn, BH=bh, BR=br,
+    )  # fmt: skip
+    flags = dict(
         HAS_RES=resident_block_table is not None,
         HAS_VALID=valid_counts is not None,
         HAS_HM=hit_miss is not None,
+    )
+    if RESOLVE_IMPL == "sort":
+        _resolve_sort(common, flags, Q, n, rows, kp, logn, H, br, K, block_size, dev)
+        return
+    # Buckets: 2 per entry by default (4 ways each: a bucket overflows with ~1e-4 odds).
+    logb = RESOLVE_LOG_BUCKETS if RESOLVE_LOG_BUCKETS is not None else logn + 1
+    ncell = 4 << logb
+    cs = ncell + n
+    # One scratch allocation per call (graph-capturable: the graph's pool owns it); the
+    # kernel empties the bucket cells itself and writes every other cell before reading it.
+    i32 = torch.empty(Q * (rows + 2 * cs + H + 2 * n), dtype=torch.int32, device=dev)
+    i16 = torch.empty(Q * H, dtype=torch.int16, device=dev)
+    i8 = torch.empty(Q * H, dtype=torch.int8, device=dev)
+    parts = []
+    o = 0
+    for size in (Q * rows, Q * cs, Q * cs, Q * H, Q * n, Q * n):
+        parts.append(i32[o : o + size])
+        o += size
+    sc_rows, tab, first, evict, mg, ms = parts
+    bh = min(_next_pow2(H), RESOLVE_BH)
+    _resolve_kernel[(Q,)](
+        *common,
+        sc_rows, tab, first, i8, evict, i16, mg, ms,
+        K, H, block_size,
+        ROWS=rows, KP=kp, LOGB=logb, BH=bh, BR=br, BC=min(ncell, 4096), S=RESOLVE_RANK_TILE,
+        **flags,
+        num_warps=RESOLVE_WARPS or (8 if max(n, bh) <= 4096 else 16),
+    )  # fmt: skip
+
+
+def _resolve_sort(common, flags, Q, n, rows, kp, logn, H, br, K, block_size, dev) -> None:  # type: ignore[no-untyped-def]
+    """The previous sort-based kernel (benchmarks only; to be removed)."""
+    bh = min(_next_pow2(H), 4096)
+    i64 = torch.empty(2 * Q * n, dtype=torch.int64, device=dev)
+    i32 = torch.empty(Q * (rows + 2 * n + 2 * H), dtype=torch.int32, device=dev)
+    i8 = torch.empty(Q * H, dtype=torch.int8, device=dev)
+    sc_sorted, sc_uniq = i64[: Q * n], i64[Q * n :]
+    o = 0
+    sc_rows = i32[o : o + Q * rows]
+    o += Q * rows
+    sc_slot_u = i32[o : o + Q * n]
+    o += Q * n
+    sc_flag = i32[o : o + Q * n]
+    o += Q * n
+    sc_evict = i32[o : o + Q * H]
+    o += Q * H
+    sc_newlru = i32[o : o + Q * H]
+    _resolve_sort_kernel[(Q,)](
+        *common,
+        sc_rows, sc_sorted, sc_uniq, sc_slot_u, sc_flag, i8, sc_evict, sc_newlru,
+        K, H, block_size,
+        ROWS=rows, KP=kp, LOGN=logn, BH=bh, BR=br,
+        **flags,
         ABL=RESOLVE_ABLATE,
-        num_warps=num_warps,
+        num_warps=4 if n <= 1024 else (8 if n <= 4096 else 16),
     )  # fmt: skip
 
 
@@ -894,9 +919,7 @@ def _gather_plan_kernel(
         tl.store(dst_ptr + do[:, None] + w, v, mask=m)
 
 
-def gather_plan(
-    src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, mask: Tensor
-) -> None:
+def gather_plan(src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, mask: Tensor) -> None:
     """Triton `reference.gather_plan`: copy row ``src_rows[i]`` to ``dst_rows[i]`` where masked."""
     sr = src_rows.reshape(-1)
     dr = dst_rows.reshape(-1)
