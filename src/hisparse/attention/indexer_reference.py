@@ -12,13 +12,19 @@ Two modes:
 
 The top-k keeps only keys at positions ``≤ t`` and pads with ``-1``: a token with fewer than
 ``k`` earlier keys selects all of them.
+
+`indexer_topk_paged_reference` runs both steps for a packed batch over the paged indexer
+cache (the model's indexer calls it through `indexer_topk_paged`, which picks the Triton
+kernel of `hisparse.attention.indexer_triton` on CUDA).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from hisparse.kv.row_formats import quantize_fp8_tiles
+from hisparse.kv.row_formats import IndexerCacheFormat, quantize_fp8_tiles, read_indexer_keys
 
 #: DeepSeek's act_quant floors a tile's absolute maximum at this value.
 FP8_INDEXER_MIN_AMAX = 1e-4
@@ -106,3 +112,98 @@ def indexer_topk(scores: torch.Tensor, num_valid: torch.Tensor, k: int) -> torch
     vals, idx = masked.topk(kk, dim=-1)
     out[:, :kk] = torch.where(torch.isneginf(vals), torch.full_like(idx, -1), idx).to(torch.int32)
     return out
+
+
+def indexer_topk_paged_reference(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    weights: torch.Tensor,
+    pages: torch.Tensor,
+    fmt: IndexerCacheFormat,
+    block_table: torch.Tensor,
+    req_index: torch.Tensor,
+    positions: torch.Tensor,
+    seq_lens: torch.Tensor,
+    top_k: int,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Top-k of every token of a packed batch over its request's paged indexer keys.
+
+    ``q [N, H, D]`` (fp32/bf16 for ``fp32`` pages, e4m3 with ``q_scale [N, H, tiles]`` for
+    ``fp8`` pages), ``weights [N, H]`` (with ``H^-0.5``), ``pages [NB, BS * row_bytes]``,
+    ``block_table [R, max_blocks]``, ``req_index [N]`` (``< 0``: padding, all ``-1``),
+    ``positions [N]`` (token ``t`` may pick keys ``0 .. positions[t]``), ``seq_lens [R]`` keys
+    each request holds. Returns ``int32 [N, top_k]``, ``-1`` padded, best first.
+    """
+    n = q.shape[0]
+    bs = pages.shape[1] // fmt.row_bytes
+    out = torch.full((n, top_k), -1, dtype=torch.int32, device=q.device)
+    for r in range(seq_lens.shape[0]):
+        tok = torch.nonzero(req_index == r).flatten()
+        if tok.numel() == 0:
+            continue
+        length = int(seq_lens[r])
+        pos = torch.arange(length, device=q.device)
+        rows = block_table[r, pos // bs].long() * bs + pos % bs
+        keys, k_scales = read_indexer_keys(pages, fmt, rows)
+        if fmt.kind == "fp8":
+            if q_scale is None or k_scales is None:
+                raise ValueError("fp8 indexer scoring needs q_scale and fp8 key pages")
+            scores = indexer_scores_fp8(
+                q[tok], q_scale[tok], weights[tok], keys, k_scales, softmax_scale
+            )
+        else:
+            scores = indexer_scores_exact(q[tok], weights[tok], keys, softmax_scale)
+        out[tok] = indexer_topk(scores, positions[tok] + 1, top_k)
+    return out
+
+
+def indexer_backend(device: torch.device) -> str:
+    """``triton`` or ``reference`` for tensors on ``device`` (``HISPARSE_INDEXER`` decides)."""
+    choice = os.environ.get("HISPARSE_INDEXER", "auto")
+    if choice not in ("auto", "reference", "triton"):
+        raise ValueError(f"HISPARSE_INDEXER={choice!r}: use 'auto', 'reference' or 'triton'.")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    return choice
+
+
+def indexer_topk_paged(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    weights: torch.Tensor,
+    pages: torch.Tensor,
+    fmt: IndexerCacheFormat,
+    block_table: torch.Tensor,
+    req_index: torch.Tensor,
+    positions: torch.Tensor,
+    seq_lens: torch.Tensor,
+    top_k: int,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """`indexer_topk_paged_reference`'s contract on the best backend available.
+
+    CUDA tensors use the Triton kernel (`hisparse.attention.indexer_triton`), others the
+    reference; ``HISPARSE_INDEXER=reference|triton`` forces one (CPU tensors with ``triton``
+    need ``TRITON_INTERPRET=1``). Inputs the kernel does not handle fall back to the
+    reference. Outside CUDA-graph capture the kernel scores only up to the longest request of
+    the batch (one host read of ``seq_lens``); under capture it scores the whole block table.
+    """
+    if indexer_backend(q.device) == "triton":
+        try:
+            from hisparse.attention import indexer_triton as it
+        except ImportError:  # pragma: no cover - Triton missing: the reference still works
+            it = None
+        if it is not None and it.supports(q, q_scale, pages, fmt):
+            capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            max_len = None
+            if not capturing and seq_lens.numel():
+                max_len = int(seq_lens.max())
+            return it.indexer_topk_paged_triton(
+                q, q_scale, weights, pages, fmt, block_table, req_index, positions,
+                top_k, softmax_scale, max_len=max_len,
+            )  # fmt: skip
+    return indexer_topk_paged_reference(
+        q, q_scale, weights, pages, fmt, block_table, req_index, positions, seq_lens,
+        top_k, softmax_scale,
+    )  # fmt: skip

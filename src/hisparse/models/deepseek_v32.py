@@ -23,16 +23,13 @@ from torch import nn
 from hisparse.attention import sparse_mla_decode
 from hisparse.attention.indexer_reference import (
     hadamard_transform,
-    indexer_scores_exact,
-    indexer_scores_fp8,
-    indexer_topk,
+    indexer_topk_paged,
     quantize_indexer_fp8,
 )
 from hisparse.kv.row_formats import (
     IndexerCacheFormat,
     MlaFormat,
     pack_mla_rows,
-    read_indexer_keys,
     write_indexer_keys,
 )
 from hisparse.models.dsa_config import DsaConfig
@@ -217,25 +214,10 @@ class Indexer(nn.Module):
                 raise ValueError("the exact indexer mode needs fp32 indexer pages")
             write_indexer_keys(pages, fmt, slots, k.float())
         read_pages, table = pages_read
-        bs = read_pages.shape[1] // fmt.row_bytes
-        out = torch.full((n, self.topk), -1, dtype=torch.int32, device=x.device)
-        for r in range(step.seq_lens.shape[0]):
-            tok = torch.nonzero(step.req_index == r).flatten()
-            if tok.numel() == 0:
-                continue
-            length = int(step.seq_lens[r])
-            pos = torch.arange(length, device=x.device)
-            rows = table[r, pos // bs].long() * bs + pos % bs
-            keys, k_scales = read_indexer_keys(read_pages, fmt, rows)
-            if mode == "fp8":
-                assert q_scale is not None and k_scales is not None
-                scores = indexer_scores_fp8(
-                    q[tok], q_scale[tok], w[tok], keys, k_scales, self.softmax_scale
-                )
-            else:
-                scores = indexer_scores_exact(q[tok], w[tok], keys, self.softmax_scale)
-            out[tok] = indexer_topk(scores, step.positions[tok] + 1, self.topk)
-        return out
+        return indexer_topk_paged(
+            q, q_scale, w, read_pages, fmt, table, step.req_index, step.positions,
+            step.seq_lens, self.topk, self.softmax_scale,
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,500 @@
+"""Triton lightning indexer over the paged key cache; `indexer_topk_paged_reference` is the oracle.
+
+Two stages:
+
+1. ``_indexer_scores_kernel`` writes ``scores [T, S]`` fp32, ``S`` = the block table's width
+   (or the caller's ``max_len``): program ``(token, chunk)`` keeps the token's ``[H, D]``
+   query in registers and walks its chunk of key positions in tiles of ``BLOCK_N``, each
+   tile one ``[H, D] x [D, BLOCK_N]`` dot, ReLU, and the weighted sum over heads. Splitting
+   the context into chunks gives a decode step (few tokens, up to 128K keys) thousands of
+   programs; a prefill chunk works the same way, one program row per token. Positions past
+   the token's causal limit (``positions[t] + 1``), and every position of a padding token
+   (``req_index < 0``), get ``-inf``.
+2. ``torch.topk`` over each row, ``-inf`` picks turned into ``-1``: the same selection code
+   as the reference, run on the same scores up to float summation order.
+
+Why ``torch.topk`` rather than a Triton select: it is the reference's own selection (ties and
+order behave the same way), it needs no host synchronisation and no data-dependent shape
+(CUDA-graph safe), and on CUDA it is a radix select that reads the scores a few times
+(``S * 4`` bytes per token, a quarter of the 132-byte keys the score kernel reads), so the
+score kernel stays the larger cost. bench_indexer.py measures both stages.
+
+Numerics, per mode (the reference's operation order is kept where it costs nothing):
+
+- ``fp8`` pages (132-byte rows: ``block_size x 128`` e4m3 keys, then ``block_size`` fp32
+  scales): e4m3 queries and keys go to the tensor cores as bf16 (exact) and accumulate in
+  fp32, so each ``q . k`` product is exact and only the summation order differs from the
+  reference; ``w * q_scale * softmax_scale`` is folded per head and the key scale multiplies
+  the head sum, as in the reference.
+- ``fp32`` pages (exact mode): fp32 dots (``ieee``, no tf32), ``ReLU(q . k * scale)``.
+
+Under Triton's CPU interpreter (CI) every dot runs in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from hisparse.attention.sparse_mla_triton import interpreting
+from hisparse.kv.row_formats import IndexerCacheFormat
+
+Tensor = torch.Tensor
+
+#: Most indexer heads one program holds (DeepSeek-V3.2: 64, GLM-5: 32).
+MAX_HEADS = 128
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """Tile shape of the score kernel (`default_config` picks one per page format)."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(kind: str) -> IndexerConfig:
+    """fp8 keys: 64-key tiles. fp32 keys are 4x wider in registers: 32-key tiles."""
+    return IndexerConfig(block_n=64) if kind == "fp8" else IndexerConfig(block_n=32)
+
+
+def supports(q: Tensor, q_scale: Tensor | None, pages: Tensor, fmt: IndexerCacheFormat) -> bool:
+    """Whether the kernel handles these inputs (else callers use the reference)."""
+    d = fmt.head_dim
+    shape_ok = (
+        q.dim() == 3
+        and q.shape[2] == d
+        and q.shape[1] <= MAX_HEADS
+        and d >= 16
+        and d & (d - 1) == 0
+        and pages.dtype == torch.uint8
+        and pages.dim() == 2
+        and pages.stride(1) == 1
+        and pages.shape[1] % fmt.row_bytes == 0
+        and pages.stride(0) % 4 == 0
+        and pages.storage_offset() % 4 == 0
+    )
+    if not shape_ok:
+        return False
+    if fmt.kind == "fp8":
+        return (
+            fmt.scales_per_row == 1
+            and q.dtype == torch.float8_e4m3fn
+            and q_scale is not None
+            and q_scale.shape[:2] == q.shape[:2]
+            and q_scale.shape[-1] == 1
+        )
+    return q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _indexer_scores_kernel(
+    q_ptr,
+    qs_ptr,  # fp32 q scales [T, H] (fp8 only)
+    w_ptr,
+    key_ptr,  # pages viewed as e4m3 (fp8) or fp32
+    ksc_ptr,  # pages viewed as fp32 (fp8 key scales)
+    table_ptr,
+    req_ptr,
+    pos_ptr,
+    out_ptr,
+    softmax_scale,
+    num_heads,
+    num_cols,
+    block_size,
+    chunk,
+    sc_off,  # fp32 element of a page's first key scale
+    s_q_t,
+    s_q_h,
+    s_qs_t,
+    s_qs_h,
+    s_w_t,
+    s_w_h,
+    s_key_b,
+    s_ksc_b,
+    s_tab_r,
+    s_out_t,
+    IS_FP8: tl.constexpr,
+    D: tl.constexpr,
+    HP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1) * chunk
+    req = tl.load(req_ptr + t)
+    limit = tl.where(req >= 0, tl.load(pos_ptr + t) + 1, 0).to(tl.int32)
+    stop = tl.minimum(start + chunk, num_cols)
+    end = tl.maximum(tl.minimum(stop, limit), start)
+    row = out_ptr + t * s_out_t
+    n = tl.arange(0, BLOCK_N)
+
+    heads = tl.arange(0, HP)
+    hmask = heads < num_heads
+    d = tl.arange(0, D)
+    q = tl.load(
+        q_ptr + t * s_q_t + heads[:, None] * s_q_h + d[None, :], mask=hmask[:, None], other=0.0
+    ).to(DOT)
+    w = tl.load(w_ptr + t * s_w_t + heads * s_w_h, mask=hmask, other=0.0)
+    if IS_FP8:
+        w = w * tl.load(qs_ptr + t * s_qs_t + heads * s_qs_h, mask=hmask, other=0.0)
+        w = w * softmax_scale
+    table_row = table_ptr + tl.maximum(req, 0).to(tl.int64) * s_tab_r
+
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + n
+        valid = pos < end
+        blk = tl.load(table_row + pos // block_size, mask=valid, other=0).to(tl.int64)
+        off = pos % block_size
+        keys = tl.load(
+            key_ptr + blk[:, None] * s_key_b + off[:, None] * D + d[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        ).to(DOT)
+        logits = tl.dot(q, tl.trans(keys), input_precision=PRECISION)  # [HP, BLOCK_N]
+        if not IS_FP8:  # exact mode: ReLU(q . k * scale); fp8 folds the scale into w
+            logits = logits * softmax_scale
+        logits = tl.maximum(logits, 0.0)
+        score = tl.sum(logits * w[:, None], axis=0)
+        if IS_FP8:
+            score *= tl.load(ksc_ptr + blk * s_ksc_b + sc_off + off, mask=valid, other=0.0)
+        tl.store(row + pos, tl.where(valid, score, float("-inf")), mask=pos < stop)
+
+    # Tiles wholly past the causal limit: -inf without reading anything.
+    tail = start + tl.cdiv(end - start, BLOCK_N) * BLOCK_N
+    for n0 in range(tail, stop, BLOCK_N):
+        pos = n0 + n
+        tl.store(row + pos, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=pos < stop)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def chunk_for(num_tokens: int, num_cols: int, block_n: int, device: torch.device) -> int:
+    """Keys per program: about 4 waves of programs, 2..64 tiles each (shapes only)."""
+    want = triton.cdiv(max(num_tokens * num_cols, 1), 4 * _num_sms(device))
+    return max(2 * block_n, min(64 * block_n, triton.next_power_of_2(want)))
+
+
+#: The compiled score kernel of the last launch (benchmarks read registers and spills).
+last_compiled: list = [None]
+
+
+def indexer_scores_paged_triton(
+    q: Tensor,
+    q_scale: Tensor | None,
+    weights: Tensor,
+    pages: Tensor,
+    fmt: IndexerCacheFormat,
+    block_table: Tensor,
+    req_index: Tensor,
+    positions: Tensor,
+    softmax_scale: float,
+    *,
+    max_len: int | None = None,
+    config: IndexerConfig | None = None,
+    chunk: int | None = None,
+) -> Tensor:
+    """``fp32 [T, S]`` scores of each token against its request's keys, ``-inf`` past its limit.
+
+    ``S`` is ``block_table.shape[1] * block_size``, or ``max_len`` when given (it must be at
+    least every ``positions[t] + 1``). Arguments as in `indexer_topk_paged_reference`;
+    ``config`` / ``chunk`` override the tile shape and keys per program.
+    """
+    if not supports(q, q_scale, pages, fmt):
+        raise ValueError(
+            f"Triton indexer needs a power-of-two head_dim >= 16, at most {MAX_HEADS} heads, "
+            f"one fp8 scale per key (or fp32 keys) and uint8 pages with unit byte stride; got "
+            f"{fmt}, q {q.dtype} {tuple(q.shape)}, pages {tuple(pages.shape)} strides "
+            f"{pages.stride()}"
+        )
+    t, h, d = q.shape
+    if weights.shape != (t, h) or req_index.shape != (t,) or positions.shape != (t,):
+        raise ValueError(
+            f"shapes disagree: q {tuple(q.shape)}, weights {tuple(weights.shape)}, req_index "
+            f"{tuple(req_index.shape)}, positions {tuple(positions.shape)}"
+        )
+    bs = pages.shape[1] // fmt.row_bytes
+    cols = block_table.shape[1] * bs
+    if max_len is not None:
+        cols = min(cols, max_len)
+    device = q.device
+    out = torch.empty(t, cols, dtype=torch.float32, device=device)
+    if t == 0 or cols == 0:
+        return out
+    cfg = config or default_config(fmt.kind)
+    chunk = chunk or chunk_for(t, cols, cfg.block_n, device)
+    if chunk % cfg.block_n:
+        raise ValueError(f"chunk {chunk} is not a multiple of block_n {cfg.block_n}")
+
+    is_fp8 = fmt.kind == "fp8"
+    ksc_view = pages.view(torch.float32)
+    key_view = pages.view(torch.float8_e4m3fn) if is_fp8 else ksc_view
+    if is_fp8:
+        assert q_scale is not None
+        qs = q_scale[..., 0]
+        qs = qs if qs.dtype == torch.float32 else qs.float()
+    else:
+        qs = weights  # unused
+    weights = weights if weights.dtype == torch.float32 else weights.float()
+    if block_table.dtype != torch.int32:
+        block_table = block_table.to(torch.int32)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+
+    interp = interpreting() or device.type != "cuda"
+    bf16_dot = is_fp8 and not interp  # e4m3 -> bf16 is exact; fp32 keys keep fp32 dots
+    grid = (t, triton.cdiv(cols, chunk))
+    last_compiled[0] = _indexer_scores_kernel[grid](
+        q, qs, weights, key_view, ksc_view, block_table, req_index, positions, out,
+        softmax_scale, h, cols, bs, chunk, bs * d // 4,
+        q.stride(0), q.stride(1), qs.stride(0), qs.stride(1), weights.stride(0),
+        weights.stride(1), key_view.stride(0), ksc_view.stride(0), block_table.stride(0),
+        out.stride(0),
+        IS_FP8=is_fp8, D=d, HP=max(16, triton.next_power_of_2(h)), BLOCK_N=cfg.block_n,
+        DOT=tl.bfloat16 if bf16_dot else tl.float32,
+        PRECISION="tf32" if bf16_dot else "ieee",  # tf32 only names the bf16 MMA path here
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def topk_from_scores(scores: Tensor, top_k: int) -> Tensor:
+    """``int32 [T, top_k]`` best positions of each row, ``-inf`` picks and padding ``-1``."""
+    t, s = scores.shape
+    kk = min(top_k, s)
+    out = torch.full((t, top_k), -1, dtype=torch.int32, device=scores.device)
+    if kk == 0 or t == 0:
+        return out
+    vals, idx = scores.topk(kk, dim=-1)
+    out[:, :kk] = torch.where(torch.isneginf(vals), -1, idx).to(torch.int32)
+    return out
+
+
+def indexer_topk_paged_triton(
+    q: Tensor,
+    q_scale: Tensor | None,
+    weights: Tensor,
+    pages: Tensor,
+    fmt: IndexerCacheFormat,
+    block_table: Tensor,
+    req_index: Tensor,
+    positions: Tensor,
+    top_k: int,
+    softmax_scale: float,
+    *,
+    max_len: int | None = None,
+    config: IndexerConfig | None = None,
+    chunk: int | None = None,
+) -> Tensor:
+    """Contract of `indexer_topk_paged_reference` (``seq_lens`` is not needed: the causal
+    limit ``positions + 1`` bounds every token's keys)."""
+    scores = indexer_scores_paged_triton(
+        q, q_scale, weights, pages, fmt, block_table, req_index, positions, softmax_scale,
+        max_len=max_len, config=config, chunk=chunk,
+    )  # fmt: skip
+    return topk_from_scores(scores, top_k)
+
+
+def indexer_bytes(contexts: list[int], fmt: IndexerCacheFormat) -> int:
+    """Fewest HBM bytes the score stage reads for decode tokens of these context lengths."""
+    return sum(contexts) * fmt.row_bytes
+
+
+# -- checking against the reference (tests, GPU tests, benchmark) ------------------------------
+
+
+@dataclass
+class PagedIndexerCase:
+    """One packed batch of query tokens and the paged indexer cache they score."""
+
+    q: Tensor
+    q_scale: Tensor | None
+    weights: Tensor
+    pages: Tensor
+    fmt: IndexerCacheFormat
+    block_table: Tensor
+    req_index: Tensor
+    positions: Tensor
+    seq_lens: Tensor
+    softmax_scale: float
+
+    def args(self) -> tuple:
+        """Positional arguments up to ``block_table``, ``req_index``, ``positions``."""
+        return (self.q, self.q_scale, self.weights, self.pages, self.fmt, self.block_table,
+                self.req_index, self.positions)  # fmt: skip
+
+    @property
+    def limits(self) -> Tensor:
+        """Keys each token may pick (``positions + 1``; 0 for padding tokens)."""
+        return torch.where(self.req_index >= 0, self.positions + 1, 0)
+
+
+def random_indexer_case(
+    kind: str,
+    contexts: list[int],
+    queries: list[int],
+    *,
+    heads: int,
+    head_dim: int,
+    block_size: int,
+    device: torch.device | str,
+    seed: int,
+    extra_blocks: int = 1,
+    pad_tokens: int = 0,
+) -> PagedIndexerCase:
+    """Fresh random keys, queries and a shuffled block table.
+
+    Request ``r`` holds ``contexts[r]`` keys and asks ``queries[r]`` tokens, at positions
+    ``contexts[r] - queries[r] .. contexts[r] - 1`` (1: decode; more: a prefill chunk). Keys
+    and queries are Gaussian, quantized the way the fp8 indexer mode does (per-token e4m3 with
+    power-of-two scales) or kept fp32. The table is ``extra_blocks`` wider than needed (its
+    columns point at block 0) and ``pad_tokens`` padding tokens (``req_index -1``) follow.
+    """
+    from hisparse.attention.indexer_reference import quantize_indexer_fp8
+
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    fmt = IndexerCacheFormat.for_mode("fp8" if kind == "fp8" else "exact", head_dim)
+    per_req = [triton.cdiv(c, block_size) for c in contexts]
+    width = max(per_req) + extra_blocks
+    num_blocks = 1 + sum(per_req)
+    perm = 1 + torch.randperm(num_blocks - 1, generator=g, device=dev).to(torch.int32)
+    table = torch.zeros(len(contexts), width, dtype=torch.int32, device=dev)
+    at = 0
+    for r, nb in enumerate(per_req):
+        table[r, :nb] = perm[at : at + nb]
+        at += nb
+    pages = torch.empty(num_blocks, fmt.page_bytes(block_size), dtype=torch.uint8, device=dev)
+    step = max(1, 2**20 // block_size)  # blocks per chunk: 1M keys
+    for b0 in range(0, num_blocks, step):
+        b1 = min(num_blocks, b0 + step)
+        k = torch.randn((b1 - b0) * block_size, head_dim, generator=g, device=dev)
+        if kind == "fp8":
+            k8, ks = quantize_indexer_fp8(k, fmt.tile)
+            nkey = block_size * head_dim
+            pages[b0:b1, :nkey] = k8.view(torch.uint8).view(b1 - b0, nkey)
+            pages[b0:b1, nkey:] = ks.view(torch.uint8).view(b1 - b0, -1)
+        else:
+            pages[b0:b1] = k.view(torch.uint8).view(b1 - b0, -1)
+    req = [r for r, n in enumerate(queries) for _ in range(n)] + [-1] * pad_tokens
+    pos = [c - n + i for c, n in zip(contexts, queries, strict=True) for i in range(n)]
+    pos += [0] * pad_tokens
+    t = len(req)
+    q = torch.randn(t, heads, head_dim, generator=g, device=dev)
+    q_scale = None
+    if kind == "fp8":
+        q, q_scale = quantize_indexer_fp8(q, fmt.tile)
+    weights = torch.randn(t, heads, generator=g, device=dev) * heads**-0.5
+    return PagedIndexerCase(
+        q=q, q_scale=q_scale, weights=weights, pages=pages, fmt=fmt, block_table=table,
+        req_index=torch.tensor(req, dtype=torch.int64, device=dev),
+        positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+        seq_lens=torch.tensor(contexts, dtype=torch.int64, device=dev),
+        softmax_scale=head_dim**-0.5,
+    )  # fmt: skip
+
+
+def reference_scores(case: PagedIndexerCase, num_cols: int) -> Tensor:
+    """``fp32 [T, num_cols]`` reference scores, ``-inf`` past each token's limit."""
+    from hisparse.attention.indexer_reference import indexer_scores_exact, indexer_scores_fp8
+    from hisparse.kv.row_formats import read_indexer_keys
+
+    t = case.q.shape[0]
+    bs = case.pages.shape[1] // case.fmt.row_bytes
+    out = torch.full((t, num_cols), float("-inf"), device=case.q.device)
+    for r in range(case.seq_lens.shape[0]):
+        tok = torch.nonzero(case.req_index == r).flatten()
+        if tok.numel() == 0:
+            continue
+        length = int(case.seq_lens[r])
+        pos = torch.arange(length, device=case.q.device)
+        rows = case.block_table[r, pos // bs].long() * bs + pos % bs
+        keys, k_scales = read_indexer_keys(case.pages, case.fmt, rows)
+        if case.fmt.kind == "fp8":
+            assert case.q_scale is not None and k_scales is not None
+            s = indexer_scores_fp8(case.q[tok], case.q_scale[tok], case.weights[tok], keys,
+                                   k_scales, case.softmax_scale)  # fmt: skip
+        else:
+            s = indexer_scores_exact(case.q[tok], case.weights[tok], keys, case.softmax_scale)
+        out[tok, :length] = s
+    cols = torch.arange(num_cols, device=out.device)
+    return out.masked_fill(cols[None, :] >= case.limits[:, None], float("-inf"))
+
+
+def score_tolerance(ref: Tensor, rtol: float, atol: float) -> Tensor:
+    """Per token: ``atol + rtol * max |finite reference score|`` (``[T, 1]``)."""
+    finite = torch.where(torch.isfinite(ref), ref.abs(), torch.zeros_like(ref))
+    return atol + rtol * finite.amax(dim=1, keepdim=True)
+
+
+def selection_errors(
+    out: Tensor, ref: Tensor, limits: Tensor, top_k: int, tol: Tensor
+) -> list[str]:
+    """Why ``out [T, top_k]`` is not a top-k of reference scores ``ref [T, S]`` (empty: it is).
+
+    Equal to the reference means, per token with ``n = min(top_k, limit)`` and ``v_n`` the
+    reference's n-th best score: the first ``n`` entries are distinct positions below the
+    limit and the rest ``-1``; every pick scores at least ``v_n - tol``; picks come best first
+    (each at most ``tol`` above the previous); and where ``v_n - v_{n+1} > tol`` the picks are
+    exactly the reference's ``n`` best. Closer scores may swap through summation order.
+    """
+    errors: list[str] = []
+    t = out.shape[0]
+    if t == 0:
+        return errors
+    n_sel = limits.clamp(max=top_k)
+    col = torch.arange(top_k, device=out.device)
+    should = col[None, :] < n_sel[:, None]
+    out = out.long()
+    if not torch.equal(out >= 0, should):
+        errors.append("-1 padding does not match min(top_k, positions + 1)")
+        return errors
+    if ((out >= limits[:, None]) & should).any():
+        errors.append("a pick lies past the token's causal limit")
+    srt = out.sort(dim=1).values
+    if ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any():
+        errors.append("a position is picked twice")
+    if errors:
+        return errors
+    kk = min(top_k + 1, ref.shape[1])
+    best = ref.topk(kk, dim=1).values
+    v_n = best.gather(1, (n_sel - 1).clamp(min=0)[:, None])
+    picked = ref.gather(1, out.clamp(min=0))
+    if ((picked < v_n - tol) & should).any():
+        errors.append("a pick scores below the n-th best reference score by more than tol")
+    if ((picked[:, 1:] > picked[:, :-1] + tol) & should[:, 1:]).any():
+        errors.append("picks are not ordered best first (within tol)")
+    if kk > top_k:
+        nxt = best[:, top_k : top_k + 1]
+        separated = (n_sel == top_k)[:, None] & (v_n - nxt > tol)
+        n_top = ((picked >= v_n) & should).sum(dim=1, keepdim=True)
+        if (separated & (n_top != n_sel[:, None])).any():
+            errors.append("a separated top-k set differs from the reference's")
+    return errors
+
+
+__all__ = [
+    "IndexerConfig",
+    "PagedIndexerCase",
+    "chunk_for",
+    "default_config",
+    "indexer_bytes",
+    "indexer_scores_paged_triton",
+    "indexer_topk_paged_triton",
+    "random_indexer_case",
+    "reference_scores",
+    "score_tolerance",
+    "selection_errors",
+    "supports",
+    "topk_from_scores",
+]

@@ -1,0 +1,130 @@
+"""Triton lightning indexer on CUDA at DeepSeek-V3.2 sizes against the paged reference.
+
+64 indexer heads x 128 dims, ``index_topk`` 2048, block size 64, contexts 4K..128K, batch
+1..64 decode tokens and a 512-token prefill chunk; both page formats (fp8: 132-byte rows,
+exact: fp32 rows). Runs on the GPU machine only (``pytest tests/gpu``; CI ignores it). The
+reference runs on the same GPU in fp32 (TF32 off) from the same bytes.
+
+Tolerance: the kernel's products are exact (fp8 mode: e4m3 values fed to the tensor cores as
+bf16; exact mode: fp32 FMA) and accumulate in fp32, so scores differ from the reference by
+summation order only (~1e-6 relative). The check uses ``tol = 1e-6 + 1e-4 * max |score|`` of
+each token, a tenfold margin over the interpreter's bar (any indexing or scale bug moves scores
+by O(1)); `selection_errors` defines top-k equality against that tolerance (see its docstring).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from hisparse.attention import indexer_reference as ir
+from hisparse.attention import indexer_triton as it
+
+DEV = torch.device("cuda")
+H, D, K, BS = 64, 128, 2048, 64
+RTOL, ATOL = 1e-4, 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def _case(kind: str, contexts: list[int], queries: list[int] | None = None, seed: int = 0,
+          **kw) -> it.PagedIndexerCase:  # fmt: skip
+    queries = queries or [1] * len(contexts)
+    return it.random_indexer_case(
+        kind, contexts, queries, heads=H, head_dim=D, block_size=BS, device=DEV, seed=seed, **kw
+    )
+
+
+def _check(case: it.PagedIndexerCase, **kw) -> torch.Tensor:
+    scores = it.indexer_scores_paged_triton(*case.args(), case.softmax_scale, **kw)
+    out = it.indexer_topk_paged_triton(*case.args(), K, case.softmax_scale, **kw)
+    torch.cuda.synchronize()
+    ref = it.reference_scores(case, scores.shape[1])
+    assert torch.equal(torch.isneginf(scores), torch.isneginf(ref)), "causal -inf mask differs"
+    tol = it.score_tolerance(ref, RTOL, ATOL)
+    finite = torch.isfinite(ref)
+    assert torch.isfinite(scores[finite]).all()
+    err = (scores - ref).abs().masked_fill(~finite, 0)
+    worst = float((err / tol).max())
+    assert worst <= 1.0, f"score error {worst:.3g} x tol"
+    assert it.selection_errors(out, ref, case.limits, K, tol) == []
+    return out
+
+
+@pytest.mark.parametrize("kind", ["fp8", "exact"])
+def test_decode_batch_1_at_128k(kind: str) -> None:
+    _check(_case(kind, [131072], seed=1))
+
+
+@pytest.mark.parametrize("kind", ["fp8", "exact"])
+def test_decode_batch_8_mixed_contexts(kind: str) -> None:
+    """4K..128K, one shorter than top_k, one not a multiple of the block size; table wider
+    than the longest request (a -inf tail)."""
+    contexts = [4096, 1000, 16384, 32768, 65536 + 17, 131072, 8192, 2049]
+    _check(_case(kind, contexts, seed=2, extra_blocks=3, pad_tokens=1))
+
+
+def test_decode_batch_64_fp8() -> None:
+    g = torch.Generator().manual_seed(3)
+    contexts = torch.randint(4096, 131073, (64,), generator=g).tolist()
+    _check(_case("fp8", contexts, seed=3))
+
+
+@pytest.mark.parametrize("kind", ["fp8", "exact"])
+def test_prefill_chunk_and_decode(kind: str) -> None:
+    """A 512-token chunk of an 8K prompt packed with two decode tokens."""
+    _check(_case(kind, [8192, 32768, 3000], [512, 1, 1], seed=4))
+
+
+def test_bf16_queries_in_exact_mode() -> None:
+    """The model's bf16 q reaches the exact-mode kernel as is (converted to fp32 inside)."""
+    case = _case("exact", [20000, 3000], seed=5)
+    case.q = case.q.bfloat16()
+    _check(case)
+
+
+def test_dispatch_picks_the_kernel_and_trims() -> None:
+    case = _case("fp8", [40000, 9000], seed=6, extra_blocks=200)
+    args = (*case.args(), case.seq_lens, K, case.softmax_scale)
+    got = ir.indexer_topk_paged(*args)
+    want = ir.indexer_topk_paged_reference(*args)
+    ref = it.reference_scores(case, 40000)
+    tol = it.score_tolerance(ref, RTOL, ATOL)
+    assert it.selection_errors(got, ref, case.limits, K, tol) == []
+    assert it.selection_errors(want, ref, case.limits, K, tol) == []
+
+
+def test_cuda_graph_replay_matches_eager() -> None:
+    """The whole top-k (score kernel + torch.topk) captures and replays on new inputs."""
+    case = _case("fp8", [32768] * 8, seed=7)
+    static_q = case.q.clone()
+
+    def call() -> torch.Tensor:
+        return it.indexer_topk_paged_triton(
+            static_q, case.q_scale, case.weights, case.pages, case.fmt, case.block_table,
+            case.req_index, case.positions, K, case.softmax_scale,
+        )  # fmt: skip
+
+    call()  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = call()
+    fresh = _case("fp8", [32768] * 8, seed=8)
+    static_q.copy_(fresh.q)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, call())

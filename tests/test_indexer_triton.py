@@ -1,0 +1,239 @@
+"""Triton lightning indexer equals the paged reference (Triton's CPU interpreter, CI).
+
+``TRITON_INTERPRET=1`` is set before the kernel module is imported. Every case draws fresh
+random keys, queries, weights and a shuffled block table whose width exceeds the longest
+request (so the score rows have a ``-inf`` tail), in both page formats (fp8 132-byte-style
+rows with one scale per key, and the exact mode's fp32 rows).
+
+What "equal" means (`indexer_triton.selection_errors`): scores agree with the reference to
+``tol = 1e-6 + 1e-5 * max |score|`` of the token (the interpreter's dots are fp32, so only
+the summation order differs; measured differences are ~1e-7 relative), ``-inf`` exactly past
+each token's causal limit; the top-k has the right ``-1`` padding, distinct positions under
+the limit, every pick within ``tol`` of the reference's k-th best score, best first within
+``tol``, and exactly the reference's set wherever the k-th and (k+1)-th reference scores are
+more than ``tol`` apart.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hisparse.attention import indexer_reference as ir
+from hisparse.attention import indexer_triton as it
+from hisparse.attention.sparse_mla_triton import interpreting
+
+pytestmark = pytest.mark.skipif(
+    not interpreting(), reason="Triton kernels were defined outside the interpreter"
+)
+
+RTOL, ATOL = 1e-5, 1e-6
+SMALL = it.IndexerConfig(block_n=16)
+
+
+def _case(
+    kind: str, contexts: list[int], queries: list[int], seed: int, **kw
+) -> it.PagedIndexerCase:
+    opts = dict(heads=16, head_dim=64, block_size=8, device="cpu", seed=seed)
+    opts.update(kw)
+    return it.random_indexer_case(kind, contexts, queries, **opts)
+
+
+def _check(case: it.PagedIndexerCase, top_k: int, **kw) -> torch.Tensor:
+    """Scores and top-k of the kernel against the reference; returns the kernel's scores."""
+    scores = it.indexer_scores_paged_triton(*case.args(), case.softmax_scale, **kw)
+    assert scores.shape[1] == case.block_table.shape[1] * (
+        case.pages.shape[1] // case.fmt.row_bytes
+    )
+    ref = it.reference_scores(case, scores.shape[1])
+    assert torch.equal(torch.isneginf(scores), torch.isneginf(ref)), "causal -inf mask differs"
+    tol = it.score_tolerance(ref, RTOL, ATOL)
+    finite = torch.isfinite(ref)
+    assert torch.isfinite(scores[finite]).all()
+    err = (scores - ref).abs().masked_fill(~finite, 0)
+    assert (err <= tol).all(), f"max score error {float(err.max()):.3g} > tol"
+
+    out = it.indexer_topk_paged_triton(*case.args(), top_k, case.softmax_scale, **kw)
+    assert out.dtype == torch.int32 and out.shape == (case.q.shape[0], top_k)
+    assert it.selection_errors(out, ref, case.limits, top_k, tol) == []
+    # The reference itself passes the same check (the checker agrees with the oracle).
+    want = ir.indexer_topk_paged_reference(*case.args(), case.seq_lens, top_k, case.softmax_scale)
+    assert it.selection_errors(want, ref, case.limits, top_k, tol) == []
+    return scores
+
+
+@pytest.mark.parametrize("kind", ["fp8", "exact"])
+def test_decode_contexts_shorter_and_longer_than_top_k(kind: str) -> None:
+    """One token per request; contexts from 1 key to several pages and several chunks."""
+    case = _case(kind, [1, 9, 16, 17, 75, 130], [1] * 6, seed=1 + (kind == "exact"))
+    _check(case, 16, config=SMALL, chunk=32)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "exact"])
+def test_prefill_chunks_mixed_with_decode(kind: str) -> None:
+    """Whole prompt, a later chunk of another request, a decode token, and padding tokens."""
+    case = _case(kind, [24, 60, 41], [24, 9, 1], seed=10 + (kind == "exact"), pad_tokens=2)
+    scores = _check(case, 16, config=SMALL, chunk=32)
+    assert torch.isneginf(scores[-2:]).all()
+
+
+@pytest.mark.parametrize("kind", ["fp8", "exact"])
+def test_default_tile_shape_and_odd_head_count(kind: str) -> None:
+    """Default config and chunk; 5 heads (padded to 16 inside the kernel), head_dim 32."""
+    case = _case(kind, [70, 33], [2, 1], seed=20 + (kind == "exact"), heads=5, head_dim=32)
+    _check(case, 8)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_shapes(seed: int) -> None:
+    g = torch.Generator().manual_seed(300 + seed)
+    r = int(torch.randint(1, 4, (1,), generator=g))
+    contexts = torch.randint(1, 90, (r,), generator=g).tolist()
+    queries = [int(torch.randint(1, min(c, 4) + 1, (1,), generator=g)) for c in contexts]
+    kind = ["fp8", "exact"][seed % 2]
+    bs = [4, 8, 16][seed]
+    case = _case(kind, contexts, queries, seed=seed, block_size=bs, extra_blocks=seed)
+    _check(case, int(torch.randint(1, 40, (1,), generator=g)), config=SMALL, chunk=32)
+
+
+def test_max_len_trims_the_score_columns() -> None:
+    case = _case("fp8", [40, 21], [1, 1], seed=31, extra_blocks=3)
+    full = it.indexer_scores_paged_triton(*case.args(), case.softmax_scale)
+    trimmed = it.indexer_scores_paged_triton(*case.args(), case.softmax_scale, max_len=40)
+    assert trimmed.shape == (2, 40)
+    assert torch.equal(trimmed, full[:, :40])
+    assert torch.isneginf(full[:, 40:]).all()
+
+
+def test_poisoned_outputs_are_overwritten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every score is written, also past the limits (NaN-filled allocations: topk would pick
+    a NaN first, and the comparison would fail)."""
+    real_empty = torch.empty
+
+    def poisoned(*a, **kw):  # type: ignore[no-untyped-def]
+        x = real_empty(*a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    for kind in ("fp8", "exact"):
+        case = _case(kind, [50, 7], [3, 1], seed=40, extra_blocks=2, pad_tokens=1)
+        scores = _check(case, 16, config=SMALL, chunk=32)
+        assert not torch.isnan(scores).any()
+
+
+def test_selection_checker_catches_wrong_picks() -> None:
+    """The checker can fail: a swapped pick, a duplicate, a pick past the limit, bad padding."""
+    case = _case("fp8", [40], [1], seed=50)
+    ref = it.reference_scores(case, 40)
+    tol = it.score_tolerance(ref, RTOL, ATOL)
+    good = it.topk_from_scores(ref, 8)
+    assert it.selection_errors(good, ref, case.limits, 8, tol) == []
+    worst = int(ref[0].argmin())
+    bad = good.clone()
+    bad[0, 7] = worst
+    assert any("below" in e for e in it.selection_errors(bad, ref, case.limits, 8, tol))
+    bad = good.clone()
+    bad[0, 7] = bad[0, 0]
+    assert any("twice" in e for e in it.selection_errors(bad, ref, case.limits, 8, tol))
+    bad = good.flip(1)
+    assert any("best first" in e for e in it.selection_errors(bad, ref, case.limits, 8, tol))
+    bad = good.clone()
+    bad[0, 7] = -1
+    assert any("padding" in e for e in it.selection_errors(bad, ref, case.limits, 8, tol))
+    short = it.reference_scores(case, 40)
+    limits = torch.tensor([5])
+    bad = it.topk_from_scores(ref, 8)  # ignores the 5-key limit
+    assert it.selection_errors(bad, short, limits, 8, tol)
+
+
+def test_unsupported_inputs_are_refused() -> None:
+    case = _case("fp8", [10], [1], seed=60)
+    two_tiles = ir.IndexerCacheFormat("fp8", 256, 128)
+    assert not it.supports(case.q, case.q_scale, case.pages, two_tiles)
+    assert not it.supports(case.q.float(), case.q_scale, case.pages, case.fmt)  # not e4m3
+    assert not it.supports(case.q, None, case.pages, case.fmt)
+    with pytest.raises(ValueError, match="Triton indexer"):
+        it.indexer_scores_paged_triton(
+            case.q, None, case.weights, case.pages, case.fmt, case.block_table,
+            case.req_index, case.positions, case.softmax_scale,
+        )  # fmt: skip
+
+
+def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reference on CPU by default; ``HISPARSE_INDEXER=triton`` forces the kernel; formats it
+    does not handle fall back; a bad value is an error."""
+    calls: list[int | None] = []
+    real = it.indexer_topk_paged_triton
+
+    def spy(*a, **kw):  # type: ignore[no-untyped-def]
+        calls.append(kw.get("max_len"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(it, "indexer_topk_paged_triton", spy)
+    case = _case("exact", [30, 12], [1, 1], seed=70, extra_blocks=2)
+    args = (*case.args(), case.seq_lens, 8, case.softmax_scale)
+    monkeypatch.delenv("HISPARSE_INDEXER", raising=False)
+    want = ir.indexer_topk_paged(*args)
+    assert calls == []
+    monkeypatch.setenv("HISPARSE_INDEXER", "triton")
+    got = ir.indexer_topk_paged(*args)
+    assert calls == [30], "the dispatch trims the scores to the longest request"
+    ref = it.reference_scores(case, 30)
+    tol = it.score_tolerance(ref, RTOL, ATOL)
+    assert it.selection_errors(got, ref, case.limits, 8, tol) == []
+    assert it.selection_errors(want, ref, case.limits, 8, tol) == []
+    wide = ir.IndexerCacheFormat("fp8", 256, 128)  # two scales per key: reference only
+    big = _case("fp8", [9], [1], seed=71, head_dim=256)
+    big.fmt = wide
+    big.q_scale = torch.ones(1, 16, 2)
+    ir.indexer_topk_paged(*big.args(), big.seq_lens, 4, big.softmax_scale)
+    assert calls == [30]
+    monkeypatch.setenv("HISPARSE_INDEXER", "bogus")
+    with pytest.raises(ValueError, match="HISPARSE_INDEXER"):
+        ir.indexer_topk_paged(*args)
+
+
+@pytest.mark.parametrize("indexer_mode", ["exact", "fp8"])
+def test_model_indexer_runs_through_the_kernel(
+    indexer_mode: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny DeepSeek-V3.2 model picks the same rows (as sets) and gives the same logits
+    with the kernel as with the reference, over a prefill chunk and two decode steps."""
+    pytest.importorskip("transformers")
+    from hisparse.models import load_dsa_model
+    from hisparse.models.deepseek_v32 import Indexer
+    from hisparse.models.tiny import make_tiny
+
+    path = make_tiny("deepseek_v32", tmp_path, seed=3, num_hidden_layers=2)
+    model = load_dsa_model(path, dtype=torch.float32, indexer_mode=indexer_mode)
+    ids = torch.randint(0, 512, (22,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    def run(backend: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        monkeypatch.setenv("HISPARSE_INDEXER", backend)
+        picks: list[torch.Tensor] = []
+        hooks = [
+            m.register_forward_hook(lambda _m, _i, out: picks.append(out))
+            for m in model.modules()
+            if isinstance(m, Indexer)
+        ]
+        cache = model.new_dense_cache(max_reqs=1, max_len=24, block_size=8)
+        logits = []
+        for start, n in ((0, 20), (20, 1), (21, 1)):
+            step = cache.begin_step([0], [n])
+            logits.append(model.logits(model(torch.tensor(ids[start : start + n]), step, cache)))
+        for h in hooks:
+            h.remove()
+        return torch.cat(logits), picks
+
+    ref_logits, ref_picks = run("reference")
+    got_logits, got_picks = run("triton")
+    assert len(got_picks) == len(ref_picks) == 6
+    for a, b in zip(got_picks, ref_picks, strict=True):
+        assert torch.equal(a.sort(dim=1).values, b.sort(dim=1).values)
+    torch.testing.assert_close(got_logits, ref_logits, atol=2e-5, rtol=1e-4)
