@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -178,9 +178,11 @@ class LLM:
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         progress: bool = False,
+        on_finish: Callable[[int, int], None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs in input order. A bad prompt gets an error in
-        its own output; the other prompts run as usual."""
+        its own output; the other prompts run as usual. ``on_finish(done, total)`` is called
+        whenever requests finish (progress displays)."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts or prompt_token_ids")
         if isinstance(prompts, str):
@@ -207,7 +209,7 @@ class LLM:
             else:
                 self.scheduler.add(req)
             requests.append(req)
-        self._run(requests, progress)
+        self._run(requests, progress, on_finish)
         return [
             RequestOutput(
                 req_id=r.req_id,
@@ -243,7 +245,12 @@ class LLM:
         req.prompt_token_ids = ids
         return None
 
-    def _run(self, requests: list[Request], progress: bool) -> None:
+    def _run(
+        self,
+        requests: list[Request],
+        progress: bool,
+        on_finish: Callable[[int, int], None] | None = None,
+    ) -> None:
         sched = self.scheduler
         bar = _progress(len(requests), progress)
         done = sum(r.finished for r in requests)
@@ -295,6 +302,8 @@ class LLM:
             new_done = sum(r.finished for r in requests)
             if bar is not None and new_done > done:
                 bar.update(new_done - done)
+            if on_finish is not None and new_done > done:
+                on_finish(new_done, len(requests))
             done = new_done
         for req in sched.failed:
             req.metrics.finished = time.perf_counter()

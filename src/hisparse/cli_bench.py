@@ -1,0 +1,500 @@
+"""``hisparse bench``: decode throughput, latency and capacity, HiSparse against all-GPU.
+
+For each KV placement and each concurrency the same requests (random prompts of
+``--input-len`` tokens, ``--output-len`` new tokens each, greedy, EOS ignored) run through one
+engine per placement; the table shows requests admitted, the peak number running at once,
+decode tokens per second, time to first token and time per output token (p50 / p95), the hot
+buffers' hit rate, KV bytes swapped in and the host-to-device rate they needed, and (with
+``--timing``) time spent in resolve and gather. Then the ratios HiSparse / all-GPU per
+concurrency, a JSON file and a PNG plot.
+
+Benchmark-only modes, applied to both placements alike:
+
+* ``--topk-overlap`` replays top-k selections with that step-to-step overlap instead of the
+  random-weight indexer's choice (which changes almost completely every step, unlike any
+  trained model); ``off`` keeps the model's own selection.
+* ``--prefill synthetic`` writes the prompts' KV rows and indexer keys directly (valid rows of
+  the active format from pseudo-random latents) instead of running the prefill, so 128K-token
+  prompts cost seconds; time to first token is then not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from hisparse.config import HiSparseConfigError
+
+PLACEMENT_NAMES = {"hisparse": "HiSparse", "gpu": "all-GPU"}
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark decode: HiSparse against all-GPU placement",
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("--model", required=True, help="a DSA checkpoint folder (config.json)")
+    bench.add_argument("--input-len", type=int, required=True, help="prompt tokens per request")
+    bench.add_argument("--output-len", type=int, required=True, help="new tokens per request")
+    bench.add_argument("--concurrency", default="1,8", help="requests per run, e.g. 1,8,64,256")
+    bench.add_argument("--kv-placement", default="hisparse,gpu", help="hisparse,gpu or one")
+    bench.add_argument(
+        "--topk-overlap",
+        default="0.8",
+        help="replayed top-k with this step-to-step overlap (0..1), or 'off' for the "
+        "model's own selection (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--prefill",
+        choices=("synthetic", "model"),
+        default="synthetic",
+        help="synthetic: write prompt KV rows directly (fast; TTFT NOT measured); "
+        "model: run the real prefill (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--gpu-memory-gib", type=float, required=True, help="GPU KV cache budget, GiB"
+    )
+    bench.add_argument(
+        "--host-pool-gib",
+        type=float,
+        default=None,
+        help="HiSparse host pool (default: enough for the largest concurrency)",
+    )
+    bench.add_argument(
+        "--max-model-len", type=int, default=None, help="default: input + output length"
+    )
+    bench.add_argument(
+        "--hot-buffer",
+        type=int,
+        default=None,
+        help="hot rows per request and layer (default (max_query_len+1)*top_k)",
+    )
+    bench.add_argument("--top-k", type=int, default=None, help="default: the model's index_topk")
+    bench.add_argument("--kv-format", default="auto", help="fp8_ds_mla (auto), bf16, fp32")
+    bench.add_argument("--block-size", type=int, default=64)
+    bench.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="prefill tokens per step (default: 16384 synthetic, 2048 model)",
+    )
+    bench.add_argument("--device", default=None)
+    bench.add_argument("--dtype", default="auto")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument(
+        "--timing",
+        action="store_true",
+        help="time resolve and gather with CUDA events (read after each run)",
+    )
+    bench.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the short warm-up run per placement (kernel compilation)",
+    )
+    bench.add_argument("--json", type=Path, default=None, help="write results here")
+    bench.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
+    bench.set_defaults(handler=run_bench)
+
+
+# -- arguments -------------------------------------------------------------------------------
+
+
+def parse_args_checked(args: argparse.Namespace) -> dict[str, Any]:
+    """Validated settings from ``args``; raises `HiSparseConfigError` with the fix."""
+    try:
+        conc = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    except ValueError:
+        raise HiSparseConfigError(
+            f"--concurrency={args.concurrency!r}: give positive integers separated by commas, "
+            "e.g. 1,8,64"
+        ) from None
+    if not conc or any(c < 1 for c in conc):
+        raise HiSparseConfigError(f"--concurrency={args.concurrency!r}: each must be >= 1")
+    placements = [p.strip() for p in str(args.kv_placement).split(",") if p.strip()]
+    bad = [p for p in placements if p not in PLACEMENT_NAMES]
+    if not placements or bad:
+        raise HiSparseConfigError(
+            f"--kv-placement={args.kv_placement!r}: use hisparse, gpu or hisparse,gpu"
+        )
+    if str(args.topk_overlap).lower() in ("off", "none", "model"):
+        overlap = None
+    else:
+        try:
+            overlap = float(args.topk_overlap)
+        except ValueError:
+            overlap = -1.0
+        if not 0.0 <= overlap <= 1.0:
+            raise HiSparseConfigError(
+                f"--topk-overlap={args.topk_overlap!r}: give a fraction in [0, 1] (e.g. 0.8) "
+                "or 'off'"
+            )
+    if args.input_len < 1:
+        raise HiSparseConfigError(f"--input-len={args.input_len} must be >= 1")
+    if args.output_len < 2:
+        raise HiSparseConfigError(
+            f"--output-len={args.output_len} must be >= 2 (time per output token needs two)"
+        )
+    if not args.gpu_memory_gib > 0:
+        raise HiSparseConfigError(f"--gpu-memory-gib={args.gpu_memory_gib} must be positive")
+    max_len = args.max_model_len or args.input_len + args.output_len
+    if max_len < args.input_len + args.output_len:
+        raise HiSparseConfigError(
+            f"--max-model-len={max_len} is below input + output = "
+            f"{args.input_len + args.output_len}"
+        )
+    model = Path(args.model)
+    if not (model / "config.json").is_file():
+        raise HiSparseConfigError(
+            f"--model={args.model!r}: no config.json there; pass a DSA checkpoint folder "
+            "(e.g. one written by hisparse.models.tiny.make_tiny)"
+        )
+    batched = args.max_batched_tokens or (16384 if args.prefill == "synthetic" else 2048)
+    return dict(
+        concurrency=conc, placements=placements, overlap=overlap, max_len=max_len, batched=batched
+    )
+
+
+def _default_host_gib(model: Path, kv_format: str, tokens: int, block_size: int) -> float:
+    """Host pool for ``tokens`` tokens of every sparse layer, plus per-request slack."""
+    from hisparse.kv.row_formats import mla_row_bytes
+
+    cfg = json.loads((model / "config.json").read_text())
+    fmt = "fp8_ds_mla" if kv_format == "auto" else kv_format
+    row = mla_row_bytes(fmt, cfg["kv_lora_rank"], cfg["qk_rope_head_dim"])  # type: ignore[arg-type]
+    total = tokens * row * cfg["num_hidden_layers"]
+    return max(1.1 * total / 2**30 + 0.05, 0.01)
+
+
+# -- one run ---------------------------------------------------------------------------------
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def summarize(
+    llm: Any,
+    outs: list[Any],
+    first_stat: int,
+    wall: float,
+    synthetic: bool,
+) -> dict[str, Any]:
+    """One table row from a finished `generate`: throughput, latency, swap counters."""
+    steps = llm.step_stats[first_stat:]
+    dec = [s for s in steps if s["decode"]]
+    dec_s = sum(s["seconds"] for s in dec)
+    dec_tokens = sum(s["tokens"] for s in dec)
+    hits = sum(o.metrics.hits for o in outs)
+    misses = sum(o.metrics.misses for o in outs)
+    nbytes = sum(o.metrics.bytes_swapped for o in outs)
+    ttft = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
+    tpot = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
+    row: dict[str, Any] = dict(
+        requests=len(outs),
+        completed=sum(o.ok and len(o.token_ids) > 0 for o in outs),
+        errors=[o.error for o in outs if o.error],
+        preemptions=sum(o.metrics.preemptions for o in outs),
+        peak_running=max((int(s["running"]) for s in dec), default=0),
+        decode_steps=len(dec),
+        decode_seconds=dec_s,
+        decode_tok_s=dec_tokens / dec_s if dec_s > 0 else 0.0,
+        wall_seconds=wall,
+        ttft_p50=None if synthetic else _percentile(ttft, 0.5),
+        ttft_p95=None if synthetic else _percentile(ttft, 0.95),
+        tpot_p50=_percentile(tpot, 0.5),
+        tpot_p95=_percentile(tpot, 0.95),
+        hits=hits,
+        misses=misses,
+        hit_rate=hits / (hits + misses) if hits + misses else None,
+        bytes_swapped=nbytes,
+        h2d_gb_s=nbytes / dec_s / 1e9 if dec_s > 0 else 0.0,
+    )
+    if dec and "resolve_ms" in dec[0]:
+        res = sum(s.get("resolve_ms", 0.0) for s in dec)
+        gat = sum(s.get("gather_ms", 0.0) for s in dec)
+        row.update(
+            resolve_ms_per_step=res / len(dec),
+            gather_ms_per_step=gat / len(dec),
+            gather_gb_s=nbytes / (gat / 1e3) / 1e9 if gat > 0 else None,
+        )
+    return row
+
+
+def _make_llm(args: argparse.Namespace, cfg: dict[str, Any], placement: str) -> Any:
+    from hisparse.config import HiSparseConfig
+    from hisparse.engine.llm import LLM
+
+    host = args.host_pool_gib
+    if host is None:
+        host = _default_host_gib(
+            Path(args.model),
+            args.kv_format,
+            max(cfg["concurrency"]) * (cfg["max_len"] + args.block_size),
+            args.block_size,
+        )
+    hs = HiSparseConfig(
+        top_k=args.top_k,
+        device_buffer_size=args.hot_buffer,
+        host_pool_gib=host,
+        block_size=args.block_size,
+    )
+    return LLM(
+        args.model,
+        kv_placement=placement,
+        hisparse=hs,
+        max_num_seqs=max(cfg["concurrency"]),
+        max_model_len=cfg["max_len"],
+        gpu_memory_gib=args.gpu_memory_gib,
+        dtype=args.dtype,
+        device=args.device,
+        kv_format=args.kv_format,
+        max_num_batched_tokens=cfg["batched"],
+        topk_replay=cfg["overlap"],
+        synthetic_prefill=args.prefill == "synthetic",
+        timing=args.timing,
+        seed=args.seed,
+    )
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def run_cell(
+    llm: Any,
+    args: argparse.Namespace,
+    n: int,
+    seed: int,
+    on_finish: Any = None,
+) -> dict[str, Any]:
+    """``n`` requests at once through ``llm`` (its scheduler capped at ``n`` running)."""
+    from hisparse.engine.sampling import SamplingParams
+
+    llm.scheduler.max_num_seqs = n
+    prompts = _prompts(n, args.input_len, llm.model.config.vocab_size, seed)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    first = len(llm.step_stats)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, on_finish=on_finish)
+    row = summarize(llm, outs, first, time.perf_counter() - t0, args.prefill == "synthetic")
+    row["token_ids"] = [o.token_ids for o in outs]
+    return row
+
+
+# -- the command -----------------------------------------------------------------------------
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    cfg = parse_args_checked(args)
+    console = Console(width=max(Console().width, 160), highlight=False)
+    synthetic = args.prefill == "synthetic"
+    overlap = cfg["overlap"]
+    console.print(
+        f"[bold]hisparse bench[/]: {args.model}, input {args.input_len:,} + output "
+        f"{args.output_len:,} tokens, concurrency {cfg['concurrency']}, GPU KV budget "
+        f"{args.gpu_memory_gib} GiB\n  top-k: "
+        + ("the model's indexer" if overlap is None else f"replayed, step overlap {overlap}")
+        + ", prefill: "
+        + ("synthetic (KV rows written directly; TTFT NOT measured)" if synthetic else "model")
+    )
+    results: list[dict[str, Any]] = []
+    total = sum(cfg["concurrency"]) * len(cfg["placements"])
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+        task = progress.add_task("requests", total=total)
+        for placement in cfg["placements"]:
+            progress.update(task, description=f"{PLACEMENT_NAMES[placement]}: loading")
+            llm = _make_llm(args, cfg, placement)
+            try:
+                if not args.no_warmup:
+                    progress.update(task, description=f"{PLACEMENT_NAMES[placement]}: warm-up")
+                    warm = argparse.Namespace(
+                        **{
+                            **vars(args),
+                            "input_len": min(args.input_len, 2 * llm.config.top_k + 1),
+                            "output_len": 3,
+                        }
+                    )
+                    run_cell(llm, warm, 1, args.seed + 999)
+                for n in cfg["concurrency"]:
+                    progress.update(task, description=f"{PLACEMENT_NAMES[placement]} x{n}")
+                    base = progress.tasks[0].completed
+
+                    def tick(done: int, _tot: int, base: float = base) -> None:
+                        progress.update(task, completed=base + done)
+
+                    row = run_cell(llm, args, n, args.seed, tick)
+                    row.update(placement=placement, concurrency=n)
+                    results.append(row)
+                    progress.update(task, completed=base + n)
+            finally:
+                llm.close()
+    console.print(results_table(results, synthetic))
+    ratios = ratio_rows(results)
+    if ratios:
+        console.print(ratio_table(ratios))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        doc = dict(
+            settings={
+                k: (str(v) if isinstance(v, Path) else v)
+                for k, v in vars(args).items()
+                if k != "handler"
+            },
+            ttft_measured=not synthetic,
+            results=[{k: v for k, v in r.items() if k != "token_ids"} for r in results],
+            ratios=ratios,
+        )
+        args.json.write_text(json.dumps(doc, indent=2))
+        console.print(f"wrote {args.json}")
+    if args.plot is not None:
+        console.print(write_plot(results, args.plot))
+    return 0
+
+
+def _fmt(v: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if v is None else f"{v * scale:,.{digits}f}"
+
+
+def results_table(results: list[dict[str, Any]], synthetic: bool) -> Table:
+    title = "Decode benchmark" + (" (TTFT not measured: synthetic prefill)" if synthetic else "")
+    t = Table(title=title, title_justify="left")
+    cols = [
+        "placement",
+        "conc.",
+        "admitted",
+        "peak running",
+        "decode tok/s",
+        "TTFT p50/p95 s",
+        "TPOT p50/p95 ms",
+        "hit rate",
+        "swapped GB",
+        "H2D GB/s",
+        "resolve/gather ms",
+    ]
+    for c in cols:
+        t.add_column(c, justify="left" if c == "placement" else "right")
+    for r in results:
+        ttft = "n/a" if synthetic else f"{_fmt(r['ttft_p50'], 1, 2)}/{_fmt(r['ttft_p95'], 1, 2)}"
+        timing = (
+            f"{r['resolve_ms_per_step']:.2f}/{r['gather_ms_per_step']:.2f}"
+            if "resolve_ms_per_step" in r
+            else "-"
+        )
+        t.add_row(
+            PLACEMENT_NAMES[r["placement"]],
+            str(r["concurrency"]),
+            f"{r['completed']}/{r['requests']}",
+            str(r["peak_running"]),
+            _fmt(r["decode_tok_s"]),
+            ttft,
+            f"{_fmt(r['tpot_p50'], 1e3, 2)}/{_fmt(r['tpot_p95'], 1e3, 2)}",
+            "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%",
+            f"{r['bytes_swapped'] / 1e9:.3f}",
+            f"{r['h2d_gb_s']:.2f}",
+            timing,
+        )
+    return t
+
+
+def ratio_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """HiSparse / all-GPU per concurrency (where both ran)."""
+    by = {(r["placement"], r["concurrency"]): r for r in results}
+    out = []
+    for (p, n), hs in sorted(by.items(), key=lambda kv: kv[0][1]):
+        gpu = by.get(("gpu", n))
+        if p != "hisparse" or gpu is None:
+            continue
+
+        def ratio(key: str, hs: dict = hs, gpu: dict = gpu) -> float | None:
+            a, b = hs.get(key), gpu.get(key)
+            return None if a is None or not b else a / b
+
+        out.append(
+            dict(
+                concurrency=n,
+                peak_running=ratio("peak_running"),
+                decode_tok_s=ratio("decode_tok_s"),
+                tpot_p50=ratio("tpot_p50"),
+                tpot_p95=ratio("tpot_p95"),
+                same_tokens=hs["token_ids"] == gpu["token_ids"],
+            )
+        )
+    return out
+
+
+def ratio_table(ratios: list[dict[str, Any]]) -> Table:
+    t = Table(title="HiSparse / all-GPU", title_justify="left")
+    for c in ("conc.", "peak running", "decode tok/s", "TPOT p50", "TPOT p95", "same tokens"):
+        t.add_column(c, justify="right")
+    for r in ratios:
+        t.add_row(
+            str(r["concurrency"]),
+            *(
+                _fmt(r[k], 1, 2) + "x" if r[k] is not None else "-"
+                for k in ("peak_running", "decode_tok_s", "tpot_p50", "tpot_p95")
+            ),
+            "yes" if r["same_tokens"] else "no",
+        )
+    return t
+
+
+def write_plot(results: list[dict[str, Any]], path: Path) -> str:
+    """PNG: decode tok/s, TPOT p50 and peak running against concurrency per placement."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"no plot: matplotlib is not installed (pip install matplotlib); skipped {path}"
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for placement in PLACEMENT_NAMES:
+        rows = sorted(
+            (r for r in results if r["placement"] == placement), key=lambda r: r["concurrency"]
+        )
+        if not rows:
+            continue
+        x = [r["concurrency"] for r in rows]
+        label = PLACEMENT_NAMES[placement]
+        axes[0].plot(x, [r["decode_tok_s"] for r in rows], marker="o", label=label)
+        axes[1].plot(x, [1e3 * (r["tpot_p50"] or 0) for r in rows], marker="o", label=label)
+        axes[2].plot(x, [r["peak_running"] for r in rows], marker="o", label=label)
+    for ax, title in zip(
+        axes, ("decode tok/s", "TPOT p50 (ms)", "peak running requests"), strict=True
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"wrote {path}"

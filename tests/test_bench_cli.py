@@ -1,0 +1,237 @@
+"""`hisparse bench` and its benchmark-only modes on tiny DSA checkpoints (CPU).
+
+Top-k replay and synthetic prefill apply to both placements alike, so HiSparse must still give
+the all-GPU tokens and see exactly the same replayed selections; the replay must realize the
+overlap asked for; the CLI writes its JSON and refuses bad arguments with a clear message.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from hisparse import HiSparseConfig
+from hisparse.cli import main
+from hisparse.engine.llm import LLM
+from hisparse.engine.replay import replay_step
+from hisparse.engine.sampling import SamplingParams
+
+pytest.importorskip("transformers")
+
+from hisparse.models.tiny import make_tiny
+
+TOP_K = 16  # the tiny preset's index_topk
+PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
+def checkpoint(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    make_tiny(request.param, out, seed=0)
+    return out
+
+
+def _prompts(lengths=(90, 61, 120), seed=1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def _run(path, placement, *, overlap=0.8, synthetic=True, seed=0, batched=2048):
+    cfg = HiSparseConfig(host_pool_gib=0.01, block_size=4, device_buffer_size=2 * TOP_K)
+    llm = LLM(
+        path,
+        kv_placement=placement,
+        hisparse=cfg,
+        kv_format="bf16",
+        max_model_len=160,
+        max_num_seqs=3,
+        gpu_memory_gib=0.02,
+        topk_replay=overlap,
+        synthetic_prefill=synthetic,
+        seed=seed,
+        timing=True,
+        max_num_batched_tokens=batched,
+    )
+    assert llm.runner.replay is not None
+    llm.runner.replay.log = []
+    with llm:
+        outs = llm.generate(prompt_token_ids=_prompts(), sampling_params=PARAMS)
+        log = llm.runner.replay.log
+        stats = [s for s in llm.step_stats if s["decode"]]
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    return outs, log, stats
+
+
+def _by_request(log):
+    """{(leader, request key): [(length, selection set)] in step order}."""
+    out: dict = {}
+    for leader, key, n, sel in log:
+        out.setdefault((leader, key), []).append((n, set(sel[sel >= 0].tolist())))
+    return out
+
+
+@pytest.mark.parametrize("synthetic", [True, False], ids=["synthetic", "model-prefill"])
+def test_replay_is_lossless_and_identical_between_placements(checkpoint, synthetic):
+    gpu, gpu_log, _ = _run(checkpoint, "gpu", synthetic=synthetic)
+    hs, hs_log, hs_stats = _run(checkpoint, "hisparse", synthetic=synthetic)
+    assert [o.token_ids for o in hs] == [o.token_ids for o in gpu]
+    assert all(len(o.token_ids) == PARAMS.max_tokens for o in gpu)
+    # the same selections, request by request and step by step (batch order aside)
+    a, b = _by_request(gpu_log), _by_request(hs_log)
+    assert a.keys() == b.keys() and a == b
+    # the hot buffers served the replayed rows: misses swapped in, most rows hit
+    hits = sum(o.metrics.hits for o in hs)
+    misses = sum(o.metrics.misses for o in hs)
+    assert misses > 0 and hits > misses
+    assert sum(o.metrics.bytes_swapped for o in hs) > 0
+    assert all("resolve_ms" in s and "gather_ms" in s for s in hs_stats)
+
+
+def test_synthetic_prefill_warms_the_hot_buffer(checkpoint):
+    """After a synthetic prefill the hot buffer holds the replayed last-prompt selection
+    (copied from the resident pages, as after a real prefill): the first decode step of a
+    request misses only the replaced part, about 1 - overlap of its rows."""
+    _, _, stats = _run(checkpoint, "hisparse", overlap=0.75)
+    first = stats[0]  # every request decodes in the first decode step (all prefilled first)
+    wanted = first["hits"] + first["misses"]
+    assert first["misses"] / wanted <= 0.3
+    assert stats[0]["bytes_swapped"] > 0
+
+
+@pytest.mark.parametrize("overlap", [0.6, 0.8, 0.95])
+def test_realized_overlap(checkpoint, overlap):
+    _, log, _ = _run(checkpoint, "gpu", overlap=overlap)
+    keep = min(round(overlap * TOP_K), TOP_K - 1)
+    realized = []
+    for steps in _by_request(log).values():
+        for (n0, s0), (n1, s1) in itertools.pairwise(steps):
+            assert n1 == n0 + 1 and len(s1) == TOP_K and max(s1) == n1 - 1
+            realized.append(len(s0 & s1) / TOP_K)
+    assert realized and all(r == keep / TOP_K for r in realized)
+    assert abs(keep / TOP_K - overlap) <= 0.5 / TOP_K + 1e-9
+
+
+def test_replay_step_is_valid_and_fills_short_contexts():
+    K = 8
+    prev = torch.full((3, K), -1, dtype=torch.int32)
+    lens = torch.tensor([5, 9, 300])  # shorter than, just above and far above top_k
+    keys = torch.tensor([7, 8, 9])
+    for _ in range(30):
+        out = replay_step(prev, lens, keys, seed=3, leader=0, keep=6, max_len=int(lens.max()))
+        for r in range(3):
+            sel = out[r][out[r] >= 0].tolist()
+            n = int(lens[r])
+            assert len(sel) == len(set(sel)) == min(n, K)
+            assert max(sel) == n - 1 and min(sel) >= 0
+            if n <= K:
+                assert sorted(sel) == list(range(n))
+            else:
+                old = set(prev[r][prev[r] >= 0].tolist())
+                # enough fresh positions: exactly `keep` kept; else refilled from the old set
+                fresh_room = n - 1 - len(old)
+                expect = 6 if fresh_room >= K - 1 - 6 else K - 1 - fresh_room
+                assert len(old & set(sel)) == (expect if old else 0)
+        prev, lens = out, lens + 1
+    again = replay_step(prev, lens, keys, seed=3, leader=0, keep=6, max_len=int(lens.max()))
+    assert torch.equal(
+        again, replay_step(prev, lens, keys, seed=3, leader=0, keep=6, max_len=int(lens.max()))
+    )
+    other = replay_step(prev, lens, keys, seed=4, leader=0, keep=6, max_len=int(lens.max()))
+    assert not torch.equal(again, other)
+
+
+def _bench_argv(ckpt, tmp_path, *extra):
+    return [
+        "bench",
+        "--model",
+        str(ckpt),
+        "--input-len",
+        "70",
+        "--output-len",
+        "6",
+        "--concurrency",
+        "1,3",
+        "--gpu-memory-gib",
+        "0.01",
+        "--kv-format",
+        "bf16",
+        "--block-size",
+        "4",
+        "--hot-buffer",
+        "32",
+        "--no-warmup",
+        "--json",
+        str(tmp_path / "bench.json"),
+        "--plot",
+        str(tmp_path / "bench.png"),
+        *extra,
+    ]
+
+
+def test_bench_cli_writes_json(checkpoint, tmp_path, capsys):
+    assert main(_bench_argv(checkpoint, tmp_path)) == 0
+    text = capsys.readouterr().out
+    assert "TTFT NOT measured" in text and "HiSparse / all-GPU" in text
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["ttft_measured"] is False
+    rows = {(r["placement"], r["concurrency"]): r for r in doc["results"]}
+    assert set(rows) == {("hisparse", 1), ("hisparse", 3), ("gpu", 1), ("gpu", 3)}
+    for r in rows.values():
+        assert r["completed"] == r["requests"] and r["decode_tok_s"] > 0
+        assert r["ttft_p50"] is None and r["tpot_p50"] > 0
+    assert rows[("hisparse", 3)]["bytes_swapped"] > 0 and rows[("gpu", 3)]["hit_rate"] is None
+    assert all(r["same_tokens"] for r in doc["ratios"]) and len(doc["ratios"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--concurrency", "1,x", "positive integers"),
+        ("--concurrency", "0", ">= 1"),
+        ("--kv-placement", "disk", "use hisparse, gpu"),
+        ("--topk-overlap", "1.5", "fraction in \\[0, 1\\]"),
+        ("--output-len", "1", "must be >= 2"),
+        ("--gpu-memory-gib", "0", "must be positive"),
+    ],
+)
+def test_bad_arguments(tmp_path, capsys, flag, value, message):
+    argv = [
+        "bench",
+        "--model",
+        str(tmp_path),
+        "--input-len",
+        "10",
+        "--output-len",
+        "4",
+        "--gpu-memory-gib",
+        "1",
+        flag,
+        value,
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "hisparse bench: error:" in err
+    assert pytest.importorskip("re").search(message, err), err
+
+
+def test_missing_model(tmp_path, capsys):
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                str(tmp_path / "none"),
+                "--input-len",
+                "10",
+                "--output-len",
+                "4",
+                "--gpu-memory-gib",
+                "1",
+            ]
+        )
+        == 2
+    )
+    assert "no config.json" in capsys.readouterr().err
