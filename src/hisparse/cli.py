@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
+from hisparse.cli_bench import add_bench_parser
 from hisparse.cli_generate import add_generate_parser
 from hisparse.cli_make_tiny import add_make_tiny_parser
 from hisparse.config import HiSparseConfig, HiSparseConfigError
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_plan_parser(sub)
     add_generate_parser(sub)
+    add_bench_parser(sub)
     add_make_tiny_parser(sub)
     return parser
 
