@@ -129,3 +129,47 @@ def test_sampling_params_validation():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+def test_persistent_block_tables_follow_every_block_change():
+    """The device tables by slot equal tables rebuilt from the block lists after admission,
+    prefill growth, decode growth, tail trimming and freeing (slot reuse included)."""
+    from hisparse.engine.kv_manager import KVCacheManager
+    from hisparse.kv.specs import CacheKind, LayerCacheSpec, RowFormat
+
+    specs = []
+    for i in range(2):
+        name = f"layers.{i}.attn"
+        specs.append(LayerCacheSpec(name, CacheKind.SPARSE_MLA, 64, 4, RowFormat.BF16_MLA, name))
+        specs.append(LayerCacheSpec(f"layers.{i}.indexer", CacheKind.INDEXER, 32, 4))
+    cfg = HiSparseConfig(top_k=4, host_pool_gib=0.001, block_size=4).resolve()
+    for placement in ("hisparse", "gpu"):
+        kv = KVCacheManager(specs, cfg, placement=placement, gpu_budget_bytes=2**20,
+                            max_model_len=64, max_num_seqs=3, device=torch.device("cpu"))
+
+        def check(ids, kv=kv):
+            slots = torch.tensor([kv.requests[r].slot for r in ids])
+            host, idx, res = kv.step_tables(slots)
+            if kv.offload:
+                assert torch.equal(host, kv.block_table(ids, "host"))
+            assert torch.equal(idx, kv.block_table(ids, "indexer"))
+            for gi, t in enumerate(res):
+                assert torch.equal(t, kv.block_table(ids, "resident", gi))
+
+        for rid, n in (("a", 13), ("b", 30), ("c", 5)):
+            kv.admit(rid, 60)
+            kv.lease_hot(rid)
+            kv.grow(rid, n, keep_all_resident=True)
+        check(["a", "b", "c"])
+        for step in range(9):  # decode: new tail pages, old pages dropped
+            for rid in ("a", "b", "c"):
+                n = {"a": 13, "b": 30, "c": 5}[rid] + step + 1
+                kv.grow(rid, n, keep_all_resident=False)
+                kv.release_resident(rid, kv.trim_resident(rid, n))
+            check(["c", "a", "b"])
+        kv.free("b")
+        kv.admit("d", 40)
+        kv.lease_hot("d")  # takes b's slot: its rows must not leak
+        kv.grow("d", 9, keep_all_resident=True)
+        check(["d", "a"])
+        kv.close()
