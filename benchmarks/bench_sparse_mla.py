@@ -40,11 +40,9 @@ SCALE = 192**-0.5
 GRAPH_BYTES = 256e6
 #: ``--sweep`` times all of these; without it only the default shape runs.
 CONFIGS = [
-    smt.DecodeConfig(64, 32, 8, 2),
-    smt.DecodeConfig(64, 32, 8, 3),
-    smt.DecodeConfig(64, 32, 8, 1),
     smt.DecodeConfig(64, 64, 8, 2),
-    smt.DecodeConfig(64, 16, 8, 3),
+    smt.DecodeConfig(64, 64, 8, 1),
+    smt.DecodeConfig(64, 32, 8, 2),
     smt.DecodeConfig(16, 32, 4, 2, kernel="tiled"),
     smt.DecodeConfig(64, 32, 8, 2, kernel="tiled"),
     smt.DecodeConfig(64, 32, 8, 2, scale_on_k=True, kernel="tiled"),  # fp8 only

@@ -14,7 +14,10 @@ token with only 7 rows has O(1) outputs (|v| up to ~4.5): the bound above is ~2^
 1.8e-2, so abs 2e-2 (observed 1.11e-2). ``lse`` stays fp32 end to end: abs 1e-3 (observed
 <= 3e-6). Kernels that dequantise fp8 rows to bf16 before the dots (the wide kernel, the
 default, and the tiled kernel's scale-on-K variant) round ``k * scale`` to bf16 too (2^-9
-relative per element, as FlashMLA does), hence lse abs 5e-3 for fp8 rows there.
+relative per element, as FlashMLA does): the scores move by ~2e-3 (one sigma, after the
+softmax scale), so for fp8 rows there out abs 1e-2 (observed 7.8e-3 on 63 of 4.1M elements
+at 64 tokens, H200 2026-11-30) and lse abs 1.5e-2 (observed 7.3e-3 on the 7-row token); the
+relative Frobenius error bound stays 1e-2 (observed 3.6e-3).
 """
 
 from __future__ import annotations
@@ -61,11 +64,13 @@ def _check(fmt: str, t: int, seed: int, p_neg: float = 0.02, kv=None, **kw) -> N
     if t > 2:
         many[2] = False
         torch.testing.assert_close(out[2].float(), ref_o[2].float(), atol=2e-2, rtol=1.6e-2)
-    torch.testing.assert_close(out[many].float(), ref_o[many].float(), atol=2e-3, rtol=1.6e-2)
+    cfg = kw.get("config") or smt.default_config(t, H)
+    rounded = fmt == "fp8_ds_mla" and cfg.rounds_fp8_scale
+    atol = 1e-2 if rounded else 2e-3
+    torch.testing.assert_close(out[many].float(), ref_o[many].float(), atol=atol, rtol=1.6e-2)
     rel = (out.float() - ref_o.float()).norm() / ref_o.float().norm()
     assert rel < 1e-2, rel
-    cfg = kw.get("config") or smt.default_config(t, H)
-    lse_tol = 5e-3 if fmt == "fp8_ds_mla" and cfg.rounds_fp8_scale else 1e-3
+    lse_tol = 1.5e-2 if rounded else 1e-3
     torch.testing.assert_close(lse, ref_l, atol=lse_tol, rtol=1e-5)
     if t > 2:
         assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
