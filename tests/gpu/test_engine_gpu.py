@@ -38,12 +38,56 @@ def test_hisparse_equals_all_gpu_on_cuda(checkpoint, kv_format):
     params = SamplingParams(temperature=0, max_tokens=32)
     tokens = {}
     for placement in ("gpu", "hisparse"):
-        with LLM(checkpoint, kv_placement=placement, device="cuda", dtype="float32",
-                 hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4),
-                 kv_format=kv_format, max_model_len=256, gpu_memory_gib=0.05) as llm:
+        with LLM(
+            checkpoint,
+            kv_placement=placement,
+            device="cuda",
+            dtype="float32",
+            hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4),
+            kv_format=kv_format,
+            max_model_len=256,
+            gpu_memory_gib=0.05,
+        ) as llm:
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         assert all(o.ok for o in outs), [o.error for o in outs]
         tokens[placement] = [o.token_ids for o in outs]
         if placement == "hisparse":
             assert sum(o.metrics.misses for o in outs) > 0
     assert tokens["hisparse"] == tokens["gpu"]
+
+
+@pytest.mark.parametrize("synthetic", [True, False], ids=["synthetic", "model-prefill"])
+def test_topk_replay_is_lossless_on_cuda(checkpoint, synthetic):
+    """Benchmark modes on CUDA: replayed top-k (and synthetic prefill) give HiSparse the
+    all-GPU tokens and the same selections; the swap-in timer reads its CUDA events."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (90, 61, 120)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens, logs = {}, {}
+    for placement in ("gpu", "hisparse"):
+        with LLM(
+            checkpoint,
+            kv_placement=placement,
+            device="cuda",
+            dtype="float32",
+            hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4, device_buffer_size=32),
+            kv_format="bf16",
+            max_model_len=192,
+            gpu_memory_gib=0.05,
+            topk_replay=0.8,
+            synthetic_prefill=synthetic,
+            timing=True,
+        ) as llm:
+            llm.runner.replay.log = []
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+            log = llm.runner.replay.log
+            logs[placement] = sorted((k, n, ld, s.tolist()) for ld, k, n, s in log)
+            dec = [s for s in llm.step_stats if s["decode"]]
+        assert all(o.ok for o in outs), [o.error for o in outs]
+        tokens[placement] = [o.token_ids for o in outs]
+        if placement == "hisparse":
+            assert sum(o.metrics.misses for o in outs) > 0
+            assert sum(o.metrics.hits for o in outs) > sum(o.metrics.misses for o in outs)
+            assert sum(s["gather_ms"] for s in dec) > 0 and sum(s["resolve_ms"] for s in dec) > 0
+    assert tokens["hisparse"] == tokens["gpu"]
+    assert logs["hisparse"] == logs["gpu"]
