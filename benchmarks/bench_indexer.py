@@ -90,7 +90,6 @@ def run_case(kind: str, batch: int, context: int, seed: int) -> dict:
         )
     want = reference()
     overlap = _overlap(got, want)
-    del ref, finite
 
     sc = s.clone()
     row = {
@@ -108,10 +107,39 @@ def run_case(kind: str, batch: int, context: int, seed: int) -> dict:
     }
     row["score_GBps"] = batch * context * case.fmt.row_bytes / (row["scores_us"] * 1e3)
     row["speedup_vs_reference"] = row["reference_us"] / row["triton_us"]
-    compiled = it.last_compiled[0]
+    compiled = it.last_compiled[0]  # the default config's kernel (timed last above)
     if compiled is not None and hasattr(compiled, "n_regs"):
         row["regs"], row["spills"] = compiled.n_regs, compiled.n_spills
+    if kind == "fp8":
+        row["variants"] = _variants(case, ref_tol=(ref, tol))
     return row
+
+
+#: Score-kernel tile shapes tried besides the default (the table's last columns).
+VARIANTS = {
+    "bn128w8": it.IndexerConfig(block_n=128, num_warps=8),
+    "bn32w4": it.IndexerConfig(block_n=32, num_warps=4),
+    "stages2": it.IndexerConfig(num_stages=2),
+    "fp8dot": it.IndexerConfig(fp8_dot=True),
+}
+
+
+def _variants(case: it.PagedIndexerCase, ref_tol: tuple[torch.Tensor, torch.Tensor]) -> dict:
+    """Score-stage µs and error (x tol) of each variant; a failure is reported, not raised."""
+    ref, tol = ref_tol
+    out = {}
+    for name, cfg in VARIANTS.items():
+
+        def fn(cfg: it.IndexerConfig = cfg) -> torch.Tensor:
+            return it.indexer_scores_paged_triton(*case.args(), case.softmax_scale, config=cfg)
+
+        try:
+            s = fn()
+            err = float(((s - ref).abs().masked_fill(~torch.isfinite(ref), 0) / tol).max())
+            out[name] = {"scores_us": _us(fn), "err_over_tol": err}
+        except Exception as exc:  # a variant that does not compile is a result too
+            out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    return out
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -121,6 +149,44 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
         ys = {v for v in y if v >= 0}
         fr.append(len(ys & {v for v in x if v >= 0}) / max(1, len(ys)))
     return sum(fr) / len(fr)
+
+
+def _print_tables(rows: list[dict], seconds: float) -> None:
+    print(
+        f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"{seconds:.1f} s; µs per decode step (one layer's indexer), "
+        f"H={H} D={D} top_k={K}, all checked against the reference first"
+    )
+    head = (
+        f"{'mode':5} {'batch':>5} {'context':>7} {'reference':>10} {'triton':>8} "
+        f"{'graph':>8} {'scores':>8} {'topk':>8} {'GB/s':>6} {'speedup':>7} {'overlap':>7}"
+    )
+    print(head)
+    for r in rows:
+        print(
+            f"{r['kind']:5} {r['batch']:>5} {r['context']:>7} {r['reference_us']:>10.0f} "
+            f"{r['triton_us']:>8.1f} {r['graph_us']:>8.1f} {r['scores_us']:>8.1f} "
+            f"{r['topk_us']:>8.1f} {r['score_GBps']:>6.0f} "
+            f"{r['speedup_vs_reference']:>6.1f}x {r['set_overlap_vs_reference']:>7.4f}"
+        )
+    print("\nscore stage only, µs (error x tol) of the tile variants, fp8 pages:")
+    names = list(VARIANTS)
+    print(f"{'batch':>5} {'context':>7} {'default':>8} " + " ".join(f"{n:>16}" for n in names))
+    for r in rows:
+        if "variants" not in r:
+            continue
+        cells = []
+        for n in names:
+            v = r["variants"][n]
+            cells.append(
+                f"{v['scores_us']:>8.1f} ({v['err_over_tol']:.2f})"
+                if "error" not in v
+                else "failed"
+            )
+        print(
+            f"{r['batch']:>5} {r['context']:>7} {r['scores_us']:>8.1f} "
+            + " ".join(f"{c:>16}" for c in cells)
+        )
 
 
 def main() -> int:
@@ -142,23 +208,7 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()
-    print(
-        f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"{time.perf_counter() - t0:.1f} s; µs per decode step (one layer's indexer), "
-        f"H={H} D={D} top_k={K}, all checked against the reference first"
-    )
-    head = (
-        f"{'mode':5} {'batch':>5} {'context':>7} {'reference':>10} {'triton':>8} "
-        f"{'graph':>8} {'scores':>8} {'topk':>8} {'GB/s':>6} {'speedup':>7} {'overlap':>7}"
-    )
-    print(head)
-    for r in rows:
-        print(
-            f"{r['kind']:5} {r['batch']:>5} {r['context']:>7} {r['reference_us']:>10.0f} "
-            f"{r['triton_us']:>8.1f} {r['graph_us']:>8.1f} {r['scores_us']:>8.1f} "
-            f"{r['topk_us']:>8.1f} {r['score_GBps']:>6.0f} "
-            f"{r['speedup_vs_reference']:>6.1f}x {r['set_overlap_vs_reference']:>7.4f}"
-        )
+    _print_tables(rows, time.perf_counter() - t0)
     out = os.environ.get("OUT")
     if out:
         path = Path(out) / "bench_indexer.json"

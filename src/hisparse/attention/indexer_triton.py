@@ -5,19 +5,21 @@ Two stages:
 1. ``_indexer_scores_kernel`` writes ``scores [T, S]`` fp32, ``S`` = the block table's width
    (or the caller's ``max_len``): program ``(token, chunk)`` keeps the token's ``[H, D]``
    query in registers and walks its chunk of key positions in tiles of ``BLOCK_N``, each
-   tile one ``[H, D] x [D, BLOCK_N]`` dot, ReLU, and the weighted sum over heads. Splitting
-   the context into chunks gives a decode step (few tokens, up to 128K keys) thousands of
-   programs; a prefill chunk works the same way, one program row per token. Positions past
-   the token's causal limit (``positions[t] + 1``), and every position of a padding token
-   (``req_index < 0``), get ``-inf``.
-2. ``torch.topk`` over each row, ``-inf`` picks turned into ``-1``: the same selection code
-   as the reference, run on the same scores up to float summation order.
+   tile one ``[BLOCK_N, D] x [D, H]`` dot, ReLU, and the weighted sum over heads (keys are
+   the MMA's rows, so that sum stays within a warp). Splitting the context into chunks
+   gives a decode step (few tokens, up to 128K keys) thousands of programs; a prefill chunk
+   works the same way, one row of programs per token. Positions past the token's causal
+   limit (``positions[t] + 1``), and every position of a padding token (``req_index < 0``),
+   get ``-inf``.
+2. ``torch.topk`` over each row, ``-inf`` picks turned into ``-1``: the reference's own
+   selection code, run on the same scores up to float summation order.
 
-Why ``torch.topk`` rather than a Triton select: it is the reference's own selection (ties and
-order behave the same way), it needs no host synchronisation and no data-dependent shape
-(CUDA-graph safe), and on CUDA it is a radix select that reads the scores a few times
-(``S * 4`` bytes per token, a quarter of the 132-byte keys the score kernel reads), so the
-score kernel stays the larger cost. bench_indexer.py measures both stages.
+Why ``torch.topk`` rather than a Triton select: it is the reference's selection (ties and
+order behave alike), it needs no host synchronisation and no data-dependent shape (a decode
+step calling it can be captured in a CUDA graph), and it reads ``4 B`` of scores per key
+where the score kernel reads the 132-byte key, so the score stage should stay the larger
+cost; bench_indexer.py times both stages to check that. A fused select is the next step if
+it does not.
 
 Numerics, per mode (the reference's operation order is kept where it costs nothing):
 
@@ -56,6 +58,10 @@ class IndexerConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    #: fp8 pages on a GPU only: feed the e4m3 values to the tensor cores as e4m3 (half the
+    #: MMA work of bf16; Hopper's fp8 MMA accumulates with fewer bits, so scores move more).
+    #: An opt-in variant that bench_indexer.py measures; the default stays bf16.
+    fp8_dot: bool = False
 
 
 def default_config(kind: str) -> IndexerConfig:
@@ -145,6 +151,7 @@ def _indexer_scores_kernel(
     if IS_FP8:
         w = w * tl.load(qs_ptr + t * s_qs_t + heads * s_qs_h, mask=hmask, other=0.0)
         w = w * softmax_scale
+    q_t = tl.trans(q)  # [D, HP]
     table_row = table_ptr + tl.maximum(req, 0).to(tl.int64) * s_tab_r
 
     for n0 in range(start, end, BLOCK_N):
@@ -157,11 +164,12 @@ def _indexer_scores_kernel(
             mask=valid[:, None],
             other=0.0,
         ).to(DOT)
-        logits = tl.dot(q, tl.trans(keys), input_precision=PRECISION)  # [HP, BLOCK_N]
+        # Keys as the MMA's M dim: the head sum then reduces along N, inside each warp.
+        logits = tl.dot(keys, q_t, input_precision=PRECISION)  # [BLOCK_N, HP]
         if not IS_FP8:  # exact mode: ReLU(q . k * scale); fp8 folds the scale into w
             logits = logits * softmax_scale
         logits = tl.maximum(logits, 0.0)
-        score = tl.sum(logits * w[:, None], axis=0)
+        score = tl.sum(logits * w[None, :], axis=1)
         if IS_FP8:
             score *= tl.load(ksc_ptr + blk * s_ksc_b + sc_off + off, mask=valid, other=0.0)
         tl.store(row + pos, tl.where(valid, score, float("-inf")), mask=pos < stop)
@@ -252,7 +260,9 @@ def indexer_scores_paged_triton(
     q = q if q.stride(-1) == 1 else q.contiguous()
 
     interp = interpreting() or device.type != "cuda"
-    bf16_dot = is_fp8 and not interp  # e4m3 -> bf16 is exact; fp32 keys keep fp32 dots
+    fp8_dot = cfg.fp8_dot and is_fp8 and not interp
+    bf16_dot = is_fp8 and not interp and not fp8_dot  # e4m3 -> bf16 is exact
+    dot = tl.float8e4nv if fp8_dot else tl.bfloat16 if bf16_dot else tl.float32
     grid = (t, triton.cdiv(cols, chunk))
     last_compiled[0] = _indexer_scores_kernel[grid](
         q, qs, weights, key_view, ksc_view, block_table, req_index, positions, out,
@@ -261,8 +271,8 @@ def indexer_scores_paged_triton(
         weights.stride(1), key_view.stride(0), ksc_view.stride(0), block_table.stride(0),
         out.stride(0),
         IS_FP8=is_fp8, D=d, HP=max(16, triton.next_power_of_2(h)), BLOCK_N=cfg.block_n,
-        DOT=tl.bfloat16 if bf16_dot else tl.float32,
-        PRECISION="tf32" if bf16_dot else "ieee",  # tf32 only names the bf16 MMA path here
+        DOT=dot,
+        PRECISION="ieee" if dot == tl.float32 else "tf32",  # only fp32 operands read it
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
