@@ -91,12 +91,13 @@ def run_make_tiny(args: argparse.Namespace) -> int:
         print(f"hisparse make-tiny: error: {err}", file=sys.stderr)
         return EXIT_FAILURE
     kw = tiny_config_kwargs(args.arch, args.preset, **overrides)
+    layers = kw["num_hidden_layers"]
     written = sorted(p for p in out.iterdir() if p.is_file())
     size = sum(p.stat().st_size for p in written)
     dtype_name = args.dtype or ("float32" if args.preset == "tiny" else "bfloat16")
     print(
         f"wrote {out} ({size / 2**20:.1f} MiB: {', '.join(p.name for p in written)})\n"
-        f"  arch {args.arch}, preset {args.preset}, {kw['num_hidden_layers']} layers, "
+        f"  arch {args.arch}, preset {args.preset}, {layers} layer{'s' * (layers != 1)}, "
         f"hidden {kw['hidden_size']}, {dtype_name}, seed {args.seed}\n"
         f"  indexer {kw['index_n_heads']} heads x {kw['index_head_dim']}, "
         f"index_topk {kw['index_topk']}"
