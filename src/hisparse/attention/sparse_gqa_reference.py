@@ -87,14 +87,29 @@ class GqaRowFormat:
         return k.reshape(shape), v.reshape(shape)
 
 
+def _wide_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The same bytes as 8-byte (or 4-byte) words when the strides allow: a row gather then
+    moves a few hundred words instead of a thousand single bytes (~4x faster on the CPU)."""
+    for dtype in (torch.int64, torch.int32):
+        size = dtype.itemsize
+        if (
+            kv_cache.stride(-1) == 1
+            and kv_cache.shape[-1] % size == 0
+            and all(s % size == 0 for s in kv_cache.stride()[:-1])
+            and kv_cache.storage_offset() % size == 0
+        ):
+            return kv_cache.view(dtype)
+    return kv_cache
+
+
 def gather_rows(kv_cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Rows ``[..., row_bytes]`` at physical indices (``block * block_size + offset``).
+    """Rows ``[..., row_bytes]`` uint8 at physical indices (``block * block_size + offset``).
 
     Negative indices read row 0 and must be masked by the caller.
     """
     bs = kv_cache.shape[1]
     safe = indices.long().clamp(min=0)
-    return kv_cache[safe // bs, safe % bs]
+    return _wide_view(kv_cache)[safe // bs, safe % bs].view(torch.uint8)
 
 
 def sparse_gqa_reference(

@@ -9,7 +9,8 @@ attention layer goes through the same cache protocol as the DSA model
 2. write the compact indexer keys into the layer's index pages and choose ONE logical top-k
    per query token (`gqa_indexer_topk`: training-free, shared by all heads of the layer);
 3. ``swap_in(logical_topk)`` -> physical rows (HiSparse gathers misses from the host);
-4. sparse GQA attention over those rows (`sparse_gqa_reference`).
+4. sparse GQA attention over those rows (`sparse_gqa_decode`: the Triton kernel on CUDA in
+   decode, the reference otherwise).
 
 Prefill and decode share this path (packed variable-length batches), so the dense test cache,
 the all-GPU placement and HiSparse differ only in where rows sit. With ``top_k=None`` or a
@@ -29,6 +30,7 @@ from hisparse.attention.gqa_indexer_reference import (
     GqaIndexerConfig,
     GqaIndexerFormat,
     gqa_indexer_topk,
+    gqa_indexer_topk_decode,
     rope_pair_dims,
     write_index_keys,
 )
@@ -37,7 +39,7 @@ from hisparse.attention.sparse_gqa_reference import (
     causal_gqa_reference,
     gqa_dtype_name,
     selected_gqa_reference,
-    sparse_gqa_reference,
+    sparse_gqa_decode,
 )
 from hisparse.models.deepseek_v32 import MLP, RMSNorm, rope_half_split
 from hisparse.models.kv_access import (
@@ -49,6 +51,34 @@ from hisparse.models.kv_access import (
 
 #: Step metadata of a packed batch (the same for every model family).
 Step = DsaStep
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What every layer needs to know about a step's batch, read from the device once per
+    forward instead of once per layer (each read is a host sync on CUDA).
+
+    ``decode``: every request has exactly one token (padding tokens aside); ``decode_rows[r]``
+    is then request ``r``'s token. Otherwise ``tokens[r]`` lists request ``r``'s tokens.
+    """
+
+    lens: list[int]
+    decode: bool
+    decode_rows: torch.Tensor | None
+    tokens: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, step: Step) -> StepPlan:
+        lens = step.seq_lens.tolist()
+        req = step.req_index
+        valid = req >= 0
+        counts = torch.bincount(req[valid], minlength=len(lens)).tolist()
+        if lens and all(c == 1 for c in counts):
+            rows = torch.full((len(lens),), -1, dtype=torch.long, device=req.device)
+            rows[req[valid]] = torch.nonzero(valid).flatten()
+            return cls(lens, True, rows, [])
+        tokens = [torch.nonzero(req == r).flatten() for r in range(len(lens))]
+        return cls(lens, False, None, tokens)
 
 
 @dataclass(frozen=True)
@@ -174,8 +204,10 @@ class LlamaAttention(nn.Module):
         step: Step,
         cache: GqaKVCache,
         indexer: GqaIndexerConfig,
+        plan: StepPlan | None = None,
     ) -> torch.Tensor:
         n = x.shape[0]
+        plan = plan or StepPlan.of(step)
         q = rope_half_split(self.q_proj(x).view(n, self.n_heads, self.head_dim), cos, sin)
         k = rope_half_split(self.k_proj(x).view(n, self.n_kv, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
@@ -197,45 +229,48 @@ class LlamaAttention(nn.Module):
         pages, idx_slots = idx.write_target()
         write_index_keys(pages, fmt, idx_slots, k, dims)
         read_pages, table = idx.read_source()
-        topk = self._select(q, step, read_pages, table, fmt, indexer, dims)
+        topk = self._select(q, step, plan, read_pages, table, fmt, indexer, dims)
 
         # 3./4. physical rows, then sparse attention.
         physical = kv.swap_in(topk)
-        out = self._attend(q, step, view, topk, physical, cache.row_format, indexer)
+        out = self._attend(q, step, plan, view, topk, physical, cache.row_format, indexer)
         return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
 
     def _attend(
         self,
         q: torch.Tensor,
         step: Step,
+        plan: StepPlan,
         view: torch.Tensor,
         topk: torch.Tensor,
         physical: torch.Tensor,
         fmt: GqaRowFormat,
         cfg: GqaIndexerConfig,
     ) -> torch.Tensor:
-        """Sparse attention. A request with several tokens in this step (a prefill) reads the
-        union of its tokens' rows once and masks each token to its own selection
-        (`selected_gqa_reference`; dense requests through `causal_gqa_reference`): the same
-        attention, far less copying than one gather per token. Single tokens (decode) gather
-        their rows (`sparse_gqa_reference`)."""
-        lens = step.seq_lens.tolist()
-        dense = [cfg.top_k is None or n <= cfg.top_k for n in lens]
-        if not any(dense) and q.shape[0] == len(lens):
-            out, _ = sparse_gqa_reference(q, view, physical, self.scale, fmt)  # pure decode
+        """Sparse attention. A decode step (one token per request, dense or sparse alike)
+        gathers each token's rows in one call (`sparse_gqa_decode`: the Triton kernel on
+        CUDA). A request with several tokens in this step (a prefill) reads the union of its
+        tokens' rows once and masks each token to its own selection (`selected_gqa_reference`;
+        dense requests through `causal_gqa_reference`): the same attention, far less copying
+        than one gather per token."""
+        if plan.decode:
+            out, _ = sparse_gqa_decode(q, view, physical, self.scale, fmt)
             return out
+        lens = plan.lens
+        dense = [cfg.top_k is None or n <= cfg.top_k for n in lens]
         out = torch.zeros_like(q)  # padding tokens (no request) stay 0
         sparse_tok = []
         for r, is_dense in enumerate(dense):
-            tok = torch.nonzero(step.req_index == r).flatten()
+            tok = plan.tokens[r]
             if tok.numel() == 0:
                 continue
             if not is_dense:
                 if tok.numel() == 1:
                     sparse_tok.append(tok)
                 else:
-                    out[tok] = _selected_attention(q[tok], view, topk[tok], physical[tok],
-                                                   self.scale, fmt)
+                    out[tok] = _selected_attention(
+                        q[tok], view, topk[tok], physical[tok], self.scale, fmt
+                    )
                 continue
             # The request's latest token selects every position 0..len-1, ascending.
             last = tok[step.positions[tok].argmax()]
@@ -245,13 +280,14 @@ class LlamaAttention(nn.Module):
             )
         if sparse_tok:
             tok = torch.cat(sparse_tok)
-            out[tok], _ = sparse_gqa_reference(q[tok], view, physical[tok], self.scale, fmt)
+            out[tok], _ = sparse_gqa_decode(q[tok], view, physical[tok], self.scale, fmt)
         return out
 
     def _select(
         self,
         q: torch.Tensor,
         step: Step,
+        plan: StepPlan,
         pages: torch.Tensor,
         table: torch.Tensor,
         fmt: GqaIndexerFormat,
@@ -259,11 +295,20 @@ class LlamaAttention(nn.Module):
         dims: torch.Tensor | None,
     ) -> torch.Tensor:
         """Logical top-k ``int32 [N, width]``, ``width = min(top_k, longest request)``."""
-        longest = int(step.seq_lens.max()) if step.seq_lens.numel() else 0
+        longest = max(plan.lens, default=0)
         width = longest if cfg.top_k is None else min(cfg.top_k, longest)
         out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
-        for r in range(step.seq_lens.shape[0]):
-            tok = torch.nonzero(step.req_index == r).flatten()
+        if plan.decode and len(plan.lens) > 1:
+            # One batched scoring for all requests of a decode step.
+            rows = plan.decode_rows
+            assert rows is not None
+            out[rows] = gqa_indexer_topk_decode(
+                q[rows], step.positions[rows], pages, table, plan.lens, fmt, cfg, self.scale,
+                width, dims,
+            )  # fmt: skip
+            return out
+        for r, length in enumerate(plan.lens):
+            tok = plan.decode_rows[r : r + 1] if plan.decode else plan.tokens[r]
             if tok.numel() == 0:
                 continue
             out[tok] = gqa_indexer_topk(
@@ -271,7 +316,7 @@ class LlamaAttention(nn.Module):
                 step.positions[tok],
                 pages,
                 table[r],
-                int(step.seq_lens[r]),
+                length,
                 fmt,
                 cfg,
                 self.scale,
@@ -378,9 +423,11 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states ``[N, hidden]`` of a packed batch ``input_ids [N]``."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(step.positions, x.dtype)
+        plan = StepPlan.of(step)
         for layer in self.model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, step, cache, self.indexer)
+            attn = layer.self_attn
+            x = x + attn(layer.input_layernorm(x), cos, sin, step, cache, self.indexer, plan)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.norm(x)
 
