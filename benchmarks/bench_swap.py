@@ -189,9 +189,9 @@ def ablate_resolve(reps: int = 50) -> list[dict]:
     variants: list[tuple[str, dict]] = [
         ("bucket", {}),
         ("sort", {"RESOLVE_IMPL": "sort"}),
-        ("bucket-w4", {"RESOLVE_WARPS": 4}),
         ("bucket-w16", {"RESOLVE_WARPS": 16}),
         ("bucket-bh1024", {"RESOLVE_BH": 1024}),
+        ("bucket-bh4096", {"RESOLVE_BH": 4096}),
         ("bucket-4x-buckets", {"RESOLVE_LOG_BUCKETS": 13}),
     ]
     out = []

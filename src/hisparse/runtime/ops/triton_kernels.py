@@ -61,7 +61,7 @@ RESOLVE_ABLATE = 0
 #: Warps per program (0: by size), hot-slot chunk, rank tile of the swap-list order, and
 #: log2 of the bucket count (``None``: 2 buckets per entry; tests shrink it to force overflow).
 RESOLVE_WARPS = 0
-RESOLVE_BH = 4096
+RESOLVE_BH = 2048
 RESOLVE_RANK_TILE = 128
 RESOLVE_LOG_BUCKETS: int | None = None
 
@@ -218,8 +218,8 @@ def _resolve_kernel(
         b = _bucket(g, LOGB)
         pending = needs
         cell = tl.zeros([N], tl.int32)
-        for r in tl.static_range(WAYS):
-            c = b * WAYS + r
+        for wr in tl.static_range(WAYS):
+            c = b * WAYS + wr
             tl.store(tab + c, g, mask=pending)
             tl.debug_barrier()
             got = tl.load(tab + c, mask=pending, other=-1, cache_modifier=".cg")
@@ -320,8 +320,9 @@ def _resolve_kernel(
         # ---- 8. every hot entry reads its row's slot ------------------------------------
         val = tl.load(tab + cell, mask=needs, other=-2, cache_modifier=".cg")
         slot_all = -2 - val
-        hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_all // bs) * s_hbt_b, mask=needs)
-        tl.store(out_addr, hb.to(tl.int64) * bs + slot_all % bs, mask=needs)
+        placed = needs & (val < -1)  # always, unless more rows were wanted than H
+        hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_all // bs) * s_hbt_b, mask=placed)
+        tl.store(out_addr, hb.to(tl.int64) * bs + slot_all % bs, mask=placed)
 
         # ---- 9. swap list ascending by host row: rank of each miss among the misses ----
         n_sw = tl.minimum(n_miss, H)
@@ -336,11 +337,11 @@ def _resolve_kernel(
                 gj = tl.load(mg_ptr + base_n + jj, mask=jj < n_sw, other=0x7FFFFFFF)
                 rank += tl.sum((gj[None, :] < gi[:, None]).to(tl.int32), 1)
             slot_i = tl.load(ms_ptr + base_n + i, mask=im, other=0)
-            hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_i // bs) * s_hbt_b, mask=im)
+            hb_i = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_i // bs) * s_hbt_b, mask=im)
             tl.store(swap_src_ptr + q64 * s_ss_q + rank * s_ss_h, gi, mask=im)
             tl.store(
                 swap_dst_ptr + q64 * s_sd_q + rank * s_sd_h,
-                hb.to(tl.int64) * bs + slot_i % bs,
+                hb_i.to(tl.int64) * bs + slot_i % bs,
                 mask=im,
             )
 
