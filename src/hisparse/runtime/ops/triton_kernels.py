@@ -24,10 +24,13 @@ global memory (L1/L2 resident) and the stages are ordered with CTA barriers:
    swap list is the miss heads ranked by host row (all-pairs count over the few misses, in
    ``RESOLVE_RANK_TILE`` tiles), so the only sort left is that of the misses.
 
-History (docs/benchmarks.md): a first kernel sorted ``(host row, entry)`` int64 keys with
-``tl.sort`` (79 µs at batch 64, top_k 2048, hot 4096, 5% miss; the sort alone ~52 µs, the
-binary searches of the hot slots ~11); a linear-probing hash table with CAS loops was slower
-still (115-187 µs). The bucket table needs no CAS loop: a round is one store and one load.
+Measured on an H200 (CUDA-graph replays, top_k 2048, block 64, hot 4096, one decode row per
+request, 5% miss): 35.6 µs at batch 64 (the previous kernel, which sorted ``(host row, entry)``
+int64 keys with ``tl.sort``: 78.7 µs), 116.9 µs at batch 256 / hot 8192 (225.3). Warps (8 or
+16), hot-slot chunk (1024-4096) and bucket count (2 or 4 per entry) moved it by < 4 µs. Not
+yet timed stage by stage; our reading is that the ~20 dependent passes of scattered accesses
+(one program per request, so one SM's load/store unit each) set the time, not any one stage.
+A linear-probing table with CAS loops was slower than the sort (115-187 µs).
 
 The gathers copy whole rows as int32x4 (16-byte) accesses, reading the pinned host pool
 directly: Triton's launcher turns a pinned or ``cudaHostRegister``-ed CPU tensor's address
@@ -54,15 +57,15 @@ Tensor = torch.Tensor
 _SENTINEL = tl.constexpr(1 << 40)  # above any host row: entries not needing the hot buffer
 
 #: resolve_residency implementation: "bucket" (default) or "sort" (the previous kernel, kept
-#: for one A/B benchmark run). Benchmarks and tests switch these; callers need not.
+#: until the bucket kernel's all-miss case is timed again: with one cross-thread reduction per
+#: rank tile it took 487 µs at 2048 misses per request, the sort kernel 79; the tiles now count
+#: element-wise and reduce once per row tile). Benchmarks and tests switch these.
 RESOLVE_IMPL = "bucket"
-#: Benchmarks only: stage-skipping variants of the sort kernel (wrong results).
-RESOLVE_ABLATE = 0
 #: Warps per program (0: by size), hot-slot chunk, rank tile of the swap-list order, and
 #: log2 of the bucket count (``None``: 2 buckets per entry; tests shrink it to force overflow).
 RESOLVE_WARPS = 0
 RESOLVE_BH = 2048
-RESOLVE_RANK_TILE = 128
+RESOLVE_RANK_TILE = 64
 RESOLVE_LOG_BUCKETS: int | None = None
 
 
@@ -331,11 +334,14 @@ def _resolve_kernel(
             i = i0 + si
             im = i < n_sw
             gi = tl.load(mg_ptr + base_n + i, mask=im, other=0)
-            rank = tl.zeros([S], tl.int32)
+            # Count element-wise over the column tiles, reduce across threads once: a
+            # reduction per tile cost ~1.9 µs (487 µs at 2048 misses per request, H200).
+            less = tl.zeros([S, S], tl.int32)
             for j0 in range(0, n_sw, S):
                 jj = j0 + si
                 gj = tl.load(mg_ptr + base_n + jj, mask=jj < n_sw, other=0x7FFFFFFF)
-                rank += tl.sum((gj[None, :] < gi[:, None]).to(tl.int32), 1)
+                less += (gj[None, :] < gi[:, None]).to(tl.int32)
+            rank = tl.sum(less, 1)
             slot_i = tl.load(ms_ptr + base_n + i, mask=im, other=0)
             hb_i = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_i // bs) * s_hbt_b, mask=im)
             tl.store(swap_src_ptr + q64 * s_ss_q + rank * s_ss_h, gi, mask=im)
@@ -671,7 +677,6 @@ def _resolve_sort(common, flags, Q, n, rows, kp, logn, H, br, K, block_size, dev
         K, H, block_size,
         ROWS=rows, KP=kp, LOGN=logn, BH=bh, BR=br,
         **flags,
-        ABL=RESOLVE_ABLATE,
         num_warps=4 if n <= 1024 else (8 if n <= 4096 else 16),
     )  # fmt: skip
 
