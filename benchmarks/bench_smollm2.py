@@ -10,7 +10,9 @@ gguf_file=name)``, greedy, its default attention and cache) and one run of our e
 ``--top-k`` (``dense`` = a budget at least the context, so every earlier token is attended),
 side by side in one process, after a short warm-up of each. Every row of a batch gets the same
 prompt (default: the demo's chat prompt, ~490 tokens; ``--prompt-len N`` builds one of about N
-tokens from the Python reference). Both ignore EOS and generate exactly ``--max-tokens``.
+tokens from the Python reference). Both ignore EOS and generate exactly ``--max-tokens``
+(transformers with its generation config's EOS removed, so no logits are altered). Warm-up runs
+of a few tokens come first (at the measured batch size on CUDA, where kernels compile).
 
 Reported per run: TTFT (mean over the batch's requests, from the call), decode tok/s (tokens
 produced after the last request's first token, over the time since), total tok/s (all output
@@ -26,6 +28,7 @@ On a shared CPU compare only the ratios of one run: other jobs on the cores move
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -102,15 +105,15 @@ def run_transformers(model, prompt: list[int], batch: int, max_tokens: int, devi
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-            do_sample=False, streamer=clock, eos_token_id=None,
-            pad_token_id=model.generation_config.pad_token_id or 0,
-        )  # fmt: skip
+            ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, streamer=clock
+        )
     if device.type == "cuda":
         torch.cuda.synchronize()
     end = time.perf_counter()
     tokens = out[:, len(prompt) :].tolist()
     n_out = sum(len(t) for t in tokens)
+    if n_out != batch * max_tokens:
+        raise RuntimeError(f"transformers produced {n_out} tokens, not {batch * max_tokens}")
     res = rates([start] * batch, [clock.times] * batch, end, n_out)
     return {**res, "tokens": tokens, "seconds": end - start}
 
@@ -168,6 +171,8 @@ def main() -> int:
         default=0,
         help="about this many prompt tokens (0: the demo prompt)",
     )
+    ap.add_argument("--gpu-memory-gib", type=float, default=16.0,
+                    help="our engine's GPU KV pool on CUDA")  # fmt: skip
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON")
     args = ap.parse_args()
@@ -198,11 +203,17 @@ def main() -> int:
         str(path.parent), gguf_file=path.name, dtype=dtype
     ).to(device).eval()  # fmt: skip
     log(f"transformers {transformers.__version__} loaded in {time.perf_counter() - t0:.1f} s")
+    # Never stop at EOS (ours: ignore_eos): both then produce exactly --max-tokens argmax tokens.
+    ref.generation_config.eos_token_id = None
+    if ref.generation_config.pad_token_id is None:
+        ref.generation_config.pad_token_id = 0
 
     row_bytes = 2 * 3 * 64 * dtype.itemsize * 30  # SmolLM2 rows of all layers, per token
     results: list[dict] = []
     for batch in batches:
-        run_transformers(ref, prompt, 1, WARMUP_TOKENS, device)
+        # Warm-up at the measured batch size on CUDA (kernels compile per shape class).
+        warm = batch if device.type == "cuda" else 1
+        run_transformers(ref, prompt, warm, WARMUP_TOKENS, device)
         hf = run_transformers(ref, prompt, batch, args.max_tokens, device)
         log(f"batch {batch} transformers: decode {hf['decode_tok_s']:.1f} tok/s, TTFT "
             f"{hf['ttft_s']:.3f} s, total {hf['total_tok_s']:.1f} tok/s")  # fmt: skip
@@ -210,16 +221,20 @@ def main() -> int:
             host_gib = max(0.25, 2.5 * batch * max_model_len * row_bytes / 2**30)
             cfg = HiSparseConfig(top_k=k, host_pool_gib=host_gib)
             t0 = time.perf_counter()
+            gpu_gib = args.gpu_memory_gib if device.type == "cuda" else host_gib
             llm = LLM(str(path), kv_placement=args.placement, hisparse=cfg,
                       max_num_seqs=batch, max_model_len=max_model_len, dtype=dtype_name,
-                      device=args.device,
-                      gpu_memory_gib=None if device.type == "cuda" else host_gib)  # fmt: skip
+                      device=args.device, gpu_memory_gib=gpu_gib)  # fmt: skip
             load_s = time.perf_counter() - t0
             try:
-                run_ours(llm, prompt, 1, WARMUP_TOKENS)
+                run_ours(llm, prompt, warm, WARMUP_TOKENS)
                 ours = run_ours(llm, prompt, batch, args.max_tokens)
             finally:
                 llm.close()
+                del llm
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             dense = k >= ctx
             same = common_prefix(ours["tokens"][0], hf["tokens"][0])
             row = {

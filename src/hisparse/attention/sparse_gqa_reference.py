@@ -205,12 +205,12 @@ def _sparse_chunk(
     # and the check is free: masking nothing costs more than the attention itself.)
     masked = q.device.type != "cpu" or bool(invalid.any())
     if masked:
-        keys = keys.masked_fill(invalid[..., None, None], 0.0)
-        values = values.masked_fill(invalid[..., None, None], 0.0)
+        keys = torch.where(invalid[..., None, None], 0.0, keys)
+        values = torch.where(invalid[..., None, None], 0.0, values)
     qg = q.float().view(t, g, h // g, d)
     scores = torch.einsum("tgqd,tkgd->tgqk", qg, keys.float()) * scale
     if masked:
-        scores = scores.masked_fill(invalid[:, None, None, :], float("-inf"))
+        scores = torch.where(invalid[:, None, None, :], float("-inf"), scores)
     row_lse = torch.logsumexp(scores, dim=-1)
     finite = torch.where(torch.isfinite(row_lse), row_lse, 0.0)
     probs = torch.exp(scores - finite[..., None])  # masked entries: exp(-inf) = 0
@@ -246,7 +246,7 @@ def selected_gqa_reference(
         hi = min(t, lo + step)
         qg = q[lo:hi].float().view(hi - lo, g, h // g, d).transpose(0, 1)  # [G, t, q, D]
         scores = torch.matmul(qg.reshape(g, -1, d), keys).view(g, hi - lo, h // g, u) * scale
-        scores = scores.masked_fill(~selected[None, lo:hi, None, :], float("-inf"))
+        scores = torch.where(selected[None, lo:hi, None, :], scores, float("-inf"))
         row_max = scores.amax(dim=-1, keepdim=True)
         probs = torch.exp(scores - torch.where(torch.isfinite(row_max), row_max, 0.0))
         probs = probs / probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
