@@ -180,14 +180,17 @@ def indexer_topk_paged(
     seq_lens: torch.Tensor,
     top_k: int,
     softmax_scale: float,
+    *,
+    max_len: int | None = None,
 ) -> torch.Tensor:
     """`indexer_topk_paged_reference`'s contract on the best backend available.
 
     CUDA tensors use the Triton kernel (`hisparse.attention.indexer_triton`), others the
     reference; ``HISPARSE_INDEXER=reference|triton`` forces one (CPU tensors with ``triton``
     need ``TRITON_INTERPRET=1``). Inputs the kernel does not handle fall back to the
-    reference. Outside CUDA-graph capture the kernel scores only up to the longest request of
-    the batch (one host read of ``seq_lens``); under capture it scores the whole block table.
+    reference. The kernel scores keys up to ``max_len`` when the caller knows it on the host;
+    else, outside CUDA-graph capture, up to the longest request of the batch (one host read of
+    ``seq_lens``), and under capture the whole block table.
     """
     if indexer_backend(q.device) == "triton":
         try:
@@ -196,8 +199,7 @@ def indexer_topk_paged(
             it = None
         if it is not None and it.supports(q, q_scale, pages, fmt):
             capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-            max_len = None
-            if not capturing and seq_lens.numel():
+            if max_len is None and not capturing and seq_lens.numel():
                 max_len = int(seq_lens.max())
             return it.indexer_topk_paged_triton(
                 q, q_scale, weights, pages, fmt, block_table, req_index, positions,

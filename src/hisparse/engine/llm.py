@@ -73,8 +73,13 @@ class LLM:
             pseudo-random valid rows instead of running the prefill (DSA models; time to
             first token is then meaningless).
         timing: record resolve / gather time of every decode step (CUDA events, read at the
-            end of `generate`) into ``step_stats``.
+            end of `generate`) into ``step_stats``. The events cannot live in a CUDA graph: with
+            timing, decode runs the graphs' fixed-shape step eagerly.
         seed: seed of the replayed selections and synthetic rows.
+        cuda_graphs: decode batches padded to a captured size (1, 2, 4, ..., max_num_seqs)
+            and replayed as CUDA graphs, swap-in (resolve + gathers) inside the graph,
+            sampling outside. Default: on for CUDA, off (the plain eager step) on the CPU;
+            ``True`` on the CPU runs the same padded fixed-shape step without capture.
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class LLM:
         synthetic_prefill: bool = False,
         timing: bool = False,
         seed: int = 0,
+        cuda_graphs: bool | None = None,
     ) -> None:
         if kv_placement not in PLACEMENTS:
             raise ValueError(f"kv_placement={kv_placement!r}: use one of {PLACEMENTS}.")
@@ -163,6 +169,7 @@ class LLM:
             replay=None if topk_replay is None else ReplaySettings(topk_replay, seed),
             synthetic_prefill=synthetic_prefill,
             timing=timing,
+            decode_path=_decode_path(cuda_graphs, self.device),
         )
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
@@ -345,6 +352,15 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _decode_path(cuda_graphs: bool | None, device: torch.device) -> str:
+    """`ModelRunner` decode path for the ``cuda_graphs`` argument on ``device``."""
+    if cuda_graphs is None:
+        cuda_graphs = device.type == "cuda"
+    if not cuda_graphs:
+        return "eager"
+    return "graphs" if device.type == "cuda" else "padded"
 
 
 def _set_index_topk(model: torch.nn.Module, top_k: int) -> None:

@@ -6,6 +6,11 @@ the runtime's `CacheHandle`s. Prefill keeps every page of the prefilling request
 its top-k maps through the resident table; a decode step resolves against the hot buffers and
 swaps misses in. After a request's last prefill chunk its hot buffers are warmed from the
 prefill's last-token selection, then its resident pages shrink to the tail.
+
+Decode steps take one of two paths: the plain eager step (any batch, the CPU default), or the
+fixed-shape step of `hisparse.engine.cuda_graphs` (batch padded to a captured size, no host
+read from the inputs' copy to the logits), captured as CUDA graphs on CUDA. Both placements
+take the same path.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from hisparse.config import ResolvedHiSparseConfig
+from hisparse.engine.cuda_graphs import DecodeGraphs
 from hisparse.engine.kv_manager import KVCacheManager
 from hisparse.engine.replay import TopKReplay
 from hisparse.engine.request import Request
@@ -171,10 +177,15 @@ class _StepCache:
         return _IndexerLayerCache(pages, self.idx_slots, self.idx_table)
 
 
+#: decode paths: plain eager; fixed-shape padded step run eagerly; the same step in CUDA graphs
+DECODE_PATHS = ("eager", "padded", "graphs")
+
+
 class ModelRunner:
     """Runs engine steps; optional benchmark modes: top-k replay (``replay``), synthetic
     prefill (``synthetic_prefill``) and swap-in timing (``timing``), all applied to both
-    placements alike."""
+    placements alike. ``decode_path`` picks the decode step (`DECODE_PATHS`); swap-in timing
+    records CUDA events the graphs cannot hold, so with ``timing`` ``graphs`` runs padded."""
 
     def __init__(
         self,
@@ -189,7 +200,12 @@ class ModelRunner:
         replay: ReplaySettings | None = None,
         synthetic_prefill: bool = False,
         timing: bool = False,
+        decode_path: str = "eager",
     ) -> None:
+        if decode_path not in DECODE_PATHS:
+            raise ValueError(f"decode_path={decode_path!r}: use one of {DECODE_PATHS}")
+        if decode_path == "graphs" and device.type != "cuda":
+            raise ValueError("decode_path='graphs' needs a CUDA device")
         self.model, self.config, self.kv = model, config, kv
         self.row_format = row_format
         self.device = device
@@ -249,7 +265,7 @@ class ModelRunner:
                 overlap=replay.overlap,
                 seed=replay.seed,
                 num_leaders=len(self.leaders),
-                max_slots=max_num_seqs,
+                max_slots=max_num_seqs + 1,  # + the slot padded decode rows write to
                 device=device,
             )
         self.synthetic = (
@@ -269,6 +285,11 @@ class ModelRunner:
         self._warm_idx: torch.Tensor | None = None
         #: per decode step: (requests, device int64 [R, 3] hits / misses / bytes)
         self._pending: list[tuple[list[Request], torch.Tensor]] = []
+        self.decode_path = decode_path
+        self.graphs: DecodeGraphs | None = None
+        if decode_path != "eager":
+            capture = decode_path == "graphs" and self.timer is None
+            self.graphs = DecodeGraphs(max_num_seqs, device, capture=capture)
 
     def reset_slot(self, slot: int) -> None:
         for leader in self.leaders:
@@ -314,6 +335,8 @@ class ModelRunner:
         kv, bs, dev = self.kv, self.config.block_size, self.device
         while kv.pending_slot_resets:
             self.reset_slot(kv.pending_slot_resets.pop())
+        if decode and self.graphs is not None:
+            return self._run_static_decode([req for req, _ in batch])
         R = len(batch)
         starts = [req.num_computed for req, _ in batch]
         counts = [n for _, n in batch]
@@ -338,7 +361,7 @@ class ModelRunner:
             pos = start_d[rix] + torch.arange(T, device=dev) - first[rix]
         self._slots, self._lens, self._keys = slot_d, seq_lens, key_d
         self._max_len = max(s + n for s, n in zip(starts, counts, strict=True))
-        step = DsaStep(positions=pos, req_index=rix, seq_lens=seq_lens)
+        step = DsaStep(positions=pos, req_index=rix, seq_lens=seq_lens, max_len=self._max_len)
 
         def rows_of(table: torch.Tensor) -> torch.Tensor:
             blk = table.long()[rix, pos // bs]
@@ -408,6 +431,104 @@ class ModelRunner:
         if decode:
             self._record_hits([req for req, _ in batch])
         return StepResult(logits=logits, sample_reqs=sample_reqs, token_ids=tokens)
+
+    # --- fixed-shape decode (padded batch; CUDA graphs) -----------------------------------
+    def _run_static_decode(self, reqs: list[Request]) -> StepResult:
+        """A decode step through `DecodeGraphs`: one copy of the inputs, a replayed graph (or
+        the same fixed-shape step run eagerly), logits of the real rows."""
+        graphs = self.graphs
+        assert graphs is not None
+        kv = self.kv
+        n = len(reqs)
+        b = graphs.load(
+            [req.token_slice(req.num_computed, 1)[0] for req in reqs],
+            [req.num_computed for req in reqs],
+            [kv.requests[req.req_id].slot for req in reqs],
+            [self.request_key(req) for req in reqs],
+        )
+        log = self.replay.log if self.replay is not None else None
+        if self.replay is not None:
+            self.replay.log = None  # padded rows are not selections; logged below
+        try:
+            if self.timer is not None:
+                self.timer.active = True
+            logits, counts = graphs.run(b, self._static_step)
+            if self.timer is not None:
+                self.timer.end_step(True)
+        finally:
+            if self.replay is not None:
+                self.replay.log = log
+        if log is not None:
+            self._log_replayed(reqs)
+        self.warm_rows, self.warm_topk = None, {}
+        self._pending.append((reqs, counts[:n].clone()))
+        return StepResult(logits=logits[:n], sample_reqs=reqs)
+
+    def _log_replayed(self, reqs: list[Request]) -> None:
+        """The selections this step replayed, as `TopKReplay.select` logs them."""
+        assert self.replay is not None and self.replay.log is not None
+        slots = [self.kv.requests[r.req_id].slot for r in reqs]
+        for leader in range(len(self.leaders)):
+            sel = self.replay.prev[leader, slots].cpu()
+            for r, req in enumerate(reqs):
+                self.replay.log.append(
+                    (leader, self.request_key(req), req.num_computed + 1, sel[r])
+                )
+
+    def _static_step(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode of the ``b`` rows in ``graphs.inputs`` (padding: slot ``-1``) to logits
+        ``[b, vocab]`` and hit / miss / byte counters ``[b, 3]``. Reads no device value on
+        the host and allocates only per-step temporaries: CUDA-graph capturable."""
+        assert self.graphs is not None
+        kv, bs, dev = self.kv, self.config.block_size, self.device
+        ids, pos, slot, key = self.graphs.inputs[:, :b]
+        valid = slot >= 0
+        rix = torch.where(valid, torch.arange(b, device=dev), -1)
+        seq_lens = torch.where(valid, pos + 1, 0)
+        gslot = slot.clamp_min(0)
+
+        def table(t: torch.Tensor) -> torch.Tensor:
+            return torch.where(valid[:, None], t.index_select(0, gslot), 0)
+
+        def rows_of(t: torch.Tensor) -> torch.Tensor:
+            blk = t.gather(1, (pos // bs)[:, None])[:, 0].long()
+            return torch.where(valid & (blk > 0), blk * bs + pos % bs, -1).to(torch.int32)
+
+        res_tables = [table(t) for t in kv.resident_tables]
+        host_bt = table(kv.host_table) if kv.host_table is not None else self._zero_table[:b]
+        idx_table = (
+            table(kv.indexer_table)
+            if kv.indexer_table is not None and not kv.indexer_in_resident
+            else res_tables[0]
+        )
+        # replay state: padded rows read and write the spare slot max_num_seqs
+        self._slots = torch.where(valid, slot, self.max_num_seqs)
+        self._lens, self._keys = seq_lens, key
+        self._max_len = kv.max_blocks * bs
+        meta = StepMetadata(
+            num_tokens=b,
+            is_decode=True,
+            req_per_token=rix.to(torch.int32),
+            request_state_indices=slot.to(torch.int32),
+            source_block_table=host_bt,
+            host_slot_mapping=rows_of(host_bt) if kv.offload else None,
+        )
+        tables = [GroupTables(resident_block_table=t, slot_mapping=rows_of(t)) for t in res_tables]
+        for leader in self.leaders:
+            leader.prepare_group_for_batch(meta, tables[kv.group_of_layer[leader.runtime.name]])
+        step = DsaStep(
+            positions=pos, req_index=rix, seq_lens=seq_lens, max_len=self._max_len, static=True
+        )
+        cache = _StepCache(self, True, rows_of(idx_table), idx_table)
+        logits = self.model.logits(self.model(ids, step, cache))
+        if kv.offload:
+            hm = torch.stack([h.runtime.group.hit_miss[:b] for h in self.leaders]).long()
+            misses = hm[..., 1]
+            nbytes = (misses * self.group_row_bytes[:, None]).sum(0)
+            counts = torch.stack((hm[..., 0].sum(0), misses.sum(0), nbytes), dim=1)
+        else:
+            counts = torch.zeros((b, 3), dtype=torch.int64, device=dev)
+        return logits, counts
 
     def _warm_start(
         self, reqs: list[Request], rows: list[int], host_bt: torch.Tensor, tables: list[GroupTables]

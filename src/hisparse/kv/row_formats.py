@@ -230,6 +230,21 @@ def _page_parts(
     return bs, keys, scales
 
 
+def write_rows_where(region: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """``region[s // bs, s % bs] = values`` for every slot ``s >= 0``, with no host sync.
+
+    ``region`` is ``[num_blocks, bs, ...]``. A boolean-mask select would read the kept count
+    back to the host (a sync per layer, and an error under CUDA-graph capture); instead rows
+    with ``s < 0`` rewrite row 0 of the null block 0 (never a real row) with its own bytes.
+    """
+    bs = region.shape[1]
+    keep = slots >= 0
+    s = torch.where(keep, slots.long(), 0)
+    blk, off = s // bs, s % bs
+    shape = (-1,) + (1,) * (values.dim() - 1)
+    region[blk, off] = torch.where(keep.view(shape), values, region[blk, off])
+
+
 def write_indexer_keys(
     pages: torch.Tensor,
     fmt: IndexerCacheFormat,
@@ -240,21 +255,20 @@ def write_indexer_keys(
     """Store keys at physical rows ``slots`` (``block * block_size + offset``; ``< 0`` skipped).
 
     fp8: ``keys`` are e4m3 ``[N, D]`` with ``scales [N, D / tile]`` (already quantized: the
-    quantization belongs to the indexer mode). fp32: ``keys [N, D]`` float.
+    quantization belongs to the indexer mode). fp32: ``keys [N, D]`` float. No host sync.
     """
-    bs, key_region, scale_region = _page_parts(pages, fmt)
-    keep = slots >= 0
-    slots = slots[keep].long()
-    blk, off = slots // bs, slots % bs
+    _, key_region, scale_region = _page_parts(pages, fmt)
     if fmt.kind == "fp32":
-        key_region[blk, off] = _as_bytes(keys[keep].to(torch.float32))
+        write_rows_where(key_region, slots, _as_bytes(keys.to(torch.float32)))
         return
     if scales is None:
         raise ValueError("fp8 indexer keys need their scales")
     assert scale_region is not None
-    key_region[blk, off] = _as_bytes(keys[keep].to(FP8_DTYPE))
-    scale_region[blk, off] = _as_bytes(
-        scales[keep].to(torch.float32).reshape(-1, fmt.scales_per_row)
+    write_rows_where(key_region, slots, _as_bytes(keys.to(FP8_DTYPE)))
+    write_rows_where(
+        scale_region,
+        slots,
+        _as_bytes(scales.to(torch.float32).reshape(-1, fmt.scales_per_row)),
     )
 
 

@@ -31,6 +31,7 @@ from hisparse.kv.row_formats import (
     MlaFormat,
     pack_mla_rows,
     write_indexer_keys,
+    write_rows_where,
 )
 from hisparse.models.dsa_config import DsaConfig
 from hisparse.models.kv_access import DenseDsaCache, DsaKVCache, DsaStep
@@ -139,7 +140,18 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (one `MLP` each, original checkpoint layout) plus shared experts."""
+    """Routed experts (one `MLP` each, original checkpoint layout) plus shared experts.
+
+    Two formulations of the routed sum, same terms in the same (ascending expert) order:
+    ``sync_free=False`` runs each chosen expert on its tokens only (reads the chosen ids back
+    to the host: one sync per layer; the CPU path checked against transformers);
+    ``sync_free=True`` runs every expert on every row and keeps a row's term only where the
+    router chose that expert (no host read, fixed shapes: CUDA-graph capturable). The dense
+    form costs ``n_routed_experts / num_experts_per_tok`` times the expert FLOPs and reads
+    every expert's weights each step: negligible for the few-expert presets, not for a
+    256-expert model (a grouped-GEMM kernel would be the fix there). A row's value may differ
+    from the per-expert form in float bits only through the matmul's row count (``M``).
+    """
 
     def __init__(self, config: DsaConfig) -> None:
         super().__init__()
@@ -148,9 +160,16 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(MLP(h, i) for _ in range(config.n_routed_experts))
         self.shared_experts = MLP(h, i * config.n_shared_experts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, sync_free: bool = False) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = torch.zeros_like(x)
+        if sync_free:
+            for e, expert in enumerate(self.experts):
+                chosen = ids == e  # [N, k]: at most one True per row
+                w = torch.where(chosen, weights, 0.0).sum(-1, keepdim=True)  # exact: one term
+                y = (expert(x) * w).to(out.dtype)
+                out = out + torch.where(chosen.any(-1, keepdim=True), y, 0.0)
+            return out + self.shared_experts(x)
         for e in torch.unique(ids).tolist():
             tok, slot = torch.where(ids == e)
             y = self.experts[e](x[tok]) * weights[tok, slot, None]
@@ -216,7 +235,7 @@ class Indexer(nn.Module):
         read_pages, table = pages_read
         return indexer_topk_paged(
             q, q_scale, w, read_pages, fmt, table, step.req_index, step.positions,
-            step.seq_lens, self.topk, self.softmax_scale,
+            step.seq_lens, self.topk, self.softmax_scale, max_len=step.max_len,
         )  # fmt: skip
 
 
@@ -270,11 +289,7 @@ class MLAttention(nn.Module):
         # 1. this step's rows into the paged cache.
         kv = cache.attention(self.layer)
         view, slots = kv.write_target()
-        rows = pack_mla_rows(cache.row_format, latent, k_pe)
-        keep = slots >= 0
-        bs = view.shape[1]
-        dst = slots[keep].long()
-        view[dst // bs, dst % bs] = rows[keep]
+        write_rows_where(view, slots, pack_mla_rows(cache.row_format, latent, k_pe))
         kv.finish_kv_update()
 
         # 2. logical top-k: own indexer, or the index-group leader's selection.
@@ -374,7 +389,10 @@ class DsaForCausalLM(nn.Module):
                 layer.input_layernorm(x), cos, sin, step, cache, topk, self.indexer_mode
             )
             x = x + attn
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            h = layer.post_attention_layernorm(x)
+            x = x + (
+                layer.mlp(h, sync_free=step.static) if isinstance(layer.mlp, MoE) else layer.mlp(h)
+            )
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -36,11 +36,18 @@ class DsaStep:
         positions: ``[N]`` int64 position of each token within its request.
         req_index: ``[N]`` int64 request row of each token (``< 0``: padding).
         seq_lens: ``[R]`` int64 tokens each request holds after this step (its key count).
+        max_len: keys the indexer scores at most, known on the host (spares it a device read
+            of ``seq_lens``); ``None``: it reads the longest request (or, under CUDA-graph
+            capture, scores the whole block table).
+        static: a fixed-shape step that must not read the device from the host (padded
+            decode batches, CUDA-graph capture): the MoE takes its sync-free form.
     """
 
     positions: torch.Tensor
     req_index: torch.Tensor
     seq_lens: torch.Tensor
+    max_len: int | None = None
+    static: bool = False
 
     @property
     def num_tokens(self) -> int:

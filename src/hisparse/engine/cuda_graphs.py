@@ -1,0 +1,110 @@
+"""Fixed-shape decode steps, captured as one CUDA graph per padded batch size.
+
+A decode batch of ``R`` requests is padded to the next size of `padded_sizes` (1, 2, 4, ...,
+``max_num_seqs``). The step's per-row inputs (token id, position, hot-state slot, request key)
+travel in one pinned host-to-device copy into persistent device buffers; everything from there
+to the logits (block-table gathers, step metadata, the model with its indexer, the swap-in =
+resolve + gathers on the copy stream, sparse attention, the MoE) reads only those buffers and
+persistent state, without a host read, so it is captured once per size and replayed. Sampling
+stays outside the graph.
+
+Padded rows carry slot ``-1``: no hot state is resolved for them, their block-table rows read
+as empty (0), their write slots are ``-1`` (nothing written, nothing mirrored) and their
+``req_index`` is ``-1`` (the indexer picks nothing), so attention sees no row for them and the
+real rows' values do not depend on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+#: Rows of the input buffer: token id, position, hot-state slot (-1: padding), request key.
+INPUT_ROWS = 4
+
+
+def padded_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes that get a graph: powers of two below ``max_num_seqs``, then it."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
+    sizes, b = [], 1
+    while b < max_num_seqs:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_num_seqs)
+    return sizes
+
+
+#: The step body: padded size -> (logits ``[b, vocab]``, counters ``[b, 3]``).
+StepFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class DecodeGraphs:
+    """Persistent decode inputs, one CUDA graph per padded size (captured lazily), replay.
+
+    Args:
+        max_num_seqs: the largest decode batch.
+        device: where the step runs; graphs only on CUDA.
+        capture: capture graphs (CUDA); ``False`` runs the same fixed-shape step eagerly
+            (the CPU, swap-in timing, debugging).
+    """
+
+    def __init__(self, max_num_seqs: int, device: torch.device, *, capture: bool) -> None:
+        if capture and device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.sizes = padded_sizes(max_num_seqs)
+        self.device = device
+        self.capture = capture
+        B = self.sizes[-1]
+        pin = device.type == "cuda"
+        self.host_inputs = torch.zeros((INPUT_ROWS, B), dtype=torch.int64, pin_memory=pin)
+        self._host_np = self.host_inputs.numpy()
+        #: ``[INPUT_ROWS, max batch]`` int64 on the device; the graphs read slices ``[:, :b]``.
+        self.inputs = torch.zeros((INPUT_ROWS, B), dtype=torch.int64, device=device)
+        self._copied = torch.cuda.Event() if pin else None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: steps run per padded size (eager warm-up steps included)
+        self.steps: dict[int, int] = {}
+
+    def padded_size(self, n: int) -> int:
+        for b in self.sizes:
+            if b >= n:
+                return b
+        raise ValueError(f"decode batch of {n} exceeds max_num_seqs={self.sizes[-1]}")
+
+    def load(self, ids: list[int], positions: list[int], slots: list[int], keys: list[int]) -> int:
+        """Write one step's rows (padding after them) and copy them to the device; returns
+        the padded size. The pinned buffer is rewritten only after its last copy finished."""
+        n = len(ids)
+        b = self.padded_size(n)
+        if self._copied is not None:
+            self._copied.synchronize()
+        h = self._host_np
+        h[:, n:] = 0
+        h[2, n:] = -1
+        h[0, :n], h[1, :n], h[2, :n], h[3, :n] = ids, positions, slots, keys
+        self.inputs.copy_(self.host_inputs, non_blocking=self._copied is not None)
+        if self._copied is not None:
+            self._copied.record()
+        return b
+
+    def run(self, b: int, step: StepFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """Outputs of the step at padded size ``b``: replayed if captured; else run eagerly
+        (the first step of a size also compiles its kernels) and, with ``capture``, captured
+        for the next steps of that size. Outputs are the graph's buffers: read them before
+        the next step."""
+        self.steps[b] = self.steps.get(b, 0) + 1
+        graph = self.graphs.get(b)
+        if graph is not None:
+            graph.replay()
+            return self.outputs[b]
+        out = step(b)
+        if self.capture:
+            # Capture records without running: the eager step above did this step's work.
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.outputs[b] = step(b)
+            self.graphs[b] = graph
+        return out
