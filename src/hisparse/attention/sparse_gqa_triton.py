@@ -71,6 +71,7 @@ def supports(q: Tensor, kv_cache: Tensor, row_format: GqaRowFormat) -> bool:
         and kv_cache.stride(2) == 1
         and kv_cache.shape[2] == row_format.row_bytes
         and all(s % row_format.torch_dtype.itemsize == 0 for s in kv_cache.stride()[:2])
+        and kv_cache.storage_offset() % row_format.torch_dtype.itemsize == 0
     )
 
 
