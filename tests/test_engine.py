@@ -35,11 +35,26 @@ def _prompts(lengths=(40, 23, 70, 33), seed=1) -> list[list[int]]:
 
 
 def _run(
-    path, placement, *, blocks=None, host_gib=0.01, params=GREEDY, prompts=None, seqs=4, **hs
+    path,
+    placement,
+    *,
+    blocks=None,
+    host_gib=0.01,
+    params=GREEDY,
+    prompts=None,
+    seqs=4,
+    llm_kw=None,
+    **hs,
 ):
     cfg = HiSparseConfig(host_pool_gib=host_gib, block_size=4, **hs)
-    kw = dict(kv_placement=placement, hisparse=cfg, kv_format="bf16", max_model_len=128,
-              max_num_seqs=seqs)
+    kw = dict(
+        kv_placement=placement,
+        hisparse=cfg,
+        kv_format="bf16",
+        max_model_len=128,
+        max_num_seqs=seqs,
+        **(llm_kw or {}),
+    )
     gib = 0.02
     if blocks is not None:
         with LLM(path, gpu_memory_gib=gib, **kw) as probe:
@@ -95,8 +110,13 @@ def test_lossless_under_preemption_and_a_tiny_host_pool(checkpoint):
 
 def test_bad_requests_fail_alone(checkpoint):
     prompts = [[], _prompts((30,))[0], list(range(200)), [7, 600]]
-    with LLM(checkpoint, hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4),
-             kv_format="bf16", max_model_len=128, gpu_memory_gib=0.02) as llm:
+    with LLM(
+        checkpoint,
+        hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4),
+        kv_format="bf16",
+        max_model_len=128,
+        gpu_memory_gib=0.02,
+    ) as llm:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert "empty" in outs[0].error
     assert outs[1].ok and len(outs[1].token_ids) == GREEDY.max_tokens
@@ -108,8 +128,13 @@ def test_host_pool_too_small_for_one_request_fails_at_start(checkpoint):
     """Admission counts every token a request may hold, capped at max_model_len, so a pool
     below one max_model_len request is refused when the engine starts, with the fix named."""
     with pytest.raises(HiSparseConfigError, match=r"Set host_pool_gib >= 0\.01 GiB"):
-        LLM(checkpoint, hisparse=HiSparseConfig(host_pool_gib=0.0001, block_size=4),
-            kv_format="bf16", max_model_len=128, gpu_memory_gib=0.02)
+        LLM(
+            checkpoint,
+            hisparse=HiSparseConfig(host_pool_gib=0.0001, block_size=4),
+            kv_format="bf16",
+            max_model_len=128,
+            gpu_memory_gib=0.02,
+        )
 
 
 def test_unknown_model_path(tmp_path):
@@ -144,8 +169,15 @@ def test_persistent_block_tables_follow_every_block_change():
         specs.append(LayerCacheSpec(f"layers.{i}.indexer", CacheKind.INDEXER, 32, 4))
     cfg = HiSparseConfig(top_k=4, host_pool_gib=0.001, block_size=4).resolve()
     for placement in ("hisparse", "gpu"):
-        kv = KVCacheManager(specs, cfg, placement=placement, gpu_budget_bytes=2**20,
-                            max_model_len=64, max_num_seqs=3, device=torch.device("cpu"))
+        kv = KVCacheManager(
+            specs,
+            cfg,
+            placement=placement,
+            gpu_budget_bytes=2**20,
+            max_model_len=64,
+            max_num_seqs=3,
+            device=torch.device("cpu"),
+        )
 
         def check(ids, kv=kv):
             slots = torch.tensor([kv.requests[r].slot for r in ids])
@@ -173,3 +205,108 @@ def test_persistent_block_tables_follow_every_block_change():
         kv.grow("d", 9, keep_all_resident=True)
         check(["d", "a"])
         kv.close()
+
+
+# --- the fixed-shape (padded, sync-free) decode step of the CUDA-graph path, run eagerly ----
+
+PADDED = {"cuda_graphs": True}  # on the CPU: the graphs' padded step without capture
+EAGER = {"cuda_graphs": False}
+
+
+def test_padded_decode_equals_eager(checkpoint):
+    """Batches of 3, 2 and 1 requests padded to 4, 2 and 1 rows give the plain eager step's
+    tokens and swap counters in both placements (so HiSparse == all-GPU on that path too)."""
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (24, 9, 16)]
+    prompts = _prompts((40, 23, 70))
+    tokens = {}
+    for placement in ("gpu", "hisparse"):
+        eager = _run(checkpoint, placement, params=params, prompts=prompts, llm_kw=EAGER)
+        with LLM(
+            checkpoint,
+            kv_placement=placement,
+            kv_format="bf16",
+            max_model_len=128,
+            max_num_seqs=4,
+            gpu_memory_gib=0.02,
+            cuda_graphs=True,
+            hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4),
+        ) as llm:
+            padded = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+            assert llm.runner.graphs is not None and not llm.runner.graphs.capture
+            assert set(llm.runner.graphs.steps) == {4, 2, 1}  # every padded size ran
+        assert _tokens(padded) == _tokens(eager)
+        for a, b in zip(padded, eager, strict=True):
+            assert (a.metrics.hits, a.metrics.misses) == (b.metrics.hits, b.metrics.misses)
+        tokens[placement] = _tokens(padded)
+    assert tokens["hisparse"] == tokens["gpu"]
+
+
+def test_padded_decode_lossless_at_minimum_hot_buffer_and_under_preemption(checkpoint):
+    long = SamplingParams(temperature=0, max_tokens=60)
+    prompts = _prompts((20, 23, 30))
+    ref = _run(checkpoint, "gpu", params=long, prompts=prompts, top_k=4, llm_kw=EAGER)
+    tight = _run(
+        checkpoint,
+        "hisparse",
+        blocks=80,
+        top_k=4,
+        params=long,
+        prompts=prompts,
+        device_buffer_size=4,
+        llm_kw=PADDED,
+    )
+    assert sum(o.metrics.preemptions for o in tight) > 0
+    assert _tokens(tight) == _tokens(ref)
+
+
+@pytest.mark.parametrize("synthetic", [True, False], ids=["synthetic", "model-prefill"])
+def test_padded_decode_replays_the_same_selections(checkpoint, synthetic):
+    """Top-k replay on the padded path: padded rows use a spare replay slot, the selections
+    are those of the eager step, logged once per real row."""
+    prompts = _prompts((30, 45, 21), seed=2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    for name, kw in (("eager", EAGER), ("padded", PADDED)):
+        with LLM(
+            checkpoint,
+            kv_placement="hisparse",
+            kv_format="bf16",
+            max_model_len=96,
+            max_num_seqs=4,
+            gpu_memory_gib=0.02,
+            topk_replay=0.8,
+            synthetic_prefill=synthetic,
+            hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4, device_buffer_size=32),
+            **kw,
+        ) as llm:
+            llm.runner.replay.log = []
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+            log = sorted((k, n, ld, s.tolist()) for ld, k, n, s in llm.runner.replay.log)
+        runs[name] = (_tokens(outs), log, sum(o.metrics.misses for o in outs))
+    assert runs["padded"] == runs["eager"]
+    assert runs["padded"][2] > 0
+
+
+def test_sync_free_moe_matches_the_per_expert_loop():
+    """Every expert on every row, masked by the routing: the per-expert loop's sum, bit for
+    bit when the loop's experts also see every row (the only difference is the matmul's row
+    count, which changes the GEMM's summation order by ~1 ulp), and close to the loop."""
+    from hisparse.models.deepseek_v32 import MoE
+    from hisparse.models.dsa_config import DsaConfig
+    from hisparse.models.tiny import tiny_config_kwargs
+
+    cfg = DsaConfig.from_dict(dict(model_type="deepseek_v32", **tiny_config_kwargs("deepseek_v32")))
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(7, cfg.hidden_size)
+    dense = moe(x, sync_free=True)
+    weights, ids = moe.gate(x)
+    same_rows = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.where(ids == e)
+        y = moe.experts[e](x)[tok] * weights[tok, slot, None]  # expert on all rows, then pick
+        same_rows.index_add_(0, tok, y)
+    assert torch.equal(dense, same_rows + moe.shared_experts(x))
+    torch.testing.assert_close(dense, moe(x), rtol=1e-5, atol=1e-5 * float(dense.abs().max()))

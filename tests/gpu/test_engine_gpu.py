@@ -91,3 +91,88 @@ def test_topk_replay_is_lossless_on_cuda(checkpoint, synthetic):
             assert sum(s["gather_ms"] for s in dec) > 0 and sum(s["resolve_ms"] for s in dec) > 0
     assert tokens["hisparse"] == tokens["gpu"]
     assert logs["hisparse"] == logs["gpu"]
+
+
+# --- CUDA graphs: decode batches padded to captured sizes, swap-in inside the graph ----------
+
+
+def _generate(checkpoint, placement, prompts, params, *, cuda_graphs, blocks=None, llm_kw=None,
+              **hs):  # fmt: skip
+    """Outputs and the sizes whose graphs were captured (blocks: GPU pool size in blocks)."""
+    kw = dict(
+        kv_placement=placement,
+        device="cuda",
+        dtype="float32",
+        kv_format="bf16",
+        max_model_len=256,
+        max_num_seqs=4,
+        cuda_graphs=cuda_graphs,
+        hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4, **hs),
+        **(llm_kw or {}),
+    )
+    gib = 0.05
+    if blocks is not None:
+        with LLM(checkpoint, gpu_memory_gib=gib, **kw) as probe:
+            gib = blocks * probe.kv.layout.gpu_bytes_per_block / 2**30
+    with LLM(checkpoint, gpu_memory_gib=gib, **kw) as llm:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        graphs = llm.runner.graphs
+        captured = sorted(graphs.graphs) if graphs is not None and graphs.capture else []
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    return outs, captured
+
+
+def test_cuda_graphs_lossless_and_same_tokens_as_eager(checkpoint):
+    """Batches of 3, 2, 1 requests (padded to 4, 2, 1) replayed from graphs: HiSparse ==
+    all-GPU, and graphs-on tokens == graphs-off (plain eager) tokens, prompts > top_k."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 23, 70)]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (32, 9, 20)]
+    tokens = {}
+    for placement in ("gpu", "hisparse"):
+        for graphs in (True, False):
+            outs, captured = _generate(checkpoint, placement, prompts, params, cuda_graphs=graphs)
+            tokens[placement, graphs] = [o.token_ids for o in outs]
+            if graphs:
+                assert captured == [1, 2, 4]
+            if placement == "hisparse":
+                assert sum(o.metrics.misses for o in outs) > 0
+    assert tokens["hisparse", True] == tokens["gpu", True]
+    assert tokens["hisparse", True] == tokens["hisparse", False]
+    assert tokens["gpu", True] == tokens["gpu", False]
+
+
+def test_cuda_graphs_lossless_at_minimum_hot_buffer_and_under_preemption(checkpoint):
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (20, 23, 30)]
+    params = SamplingParams(temperature=0, max_tokens=60)
+    ref, _ = _generate(checkpoint, "gpu", prompts, params, cuda_graphs=True, top_k=4)
+    tight, captured = _generate(checkpoint, "hisparse", prompts, params, cuda_graphs=True,
+                                blocks=80, top_k=4, device_buffer_size=4)  # fmt: skip
+    assert captured
+    assert sum(o.metrics.preemptions for o in tight) > 0
+    assert [o.token_ids for o in tight] == [o.token_ids for o in ref]
+
+
+def test_cuda_graphs_replay_the_same_selections(checkpoint):
+    """Top-k replay inside the graphs: the eager step's selections and tokens, per real row."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (90, 61, 120)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs = {}
+    for placement in ("gpu", "hisparse"):
+        for graphs in (True, False):
+            kw = dict(kv_placement=placement, device="cuda", dtype="float32", kv_format="bf16",
+                      max_model_len=192, max_num_seqs=4, gpu_memory_gib=0.05, topk_replay=0.8,
+                      synthetic_prefill=True, cuda_graphs=graphs,
+                      hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4,
+                                              device_buffer_size=32))  # fmt: skip
+            with LLM(checkpoint, **kw) as llm:
+                llm.runner.replay.log = []
+                outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+                log = sorted((k, n, ld, s.tolist()) for ld, k, n, s in llm.runner.replay.log)
+                if graphs:
+                    assert llm.runner.graphs.graphs
+            runs[placement, graphs] = ([o.token_ids for o in outs], log)
+    assert runs["hisparse", True] == runs["hisparse", False]
+    assert runs["gpu", True] == runs["gpu", False] == runs["hisparse", True]

@@ -1,0 +1,316 @@
+"""Where a decode step's time goes: eager steps against CUDA-graph steps, both placements.
+
+Builds a ``v32-attention`` checkpoint (`make_tiny`, 4 layers by default) in a temp dir, then for
+each placement (HiSparse, all-GPU), decode path (eager, graphs) and batch size runs the engine
+with synthetic prefill and top-k replay (overlap 0.8, as ``hisparse bench``) at a long context.
+Per run: decode steps ``[0, skip)`` warm up (kernel compilation, graph capture),
+``[skip + 1, skip + 1 + active)`` are profiled with torch.profiler (after one profiler warm-up
+step), the steps after them are timed unprofiled (their median is the step time reported).
+
+Printed per run: the top ops by self CPU and by self CUDA time, and per profiled step the
+host syncs (stream / device / event synchronize calls, ``.item()``-style scalar reads,
+``nonzero``), kernel launches (graph launches counted apart), and GPU busy time (union of
+kernel and copy intervals in the trace). The summary table comes last. Under ``--out`` (or
+``$OUT``): ``profile_decode.json`` and ``traces.tar.gz`` (chrome traces).
+
+    PYTHONPATH=src python3 benchmarks/profile_decode.py            # H200 defaults
+    PYTHONPATH=src python3 benchmarks/profile_decode.py --device cpu --preset tiny \\
+        --kv-format bf16 --context 100 --batches 1,2 --output 10 --skip 2 --active 2   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import tarfile
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+SYNC_CALLS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy",  # the synchronous copy (the async one is cudaMemcpyAsync)
+)
+SCALAR_READS = ("aten::_local_scalar_dense", "aten::nonzero")
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="deepseek_v32", choices=("deepseek_v32", "glm_moe_dsa"))
+    p.add_argument("--preset", default="v32-attention", choices=("v32-attention", "tiny"))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--context", type=int, default=32000, help="prompt tokens per request")
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--placements", default="hisparse,gpu")
+    p.add_argument("--paths", default="eager,graphs", help="decode paths: eager, graphs")
+    p.add_argument("--output", type=int, default=28, help="new tokens per request")
+    p.add_argument("--skip", type=int, default=4, help="decode steps before profiling")
+    p.add_argument("--active", type=int, default=4, help="profiled decode steps")
+    p.add_argument("--overlap", type=float, default=0.8, help="top-k replay overlap")
+    p.add_argument("--gpu-memory-gib", type=float, default=8.0)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--kv-format", default="auto", help="fp8_ds_mla (auto), bf16")
+    p.add_argument("--device", default=None)
+    p.add_argument("--top-ops", type=int, default=12)
+    p.add_argument("--out", type=Path, default=None, help="default: $OUT, else a temp dir")
+    args = p.parse_args()
+    if args.output < args.skip + args.active + 3:
+        p.error("--output must exceed --skip + --active + 2 (timed steps follow the profile)")
+    return args
+
+
+def build_checkpoint(args: argparse.Namespace, where: Path) -> Path:
+    from hisparse.models.tiny import make_tiny
+
+    path = where / f"{args.arch}-{args.preset}-{args.layers}l"
+    make_tiny(args.arch, path, preset=args.preset, seed=0, num_hidden_layers=args.layers)
+    return path
+
+
+def make_llm(args: argparse.Namespace, ckpt: Path, placement: str, max_batch: int) -> Any:
+    from hisparse import HiSparseConfig
+    from hisparse.engine.llm import LLM
+    from hisparse.kv.row_formats import mla_row_bytes
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    max_len = args.context + args.output + args.block_size
+    fmt = "fp8_ds_mla" if args.kv_format == "auto" else args.kv_format
+    row = mla_row_bytes(fmt, cfg["kv_lora_rank"], cfg["qk_rope_head_dim"])
+    host_gib = 1.2 * max_batch * (max_len + args.block_size) * row * args.layers / 2**30 + 0.05
+    return LLM(
+        ckpt,
+        kv_placement=placement,
+        hisparse=HiSparseConfig(host_pool_gib=host_gib, block_size=args.block_size),
+        max_num_seqs=max_batch,
+        max_model_len=max_len,
+        gpu_memory_gib=args.gpu_memory_gib,
+        device=args.device,
+        kv_format=args.kv_format,
+        max_num_batched_tokens=max_batch * max_len,  # every prompt in one synthetic step
+        topk_replay=args.overlap,
+        synthetic_prefill=True,
+        cuda_graphs=True,
+    )
+
+
+def set_path(llm: Any, path: str) -> None:
+    """Switch the runner's decode path (one model load serves both paths): ``eager`` drops
+    the graphs object, ``graphs`` restores it (graphs already captured stay valid)."""
+    runner = llm.runner
+    if not hasattr(runner, "_saved_graphs"):
+        runner._saved_graphs = runner.graphs
+    runner.graphs = None if path == "eager" else runner._saved_graphs
+    runner.decode_path = path
+
+
+def busy_ms(trace: dict[str, Any]) -> float:
+    """Union of GPU kernel / copy / memset intervals in a chrome trace, in ms."""
+    spans = sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0))
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    total, end = 0.0, float("-inf")
+    for s, t in spans:
+        if t <= end:
+            continue
+        total += t - max(s, end)
+        end = t
+    return total / 1e3
+
+
+def profile_run(
+    args: argparse.Namespace, llm: Any, batch: int, tag: str, out: Path
+) -> dict[str, Any]:
+    from hisparse.engine.sampling import SamplingParams
+
+    llm._ids = itertools.count()  # same request ids (keys of synthetic rows, replay) per run
+    vocab = llm.model.config.vocab_size
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(0, vocab, (args.context,), generator=g).tolist() for _ in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True)
+    cuda = llm.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sched = schedule(wait=args.skip, warmup=1, active=args.active, repeat=1)
+    trace_file = out / f"trace_{tag}.json"
+    prof = profile(activities=acts, schedule=sched)
+    runner = llm.runner
+    orig = runner.run
+    decode_steps = [0]
+
+    def run(batch_, *, decode, finishing):  # type: ignore[no-untyped-def]
+        res = orig(batch_, decode=decode, finishing=finishing)
+        if decode:
+            if cuda:
+                torch.cuda.synchronize()  # step boundaries in the trace are real
+            decode_steps[0] += 1
+            prof.step()
+        return res
+
+    runner.run = run
+    first = len(llm.step_stats)
+    t0 = time.perf_counter()
+    try:
+        with prof:
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    finally:
+        runner.run = orig
+    wall = time.perf_counter() - t0
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    stats = [s for s in llm.step_stats[first:] if s["decode"]]
+    timed = [s for i, s in enumerate(stats) if i >= args.skip + 1 + args.active + 1]
+    timed = [s for s in timed if int(s["running"]) == batch] or timed
+    ms = [1e3 * s["seconds"] for s in timed]
+    prof.export_chrome_trace(str(trace_file))
+    trace = json.loads(trace_file.read_text())
+    ka = prof.key_averages()
+    n = max(args.active, 1)
+
+    def count(names: tuple[str, ...]) -> float:
+        return sum(e.count for e in ka if e.key in names) / n
+
+    device_key = (
+        "self_device_time_total"
+        if hasattr(ka[0], "self_device_time_total")
+        else ("self_cuda_time_total")
+    )
+    top_cpu = sorted(ka, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top_ops]
+    top_dev = sorted(ka, key=lambda e: getattr(e, device_key, 0), reverse=True)[: args.top_ops]
+    hits = sum(o.metrics.hits for o in outs)
+    misses = sum(o.metrics.misses for o in outs)
+    row = dict(
+        tag=tag,
+        batch=batch,
+        decode_steps=len(stats),
+        timed_steps=len(ms),
+        step_ms_median=statistics.median(ms) if ms else None,
+        step_ms_min=min(ms) if ms else None,
+        step_ms_max=max(ms) if ms else None,
+        gpu_busy_ms_per_step=busy_ms(trace) / n if cuda else None,
+        syncs_per_step=count(SYNC_CALLS),
+        scalar_reads_per_step=count(SCALAR_READS),
+        launches_per_step=count(LAUNCHES),
+        graph_launches_per_step=count(GRAPH_LAUNCHES),
+        hit_rate=hits / (hits + misses) if hits + misses else None,
+        wall_s=wall,
+        graphs_captured=sorted(runner.graphs.graphs) if runner.graphs is not None else [],
+        top_self_cpu=[(e.key, e.count, e.self_cpu_time_total / n / 1e3) for e in top_cpu],
+        top_self_cuda=[(e.key, e.count, getattr(e, device_key, 0) / n / 1e3) for e in top_dev],
+        tokens=[o.token_ids for o in outs],
+    )
+    print(f"\n=== {tag}: {len(ms)} timed decode steps, median {row['step_ms_median']} ms ===")
+    print(
+        f"per profiled step: syncs {row['syncs_per_step']:.1f}, scalar reads "
+        f"{row['scalar_reads_per_step']:.1f}, kernel launches {row['launches_per_step']:.1f}, "
+        f"graph launches {row['graph_launches_per_step']:.1f}, GPU busy "
+        f"{row['gpu_busy_ms_per_step']} ms"
+    )
+    print("top self CPU (ms per step, calls in window):")
+    for k, c, t in row["top_self_cpu"]:
+        print(f"  {t:9.3f}  {c:6d}  {k[:100]}")
+    if cuda:
+        print("top self CUDA (ms per step, calls in window):")
+        for k, c, t in row["top_self_cuda"]:
+            print(f"  {t:9.3f}  {c:6d}  {k[:100]}")
+    return row
+
+
+def main() -> int:
+    args = parse_args()
+    out = args.out or Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="profile_decode_"))
+    out.mkdir(parents=True, exist_ok=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    paths = [p for p in args.paths.split(",") if p]
+    results: list[dict[str, Any]] = []
+    meta = dict(vars(args), out=str(out), torch=torch.__version__)
+    if torch.cuda.is_available() and (args.device or "cuda") == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name()
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        ckpt = build_checkpoint(args, Path(tmp))
+        print(f"checkpoint {ckpt.name} written in {time.perf_counter() - t0:.1f} s")
+        for placement in args.placements.split(","):
+            t0 = time.perf_counter()
+            llm = make_llm(args, ckpt, placement, max(batches))
+            print(f"{placement}: engine up in {time.perf_counter() - t0:.1f} s")
+            try:
+                for path in paths:
+                    set_path(llm, path)
+                    for batch in batches:
+                        tag = f"{placement}_{path}_b{batch}"
+                        try:
+                            results.append(
+                                dict(placement=placement, path=path,
+                                     **profile_run(args, llm, batch, tag, out))
+                            )  # fmt: skip
+                        except Exception as exc:  # report and go on
+                            traceback.print_exc()
+                            results.append(dict(placement=placement, path=path, tag=tag,
+                                                batch=batch, error=repr(exc)))  # fmt: skip
+                        (out / "profile_decode.json").write_text(
+                            json.dumps(dict(meta=meta, results=results), indent=1)
+                        )
+            finally:
+                llm.close()
+                del llm
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+    traces = sorted(out.glob("trace_*.json"))
+    if traces:
+        with tarfile.open(out / "traces.tar.gz", "w:gz") as tar:
+            for t in traces:
+                tar.add(t, arcname=t.name)
+        for t in traces:
+            t.unlink()
+    # same tokens across paths (and placements) under the same schedule
+    by_key: dict[int, list[Any]] = {}
+    for r in results:
+        if "tokens" in r:
+            by_key.setdefault(r["batch"], []).append(r["tokens"])
+    same = {b: all(t == ts[0] for t in ts) for b, ts in by_key.items()}
+    print("\nsame tokens across placements and paths, per batch:", same)
+    print(
+        "\n| placement | path | batch | step ms (median) | min | max | GPU busy ms/step | "
+        "syncs/step | scalar reads/step | launches/step | graph launches/step | hit rate |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def f(v: Any, fmt: str = ".2f") -> str:
+        return "-" if v is None else format(v, fmt)
+
+    for r in results:
+        if "error" in r:
+            print(f"| {r['placement']} | {r['path']} | {r['batch']} | error: {r['error'][:60]} |")
+            continue
+        print(
+            f"| {r['placement']} | {r['path']} | {r['batch']} | {f(r['step_ms_median'])} | "
+            f"{f(r['step_ms_min'])} | {f(r['step_ms_max'])} | {f(r['gpu_busy_ms_per_step'])} | "
+            f"{f(r['syncs_per_step'], '.1f')} | {f(r['scalar_reads_per_step'], '.1f')} | "
+            f"{f(r['launches_per_step'], '.0f')} | {f(r['graph_launches_per_step'], '.1f')} | "
+            f"{f(r['hit_rate'], '.3f')} |"
+        )
+    for b in batches:
+        for path in paths:
+            m = {r["placement"]: r.get("step_ms_median") for r in results
+                 if r["batch"] == b and r["path"] == path}  # fmt: skip
+            if m.get("hisparse") and m.get("gpu"):
+                print(f"batch {b}, {path}: HiSparse / all-GPU step time = "
+                      f"{m['hisparse'] / m['gpu']:.3f}")  # fmt: skip
+    print(f"\nJSON and traces under {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
