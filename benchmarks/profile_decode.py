@@ -11,7 +11,7 @@ Printed per run: the top ops by self CPU and by self CUDA time, and per profiled
 host syncs (stream / device / event synchronize calls, ``.item()``-style scalar reads,
 ``nonzero``), kernel launches (graph launches counted apart), and GPU busy time (union of
 kernel and copy intervals in the trace). The summary table comes last. Under ``--out`` (or
-``$OUT``): ``profile_decode.json`` and ``traces.tar.gz`` (chrome traces).
+``$OUT``): ``profile_decode.json`` and ``traces.tar`` (gzipped chrome traces).
 
     PYTHONPATH=src python3 benchmarks/profile_decode.py            # H200 defaults
     PYTHONPATH=src python3 benchmarks/profile_decode.py --device cpu --preset tiny \\
@@ -21,6 +21,8 @@ kernel and copy intervals in the trace). The summary table comes last. Under ``-
 from __future__ import annotations
 
 import argparse
+import gzip
+import io
 import itertools
 import json
 import os
@@ -144,7 +146,7 @@ def profile_run(
     cuda = llm.device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sched = schedule(wait=args.skip, warmup=1, active=args.active, repeat=1)
-    trace_file = out / f"trace_{tag}.json"
+    trace_file = Path(tempfile.mkdtemp(prefix="trace_")) / f"trace_{tag}.json"
     prof = profile(activities=acts, schedule=sched)
     runner = llm.runner
     orig = runner.run
@@ -174,7 +176,15 @@ def profile_run(
     timed = [s for s in timed if int(s["running"]) == batch] or timed
     ms = [1e3 * s["seconds"] for s in timed]
     prof.export_chrome_trace(str(trace_file))
-    trace = json.loads(trace_file.read_text())
+    raw = trace_file.read_bytes()
+    trace = json.loads(raw)
+    # one uncompressed tar of gzipped traces, appended run by run (survives a cut-off run)
+    with tarfile.open(out / "traces.tar", "a") as tar:
+        info = tarfile.TarInfo(f"{trace_file.name}.gz")
+        data = gzip.compress(raw)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    trace_file.unlink()
     ka = prof.key_averages()
     n = max(args.active, 1)
 
@@ -234,6 +244,7 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     paths = [p for p in args.paths.split(",") if p]
     results: list[dict[str, Any]] = []
+    (out / "traces.tar").unlink(missing_ok=True)
     meta = dict(vars(args), out=str(out), torch=torch.__version__)
     if torch.cuda.is_available() and (args.device or "cuda") == "cuda":
         meta["gpu"] = torch.cuda.get_device_name()
@@ -267,13 +278,6 @@ def main() -> int:
                 del llm
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-    traces = sorted(out.glob("trace_*.json"))
-    if traces:
-        with tarfile.open(out / "traces.tar.gz", "w:gz") as tar:
-            for t in traces:
-                tar.add(t, arcname=t.name)
-        for t in traces:
-            t.unlink()
     # same tokens across paths (and placements) under the same schedule
     by_key: dict[int, list[Any]] = {}
     for r in results:
