@@ -162,7 +162,8 @@ def test_rejects_unsupported_inputs() -> None:
 @pytest.mark.parametrize("method", ["fp8", "lowrank", "quest"])
 def test_batched_decode_indexer_equals_per_request(method: str) -> None:
     """`gqa_indexer_topk_decode` (one scoring for a whole decode step, keys padded to the
-    longest request) selects what `gqa_indexer_topk` selects request by request."""
+    longest request or a larger bound, unwritten pages NaN) selects what `gqa_indexer_topk`
+    selects request by request."""
     from hisparse.attention.gqa_indexer_reference import (
         GqaIndexerConfig,
         GqaIndexerFormat,
@@ -193,8 +194,12 @@ def test_batched_decode_indexer_equals_per_request(method: str) -> None:
     q = torch.randn(len(lengths), h, 16, generator=g)
     positions = torch.tensor(lengths) - 1
     width = 24
-    got = gqa_indexer_topk_decode(q, positions, pages, tables, lengths, fmt, cfg, 0.25, width,
-                                  dims)  # fmt: skip
+    got = gqa_indexer_topk_decode(q, positions, pages, tables, torch.tensor(lengths),
+                                  max(lengths), fmt, cfg, 0.25, width, dims)  # fmt: skip
+    # A larger host bound (the static CUDA-graph step passes the table's capacity): same.
+    bound = gqa_indexer_topk_decode(q, positions, pages, tables, torch.tensor(lengths),
+                                    6 * bs, fmt, cfg, 0.25, width, dims)  # fmt: skip
+    assert torch.equal(bound, got)
     for r, n in enumerate(lengths):
         want = gqa_indexer_topk(q[r : r + 1], positions[r : r + 1], pages, tables[r], n, fmt,
                                 cfg, 0.25, width, dims)  # fmt: skip
@@ -238,3 +243,89 @@ def test_model_decode_through_the_kernel_matches_reference(monkeypatch: pytest.M
     got = logits("triton")
     assert len(calls) == 3 * cfg.num_hidden_layers
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_static_decode_step_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fixed-shape decode step of the CUDA-graph path (`DsaStep.static`: a padded batch,
+    no host reads, keys bounded by ``max_len``) gives the eager step's logits for the real rows
+    (summation order aside) through the Triton kernel, and padding rows change nothing."""
+    from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig
+    from hisparse.models.kv_access import DsaStep
+    from hisparse.models.llama import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setenv("HISPARSE_ATTENTION", "triton")
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=16)  # fmt: skip
+    model = LlamaForCausalLM(cfg, GqaIndexerConfig(top_k=20, sink_tokens=2, recent_window=8))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    model.eval()
+    prompts = [torch.randint(0, 64, (n,)).tolist() for n in (30, 9, 25)]
+
+    def prefilled():
+        cache = model.new_dense_cache(max_reqs=3, max_len=40, block_size=4)
+        step = cache.begin_step([0, 1, 2], [len(p) for p in prompts])
+        model(torch.tensor([t for p in prompts for t in p]), step, cache)
+        return cache
+
+    cache = prefilled()
+    step = cache.begin_step([0, 1, 2], [1, 1, 1])
+    want = model.logits(model(torch.tensor([5, 7, 9]), step, cache))
+
+    cache = prefilled()
+    step = cache.begin_step([0, 1, 2], [1, 1, 1])
+    kv, idx = cache.attention(0), cache.indexer(0)
+    _, slots = kv.write_target()
+    # Pad to 4 rows: row 3 is no request (req_index -1, slot -1, length 0).
+    pad = DsaStep(
+        positions=torch.cat((step.positions, torch.zeros(1, dtype=torch.long))),
+        req_index=torch.tensor([0, 1, 2, -1]),
+        seq_lens=torch.cat((step.seq_lens, torch.zeros(1, dtype=torch.long))),
+        max_len=40,
+        static=True,
+    )
+
+    class Padded:
+        """The dense cache's step views with one padding row appended."""
+
+        row_format, indexer_format = cache.row_format, cache.indexer_format
+
+        def attention(self, layer):
+            return _PadLayer(cache.attention(layer))
+
+        def indexer(self, layer):
+            return _PadIndexer(cache.indexer(layer))
+
+    got = model.logits(model(torch.tensor([5, 7, 9, 11]), pad, Padded()))
+    assert slots.shape[0] == 3 and idx is not None
+    torch.testing.assert_close(got[:3], want, atol=1e-4, rtol=1e-4)
+
+
+class _PadLayer:
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def write_target(self):
+        view, slots = self.inner.write_target()
+        return view, torch.cat((slots, torch.full((1,), -1, dtype=slots.dtype)))
+
+    def finish_kv_update(self) -> None:
+        self.inner.finish_kv_update()
+
+    def swap_in(self, logical_topk: torch.Tensor) -> torch.Tensor:
+        assert torch.equal(logical_topk[3], torch.full_like(logical_topk[3], -1))
+        return torch.cat((self.inner.swap_in(logical_topk[:3]), logical_topk[3:]))
+
+
+class _PadIndexer:
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def write_target(self):
+        pages, slots = self.inner.write_target()
+        return pages, torch.cat((slots, torch.full((1,), -1, dtype=slots.dtype)))
+
+    def read_source(self):
+        pages, table = self.inner.read_source()
+        return pages, torch.cat((table, torch.zeros_like(table[:1])))

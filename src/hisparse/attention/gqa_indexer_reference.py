@@ -156,13 +156,29 @@ def write_index_keys(
     slots: torch.Tensor,
     k: torch.Tensor,
     dims: torch.Tensor | None = None,
+    *,
+    sync_free: bool = False,
 ) -> None:
     """Store keys ``k [N, G, D]`` (rotated) of the tokens at physical ``slots`` (``< 0`` skipped).
 
     quest: a token at the first position of its chunk restarts the chunk's bounds, later ones
-    widen them; tokens of one step may share a chunk.
+    widen them; tokens of one step may share a chunk. ``sync_free`` (fp8 / lowrank): write
+    with `write_rows_where` (same bytes, no host read: CUDA-graph capturable).
     """
     fmt.block_size_of(pages)  # validates the page shape
+    if sync_free and fmt.method != "quest":
+        from hisparse.kv.row_formats import write_rows_where
+
+        kf = k.float()
+        if fmt.method == "fp8":
+            row = kf.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).flatten(1).view(torch.uint8)
+        else:
+            if dims is None:
+                raise ValueError("lowrank index keys need the kept dims")
+            picked = torch.gather(kf, 2, dims[None].expand(k.shape[0], -1, -1).to(k.device))
+            row = picked.to(torch.float16).flatten(1).view(torch.uint8)
+        write_rows_where(_row_view(pages, fmt.row_bytes), slots, row)
+        return
     keep = slots >= 0
     slots, k = slots[keep].long(), k[keep].float()
     if slots.numel() == 0:
@@ -368,7 +384,8 @@ def gqa_indexer_topk_decode(
     positions: torch.Tensor,
     pages: torch.Tensor,
     tables: torch.Tensor,
-    lengths: list[int],
+    lengths: torch.Tensor,
+    longest: int,
     fmt: GqaIndexerFormat,
     cfg: GqaIndexerConfig,
     scale: float,
@@ -376,24 +393,27 @@ def gqa_indexer_topk_decode(
     dims: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logical top-k ``int32 [R, width]`` of a decode step: request ``r`` has one query
-    ``q[r]`` at ``positions[r]``, ``lengths[r]`` keys and block-table row ``tables[r]``.
+    ``q[r]`` at ``positions[r]``, ``lengths[r]`` keys (device tensor) and block-table row
+    ``tables[r]``; ``longest`` is a host bound on ``lengths`` (the longest request, or any
+    larger bound such as the block table's capacity).
 
     The same selection rule as `gqa_indexer_topk`, scored for all requests at once (keys padded
-    to the longest request; the causal mask hides the padding), instead of a dozen small ops
-    per request: what makes batch-64 decode affordable on a GPU. Requests that fit in
-    ``top_k`` are dense. quest (per-chunk keys) goes request by request.
+    to ``longest``; the causal mask hides the padding, NaN garbage of unwritten pages too),
+    instead of a dozen small ops per request: what makes batch-64 decode affordable on a GPU.
+    Requests that fit in ``top_k`` are dense. No host read (CUDA-graph capturable), except for
+    quest (per-chunk keys), which goes request by request.
     """
     r, h, _ = q.shape
     dense = dense_topk(positions, width)
-    if cfg.top_k is None or max(lengths, default=0) <= cfg.top_k:
+    if cfg.top_k is None or longest <= cfg.top_k:
         return dense
     if fmt.method == "quest":
+        lens = lengths.tolist()
         return torch.cat([
-            gqa_indexer_topk(q[i : i + 1], positions[i : i + 1], pages, tables[i], lengths[i],
+            gqa_indexer_topk(q[i : i + 1], positions[i : i + 1], pages, tables[i], lens[i],
                              fmt, cfg, scale, width, dims)
             for i in range(r)
         ])  # fmt: skip
-    longest = max(lengths)
     bs = fmt.block_size_of(pages)
     nb = -(-longest // bs)
     per_req = longest * (h + fmt.num_kv_heads * fmt.key_dim)
@@ -416,5 +436,4 @@ def gqa_indexer_topk_decode(
         logits = torch.einsum("rgqd,rsgd->rgqs", qg, keys).reshape(hi - lo, h, -1) * scale
         out.append(select_topk(logits, positions[lo:hi], longest, cfg, width))
     chosen = torch.cat(out)
-    fits = torch.tensor([n <= cfg.top_k for n in lengths], device=q.device)
-    return torch.where(fits[:, None], dense, chosen)
+    return torch.where((lengths <= cfg.top_k)[:, None], dense, chosen)

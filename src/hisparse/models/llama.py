@@ -41,6 +41,7 @@ from hisparse.attention.sparse_gqa_reference import (
     selected_gqa_reference,
     sparse_gqa_decode,
 )
+from hisparse.kv.row_formats import write_rows_where
 from hisparse.models.deepseek_v32 import MLP, RMSNorm, rope_half_split
 from hisparse.models.kv_access import (
     DenseBlockTables,
@@ -60,25 +61,37 @@ class StepPlan:
 
     ``decode``: every request has exactly one token (padding tokens aside); ``decode_rows[r]``
     is then request ``r``'s token. Otherwise ``tokens[r]`` lists request ``r``'s tokens.
+    ``longest``: the most keys of any request (host int). A static step (`DsaStep.static`: a
+    padded decode batch, possibly under CUDA-graph capture) reads nothing from the device:
+    row ``r`` is request ``r`` (padding rows have ``req_index < 0``), ``lens`` is unknown
+    (``None``) and ``longest`` is the step's host bound ``max_len``.
     """
 
-    lens: list[int]
+    lens: list[int] | None
+    longest: int
     decode: bool
     decode_rows: torch.Tensor | None
     tokens: list[torch.Tensor]
+    static: bool = False
 
     @classmethod
     def of(cls, step: Step) -> StepPlan:
-        lens = step.seq_lens.tolist()
         req = step.req_index
+        if step.static:
+            if step.max_len is None:
+                raise ValueError("a static step needs max_len (the host bound on keys)")
+            rows = torch.arange(req.shape[0], device=req.device)
+            return cls(None, step.max_len, True, rows, [], static=True)
+        lens = step.seq_lens.tolist()
         valid = req >= 0
         counts = torch.bincount(req[valid], minlength=len(lens)).tolist()
+        longest = max(lens, default=0)
         if lens and all(c == 1 for c in counts):
             rows = torch.full((len(lens),), -1, dtype=torch.long, device=req.device)
             rows[req[valid]] = torch.nonzero(valid).flatten()
-            return cls(lens, True, rows, [])
+            return cls(lens, longest, True, rows, [])
         tokens = [torch.nonzero(req == r).flatten() for r in range(len(lens))]
-        return cls(lens, False, None, tokens)
+        return cls(lens, longest, False, None, tokens)
 
 
 @dataclass(frozen=True)
@@ -215,11 +228,7 @@ class LlamaAttention(nn.Module):
         # 1. this step's rows into the paged cache.
         kv = cache.attention(self.layer)
         view, slots = kv.write_target()
-        rows = cache.row_format.pack(k, v)
-        keep = slots >= 0
-        bs = view.shape[1]
-        dst = slots[keep].long()
-        view[dst // bs, dst % bs] = rows[keep]
+        write_rows_where(view, slots, cache.row_format.pack(k, v))  # no host sync
         kv.finish_kv_update()
 
         # 2. compact keys, then one logical top-k per query token.
@@ -227,7 +236,7 @@ class LlamaAttention(nn.Module):
         dims = self.index_dims if fmt.method == "lowrank" else None
         idx = cache.indexer(self.layer)
         pages, idx_slots = idx.write_target()
-        write_index_keys(pages, fmt, idx_slots, k, dims)
+        write_index_keys(pages, fmt, idx_slots, k, dims, sync_free=plan.static)
         read_pages, table = idx.read_source()
         topk = self._select(q, step, plan, read_pages, table, fmt, indexer, dims)
 
@@ -257,6 +266,7 @@ class LlamaAttention(nn.Module):
             out, _ = sparse_gqa_decode(q, view, physical, self.scale, fmt)
             return out
         lens = plan.lens
+        assert lens is not None
         dense = [cfg.top_k is None or n <= cfg.top_k for n in lens]
         out = torch.zeros_like(q)  # padding tokens (no request) stay 0
         sparse_tok = []
@@ -295,18 +305,23 @@ class LlamaAttention(nn.Module):
         dims: torch.Tensor | None,
     ) -> torch.Tensor:
         """Logical top-k ``int32 [N, width]``, ``width = min(top_k, longest request)``."""
-        longest = max(plan.lens, default=0)
+        longest = plan.longest
         width = longest if cfg.top_k is None else min(cfg.top_k, longest)
         out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
-        if plan.decode and len(plan.lens) > 1:
-            # One batched scoring for all requests of a decode step.
+        if plan.decode and (plan.static or len(plan.lens or ()) > 1):
+            # One batched scoring for all requests of a decode step (no host read).
             rows = plan.decode_rows
             assert rows is not None
-            out[rows] = gqa_indexer_topk_decode(
-                q[rows], step.positions[rows], pages, table, plan.lens, fmt, cfg, self.scale,
-                width, dims,
+            n_req = rows.shape[0]
+            chosen = gqa_indexer_topk_decode(
+                q[rows], step.positions[rows], pages, table[:n_req], step.seq_lens[:n_req],
+                longest, fmt, cfg, self.scale, width, dims,
             )  # fmt: skip
+            if plan.static:  # padding rows (no request) select nothing
+                return torch.where(step.req_index[:, None] >= 0, chosen, -1)
+            out[rows] = chosen
             return out
+        assert plan.lens is not None
         for r, length in enumerate(plan.lens):
             tok = plan.decode_rows[r : r + 1] if plan.decode else plan.tokens[r]
             if tok.numel() == 0:
