@@ -148,12 +148,15 @@ def _gguf_path():
         pytest.skip(str(e))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize(
+    ("dtype", "graphs"), [("bfloat16", True), ("float32", True), ("bfloat16", False)]
+)
 def test_smollm2_decode_through_the_kernel_is_lossless(
-    dtype: str, monkeypatch: pytest.MonkeyPatch
+    dtype: str, graphs: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SmolLM2 on CUDA, prompts longer than top_k: decode attention runs in the Triton kernel
-    and HiSparse placement gives exactly the all-GPU tokens."""
+    (in the engine's CUDA-graph decode step, and eagerly) and HiSparse placement gives exactly
+    the all-GPU tokens."""
     from pydoc_data.topics import topics
 
     from hisparse import HiSparseConfig
@@ -171,7 +174,9 @@ def test_smollm2_decode_through_the_kernel_is_lossless(
     for placement in ("gpu", "hisparse"):
         cfg = HiSparseConfig(top_k=128, host_pool_gib=0.25)
         with LLM(path, kv_placement=placement, hisparse=cfg, device="cuda", dtype=dtype,
-                 max_model_len=1024, gpu_memory_gib=0.5, max_num_seqs=4) as llm:  # fmt: skip
+                 max_model_len=1024, gpu_memory_gib=0.5, max_num_seqs=4,
+                 cuda_graphs=graphs) as llm:  # fmt: skip
+            assert llm.runner.decode_path == ("graphs" if graphs else "eager")
             prompts = [
                 llm.tokenizer.encode_chat([{"role": "user", "content": topics[name][:1500]}])
                 for name in ("for", "while", "if", "try")
