@@ -368,6 +368,17 @@ def gqa_indexer_topk(
     """
     if cfg.top_k is None or length <= cfg.top_k:
         return dense_topk(positions, width)
+    if q.shape[0] > 1:
+        # A prefill's tokens before position top_k have at most top_k candidates: they keep
+        # every one of them (what scoring would choose too), so only later tokens are scored.
+        late = torch.nonzero(positions >= cfg.top_k).flatten()
+        if late.numel() < q.shape[0]:
+            out = dense_topk(positions, width)
+            if late.numel():
+                out[late] = gqa_indexer_topk(
+                    q[late], positions[late], pages, table, length, fmt, cfg, scale, width, dims
+                )
+            return out
     keys = read_index_keys(pages, fmt, table, length)
     h = q.shape[1]
     step = max(1, _CHUNK_ELEMENTS // max(1, h * length))
