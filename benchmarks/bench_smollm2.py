@@ -173,6 +173,8 @@ def main() -> int:
     )
     ap.add_argument("--gpu-memory-gib", type=float, default=16.0,
                     help="our engine's GPU KV pool on CUDA")  # fmt: skip
+    ap.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
+                    help="our decode steps as CUDA graphs (auto: on CUDA)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON")
     args = ap.parse_args()
@@ -222,10 +224,13 @@ def main() -> int:
             cfg = HiSparseConfig(top_k=k, host_pool_gib=host_gib)
             t0 = time.perf_counter()
             gpu_gib = args.gpu_memory_gib if device.type == "cuda" else host_gib
+            graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
             llm = LLM(str(path), kv_placement=args.placement, hisparse=cfg,
                       max_num_seqs=batch, max_model_len=max_model_len, dtype=dtype_name,
-                      device=args.device, gpu_memory_gib=gpu_gib)  # fmt: skip
+                      device=args.device, gpu_memory_gib=gpu_gib,
+                      cuda_graphs=graphs)  # fmt: skip
             load_s = time.perf_counter() - t0
+            decode_path = llm.runner.decode_path
             try:
                 run_ours(llm, prompt, warm, WARMUP_TOKENS)
                 ours = run_ours(llm, prompt, batch, args.max_tokens)
@@ -239,6 +244,7 @@ def main() -> int:
             same = common_prefix(ours["tokens"][0], hf["tokens"][0])
             row = {
                 "batch": batch, "top_k": k, "dense": dense, "placement": args.placement,
+                "decode_path": decode_path,
                 "load_s": load_s, "ours": ours, "transformers": hf,
                 "decode_ratio": ours["decode_tok_s"] / hf["decode_tok_s"],
                 "ttft_ratio": ours["ttft_s"] / hf["ttft_s"],
@@ -246,7 +252,8 @@ def main() -> int:
                 "same_prefix": same, "all_same": same == args.max_tokens,
             }  # fmt: skip
             results.append(row)
-            log(f"batch {batch} ours top_k {k}: decode {ours['decode_tok_s']:.1f} tok/s "
+            log(f"batch {batch} ours top_k {k} ({decode_path}): decode "
+                f"{ours['decode_tok_s']:.1f} tok/s "
                 f"({row['decode_ratio']:.2f}x), TTFT {ours['ttft_s']:.3f} s, total "
                 f"{ours['total_tok_s']:.1f} tok/s, hit rate {100 * ours['hit_rate']:.1f}%, "
                 f"first {same}/{args.max_tokens} tokens of request 0 equal HF's")  # fmt: skip
