@@ -335,7 +335,8 @@ class ModelRunner:
         kv, bs, dev = self.kv, self.config.block_size, self.device
         while kv.pending_slot_resets:
             self.reset_slot(kv.pending_slot_resets.pop())
-        if decode and self.graphs is not None:
+        if decode and self.graphs is not None and all(n == 1 for _, n in batch):
+            # the fixed-shape step holds one row per request (no speculative rows)
             return self._run_static_decode([req for req, _ in batch])
         R = len(batch)
         starts = [req.num_computed for req, _ in batch]
