@@ -1,7 +1,7 @@
 """Property test: the real runtime against an independent plain-Python model of the cache.
 
 A hypothesis state machine drives `SparseLayerRuntime` + `IndexGroup` + `CacheHandle` (CPU
-tensors, reference ops) through long random request lifecycles: requests start (slot reset,
+tensors) through long random request lifecycles: requests start (slot reset,
 prompt written directly + `invalidate_written` or through `finish_kv_update`, optional warm
 start), decode with 1..max_query_len rows each (speculative rows, some rejected and rewritten
 in the next step), spill and reload resident pages, rewrite host rows (recompute), and
@@ -12,7 +12,8 @@ from the text with lists and dicts, and keeps a byte-exact copy of every host an
 tensor, so any write the runtime does that the contract does not call for shows up. After
 every step the outputs (physical rows, valid counts, swap lists, hit/miss counts), the hot
 state of every slot, the running totals and every byte of every layer's memory are compared,
-and the §5 invariants are checked.
+and the §5 invariants are checked. The machine runs twice: on the reference ops (the oracle)
+and on `cpu_ops` (what the runtime uses for CPU tensors), each against the same model.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from hypothesis.stateful import (
 from hisparse.config import HiSparseConfig, cdiv
 from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.cache_handle import CacheHandle
+from hisparse.runtime.ops import cpu_ops, ops_for, reference
 from hisparse.runtime.runtime import SparseLayerRuntime
 from hisparse.runtime.staging import PrefillStagingPlan
 
@@ -220,6 +222,9 @@ def runtime_configs(draw: st.DrawFn) -> dict[str, int]:
 class RuntimeMachine(RuleBasedStateMachine):
     """Runtime under random request lifecycles, checked against `HotModel` + `Memory`."""
 
+    #: The data-plane ops the runtime calls (every op goes through ``IndexGroup.ops``).
+    OPS: object = reference
+
     def __init__(self) -> None:
         super().__init__()
         self.ready = False
@@ -285,6 +290,8 @@ class RuntimeMachine(RuleBasedStateMachine):
             self.mem.append(Memory(_view_bytes(host), _view_bytes(dev), W))
         CacheHandle.link_index_group(self.handles)
         self.group = self.layers[0].group
+        assert self.group.ops is ops_for("cpu")
+        self.group.ops = self.OPS
         self.group.bind_hot_block_table(_i32(hot_bt))
         self.model = HotModel(self.S, self.H, self.bs, hot_bt)
         self.gen: dict[int, int] = {}  # host row -> write generation
@@ -827,13 +834,20 @@ class RuntimeMachine(RuleBasedStateMachine):
                     )
 
 
-RuntimeMachine.TestCase.settings = settings(
+class CpuOpsRuntimeMachine(RuntimeMachine):
+    OPS = cpu_ops
+
+
+_MACHINE_SETTINGS = settings(
     max_examples=200,
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+RuntimeMachine.TestCase.settings = _MACHINE_SETTINGS
+CpuOpsRuntimeMachine.TestCase.settings = _MACHINE_SETTINGS
 TestRuntimeAgainstModel = RuntimeMachine.TestCase
+TestRuntimeWithCpuOpsAgainstModel = CpuOpsRuntimeMachine.TestCase
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """One dispatch point for the data-plane ops (DESIGN.md §4).
 
 Every op exists as a plain-PyTorch reference (`reference`) and may have a kernel backend
-registered for a device type (the Triton kernels register for ``cuda``). Callers ask
-`ops_for(device)` once and call the returned namespace; ``HISPARSE_OPS=reference`` forces the
-reference everywhere (debugging, A/B checks). ``HISPARSE_OPS=triton`` forces the Triton kernels
-on every device: on CPU tensors that needs ``TRITON_INTERPRET=1`` set before Triton is first
-imported (the CPU tests do this).
+registered for a device type: the Triton kernels register for ``cuda``, the vectorised numpy
+ops of `cpu_ops` for ``cpu`` (the reference's per-request loops of small torch ops dominated a
+CPU decode step). Callers ask `ops_for(device)` once and call the returned namespace;
+``HISPARSE_OPS=reference`` forces the reference everywhere (debugging, A/B checks).
+``HISPARSE_OPS=cpu`` forces `cpu_ops` (which hands non-CPU tensors to the reference).
+``HISPARSE_OPS=triton`` forces the Triton kernels on every device: on CPU tensors that needs
+``TRITON_INTERPRET=1`` set before Triton is first imported (the CPU tests do this).
 
 The Triton module is imported lazily, on the first ``ops_for("cuda")``, so importing this
 package never imports Triton; where Triton is missing, CUDA falls back to the reference.
@@ -19,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from hisparse.runtime.ops import reference
+from hisparse.runtime.ops import cpu_ops, reference
 
 
 class DataPlaneOps(Protocol):
@@ -70,10 +72,12 @@ def _load_cuda_backend() -> None:
 def ops_for(device: torch.device | str) -> ModuleType | object:
     """The op namespace used for tensors on ``device``."""
     choice = os.environ.get("HISPARSE_OPS", "auto")
-    if choice not in ("auto", "reference", "triton"):
-        raise ValueError(f"HISPARSE_OPS={choice!r}: use 'auto', 'reference' or 'triton'.")
+    if choice not in ("auto", "reference", "cpu", "triton"):
+        raise ValueError(f"HISPARSE_OPS={choice!r}: use 'auto', 'reference', 'cpu' or 'triton'.")
     if choice == "reference":
         return reference
+    if choice == "cpu":
+        return cpu_ops
     if choice == "triton":
         return triton_ops()
     kind = torch.device(device).type
@@ -82,4 +86,14 @@ def ops_for(device: torch.device | str) -> ModuleType | object:
     return _backends.get(kind, reference)
 
 
-__all__ = ["OP_NAMES", "DataPlaneOps", "ops_for", "reference", "register_backend", "triton_ops"]
+register_backend("cpu", cpu_ops)
+
+__all__ = [
+    "OP_NAMES",
+    "DataPlaneOps",
+    "cpu_ops",
+    "ops_for",
+    "reference",
+    "register_backend",
+    "triton_ops",
+]

@@ -227,3 +227,32 @@ def compare(a: dict[str, Tensor], b: dict[str, Tensor]) -> list[str]:
         if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.cpu(), y.cpu()):
             bad.append(k)
     return bad
+
+
+def random_paged_view(
+    num_blocks: int, block_size: int, row_bytes: int, row_stride: int, g: torch.Generator
+) -> Tensor:
+    """A random paged uint8 view ``[num_blocks, block_size, row_bytes]`` whose rows may sit
+    apart (``row_stride > row_bytes``: token-major host layout) and whose blocks are padded,
+    at a storage offset: a gather must honour every stride."""
+    block_stride = block_size * row_stride + 16
+    raw = torch.randint(0, 256, (num_blocks * block_stride + 32,), dtype=torch.uint8, generator=g)
+    return raw.as_strided((num_blocks, block_size, row_bytes), (block_stride, row_stride, 1), 16)
+
+
+def make_invalidate_case(
+    seed: int, *, S: int = 5, H: int = 24, Q: int = 4, n: int = 12, rows: int = 40
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(hot_index, request_state_indices, row_req, written_rows) for invalidate_written_slots:
+    partly filled slots, one padding request, padding rows and ``-1`` writes, and more
+    ``row_req`` entries than written rows (the op reads the common prefix)."""
+    g = torch.Generator().manual_seed(seed)
+    hot = torch.full((S, H), -1, dtype=torch.int32)
+    for s in range(S):
+        k = int(torch.randint(0, H, (1,), generator=g))
+        hot[s, torch.randperm(H, generator=g)[:k]] = torch.randperm(rows, generator=g)[:k].int()
+    state = torch.randperm(S, generator=g)[:Q].int()
+    state[int(torch.randint(0, Q, (1,), generator=g))] = -1
+    row_req = torch.randint(-1, Q, (n + 2,), generator=g).int()
+    written = torch.randint(-1, rows, (n,), generator=g).int()
+    return hot, state, row_req, written
