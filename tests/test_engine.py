@@ -318,10 +318,10 @@ def test_sync_free_moe_matches_the_per_expert_loop():
 
 
 def test_triton_swap_in_stays_lossless_when_the_batch_shrinks(checkpoint, monkeypatch):
-    """The Triton resolve writes swap counts of this step's requests only and the gathers
-    walk every row of the swap lists: when the middle request finishes and the last one moves
-    up a row, the runner must clear the stale row, or its old copies land in hot slots that
-    hold other rows by now (both decode paths diverged from all-GPU before the fix)."""
+    """The gathers walk every row of the swap lists: when the middle request finishes and the
+    last one moves up a row, resolve must leave no stale count past this step's requests, or
+    the old copies land in hot slots that hold other rows by now (the Triton resolve once
+    wrote only this step's counts; both decode paths then diverged from all-GPU)."""
     pytest.importorskip("triton")
     prompts = _prompts((40, 23, 70), seed=3)
     params = [SamplingParams(temperature=0, max_tokens=n) for n in (4, 2, 6)]

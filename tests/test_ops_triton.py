@@ -82,6 +82,7 @@ def test_resolve_random_multistep(seed: int) -> None:
         with_resident=pick([True, False]),
         with_optional=pick([True, False]),
         extra_out_rows=pick([0, 2]),
+        extra_req_rows=pick([0, 3]),  # per-request buffers sized for more requests
         index_dtype=pick([torch.int32, torch.int64]),
     )
     _run_both(case, steps=3, seed=seed)

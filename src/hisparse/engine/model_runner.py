@@ -380,8 +380,6 @@ class ModelRunner:
             host_slot_mapping=rows_of(host_bt) if kv.offload else None,
         )
         tables = [GroupTables(resident_block_table=t, slot_mapping=rows_of(t)) for t in res_tables]
-        if decode:
-            self._clear_swap_lists()
         for leader in self.leaders:
             leader.prepare_group_for_batch(meta, tables[kv.group_of_layer[leader.runtime.name]])
 
@@ -434,21 +432,6 @@ class ModelRunner:
         if decode:
             self._record_hits([req for req, _ in batch])
         return StepResult(logits=logits, sample_reqs=sample_reqs, token_ids=tokens)
-
-    def _clear_swap_lists(self) -> None:
-        """Zero every row's swap count before a decode step's resolve.
-
-        Workaround for the Triton backend: its resolve writes the swap counts of this step's
-        ``Q`` requests only, while the gathers walk all ``max_num_seqs`` rows of the swap
-        lists, so a step with fewer requests than an earlier one re-ran the earlier step's
-        stale copies of rows ``>= Q`` into hot slots that may hold other rows by now (the
-        reference op zeroes every count). Seen on the H200 (CUDA-graph test) and on the CPU
-        with ``HISPARSE_OPS=triton`` (both decode paths): HiSparse tokens left the all-GPU
-        tokens once the batch shrank. One memset per index group (inside the graph on the
-        CUDA-graph path)."""
-        if self.kv.offload:
-            for leader in self.leaders:
-                leader.runtime.group.swap_count.zero_()
 
     # --- fixed-shape decode (padded batch; CUDA graphs) -----------------------------------
     def _run_static_decode(self, reqs: list[Request]) -> StepResult:
@@ -532,7 +515,6 @@ class ModelRunner:
             host_slot_mapping=rows_of(host_bt) if kv.offload else None,
         )
         tables = [GroupTables(resident_block_table=t, slot_mapping=rows_of(t)) for t in res_tables]
-        self._clear_swap_lists()
         for leader in self.leaders:
             leader.prepare_group_for_batch(meta, tables[kv.group_of_layer[leader.runtime.name]])
         step = DsaStep(

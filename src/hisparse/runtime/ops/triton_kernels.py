@@ -593,6 +593,12 @@ def resolve_residency(
         if hit_miss is not None:
             hit_miss.zero_()
         return
+    # The kernels write the counts of this call's Q requests only; like the reference, leave
+    # none stale past them (buffers sized for more requests feed the gathers' fixed grids).
+    if swap_count.shape[0] > Q:
+        swap_count[Q:].zero_()
+    if hit_miss is not None and hit_miss.shape[0] > Q:
+        hit_miss[Q:].zero_()
     if max_rows_per_request is None:
         max_rows_per_request = max(1, min(R, H // max(K, 1)))
     rows = _next_pow2(max(1, min(R, max_rows_per_request)))

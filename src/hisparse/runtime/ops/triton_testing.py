@@ -125,6 +125,7 @@ def make_resolve_case(
     with_resident: bool = True,
     with_optional: bool = True,
     extra_out_rows: int = 0,
+    extra_req_rows: int = 0,
     shuffle_rows: bool = True,
     index_dtype: torch.dtype = torch.int32,
 ) -> ResolveCase:
@@ -193,13 +194,15 @@ def make_resolve_case(
         lru=lru,
         block_size=bs,
         out_physical=out,
-        swap_src=torch.full((Q, H), POISON, dtype=torch.int32),
-        swap_dst=torch.full((Q, H), POISON, dtype=torch.int32),
-        swap_count=torch.full((Q,), POISON, dtype=torch.int32),
+        swap_src=torch.full((Q + extra_req_rows, H), POISON, dtype=torch.int32),
+        swap_dst=torch.full((Q + extra_req_rows, H), POISON, dtype=torch.int32),
+        swap_count=torch.full((Q + extra_req_rows,), POISON, dtype=torch.int32),
         valid_counts=torch.full((R + extra_out_rows,), POISON, dtype=torch.int32)
         if with_optional
         else None,
-        hit_miss=torch.full((Q, 2), POISON, dtype=torch.int32) if with_optional else None,
+        hit_miss=torch.full((Q + extra_req_rows, 2), POISON, dtype=torch.int32)
+        if with_optional
+        else None,
         meta={"cand_pos": cand_pos, "n_pos": n_pos},
     )
     return case
