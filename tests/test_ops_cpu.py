@@ -291,8 +291,12 @@ def test_gather_plan_within_one_view(seed: int) -> None:
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("broadcast_max", [1 << 16, 0])  # compare all pairs / sorted keys
 @pytest.mark.parametrize("seed", range(8))
-def test_invalidate_matches_reference(seed: int) -> None:
+def test_invalidate_matches_reference(
+    seed: int, broadcast_max: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cpu, "_INVALIDATE_BROADCAST_MAX", broadcast_max)
     hot, state, row_req, written = make_invalidate_case(80 + seed)
     a, b = hot.clone(), hot.clone()
     ref.invalidate_written_slots(a, state, row_req, written)
@@ -301,7 +305,11 @@ def test_invalidate_matches_reference(seed: int) -> None:
     assert not torch.equal(a, hot) or seed  # the first case changes something
 
 
-def test_invalidate_two_requests_on_one_slot_and_bad_request() -> None:
+@pytest.mark.parametrize("broadcast_max", [1 << 16, 0])
+def test_invalidate_two_requests_on_one_slot_and_bad_request(
+    broadcast_max: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cpu, "_INVALIDATE_BROADCAST_MAX", broadcast_max)
     hot, state, row_req, written = make_invalidate_case(99, S=3, Q=3)
     state[:] = torch.tensor([1, 1, 2], dtype=torch.int32)
     a, b = hot.clone(), hot.clone()

@@ -31,7 +31,7 @@ __all__ = [
 
 
 def _on_cpu(*tensors: Tensor | None) -> bool:
-    return all(t is None or t.device.type == "cpu" for t in tensors)
+    return all(t is None or t.is_cpu for t in tensors)
 
 
 def _np(t: Tensor) -> np.ndarray:
@@ -39,30 +39,42 @@ def _np(t: Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
-def _row_view(view: Tensor) -> np.ndarray:
-    """A paged ``[NB, BS, W]`` view as ``[NB * BS, W]`` rows (a view where strides allow)."""
-    a = _np(view)
+def _flat_rows(a: np.ndarray) -> np.ndarray | None:
+    """A paged ``[NB, BS, W]`` array as ``[NB * BS, W]`` rows, or ``None`` where its strides
+    do not allow a view (blocks not ``BS`` rows apart, e.g. one layer's pages in a shared pool).
+    """
     nb, bs, w = a.shape
     s0, s1, s2 = a.strides
-    if s0 == bs * s1 or nb <= 1:
-        return np.lib.stride_tricks.as_strided(a, (nb * bs, w), (s1, s2), writeable=True)
-    return a.reshape(nb * bs, w)  # a copy: only for reading
+    if s0 != bs * s1 and nb > 1:
+        return None
+    return np.lib.stride_tricks.as_strided(a, (nb * bs, w), (s1, s2), writeable=True)
+
+
+def _take_rows(src: Tensor, rows: np.ndarray) -> np.ndarray:
+    """``src`` rows ``rows`` as a new ``[n, W]`` array."""
+    a = _np(src)
+    flat = _flat_rows(a)
+    if flat is not None:
+        return np.take(flat, rows, axis=0)
+    bs = a.shape[1]
+    return a[rows // bs, rows % bs]
 
 
 def _put_rows(dst: Tensor, rows: np.ndarray, values: np.ndarray) -> None:
     """``dst`` row ``rows[i]`` = ``values[i]`` (the paged view written in place)."""
-    d = _np(dst)
-    nb, bs, _ = d.shape
-    if d.strides[0] == bs * d.strides[1] or nb <= 1:
-        _row_view(dst)[rows] = values
+    a = _np(dst)
+    flat = _flat_rows(a)
+    if flat is not None:
+        flat[rows] = values
     else:
-        d[rows // bs, rows % bs] = values
+        bs = a.shape[1]
+        a[rows // bs, rows % bs] = values
 
 
 def _copy_rows(src: Tensor, dst: Tensor, src_rows: np.ndarray, dst_rows: np.ndarray) -> None:
     """``dst`` row ``dst_rows[i]`` = ``src`` row ``src_rows[i]`` (all read before any write)."""
     if src_rows.size:
-        _put_rows(dst, dst_rows, np.take(_row_view(src), src_rows, axis=0))
+        _put_rows(dst, dst_rows, _take_rows(src, src_rows))
 
 
 def _swap_entries(
@@ -111,7 +123,7 @@ def gather_compact_group(
     src, dst = _swap_entries(swap_src, swap_dst, swap_count)
     if src.size == 0:
         return
-    spans = np.take(_row_view(host_span), src, axis=0)
+    spans = _take_rows(host_span, src)
     for j, dev in enumerate(devices):
         _put_rows(dev, dst, spans[:, j * rb : (j + 1) * rb])
 
@@ -127,6 +139,11 @@ def gather_plan(src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, ma
     _copy_rows(src, dst, s, d)
 
 
+#: Up to this many (written row x hot slot) pairs, invalidation compares them all at once;
+#: above it (long prefills), it matches sorted keys instead.
+_INVALIDATE_BROADCAST_MAX = 1 << 16
+
+
 def invalidate_written_slots(
     hot_index: Tensor, request_state_indices: Tensor, row_req: Tensor, written_rows: Tensor
 ) -> None:
@@ -134,36 +151,55 @@ def invalidate_written_slots(
     if not _on_cpu(hot_index, request_state_indices, row_req, written_rows):
         reference.invalidate_written_slots(hot_index, request_state_indices, row_req, written_rows)
         return
-    n = min(row_req.numel(), written_rows.numel())
-    reqs = _np(row_req)[:n].astype(np.int64)
-    rows = _np(written_rows)[:n].astype(np.int64)
+    n = min(row_req.shape[0], written_rows.shape[0])
+    reqs = _np(row_req)[:n]
+    rows = _np(written_rows)[:n]
     keep = (reqs >= 0) & (rows >= 0)
     if not keep.any():
         return
     reqs, rows = reqs[keep], rows[keep]
     state = _np(request_state_indices)
+    hot = _np(hot_index)
     if int(reqs.max()) >= state.shape[0]:  # the reference raises an IndexError
         reference.invalidate_written_slots(hot_index, request_state_indices, row_req, written_rows)
         return
-    slots = state[reqs].astype(np.int64)
+    slots = state[reqs]
     mine = slots >= 0
-    if not mine.any():
-        return
-    slots, rows = slots[mine], rows[mine]
-    hot = _np(hot_index)
+    if not mine.all():
+        slots, rows = slots[mine], rows[mine]
+        if slots.size == 0:
+            return
     if int(slots.max()) >= hot.shape[0]:  # the reference raises an IndexError
         reference.invalidate_written_slots(hot_index, request_state_indices, row_req, written_rows)
         return
+    H = hot.shape[1]
+    if slots.size * H <= _INVALIDATE_BROADCAST_MAX:
+        # Written entry e empties slot h of its state slot where that slot holds its row.
+        e, h = np.nonzero(hot[slots] == rows[:, None])
+        hot[slots[e], h] = -1
+        return
     touched, which = np.unique(slots, return_inverse=True)
     sub = hot[touched].astype(np.int64)  # [n_touched, H]
-    # Match (slot, row) pairs through one key; -1 entries never match (rows >= 0).
     span = int(max(int(sub.max()), int(rows.max()))) + 1
     hot_keys = np.arange(touched.size, dtype=np.int64)[:, None] * span + sub
-    hot_keys[sub < 0] = -1
+    hot_keys[sub < 0] = -1  # rows >= 0: an empty slot matches nothing
     stale = np.isin(hot_keys, which.astype(np.int64) * span + rows)
     if stale.any():
         sub[stale] = -1
         hot[touched] = sub
+
+
+def _unique_first(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sorted distinct keys, index of each one's first occurrence, inverse map): what
+    ``np.unique(..., return_index=True, return_inverse=True)`` gives, with less overhead."""
+    perm = np.argsort(keys, kind="stable")
+    ordered = keys[perm]
+    new = np.empty(keys.size, dtype=bool)
+    new[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
+    inverse = np.empty(keys.size, dtype=np.int64)
+    inverse[perm] = np.cumsum(new) - 1
+    return ordered[new], perm[new], inverse
 
 
 def resolve_residency(
@@ -188,9 +224,9 @@ def resolve_residency(
     """`reference.resolve_residency` for the whole batch at once (same contract, same bits).
 
     Every request's entries are handled together: the wanted sets are the distinct
-    (request, host row) keys in order of first appearance, hits are found by one sorted
-    search over the touched slots' hot rows, and each slot's new LRU order is a scatter of
-    its old order (evictable slots rotated by the miss count, then the hit slots).
+    (request, host row) keys, hits are found by searching the touched slots' held rows among
+    those sorted keys, and each slot's new LRU order is a scatter of its old order
+    (evictable slots rotated by the miss count, then the hit slots).
     """
     args = (
         topk, row_req, request_state_indices, source_block_table, resident_block_table,
@@ -201,17 +237,19 @@ def resolve_residency(
     def oracle() -> None:
         reference.resolve_residency(*args, max_rows_per_request=max_rows_per_request)
 
-    if not _on_cpu(*[a for a in args if isinstance(a, Tensor)]):
+    if not _on_cpu(
+        topk, row_req, request_state_indices, source_block_table, resident_block_table,
+        hot_block_table, hot_index, lru, out_physical, swap_src, swap_dst, swap_count,
+        valid_counts, hit_miss,
+    ):  # fmt: skip
         oracle()
         return
     bs = int(block_size)
     S, H = hot_index.shape
     R, K = topk.shape
     Q = request_state_indices.shape[0]
-    state = _np(request_state_indices).astype(np.int64)
-    rq = np.full(R, -1, dtype=np.int64)
-    n_req_rows = min(R, row_req.shape[0])
-    rq[:n_req_rows] = _np(row_req)[:n_req_rows]
+    state = _np(request_state_indices)
+    rq = _np(row_req)[:R].astype(np.int64)
     live = (rq >= 0) & (rq < Q)
     live[live] = state[rq[live]] >= 0
     live_rows = np.flatnonzero(live)
@@ -231,12 +269,11 @@ def resolve_residency(
 
     # Inputs the reference rejects: let it raise (after the same partial updates).
     rows_per_req = np.bincount(q_of_row, minlength=Q)
-    reqs = np.flatnonzero(rows_per_req)
-    slots_of_reqs = state[reqs]
+    slots_of_reqs = state[rows_per_req > 0].astype(np.int64)
     if (
         (max_rows_per_request is not None and int(rows_per_req.max()) > max_rows_per_request)
         or int(slots_of_reqs.max()) >= S
-        or np.unique(slots_of_reqs).size != slots_of_reqs.size
+        or (slots_of_reqs.size > 1 and int(np.bincount(slots_of_reqs).max()) > 1)
     ):
         oracle()
         return
@@ -267,16 +304,15 @@ def resolve_residency(
     if entries.size == 0:
         out[live_rows] = phys
         return
-    e_q = q_of_row[entries // K] if K else q_of_row[:0]
+    e_q = q_of_row[entries // K]
     e_g = host_row.reshape(-1)[entries]
     if int(e_g.min()) < 0:
         oracle()
         return
-    # Wanted sets: distinct (request, host row) keys; unique() sorts by key, so by request
-    # and then by host row (the swap list's order), and returns each key's first entry.
-    hot = _np(hot_index)
+    # Wanted sets: distinct (request, host row) keys, sorted by request and then host row
+    # (the swap list's order), with each key's first entry (the wanted-set order).
     span = int(e_g.max()) + 1
-    keys, first, inverse = np.unique(e_q * span + e_g, return_index=True, return_inverse=True)
+    keys, first, inverse = _unique_first(e_q * span + e_g)
     u_q = keys // span
     u_g = keys - u_q * span
     wanted_per_req = np.bincount(u_q, minlength=Q)
@@ -286,67 +322,62 @@ def resolve_residency(
     # The touched slots (one per request that wants rows), ranked in request order.
     t_reqs = np.flatnonzero(wanted_per_req)
     t_slots = state[t_reqs]
-    rank_of_req = np.zeros(Q, dtype=np.int64)
-    rank_of_req[t_reqs] = np.arange(t_reqs.size)
-    u_rank = rank_of_req[u_q]
     n_t = t_reqs.size
+    rank_of_req = np.zeros(Q, dtype=np.int64)
+    rank_of_req[t_reqs] = np.arange(n_t)
+    u_rank = rank_of_req[u_q]
 
-    # Hits: search each wanted key among the touched slots' held rows.
+    # Hits: each held row of a touched slot searched among the sorted wanted keys.
+    hot = _np(hot_index)
     held = hot[t_slots].astype(np.int64)  # [n_t, H]
-    held_keys = (np.arange(n_t, dtype=np.int64)[:, None] * span + held).reshape(-1)
-    held_keys[((held < 0) | (held >= span)).reshape(-1)] = -1  # never wanted: no key
-    by_key = np.argsort(held_keys, kind="stable")
-    sorted_keys = held_keys[by_key]
-    at = np.minimum(np.searchsorted(sorted_keys, u_rank * span + u_g), sorted_keys.size - 1)
-    is_hit = sorted_keys[at] == u_rank * span + u_g
-    hit_slot = by_key[at] - u_rank * H  # slot within the row (valid where is_hit)
+    held_keys = t_reqs[:, None] * span + held
+    held_keys[(held < 0) | (held >= span)] = -1  # never wanted: matches no key
+    at = np.minimum(np.searchsorted(keys, held_keys), keys.size - 1)
+    hit_mask = keys[at] == held_keys  # [n_t, H] slot holds a wanted row
+    hit_u = at[hit_mask]
+    is_hit = np.zeros(keys.size, dtype=bool)
+    is_hit[hit_u] = True
+    slot_of_u = np.empty(keys.size, dtype=np.int64)
+    slot_of_u[hit_u] = np.nonzero(hit_mask)[1]
 
-    hit_mask = np.zeros((n_t, H), dtype=bool)
-    hit_mask[u_rank[is_hit], hit_slot[is_hit]] = True
+    # New LRU order: evictable slots past the misses, the slots just filled, then the hits.
+    row_base = (np.arange(n_t, dtype=np.int64) * H)[:, None]
     order = _np(lru)[t_slots].astype(np.int64)  # [n_t, H] oldest first
-    hit_in_order = np.take_along_axis(hit_mask, order, 1)
+    hit_in_order = hit_mask.reshape(-1)[order + row_base]
     evictable = ~hit_in_order
-    ev_rank = np.cumsum(evictable, 1) - 1
-    hit_rank = np.cumsum(hit_in_order, 1) - 1
-    n_ev = evictable.sum(1)
+    ev_seen = np.cumsum(evictable, 1)  # evictable slots up to and including each position
+    n_ev = ev_seen[:, -1:]
     is_miss = ~is_hit
     n_miss = np.bincount(u_rank[is_miss], minlength=n_t)
-    # New order: evictable slots past the misses, the slots just filled, then the hits.
+    ev_rank = ev_seen - 1
     new_at = np.where(
         evictable,
-        (ev_rank - n_miss[:, None]) % np.maximum(n_ev, 1)[:, None],
-        n_ev[:, None] + hit_rank,
+        (ev_rank - n_miss[:, None]) % np.maximum(n_ev, 1),
+        n_ev + np.arange(H) - ev_seen,
     )
-    new_order = np.empty_like(order)
-    np.put_along_axis(new_order, new_at, order, 1)
+    new_order = np.empty(n_t * H, dtype=np.int64)
+    new_order[new_at + row_base] = order
 
-    # Misses, in wanted-set order (first appearance) per request, take the oldest evictables.
-    wanted_order = np.argsort(u_rank * entries.size + first, kind="stable")
-    miss_w = wanted_order[is_miss[wanted_order]]  # unique ids of misses, wanted order
-    miss_rank = u_rank[miss_w]
-    miss_start = np.cumsum(n_miss) - n_miss
-    nth_miss = np.arange(miss_w.size) - miss_start[miss_rank]
-    filled = np.full((n_t, H), -1, dtype=np.int64)
-    takes = evictable & (ev_rank < n_miss[:, None])
-    filled[np.nonzero(takes)[0], ev_rank[takes]] = order[takes]
-    slot_of_u = hit_slot.copy()
-    slot_of_u[miss_w] = filled[miss_rank, nth_miss]
+    # Misses in wanted-set order (request, then first entry) take the oldest evictables,
+    # which np.nonzero lists in the same order (slot set, then LRU position).
+    miss_u = np.flatnonzero(is_miss)  # key order: request, then host row
+    by_first = miss_u[np.argsort(u_rank[miss_u] * entries.size + first[miss_u], kind="stable")]
+    slot_of_u[by_first] = order[evictable & (ev_rank < n_miss[:, None])]
 
     # State: the misses' rows into their slots, the new LRU order.
-    hot[t_slots[miss_rank], slot_of_u[miss_w]] = u_g[miss_w]
-    _np(lru)[t_slots] = new_order
+    hot[t_slots[u_rank[miss_u]], slot_of_u[miss_u]] = u_g[miss_u]
+    _np(lru)[t_slots] = new_order.reshape(n_t, H)
 
     # Physical rows of the slots; every entry that needs the hot buffer reads its row's.
     hot_bt = _np(hot_block_table)
-    u_slot_s = t_slots[u_rank]
-    phys_of_u = hot_bt[u_slot_s, slot_of_u // bs].astype(np.int64) * bs + slot_of_u % bs
-    phys.reshape(-1)[entries] = phys_of_u[inverse.reshape(-1)]
+    phys_of_u = hot_bt[t_slots[u_rank], slot_of_u // bs].astype(np.int64) * bs + slot_of_u % bs
+    phys.reshape(-1)[entries] = phys_of_u[inverse]
     out[live_rows] = phys
 
-    # Swap lists in host-row order (the unique keys' order), counts, hit/miss counters.
-    miss_u = np.flatnonzero(is_miss)
+    # Swap lists in host-row order (the keys' order), counts, hit/miss counters.
     mq = u_q[miss_u]
-    col = np.arange(miss_u.size) - miss_start[rank_of_req[mq]]
+    miss_start = np.cumsum(n_miss) - n_miss
+    col = np.arange(miss_u.size) - miss_start[u_rank[miss_u]]
     _np(swap_src)[mq, col] = u_g[miss_u]
     _np(swap_dst)[mq, col] = phys_of_u[miss_u]
     _np(swap_count)[t_reqs] = n_miss
