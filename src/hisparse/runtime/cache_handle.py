@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from hisparse.runtime.batch import GroupTables, StepMetadata
-from hisparse.runtime.runtime import SparseLayerRuntime
+from hisparse.runtime.runtime import SparseLayerRuntime, prefix_rows
 from hisparse.runtime.staging import PrefillStagingPlan
 
 
@@ -78,16 +78,19 @@ class CacheHandle:
         """
         meta, tables = self._step()
         rt = self.runtime
-        if rt.is_leader:
-            rt.group.invalidate_written(meta)
-        target = self.mirror_target()
-        if target is None:
+        group = rt.group
+        if group.layers[0] is rt:
+            group.invalidate_written(meta)
+        if not self.host_mirror_required:
             return
-        host_view, host_rows = target
+        assert meta.host_slot_mapping is not None
         n = meta.num_tokens
-        dev_rows = tables.slot_mapping[:n]
-        mask = ((host_rows >= 0) & (dev_rows >= 0)).to(torch.int32)
-        rt.group.ops.gather_plan(rt.device_view, host_view, dev_rows, host_rows, mask)
+        host_rows = prefix_rows(meta.host_slot_mapping, n)
+        dev_rows = prefix_rows(tables.slot_mapping, n)
+        # Both rows valid (>= 0) exactly where their bitwise or is: one op fewer than two
+        # compares and an and, per layer and step.
+        mask = (host_rows | dev_rows) >= 0
+        group.ops.gather_plan(rt.device_view, rt.host_view, dev_rows, host_rows, mask)
 
     def swap_in(
         self, logical_topk: torch.Tensor, *, return_valid_counts: bool = False
@@ -106,10 +109,9 @@ class CacheHandle:
         elif not meta.is_decode:
             rt.stage_own_rows()
         rt.wait_ready()
-        rows, k = logical_topk.shape
-        physical = group.physical[:rows, :k]
+        physical, valid_counts = group.out_views(*logical_topk.shape)
         if return_valid_counts:
-            return physical, group.valid_counts[:rows]
+            return physical, valid_counts
         return physical
 
     def resident_rows(self, logical_topk: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ recording one ready event per layer, so the followers' copies hide behind earlie
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hisparse.config import ResolvedHiSparseConfig
@@ -16,6 +17,11 @@ from hisparse.kv.host_pool import is_host_pool_memory
 from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.ops import ops_for
 from hisparse.runtime.streams import CopyStream, LayerEvent
+
+
+def prefix_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t[:n]``, or ``t`` itself when it has exactly ``n`` rows: no new view per layer."""
+    return t if t.shape[0] == n else t[:n]
 
 
 class IndexGroup:
@@ -56,6 +62,9 @@ class IndexGroup:
         self.hit_miss = torch.zeros((S, 2), **i32)
         #: Running totals (hits, misses, rows swapped in), kept on the device: no sync per step.
         self.totals = torch.zeros((3,), dtype=torch.int64, device=device)
+        #: ``(rows, k)`` -> (``physical[:rows, :k]``, ``valid_counts[:rows]``): the same views
+        #: every step of a batch size, made once instead of per layer and step.
+        self._out_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.layers: list[SparseLayerRuntime] = []
         #: (host span, device views in span order) for the one-read group gather, ``None``
         #: where it does not apply; computed on first use after the views were (re)bound.
@@ -103,8 +112,8 @@ class IndexGroup:
         self.ops.invalidate_written_slots(
             self.hot_index,
             meta.request_state_indices,
-            meta.req_per_token[:n],
-            meta.host_slot_mapping[:n],
+            prefix_rows(meta.req_per_token, n),
+            prefix_rows(meta.host_slot_mapping, n),
         )
 
     # --- one step --------------------------------------------------------------------------
@@ -122,6 +131,14 @@ class IndexGroup:
         if topk.dtype != torch.int32:
             raise TypeError(f"logical top-k indices must be int32, got {topk.dtype}")
 
+    def out_views(self, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``physical[:rows, :k]``, ``valid_counts[:rows]``): this step's output views."""
+        views = self._out_views.get((rows, k))
+        if views is None:
+            views = (self.physical[:rows, :k], self.valid_counts[:rows])
+            self._out_views[(rows, k)] = views
+        return views
+
     def _resolve(
         self,
         meta: StepMetadata,
@@ -132,9 +149,10 @@ class IndexGroup:
         """One resolve into the group's step buffers (physical rows, swap lists, counters)."""
         self.check_rows(topk)
         rows, k = topk.shape
+        physical, valid_counts = self.out_views(rows, k)
         self.ops.resolve_residency(
             topk,
-            meta.req_per_token[:rows],
+            prefix_rows(meta.req_per_token, rows),
             meta.request_state_indices,
             meta.source_block_table,
             resident_block_table,
@@ -142,14 +160,28 @@ class IndexGroup:
             self.hot_index,
             self.lru,
             self.config.block_size,
-            self.physical[:rows, :k],
+            physical,
             self.swap_src,
             self.swap_dst,
             self.swap_count,
-            self.valid_counts[:rows],
+            valid_counts,
             self.hit_miss,
             max_rows_per_request=max_rows_per_request,
         )
+
+    def _count_step(self, num_reqs: int) -> None:
+        """Add the last resolve's hits and misses (and rows moved: misses x layers) to
+        `totals`. On the CPU in numpy (three small torch ops cost more than the resolve's
+        arithmetic); elsewhere on the device, without a sync."""
+        if self.totals.is_cpu:
+            hm = self.hit_miss.numpy()[:num_reqs].sum(0, dtype=np.int64)
+            totals = self.totals.numpy()
+            totals[:2] += hm
+            totals[2] += hm[1] * len(self.layers)
+            return
+        hm = self.hit_miss[:num_reqs].sum(0, dtype=torch.int64)
+        self.totals[:2] += hm
+        self.totals[2] += hm[1] * len(self.layers)
 
     def views_changed(self) -> None:
         """A layer (re)bound a view: re-check whether the group gather applies."""
@@ -229,9 +261,7 @@ class IndexGroup:
         self.copy.wait_for_compute()
         with self.copy.active():
             self._resolve(meta, tables.resident_block_table, topk, self.config.max_query_len)
-            hm = self.hit_miss[: meta.num_reqs].sum(0, dtype=torch.int64)
-            self.totals[:2] += hm
-            self.totals[2] += hm[1] * len(self.layers)
+            self._count_step(meta.num_reqs)
             span = self.span_gather_views() if meta.is_decode else None
             if span is not None and self.leader_first and self._follower_span is not None:
                 self.leader.gather_swapped_rows()
