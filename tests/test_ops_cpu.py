@@ -43,8 +43,15 @@ def _pick(g: torch.Generator, xs: list) -> object:
     return xs[int(torch.randint(0, len(xs), (1,), generator=g))]
 
 
+@pytest.fixture(params=[True, False], ids=["one-request-path", "batched-path"])
+def one_request_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Run a test with and without `cpu_ops`' form for batches with one live request."""
+    monkeypatch.setattr(cpu, "_ONE_REQUEST_PATH", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("seed", range(60))
-def test_resolve_random_multistep(seed: int) -> None:
+def test_resolve_random_multistep(seed: int, one_request_path: bool) -> None:
     g = torch.Generator().manual_seed(5000 + seed)
     K = _pick(g, [1, 3, 4, 5, 8, 16])
     bs = _pick(g, [1, 2, 4, 8])
@@ -93,13 +100,13 @@ def test_resolve_decode_sizes(seed: int) -> None:
         dict(p_pad_row=1.0),  # many padding rows
     ],
 )
-def test_resolve_edges(kw: dict) -> None:
+def test_resolve_edges(kw: dict, one_request_path: bool) -> None:
     base = dict(Q=3, K=8, H=16, block_size=4, seed=7, max_rows=2)
     base.update(kw)
     _run_both(make_resolve_case(**base), steps=2, seed=7)
 
 
-def test_resolve_wanted_fills_whole_hot_buffer() -> None:
+def test_resolve_wanted_fills_whole_hot_buffer(one_request_path: bool) -> None:
     """rows * top_k == H, all distinct, all misses: every slot is replaced."""
     K = 8
     case = make_resolve_case(
@@ -125,7 +132,7 @@ def test_resolve_strided_outputs_and_short_row_req() -> None:
     _run_both(case, steps=3, seed=21)
 
 
-def test_resolve_hand_example() -> None:
+def test_resolve_hand_example(one_request_path: bool) -> None:
     """The reference test's worked example."""
     H = 8
     hot_index = torch.full((1, H), -1, dtype=torch.int32)
@@ -160,7 +167,7 @@ def _errors_match(a: ResolveCase, b: ResolveCase, **kw: object) -> None:
     assert not compare(a.state_and_outputs(), b.state_and_outputs())
 
 
-def test_resolve_rejects_like_the_reference() -> None:
+def test_resolve_rejects_like_the_reference(one_request_path: bool) -> None:
     # More rows than max_rows_per_request for one request (after an earlier valid one).
     case = make_resolve_case(Q=3, K=4, H=16, block_size=2, seed=31, max_rows=3, p_pad_req=0.0)
     case.row_req = torch.tensor([0, 1, 1, 1, 2], dtype=torch.int32)
@@ -179,6 +186,8 @@ def test_resolve_rejects_like_the_reference() -> None:
     case.topk = torch.randperm(n_pos, generator=g)[:36].view(3, 12).to(torch.int32)
     case.out_physical = torch.full((3, 12), POISON, dtype=torch.int32)
     case.valid_counts = torch.full((3,), POISON, dtype=torch.int32)
+    _errors_match(case.clone(), case.clone())
+    case.row_req = torch.tensor([1, 1, 1], dtype=torch.int32)  # one request wants 36 > 16
     _errors_match(case.clone(), case.clone())
     # A position past the block table.
     case = make_resolve_case(Q=2, K=4, H=16, block_size=2, seed=33, max_rows=1, p_pad_req=0.0)

@@ -189,6 +189,66 @@ def invalidate_written_slots(
         hot[touched] = sub
 
 
+#: One request in the batch (every decode step at batch 1): `_resolve_one_request`, fewer
+#: and smaller ops than the batched form (which tests also run on such batches).
+_ONE_REQUEST_PATH = True
+
+
+def _resolve_one_request(
+    q: int,
+    s: int,
+    entries: np.ndarray,
+    e_g: np.ndarray,
+    phys: np.ndarray,
+    hot_index: Tensor,
+    lru: Tensor,
+    hot_block_table: Tensor,
+    bs: int,
+    swap_src: Tensor,
+    swap_dst: Tensor,
+    swap_count: Tensor,
+    hm: np.ndarray | None,
+) -> bool:
+    """Rules 2-6 for request ``q`` (state slot ``s``) alone, whose entries ``entries`` (flat
+    indices into ``phys``) need host rows ``e_g``; ``False`` (nothing written) if it wants
+    more rows than its hot buffer holds."""
+    H = hot_index.shape[1]
+    keys, first, inverse = _unique_first(e_g)  # wanted rows, sorted (the swap list's order)
+    U = keys.size
+    if U > H:
+        return False
+    hot = _np(hot_index)[s]
+    at = np.searchsorted(keys, hot)
+    np.minimum(at, U - 1, out=at)
+    hit_mask = keys[at] == hot  # slot holds a wanted row (-1 matches none: keys >= 0)
+    hit_slots = np.flatnonzero(hit_mask)
+    hit_u = at[hit_slots]
+    is_miss = np.ones(U, dtype=bool)
+    is_miss[hit_u] = False
+    slot_of_u = np.empty(U, dtype=np.int64)
+    slot_of_u[hit_u] = hit_slots
+    lru_s = _np(lru)[s]
+    order = lru_s.astype(np.int64)
+    hit_in_order = hit_mask[order]
+    evictable = order[~hit_in_order]
+    miss_u = np.flatnonzero(is_miss)
+    n_miss = miss_u.size
+    # Misses in wanted-set order (first entry) take the oldest evictable slots.
+    slot_of_u[miss_u[np.argsort(first[miss_u])]] = evictable[:n_miss]
+    lru_s[:] = np.concatenate((evictable[n_miss:], evictable[:n_miss], order[hit_in_order]))
+    hot[slot_of_u[miss_u]] = keys[miss_u]
+    hot_bt = _np(hot_block_table)[s]
+    phys_of_u = hot_bt[slot_of_u // bs].astype(np.int64) * bs + slot_of_u % bs
+    phys.reshape(-1)[entries] = phys_of_u[inverse]
+    _np(swap_src)[q, :n_miss] = keys[miss_u]
+    _np(swap_dst)[q, :n_miss] = phys_of_u[miss_u]
+    _np(swap_count)[q] = n_miss
+    if hm is not None:
+        hm[q, 0] = U - n_miss
+        hm[q, 1] = n_miss
+    return True
+
+
 def _unique_first(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(sorted distinct keys, index of each one's first occurrence, inverse map): what
     ``np.unique(..., return_index=True, return_inverse=True)`` gives, with less overhead."""
@@ -304,11 +364,21 @@ def resolve_residency(
     if entries.size == 0:
         out[live_rows] = phys
         return
-    e_q = q_of_row[entries // K]
     e_g = host_row.reshape(-1)[entries]
     if int(e_g.min()) < 0:
         oracle()
         return
+    if slots_of_reqs.size == 1 and _ONE_REQUEST_PATH:
+        q0 = int(q_of_row[0])
+        if not _resolve_one_request(
+            q0, int(state[q0]), entries, e_g, phys, hot_index, lru, hot_block_table, bs,
+            swap_src, swap_dst, swap_count, hm,
+        ):  # fmt: skip
+            oracle()
+            return
+        out[live_rows] = phys
+        return
+    e_q = q_of_row[entries // K]
     # Wanted sets: distinct (request, host row) keys, sorted by request and then host row
     # (the swap list's order), with each key's first entry (the wanted-set order).
     span = int(e_g.max()) + 1
