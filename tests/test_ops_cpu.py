@@ -208,8 +208,17 @@ def test_resolve_two_requests_on_one_slot_follow_the_reference() -> None:
 # --- gathers ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_gather_compact_matches_reference(seed: int) -> None:
+@pytest.fixture(params=[True, False], ids=["reshape-view", "as-strided-view"])
+def reshape_has_copy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Merge block and row dimensions with ``reshape(copy=False)`` and with `as_strided`."""
+    if request.param and not cpu._RESHAPE_HAS_COPY:
+        pytest.skip("numpy < 2.1 has no reshape(copy=False)")
+    monkeypatch.setattr(cpu, "_RESHAPE_HAS_COPY", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("seed", range(9))
+def test_gather_compact_matches_reference(seed: int, reshape_has_copy: bool) -> None:
     g = torch.Generator().manual_seed(seed)
     bs = [1, 2, 4, 16][seed % 4]
     rb = [16, 48, 80, 1536][seed % 4]
@@ -219,10 +228,14 @@ def test_gather_compact_matches_reference(seed: int) -> None:
         int(case.source_block_table.max()) + 1, bs, rb, rb + 16 * (seed % 2), g
     )
     nd = int(case.hot_block_table.max()) + 1
-    # Device pages either contiguous per row or interleaved with other layers' pages.
+    # Device pages padded apart, interleaved with other layers' pages, or one dense array
+    # (rows then merge into one [blocks * block_size, row_bytes] view).
     if seed % 3 == 2:
         pool = torch.randint(0, 256, (nd, 3, bs, rb), dtype=torch.uint8, generator=g)
         dev_a, dev_b = pool[:, 1], pool.clone()[:, 1]
+    elif seed % 3 == 1:
+        dev_a = torch.randint(0, 256, (nd, bs, rb), dtype=torch.uint8, generator=g)
+        dev_b = dev_a.clone()
     else:
         dev_a = random_paged_view(nd, bs, rb, rb, g)
         dev_b = dev_a.clone()
@@ -234,7 +247,7 @@ def test_gather_compact_matches_reference(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_gather_compact_group_matches_reference(seed: int) -> None:
+def test_gather_compact_group_matches_reference(seed: int, reshape_has_copy: bool) -> None:
     g = torch.Generator().manual_seed(300 + seed)
     bs = [1, 2, 4, 8][seed % 4]
     rb = [16, 48, 80, 656][seed % 4]
@@ -268,11 +281,15 @@ def _swap(case: ResolveCase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_gather_plan_matches_reference(seed: int) -> None:
+def test_gather_plan_matches_reference(seed: int, reshape_has_copy: bool) -> None:
     g = torch.Generator().manual_seed(50 + seed)
     bs_s, bs_d, rb, n = 4, 2, 32, 37
     src = random_paged_view(9, bs_s, rb, rb + 16, g)
     dst_a = random_paged_view(30, bs_d, rb, rb, g)
+    if seed % 4 in (1, 2):  # dense arrays: rows read / written through one merged view
+        src = src.contiguous()
+    if seed % 4 in (2, 3):
+        dst_a = dst_a.contiguous()
     dst_b = dst_a.clone()
     src_rows = torch.randint(0, 9 * bs_s, (n,), generator=g)
     dst_rows = torch.randperm(30 * bs_d, generator=g)[:n]

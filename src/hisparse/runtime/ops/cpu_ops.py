@@ -39,15 +39,20 @@ def _np(t: Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
+#: numpy >= 2.1 can be told never to copy in a reshape (cheaper than `as_strided`).
+_RESHAPE_HAS_COPY = tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 1)
+
+
 def _flat_rows(a: np.ndarray) -> np.ndarray | None:
     """A paged ``[NB, BS, W]`` array as ``[NB * BS, W]`` rows, or ``None`` where its strides
     do not allow a view (blocks not ``BS`` rows apart, e.g. one layer's pages in a shared pool).
     """
     nb, bs, w = a.shape
-    s0, s1, s2 = a.strides
-    if s0 != bs * s1 and nb > 1:
+    if nb > 1 and a.strides[0] != bs * a.strides[1]:
         return None
-    return np.lib.stride_tricks.as_strided(a, (nb * bs, w), (s1, s2), writeable=True)
+    if _RESHAPE_HAS_COPY:  # copy=False: a view or an error, never a silent copy
+        return np.reshape(a, (nb * bs, w), copy=False)
+    return np.lib.stride_tricks.as_strided(a, (nb * bs, w), a.strides[1:], writeable=True)
 
 
 def _take_rows(src: Tensor, rows: np.ndarray) -> np.ndarray:
@@ -133,9 +138,13 @@ def gather_plan(src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, ma
     if not _on_cpu(src, dst, src_rows, dst_rows, mask):
         reference.gather_plan(src, dst, src_rows, dst_rows, mask)
         return
-    live = _np(mask).reshape(-1) != 0
-    s = _np(src_rows).reshape(-1)[live].astype(np.int64)
-    d = _np(dst_rows).reshape(-1)[live].astype(np.int64)
+    live = _np(mask).reshape(-1)
+    if live.dtype != np.bool_:
+        live = live != 0
+    s = _np(src_rows).reshape(-1)
+    d = _np(dst_rows).reshape(-1)
+    if not live.all():
+        s, d = s[live], d[live]
     _copy_rows(src, dst, s, d)
 
 
