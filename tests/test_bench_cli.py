@@ -182,6 +182,8 @@ def test_bench_cli_writes_json(checkpoint, tmp_path, capsys):
     for r in rows.values():
         assert r["completed"] == r["requests"] and r["decode_tok_s"] > 0
         assert r["ttft_p50"] is None and r["tpot_p50"] > 0
+        # steady state: the median rate of the steps that ran every admitted request
+        assert r["peak_steps"] > 0 and r["peak_decode_tok_s"] > 0
     assert rows[("hisparse", 3)]["bytes_swapped"] > 0 and rows[("gpu", 3)]["hit_rate"] is None
     assert all(r["same_tokens"] is True for r in doc["ratios"]) and len(doc["ratios"]) == 2
 

@@ -96,6 +96,10 @@ def test_lossless_under_preemption_and_a_tiny_host_pool(checkpoint):
     # GPU pool tight enough that decoding requests outgrow it: one is preempted and recomputed
     tight = _run(checkpoint, "hisparse", blocks=100, top_k=4, params=long, prompts=prompts)
     assert sum(o.metrics.preemptions for o in tight) > 0
+    for o in tight:  # recorded at the first preemption only
+        n = o.metrics.tokens_before_first_preemption
+        assert (n is not None) == (o.metrics.preemptions > 0)
+        assert n is None or 0 <= n < long.max_tokens
     ref4 = _run(checkpoint, "gpu", params=long, prompts=prompts, top_k=4)
     assert _tokens(tight) == _tokens(ref4)
     # The all-GPU engine preempts too when its pool is tight, and finishes every request.

@@ -25,6 +25,8 @@ class RequestMetrics:
     finished: float | None = None
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0
+    #: output tokens the request held when it was first preempted (None: never preempted)
+    tokens_before_first_preemption: int | None = None
     hits: int = 0
     misses: int = 0
     #: KV bytes copied host -> GPU for this request's misses (row bytes x misses, all layers)

@@ -139,6 +139,8 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_computed = 0
         req.metrics.preemptions += 1
+        if req.metrics.tokens_before_first_preemption is None:
+            req.metrics.tokens_before_first_preemption = len(req.output_token_ids)
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
