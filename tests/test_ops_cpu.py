@@ -79,6 +79,33 @@ def test_resolve_random_multistep(seed: int, one_request_path: bool) -> None:
     _run_both(case, steps=4, seed=seed)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_resolve_one_query_row(seed: int, one_request_path: bool) -> None:
+    """Batches of one query row (batch-1 decode), live or not: the row's request padding,
+    out of range or with a padding state slot, as well as ordinary ones."""
+    g = torch.Generator().manual_seed(7000 + seed)
+    K = _pick(g, [1, 4, 8, 16])
+    case = make_resolve_case(
+        Q=_pick(g, [1, 2, 3]), K=K, H=_pick(g, [16, 32]), block_size=_pick(g, [1, 2, 4]),
+        seed=seed, max_rows=1, p_pad_row=0.0, p_pad_req=_pick(g, [0.0, 0.3]),
+        p_neg=_pick(g, [0.0, 0.2]), p_dup=_pick(g, [0.0, 0.3]),
+        p_resident_page=_pick(g, [0.0, 0.3]), hot_fill=_pick(g, [0.0, 0.6, 1.0]),
+        reuse=_pick(g, [0.0, 0.8, 1.0]), with_resident=_pick(g, [True, False]),
+        with_optional=_pick(g, [True, False]),
+    )  # fmt: skip
+    Q = case.request_state_indices.shape[0]
+    q = int(_pick(g, [0, 0, 0, Q - 1, -1, Q]))  # mostly a real request
+    case.row_req = torch.tensor([q], dtype=torch.int32)
+    case.topk = next_step_topk(case, seed, reuse=0.5)[:1] if case.topk.shape[0] else case.topk
+    if case.topk.shape[0] == 0:
+        case.topk = torch.randint(-1, case.meta["n_pos"], (1, K), generator=g).int()
+    extra = int(_pick(g, [0, 2]))
+    case.out_physical = torch.full((1 + extra, K), POISON, dtype=torch.int32)
+    if case.valid_counts is not None:
+        case.valid_counts = torch.full((1 + extra,), POISON, dtype=torch.int32)
+    _run_both(case, steps=4, seed=seed, max_rows_per_request=1)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_resolve_decode_sizes(seed: int) -> None:
     """Closer to a real decode step: top-k 64, hot 192, 8 requests, block size 16."""
@@ -329,6 +356,42 @@ def test_invalidate_matches_reference(
     cpu.invalidate_written_slots(b, state, row_req, written)
     assert torch.equal(a, b)
     assert not torch.equal(a, hot) or seed  # the first case changes something
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_invalidate_one_written_row(seed: int) -> None:
+    """One token written (batch-1 decode): padding request or row, a padding slot, a row
+    the request holds or not; more request entries than written rows (or fewer)."""
+    hot, state, row_req, written = make_invalidate_case(400 + seed, S=3, H=16, Q=2, n=1, rows=20)
+    g = torch.Generator().manual_seed(seed)
+    if seed % 3 == 0:  # the written row is one the request's slot holds
+        s = int(state[0]) if int(state[0]) >= 0 else int(state[1])
+        held = hot[s][hot[s] >= 0]
+        row_req[0] = 0 if int(state[0]) >= 0 else 1
+        if held.numel():
+            written[0] = held[int(torch.randint(0, held.numel(), (1,), generator=g))]
+    if seed % 4 == 1:
+        row_req = row_req[:1]
+    if seed % 5 == 2:
+        written = torch.cat([written, torch.tensor([3], dtype=torch.int32)])  # past row_req
+        row_req = row_req[:1]
+    a, b = hot.clone(), hot.clone()
+    ref.invalidate_written_slots(a, state, row_req, written)
+    cpu.invalidate_written_slots(b, state, row_req, written)
+    assert torch.equal(a, b)
+    if seed % 3 == 0:
+        assert not torch.equal(a, hot) or int(written[0]) < 0
+    # A request past the state table; a state slot past the hot state: both raise.
+    bad = [
+        (state, torch.tensor([5], dtype=torch.int32)),
+        (torch.tensor([7, 0], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)),
+    ]
+    for bad_state, bad_req in bad:
+        w = torch.tensor([1], dtype=torch.int32)
+        with pytest.raises(IndexError):
+            ref.invalidate_written_slots(hot.clone(), bad_state, bad_req, w)
+        with pytest.raises(IndexError):
+            cpu.invalidate_written_slots(hot.clone(), bad_state, bad_req, w)
 
 
 @pytest.mark.parametrize("broadcast_max", [1 << 16, 0])
