@@ -492,7 +492,8 @@ def ratio_table(ratios: list[dict[str, Any]]) -> Table:
 
 
 def write_plot(results: list[dict[str, Any]], path: Path) -> str:
-    """PNG: decode tok/s, TPOT p50 and peak running against concurrency per placement."""
+    """PNG against concurrency per placement: decode tok/s (steady state solid, whole run
+    dashed), decode step p50 and peak running requests."""
     try:
         import matplotlib
 
@@ -509,14 +510,19 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> str:
             continue
         x = [r["concurrency"] for r in rows]
         label = PLACEMENT_NAMES[placement]
-        axes[0].plot(x, [r["decode_tok_s"] for r in rows], marker="o", label=label)
-        axes[1].plot(x, [1e3 * (r["tpot_p50"] or 0) for r in rows], marker="o", label=label)
+        line = axes[0].plot(
+            x, [r.get("peak_decode_tok_s") or 0 for r in rows], marker="o", label=label
+        )[0]
+        axes[0].plot(
+            x, [r["decode_tok_s"] for r in rows], ls="--", color=line.get_color(),
+            label=f"{label}, whole run",
+        )  # fmt: skip
+        axes[1].plot(x, [r["decode_step_ms_p50"] or 0 for r in rows], marker="o", label=label)
         axes[2].plot(x, [r["peak_running"] for r in rows], marker="o", label=label)
-    for ax, title in zip(
-        axes, ("decode tok/s", "TPOT p50 (ms)", "peak running requests"), strict=True
-    ):
+    titles = ("decode tok/s (steady state)", "decode step p50 (ms)", "peak running requests")
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
+        ax.set_xlabel("concurrency (requests submitted)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
@@ -525,3 +531,9 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> str:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return f"wrote {path}"
+
+
+def plot_from(json_paths: list[Path], path: Path) -> str:
+    """Redraw the plot from the JSON of one or more runs (e.g. one run per concurrency)."""
+    results = [r for p in json_paths for r in json.loads(p.read_text())["results"]]
+    return write_plot(results, path)
