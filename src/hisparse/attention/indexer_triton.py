@@ -35,7 +35,6 @@ Under Triton's CPU interpreter (CI) every dot runs in fp32.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +42,7 @@ import triton
 import triton.language as tl
 
 from hisparse.attention.sparse_mla_triton import interpreting
+from hisparse.attention.triton_split import num_sms
 from hisparse.kv.row_formats import IndexerCacheFormat
 
 Tensor = torch.Tensor
@@ -181,16 +181,9 @@ def _indexer_scores_kernel(
         tl.store(row + pos, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=pos < stop)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def chunk_for(num_tokens: int, num_cols: int, block_n: int, device: torch.device) -> int:
     """Keys per program: about 4 waves of programs, 2..64 tiles each (shapes only)."""
-    want = triton.cdiv(max(num_tokens * num_cols, 1), 4 * _num_sms(device))
+    want = triton.cdiv(max(num_tokens * num_cols, 1), 4 * num_sms(device))
     return max(2 * block_n, min(64 * block_n, triton.next_power_of_2(want)))
 
 

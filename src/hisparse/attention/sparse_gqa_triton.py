@@ -24,7 +24,6 @@ only, so a decode step calling this can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +32,7 @@ import triton.language as tl
 
 from hisparse.attention.sparse_gqa_reference import GqaRowFormat
 from hisparse.attention.sparse_mla_triton import interpreting
+from hisparse.attention.triton_split import combine_splits, num_sms
 
 Tensor = torch.Tensor
 
@@ -152,60 +152,12 @@ def _sparse_gqa_decode_kernel(
     tl.store(o, (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=qmask[:, None])
 
 
-@triton.jit
-def _combine_kernel(
-    part_ptr,
-    plse_ptr,
-    out_ptr,
-    lse_ptr,
-    num_splits,
-    s_p_t,
-    s_p_h,
-    s_p_s,
-    s_pl_t,
-    s_pl_h,
-    s_o_t,
-    s_o_h,
-    s_l_t,
-    D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """Merge the splits of one (token, head): weights ``exp(lse_s - max)``."""
-    h = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1).to(tl.int64)
-    sidx = tl.arange(0, BLOCK_S)
-    smask = sidx < num_splits
-    lses = tl.load(plse_ptr + t * s_pl_t + h * s_pl_h + sidx, mask=smask, other=float("-inf"))
-    m = tl.max(lses, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lses - m_safe)  # -inf splits (and padding) weigh 0
-    total = tl.sum(w, 0)
-    c = tl.arange(0, D)
-    parts = tl.load(
-        part_ptr + t * s_p_t + h * s_p_h + sidx[:, None] * s_p_s + c[None, :],
-        mask=smask[:, None],
-        other=0.0,
-    )
-    has = total > 0
-    acc = tl.sum(parts * w[:, None], 0) / tl.where(has, total, 1.0)
-    tl.store(out_ptr + t * s_o_t + h * s_o_h + c, acc.to(out_ptr.dtype.element_ty))
-    lse = tl.where(has, m_safe + tl.log(tl.where(has, total, 1.0)), float("-inf"))
-    tl.store(lse_ptr + t * s_l_t + h, lse)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def num_splits_for(
     num_tokens: int, num_kv_heads: int, top_k: int, cfg: GqaDecodeConfig, device: torch.device
 ) -> int:
     """Splits over top-k: enough programs for ~2 waves, each split at least 2 tiles long."""
     programs = max(1, num_tokens * num_kv_heads)
-    want = triton.cdiv(2 * _num_sms(device), programs)
+    want = triton.cdiv(2 * num_sms(device), programs)
     most = max(1, triton.cdiv(top_k, 2 * cfg.block_n))
     return max(1, min(want, most))
 
@@ -282,12 +234,7 @@ def sparse_gqa_decode_triton(
         DOT=dot, PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1:
-        _combine_kernel[(h, t)](
-            o_buf, l_buf, out, lse, splits,
-            o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), l_buf.stride(0), l_buf.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0),
-            D=d, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
-        )  # fmt: skip
+        combine_splits(o_buf, l_buf, out, lse)
     return out, lse
 
 

@@ -40,7 +40,6 @@ so a decode step calling this can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -48,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hisparse.attention.triton_split import combine_splits, num_sms
 from hisparse.kv.row_formats import MlaFormat, mla_format_name, mla_row_bytes
 
 Tensor = torch.Tensor
@@ -393,54 +393,6 @@ def _sparse_mla_wide_kernel(
     tl.store(o, (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
-@triton.jit
-def _combine_kernel(
-    part_ptr,
-    plse_ptr,
-    out_ptr,
-    lse_ptr,
-    num_splits,
-    s_p_t,
-    s_p_h,
-    s_p_s,
-    s_pl_t,
-    s_pl_h,
-    s_o_t,
-    s_o_h,
-    s_l_t,
-    C: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """Merge the splits of one (token, head): weights ``exp(lse_s - max)``."""
-    h = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1).to(tl.int64)
-    sidx = tl.arange(0, BLOCK_S)
-    smask = sidx < num_splits
-    lses = tl.load(plse_ptr + t * s_pl_t + h * s_pl_h + sidx, mask=smask, other=float("-inf"))
-    m = tl.max(lses, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lses - m_safe)  # -inf splits (and padding) weigh 0
-    total = tl.sum(w, 0)
-    c = tl.arange(0, C)
-    parts = tl.load(
-        part_ptr + t * s_p_t + h * s_p_h + sidx[:, None] * s_p_s + c[None, :],
-        mask=smask[:, None],
-        other=0.0,
-    )
-    has = total > 0
-    acc = tl.sum(parts * w[:, None], 0) / tl.where(has, total, 1.0)
-    tl.store(out_ptr + t * s_o_t + h * s_o_h + c, acc.to(out_ptr.dtype.element_ty))
-    lse = tl.where(has, m_safe + tl.log(tl.where(has, total, 1.0)), float("-inf"))
-    tl.store(lse_ptr + t * s_l_t + h, lse)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 #: The compiled kernel of the last launch (benchmarks read its registers and spills).
 last_compiled: list = [None]
 
@@ -461,7 +413,7 @@ def num_splits_for(
     head_blocks = triton.cdiv(num_heads, cfg.block_h)
     programs = max(1, num_tokens * head_blocks)
     tiles = max(1, triton.cdiv(top_k, cfg.block_n))
-    sms = _num_sms(device)
+    sms = num_sms(device)
     if cfg.kernel == "tiled":
         want = triton.cdiv(2 * sms, programs)
         return max(1, min(want, triton.cdiv(tiles, 2)))
@@ -566,12 +518,7 @@ def sparse_mla_decode_triton(
             BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, **dot, **launch,
         )  # fmt: skip
     if splits > 1:
-        _combine_kernel[(h, t)](
-            o_buf, l_buf, out, lse, splits,
-            o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), l_buf.stride(0), l_buf.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0),
-            C=c, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
-        )  # fmt: skip
+        combine_splits(o_buf, l_buf, out, lse)
     return out, lse
 
 

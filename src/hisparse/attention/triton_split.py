@@ -1,0 +1,78 @@
+"""Shared pieces of the split-top-k attention kernels (sparse MLA and sparse GQA decode).
+
+A token's top-k rows may be split over several programs (flash-decoding) when one program per
+(token, head block) would leave SMs idle; each split writes a partial output and its log-sum-exp,
+and `combine_splits` merges them. The SM count sizes those splits (and the indexer's chunks).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 stands in on the CPU interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr,
+    plse_ptr,
+    out_ptr,
+    lse_ptr,
+    num_splits,
+    s_p_t,
+    s_p_h,
+    s_p_s,
+    s_pl_t,
+    s_pl_h,
+    s_o_t,
+    s_o_h,
+    s_l_t,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Merge the splits of one (token, head): weights ``exp(lse_s - max)``."""
+    h = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1).to(tl.int64)
+    sidx = tl.arange(0, BLOCK_S)
+    smask = sidx < num_splits
+    lses = tl.load(plse_ptr + t * s_pl_t + h * s_pl_h + sidx, mask=smask, other=float("-inf"))
+    m = tl.max(lses, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lses - m_safe)  # -inf splits (and padding) weigh 0
+    total = tl.sum(w, 0)
+    c = tl.arange(0, D)
+    parts = tl.load(
+        part_ptr + t * s_p_t + h * s_p_h + sidx[:, None] * s_p_s + c[None, :],
+        mask=smask[:, None],
+        other=0.0,
+    )
+    has = total > 0
+    acc = tl.sum(parts * w[:, None], 0) / tl.where(has, total, 1.0)
+    tl.store(out_ptr + t * s_o_t + h * s_o_h + c, acc.to(out_ptr.dtype.element_ty))
+    lse = tl.where(has, m_safe + tl.log(tl.where(has, total, 1.0)), float("-inf"))
+    tl.store(lse_ptr + t * s_l_t + h, lse)
+
+
+def combine_splits(
+    parts: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+) -> None:
+    """``out [T, H, D]`` and ``lse [T, H]`` from ``parts [T, H, S, D]`` (fp32 partial outputs,
+    each normalised over its split) and ``part_lse [T, H, S]``; a (token, head) whose splits
+    all saw no row gets out 0 and lse -inf."""
+    t, h, splits, d = parts.shape
+    _combine_kernel[(h, t)](
+        parts, part_lse, out, lse, splits,
+        parts.stride(0), parts.stride(1), parts.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        D=d, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
+    )  # fmt: skip
