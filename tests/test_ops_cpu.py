@@ -249,7 +249,8 @@ def test_gather_compact_matches_reference(seed: int, reshape_has_copy: bool) -> 
     g = torch.Generator().manual_seed(seed)
     bs = [1, 2, 4, 16][seed % 4]
     rb = [16, 48, 80, 1536][seed % 4]
-    case = make_resolve_case(Q=4, K=8, H=24, block_size=bs, seed=seed, max_rows=2)
+    Q = 1 if seed % 2 else 4  # one request: the batch-1 form
+    case = make_resolve_case(Q=Q, K=8, H=24, block_size=bs, seed=seed, max_rows=2, p_pad_req=0)
     ref.resolve_residency(*case.args())  # the swap list past each count stays poisoned
     host = random_paged_view(
         int(case.source_block_table.max()) + 1, bs, rb, rb + 16 * (seed % 2), g
@@ -271,6 +272,11 @@ def test_gather_compact_matches_reference(seed: int, reshape_has_copy: bool) -> 
     cpu.gather_compact(host, dev_b, case.swap_src, case.swap_dst, case.swap_count)
     assert torch.equal(dev_a, dev_b)
     assert int(case.swap_count.sum()) == 0 or not torch.equal(dev_a, before)
+    # Negative counts list nothing.
+    case.swap_count.fill_(-3)
+    ref.gather_compact(host, dev_a, case.swap_src, case.swap_dst, case.swap_count)
+    cpu.gather_compact(host, dev_b, case.swap_src, case.swap_dst, case.swap_count)
+    assert torch.equal(dev_a, dev_b)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -307,10 +313,11 @@ def _swap(case: ResolveCase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return case.swap_src, case.swap_dst, case.swap_count
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 def test_gather_plan_matches_reference(seed: int, reshape_has_copy: bool) -> None:
     g = torch.Generator().manual_seed(50 + seed)
-    bs_s, bs_d, rb, n = 4, 2, 32, 37
+    bs_s, bs_d, rb = 4, 2, 32
+    n = 37 if seed < 6 else 1  # one entry: a batch-1 decode step's mirror
     src = random_paged_view(9, bs_s, rb, rb + 16, g)
     dst_a = random_paged_view(30, bs_d, rb, rb, g)
     if seed % 4 in (1, 2):  # dense arrays: rows read / written through one merged view
@@ -325,9 +332,11 @@ def test_gather_plan_matches_reference(seed: int, reshape_has_copy: bool) -> Non
         src_rows, dst_rows, mask = src_rows.int(), dst_rows.int(), mask.int()
     if seed % 3 == 2:  # [n, 1] shapes, as the runtime passes 2-D plans
         src_rows, dst_rows, mask = src_rows[:, None], dst_rows[:, None], mask[:, None]
+    before = dst_a.clone()
     ref.gather_plan(src, dst_a, src_rows, dst_rows, mask)
     cpu.gather_plan(src, dst_b, src_rows, dst_rows, mask)
     assert torch.equal(dst_a, dst_b)
+    assert torch.equal(dst_a, before) != bool(mask.bool().any())  # rows moved iff any live
 
 
 @pytest.mark.parametrize("seed", range(3))

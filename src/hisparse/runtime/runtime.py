@@ -174,10 +174,15 @@ class IndexGroup:
         `totals`. On the CPU in numpy (three small torch ops cost more than the resolve's
         arithmetic); elsewhere on the device, without a sync."""
         if self.totals.is_cpu:
-            hm = self.hit_miss.numpy()[:num_reqs].sum(0, dtype=np.int64)
+            hm = self.hit_miss.numpy()
+            if num_reqs == 1:
+                hits, misses = int(hm[0, 0]), int(hm[0, 1])
+            else:
+                hits, misses = (int(x) for x in hm[:num_reqs].sum(0, dtype=np.int64))
             totals = self.totals.numpy()
-            totals[:2] += hm
-            totals[2] += hm[1] * len(self.layers)
+            totals[0] += hits
+            totals[1] += misses
+            totals[2] += misses * len(self.layers)
             return
         hm = self.hit_miss[:num_reqs].sum(0, dtype=torch.int64)
         self.totals[:2] += hm
@@ -259,29 +264,38 @@ class IndexGroup:
         ~2x faster than 656 B rows), but the leader's attention waits for the whole group.
         """
         self.copy.wait_for_compute()
+        if self.copy.stream is None:  # the CPU: program order, no stream to enter
+            self._resolve_and_gather(meta, tables, topk)
+            return
         with self.copy.active():
-            self._resolve(meta, tables.resident_block_table, topk, self.config.max_query_len)
-            self._count_step(meta.num_reqs)
-            span = self.span_gather_views() if meta.is_decode else None
-            if span is not None and self.leader_first and self._follower_span is not None:
-                self.leader.gather_swapped_rows()
-                rest_span, rest_devices = self._follower_span
-                self.ops.gather_compact_group(
-                    rest_span, rest_devices, self.swap_src, self.swap_dst, self.swap_count
-                )
-                for layer in self.layers[1:]:
-                    layer.mark_ready()
-                return
-            if span is not None:
-                host_span, devices = span
-                self.ops.gather_compact_group(
-                    host_span, devices, self.swap_src, self.swap_dst, self.swap_count
-                )
-                for layer in self.layers:
-                    layer.mark_ready()
-                return
-            for layer in self.layers if meta.is_decode else self.layers[:1]:
-                layer.gather_swapped_rows()
+            self._resolve_and_gather(meta, tables, topk)
+
+    def _resolve_and_gather(
+        self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor
+    ) -> None:
+        """The body of `resolve_and_stage`, on whatever stream is current."""
+        self._resolve(meta, tables.resident_block_table, topk, self.config.max_query_len)
+        self._count_step(meta.num_reqs)
+        span = self.span_gather_views() if meta.is_decode else None
+        if span is not None and self.leader_first and self._follower_span is not None:
+            self.leader.gather_swapped_rows()
+            rest_span, rest_devices = self._follower_span
+            self.ops.gather_compact_group(
+                rest_span, rest_devices, self.swap_src, self.swap_dst, self.swap_count
+            )
+            for layer in self.layers[1:]:
+                layer.mark_ready()
+            return
+        if span is not None:
+            host_span, devices = span
+            self.ops.gather_compact_group(
+                host_span, devices, self.swap_src, self.swap_dst, self.swap_count
+            )
+            for layer in self.layers:
+                layer.mark_ready()
+            return
+        for layer in self.layers if meta.is_decode else self.layers[:1]:
+            layer.gather_swapped_rows()
 
     def warm_start(self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor) -> None:
         """Fill hot slots from the resident pages with a finished prefill's last selection.

@@ -86,6 +86,10 @@ def _swap_entries(
     swap_src: Tensor, swap_dst: Tensor, swap_count: Tensor
 ) -> tuple[np.ndarray, np.ndarray]:
     """(host rows, hot rows) of every request's first ``swap_count[q]`` swap-list entries."""
+    if swap_count.shape[0] == 1 and swap_src.shape[0] == 1 and swap_dst.shape[0] == 1:
+        # One request (batch 1): leading slices, no masks.
+        n = max(int(_np(swap_count)[0]), 0)
+        return _np(swap_src)[0, :n].astype(np.int64), _np(swap_dst)[0, :n].astype(np.int64)
     count = _np(swap_count).astype(np.int64)
     H = swap_src.shape[1]
     live = np.arange(H)[None, :] < count[:, None]
@@ -104,6 +108,12 @@ def gather_compact(
         return
     src, dst = _swap_entries(swap_src, swap_dst, swap_count)
     _copy_rows(host, device, src, dst)
+
+
+def _row(a: np.ndarray, row: int) -> np.ndarray:
+    """Row ``row`` of a paged ``[NB, BS, W]`` array (a view)."""
+    bs = a.shape[1]
+    return a[row // bs, row % bs]
 
 
 def gather_compact_group(
@@ -139,10 +149,15 @@ def gather_plan(src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, ma
         reference.gather_plan(src, dst, src_rows, dst_rows, mask)
         return
     live = _np(mask).reshape(-1)
-    if live.dtype != np.bool_:
-        live = live != 0
     s = _np(src_rows).reshape(-1)
     d = _np(dst_rows).reshape(-1)
+    if live.shape[0] == 1 and s.shape[0] == 1 and d.shape[0] == 1:
+        # One entry (a batch-1 decode step's mirror): one row copy by scalar indices.
+        if live[0]:
+            _row(_np(dst), int(d[0]))[...] = _row(_np(src), int(s[0]))
+        return
+    if live.dtype != np.bool_:
+        live = live != 0
     if not live.all():
         s, d = s[live], d[live]
     _copy_rows(src, dst, s, d)
