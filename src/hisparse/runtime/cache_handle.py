@@ -103,11 +103,12 @@ class CacheHandle:
         meta, tables = self._step()
         rt = self.runtime
         group = rt.group
-        group.check_rows(logical_topk)
-        if rt.is_leader:
+        if group.layers[0] is rt:  # the leader (its resolve checks the rows)
             group.resolve_and_stage(meta, tables, logical_topk)
-        elif not meta.is_decode:
-            rt.stage_own_rows()
+        else:
+            group.check_rows(logical_topk)
+            if not meta.is_decode:
+                rt.stage_own_rows()
         rt.wait_ready()
         physical, valid_counts = group.out_views(*logical_topk.shape)
         if return_valid_counts:
