@@ -10,6 +10,8 @@ from hisparse.attention.gqa_indexer_reference import (
     GqaIndexerFormat,
     dense_topk,
     gqa_indexer_topk,
+    gqa_indexer_topk_prefill,
+    pad_groups,
     read_index_keys,
     rope_pair_dims,
     write_index_keys,
@@ -17,6 +19,8 @@ from hisparse.attention.gqa_indexer_reference import (
 from hisparse.attention.sparse_gqa_reference import (
     GqaRowFormat,
     causal_gqa_reference,
+    selected_gqa_reference,
+    selected_gqa_varlen_reference,
     sparse_gqa_reference,
 )
 
@@ -205,3 +209,84 @@ def test_indexer_config_validation():
         GqaIndexerConfig(top_k=16, sink_tokens=4, recent_window=64)
     with pytest.raises(ValueError, match="quest needs recent_window"):
         GqaIndexerConfig(top_k=64, method="quest", recent_window=8, quest_chunk=16)
+
+
+def test_pad_groups_lists_members_in_order():
+    group = torch.tensor([1, -1, 0, 1, 1, 0, -1])
+    want = torch.tensor([[2, 5, -1], [0, 3, 4], [-1, -1, -1]])
+    assert torch.equal(pad_groups(group, 3), want)
+    assert pad_groups(torch.full((3,), -1), 2).shape == (2, 0)
+
+
+def test_varlen_selected_attention_equals_per_request():
+    """Several requests in one padded pass = `selected_gqa_reference` of each (padding rows
+    hold NaN garbage that must not leak)."""
+    fmt = GqaRowFormat(G, D, "fp32")
+    lens, tokens = [30, 12, 21], [5, 1, 7]
+    rows_l, sel_l, q_l = [], [], []
+    u_max, t_max = max(lens), max(tokens)
+    bs = 8
+    nb = sum(-(-n // bs) for n in lens) + 2
+    cache = torch.full((nb, bs, fmt.row_bytes), 255, dtype=torch.uint8)  # NaN garbage
+    free = iter(torch.randperm(nb - 1, generator=_gen(20)).tolist())
+    for r, (n, t) in enumerate(zip(lens, tokens, strict=True)):
+        k, v = torch.randn(2, n, G, D, generator=_gen(21 + r)).unbind(0)
+        blocks = torch.tensor([next(free) + 1 for _ in range(-(-n // bs))])
+        pos = torch.arange(n)
+        phys = blocks[pos // bs] * bs + pos % bs
+        cache[phys // bs, phys % bs] = fmt.pack(k, v)
+        rows_l.append(phys)
+        sel_l.append(torch.rand(t, n, generator=_gen(31 + r)) < 0.5)
+        q_l.append(torch.randn(t, H, D, generator=_gen(41 + r)))
+    sel_l[1][0] = False  # a token that selects nothing gets 0
+    rows = torch.full((len(lens), u_max), -1)
+    selected = torch.zeros(len(lens), t_max, u_max, dtype=torch.bool)
+    q = torch.full((len(lens), t_max, H, D), float("nan"))
+    for r, (n, t) in enumerate(zip(lens, tokens, strict=True)):
+        rows[r, :n], selected[r, :t, :n], q[r, :t] = rows_l[r], sel_l[r], q_l[r]
+    out = selected_gqa_varlen_reference(q, cache, rows, selected, D**-0.5, fmt)
+    for r, t in enumerate(tokens):
+        want = selected_gqa_reference(q_l[r], cache, rows_l[r], sel_l[r], D**-0.5, fmt)
+        torch.testing.assert_close(out[r, :t], want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[1, 0], torch.zeros(H, D))
+
+
+@pytest.mark.parametrize("method", ["fp8", "quest", "lowrank"])
+def test_batched_prefill_topk_equals_per_request(method):
+    """One batched scoring of a packed step chooses what `gqa_indexer_topk` chooses request
+    by request (a dense request, a long prefill chunk, a single decode row, padding)."""
+    cfg = GqaIndexerConfig(top_k=24, method=method, sink_tokens=2, recent_window=16)
+    fmt = GqaIndexerFormat.for_config(cfg, G, D)
+    bs, width = 16, 24
+    lens, counts = [70, 20, 45], [50, 20, 1]
+    pages = _pages(fmt, bs, 16)
+    dims = torch.arange(2 * cfg.lowrank_pairs).expand(G, -1) if method == "lowrank" else None
+    tables = torch.zeros(3, 5, dtype=torch.int32)
+    free = iter(torch.randperm(15, generator=_gen(50)).tolist())
+    qs, positions, req = [], [], []
+    for r, (n, c) in enumerate(zip(lens, counts, strict=True)):
+        tables[r, : -(-n // bs)] = torch.tensor([next(free) + 1 for _ in range(-(-n // bs))])
+        pos = torch.arange(n)
+        k = torch.randn(n, G, D, generator=_gen(51 + r))
+        write_index_keys(pages, fmt, tables[r][pos // bs].long() * bs + pos % bs, k, dims)
+        qs.append(torch.randn(c, H, D, generator=_gen(61 + r)))
+        positions.append(torch.arange(n - c, n))
+        req.append(torch.full((c,), r))
+    # requests interleaved with a padding token, as a packed step may be
+    q = torch.cat([*qs, torch.randn(1, H, D)])
+    pos = torch.cat([*positions, torch.tensor([0])])
+    rix = torch.cat([*req, torch.tensor([-1])])
+    perm = torch.randperm(q.shape[0], generator=_gen(70))
+    got = gqa_indexer_topk_prefill(
+        q[perm], pos[perm], rix[perm], pages, tables, lens, fmt, cfg, D**-0.5, width, dims
+    )
+    inv = torch.argsort(perm)
+    got = got[inv]
+    lo = 0
+    for r, c in enumerate(counts):
+        want = gqa_indexer_topk(
+            qs[r], positions[r], pages, tables[r], lens[r], fmt, cfg, D**-0.5, width, dims
+        )
+        assert torch.equal(got[lo : lo + c], want), r
+        lo += c
+    assert (got[-1] == -1).all()

@@ -390,6 +390,107 @@ def gqa_indexer_topk(
     return torch.cat(out)
 
 
+def pad_groups(group: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """``[num_groups, most members]`` indices of the items of each group, in item order,
+    ``-1`` padded; ``group [N]`` names each item's group (``< 0``: none). One host read."""
+    valid = group >= 0
+    key = torch.where(valid, group, num_groups)
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(group[valid], minlength=num_groups)
+    width = int(counts.max()) if num_groups and group.numel() else 0
+    out = torch.full((num_groups, width), -1, dtype=torch.long, device=group.device)
+    n_valid = int(counts.sum()) if num_groups else 0
+    if n_valid == 0:
+        return out
+    members = order[:n_valid]
+    g = key[members]
+    first = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(n_valid, device=group.device) - first[g]
+    out[g, rank] = members
+    return out
+
+
+def gqa_indexer_topk_prefill(
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    req_index: torch.Tensor,
+    pages: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: list[int],
+    fmt: GqaIndexerFormat,
+    cfg: GqaIndexerConfig,
+    scale: float,
+    width: int,
+    dims: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logical top-k ``int32 [N, width]`` of a packed multi-token step (prefill chunks, mixed
+    decode rows): token ``i`` belongs to request ``req_index[i]`` (``< 0``: padding, selects
+    nothing), which holds ``lengths[r]`` keys through block-table row ``tables[r]``.
+
+    The rule of `gqa_indexer_topk` (requests that fit in ``top_k`` and tokens before position
+    ``top_k`` are dense), but the scored tokens of all requests go through one batched scoring
+    (keys padded to the longest scored request, hidden by the causal mask) instead of one
+    pass per request. quest (per-chunk keys) goes request by request.
+    """
+    valid = req_index >= 0
+    out = torch.where(valid[:, None], dense_topk(positions, width), -1)
+    top_k = cfg.top_k
+    if top_k is None or max(lengths, default=0) <= top_k:
+        return out
+    lens_d = torch.tensor(lengths, device=q.device)
+    req = req_index.clamp_min(0)
+    scored = valid & (lens_d[req] > top_k) & (positions >= top_k)
+    if fmt.method == "quest":
+        for r, length in enumerate(lengths):
+            tok = torch.nonzero(scored & (req_index == r)).flatten()
+            if length > top_k and tok.numel():
+                out[tok] = gqa_indexer_topk(
+                    q[tok], positions[tok], pages, tables[r], length, fmt, cfg, scale,
+                    width, dims,
+                )  # fmt: skip
+        return out
+    sreq = [r for r, length in enumerate(lengths) if length > top_k]
+    remap = torch.full((len(lengths),), -1, dtype=torch.long, device=q.device)
+    remap[torch.tensor(sreq, device=q.device)] = torch.arange(len(sreq), device=q.device)
+    group = torch.where(scored, remap[req], -1)
+    padded = pad_groups(group, len(sreq))  # [S, T] token indices
+    if padded.shape[1] == 0:
+        return out
+    longest = max(lengths[r] for r in sreq)
+    bs = fmt.block_size_of(pages)
+    nb = -(-longest // bs)
+    h = q.shape[1]
+    g = fmt.num_kv_heads
+    t_all = padded.shape[1]
+    t_step = max(1, min(t_all, _CHUNK_ELEMENTS // max(1, h * longest)))
+    r_step = max(1, _CHUNK_ELEMENTS // max(1, h * longest * t_step))
+    sreq_d = torch.tensor(sreq, device=q.device)
+    for r0 in range(0, len(sreq), r_step):
+        r1 = min(len(sreq), r0 + r_step)
+        blocks = tables[sreq_d[r0:r1], :nb].long().reshape(-1)
+        raw = pages.index_select(0, blocks).view(r1 - r0, nb * bs, fmt.row_bytes)[:, :longest]
+        if fmt.method == "fp8":
+            keys = _fp8_to_float(raw)
+        else:
+            keys = raw.contiguous().view(torch.float16).float()
+        keys = keys.view(r1 - r0, longest, g, fmt.key_dim)
+        for lo in range(0, t_all, t_step):
+            tok = padded[r0:r1, lo : lo + t_step]  # [r, t]
+            m = tok.shape[1]
+            safe = tok.clamp_min(0)
+            qg = q[safe].float().view(r1 - r0, m, g, h // g, -1)
+            if fmt.method == "lowrank":
+                assert dims is not None
+                idx = dims.to(q.device)[None, None, :, None, :].expand(r1 - r0, m, -1, h // g, -1)
+                qg = torch.gather(qg, 4, idx)
+            logits = torch.einsum("rtgqd,rsgd->rtgqs", qg, keys).reshape(-1, h, longest) * scale
+            pos = torch.where(tok >= 0, positions[safe], -1).reshape(-1)
+            chosen = select_topk(logits, pos, longest, cfg, width)
+            live = tok.reshape(-1) >= 0
+            out[tok.reshape(-1)[live]] = chosen[live]
+    return out
+
+
 def gqa_indexer_topk_decode(
     q: torch.Tensor,
     positions: torch.Tensor,

@@ -255,6 +255,57 @@ def selected_gqa_reference(
     return out
 
 
+def selected_gqa_varlen_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    rows: torch.Tensor,
+    selected: torch.Tensor,
+    scale: float,
+    row_format: GqaRowFormat,
+) -> torch.Tensor:
+    """`selected_gqa_reference` of several requests at once (a batched prefill).
+
+    ``q [R, T, H, D]``: request ``r``'s tokens, padded; ``rows [R, U]`` each request's union of
+    selected physical rows in position order, ``-1`` padded; ``selected [R, T, U]`` which rows a
+    token attends to (never a padding row). One batched matmul per chunk instead of a dozen
+    small ops per request: what keeps a prefill of many prompts from being bound by launches.
+    Returns ``[R, T, H, D]`` in ``q``'s dtype; a token that selects nothing gets 0.
+    """
+    n_req, t, h, d = q.shape
+    g = row_format.num_kv_heads
+    u = rows.shape[1]
+    out = torch.zeros(n_req, t, h, d, dtype=q.dtype, device=q.device)
+    if u == 0 or t == 0 or n_req == 0:
+        return out
+    keys, values = row_format.unpack(gather_rows(kv_cache, rows))  # [R, U, G, D]
+    # Padding rows read the null block's garbage (NaN bytes too): their probabilities are 0,
+    # but 0 * NaN is not, so zero their values.
+    pad = (rows < 0)[:, :, None, None]
+    keys = keys.float().permute(0, 2, 3, 1)  # [R, G, D, U]
+    values = torch.where(pad, 0.0, values.float()).transpose(1, 2)  # [R, G, U, D]
+    per_token = h * u
+    t_step = max(1, min(t, _CHUNK_ELEMENTS // max(1, per_token)))
+    r_step = max(1, _CHUNK_ELEMENTS // max(1, per_token * t_step))
+    tiny = torch.finfo(torch.float32).tiny
+    for r0 in range(0, n_req, r_step):
+        r1 = min(n_req, r0 + r_step)
+        for lo in range(0, t, t_step):
+            hi = min(t, lo + t_step)
+            m = hi - lo
+            qg = q[r0:r1, lo:hi].float().view(r1 - r0, m, g, h // g, d).transpose(1, 2)
+            qg = qg.reshape(r1 - r0, g, m * (h // g), d)
+            scores = torch.matmul(qg, keys[r0:r1]).view(r1 - r0, g, m, h // g, u) * scale
+            sel = selected[r0:r1, None, lo:hi, None, :]
+            scores = torch.where(sel, scores, float("-inf"))
+            row_max = scores.amax(dim=-1, keepdim=True)
+            probs = torch.exp(scores - torch.where(torch.isfinite(row_max), row_max, 0.0))
+            probs = probs / probs.sum(dim=-1, keepdim=True).clamp_min(tiny)
+            o = torch.matmul(probs.view(r1 - r0, g, m * (h // g), u), values[r0:r1])
+            o = o.view(r1 - r0, g, m, h // g, d).transpose(1, 2).reshape(r1 - r0, m, h, d)
+            out[r0:r1, lo:hi] = o.to(q.dtype)
+    return out
+
+
 def causal_gqa_reference(
     q: torch.Tensor,
     kv_cache: torch.Tensor,

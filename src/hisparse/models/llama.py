@@ -31,14 +31,15 @@ from hisparse.attention.gqa_indexer_reference import (
     GqaIndexerFormat,
     gqa_indexer_topk,
     gqa_indexer_topk_decode,
+    gqa_indexer_topk_prefill,
+    pad_groups,
     rope_pair_dims,
     write_index_keys,
 )
 from hisparse.attention.sparse_gqa_reference import (
     GqaRowFormat,
-    causal_gqa_reference,
     gqa_dtype_name,
-    selected_gqa_reference,
+    selected_gqa_varlen_reference,
     sparse_gqa_decode,
 )
 from hisparse.kv.row_formats import write_rows_where
@@ -60,7 +61,8 @@ class StepPlan:
     forward instead of once per layer (each read is a host sync on CUDA).
 
     ``decode``: every request has exactly one token (padding tokens aside); ``decode_rows[r]``
-    is then request ``r``'s token. Otherwise ``tokens[r]`` lists request ``r``'s tokens.
+    is then request ``r``'s token. Otherwise ``tokens [R, T]`` lists each request's tokens
+    (``-1`` padded), the layout of the batched prefill attention.
     ``longest``: the most keys of any request (host int). A static step (`DsaStep.static`: a
     padded decode batch, possibly under CUDA-graph capture) reads nothing from the device:
     row ``r`` is request ``r`` (padding rows have ``req_index < 0``), ``lens`` is unknown
@@ -71,7 +73,7 @@ class StepPlan:
     longest: int
     decode: bool
     decode_rows: torch.Tensor | None
-    tokens: list[torch.Tensor]
+    tokens: torch.Tensor | None
     static: bool = False
 
     @classmethod
@@ -81,7 +83,7 @@ class StepPlan:
             if step.max_len is None:
                 raise ValueError("a static step needs max_len (the host bound on keys)")
             rows = torch.arange(req.shape[0], device=req.device)
-            return cls(None, step.max_len, True, rows, [], static=True)
+            return cls(None, step.max_len, True, rows, None, static=True)
         lens = step.seq_lens.tolist()
         valid = req >= 0
         counts = torch.bincount(req[valid], minlength=len(lens)).tolist()
@@ -89,9 +91,8 @@ class StepPlan:
         if lens and all(c == 1 for c in counts):
             rows = torch.full((len(lens),), -1, dtype=torch.long, device=req.device)
             rows[req[valid]] = torch.nonzero(valid).flatten()
-            return cls(lens, longest, True, rows, [])
-        tokens = [torch.nonzero(req == r).flatten() for r in range(len(lens))]
-        return cls(lens, longest, False, None, tokens)
+            return cls(lens, longest, True, rows, None)
+        return cls(lens, longest, False, None, pad_groups(req, len(lens)))
 
 
 @dataclass(frozen=True)
@@ -258,39 +259,47 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """Sparse attention. A decode step (one token per request, dense or sparse alike)
         gathers each token's rows in one call (`sparse_gqa_decode`: the Triton kernel on
-        CUDA). A request with several tokens in this step (a prefill) reads the union of its
-        tokens' rows once and masks each token to its own selection (`selected_gqa_reference`;
-        dense requests through `causal_gqa_reference`): the same attention, far less copying
-        than one gather per token."""
+        CUDA). Otherwise (prefill chunks, mixed steps) each request reads the union of its
+        tokens' rows once, in position order (so the result does not depend on where rows
+        sit), and masks each token to its own selection; all requests in one batched pass
+        (`selected_gqa_varlen_reference`): far less copying than one gather per token and no
+        loop over requests."""
         if plan.decode:
             out, _ = sparse_gqa_decode(q, view, physical, self.scale, fmt)
             return out
-        lens = plan.lens
-        assert lens is not None
-        dense = [cfg.top_k is None or n <= cfg.top_k for n in lens]
+        tokens = plan.tokens
+        assert tokens is not None and plan.lens is not None
+        n_req, longest = tokens.shape[0], max(plan.longest, 1)
+        dev = q.device
+        valid = step.req_index >= 0
+        req = step.req_index.clamp_min(0)
+        chosen = (topk >= 0) & valid[:, None]
+        # Per request: which positions any of its tokens chose, and their physical rows.
+        flat = (req[:, None] * longest + topk.long().clamp_min(0))[chosen]
+        picked = torch.zeros(n_req * longest, dtype=torch.bool, device=dev)
+        picked[flat] = True
+        picked = picked.view(n_req, longest)
+        slot = torch.cumsum(picked, 1) - 1  # column of each picked position in the union
+        width = int(picked.sum(1).max()) if n_req else 0
+        col = slot.view(-1)[flat]
+        rows = torch.full((n_req, width), -1, dtype=torch.long, device=dev)
+        rows.view(-1)[req[:, None].expand_as(topk)[chosen] * width + col] = physical[
+            chosen
+        ].long()  # every token of a request maps a position to the same row
+        # selected[r, i, c]: the request's i-th token attends to union column c.
+        rank = torch.zeros(q.shape[0], dtype=torch.long, device=dev)
+        live = tokens >= 0
+        rank[tokens[live]] = torch.nonzero(live)[:, 1]
+        t_max = tokens.shape[1]
+        selected = torch.zeros(n_req * t_max * width, dtype=torch.bool, device=dev)
+        tok_of = (req * t_max + rank)[:, None].expand_as(topk)[chosen]
+        selected[tok_of * width + col] = True
+        safe = tokens.clamp_min(0)
+        o = selected_gqa_varlen_reference(
+            q[safe], view, rows, selected.view(n_req, t_max, width), self.scale, fmt
+        )
         out = torch.zeros_like(q)  # padding tokens (no request) stay 0
-        sparse_tok = []
-        for r, is_dense in enumerate(dense):
-            tok = plan.tokens[r]
-            if tok.numel() == 0:
-                continue
-            if not is_dense:
-                if tok.numel() == 1:
-                    sparse_tok.append(tok)
-                else:
-                    out[tok] = _selected_attention(
-                        q[tok], view, topk[tok], physical[tok], self.scale, fmt
-                    )
-                continue
-            # The request's latest token selects every position 0..len-1, ascending.
-            last = tok[step.positions[tok].argmax()]
-            rows = physical[last, : lens[r]]
-            out[tok] = causal_gqa_reference(
-                q[tok], view, rows, step.positions[tok], self.scale, fmt
-            )
-        if sparse_tok:
-            tok = torch.cat(sparse_tok)
-            out[tok], _ = sparse_gqa_decode(q[tok], view, physical[tok], self.scale, fmt)
+        out[tokens[live]] = o[live]
         return out
 
     def _select(
@@ -322,42 +331,18 @@ class LlamaAttention(nn.Module):
             out[rows] = chosen
             return out
         assert plan.lens is not None
-        for r, length in enumerate(plan.lens):
-            tok = plan.decode_rows[r : r + 1] if plan.decode else plan.tokens[r]
-            if tok.numel() == 0:
-                continue
-            out[tok] = gqa_indexer_topk(
-                q[tok],
-                step.positions[tok],
-                pages,
-                table[r],
-                length,
-                fmt,
-                cfg,
-                self.scale,
-                width,
-                dims,
-            )
-        return out
-
-
-def _selected_attention(
-    q: torch.Tensor,
-    view: torch.Tensor,
-    logical: torch.Tensor,
-    physical: torch.Tensor,
-    scale: float,
-    fmt: GqaRowFormat,
-) -> torch.Tensor:
-    """One request's tokens over the union of their selections, rows in position order (so
-    the result does not depend on where the rows sit: both placements compute the same)."""
-    valid = logical >= 0
-    positions, inverse = torch.unique(logical[valid].long(), return_inverse=True)
-    rows = torch.empty_like(positions)
-    rows[inverse] = physical[valid].long()
-    selected = torch.zeros(q.shape[0], positions.numel(), dtype=torch.bool, device=q.device)
-    selected[torch.nonzero(valid)[:, 0], inverse] = True
-    return selected_gqa_reference(q, view, rows, selected, scale, fmt)
+        if plan.decode:  # batch-1 decode: the request's one token
+            rows = plan.decode_rows
+            assert rows is not None
+            out[rows] = gqa_indexer_topk(
+                q[rows], step.positions[rows], pages, table[0], plan.lens[0], fmt, cfg,
+                self.scale, width, dims,
+            )  # fmt: skip
+            return out
+        return gqa_indexer_topk_prefill(
+            q, step.positions, step.req_index, pages, table, plan.lens, fmt, cfg, self.scale,
+            width, dims,
+        )  # fmt: skip
 
 
 class LlamaDecoderLayer(nn.Module):
