@@ -56,10 +56,10 @@ Tensor = torch.Tensor
 
 _SENTINEL = tl.constexpr(1 << 40)  # above any host row: entries not needing the hot buffer
 
-#: resolve_residency implementation: "bucket" (default) or "sort" (the previous kernel, kept
-#: until the bucket kernel's all-miss case is timed again: with one cross-thread reduction per
-#: rank tile it took 487 µs at 2048 misses per request, the sort kernel 79; the tiles now count
-#: element-wise and reduce once per row tile). Benchmarks and tests switch these.
+#: resolve_residency implementation: "bucket" (default) or "sort" (the previous kernel). H200,
+#: batch 64, hot 4096, top_k 2048: bucket 35.6-42.6 µs at 5% miss vs sort 78.7; at 100% miss
+#: bucket 163 µs (after its rank tiles stopped reducing per tile: 487 before) vs sort 79.
+#: Benchmarks and tests switch these.
 RESOLVE_IMPL = "bucket"
 #: Warps per program (0: by size), hot-slot chunk, rank tile of the swap-list order, and
 #: log2 of the bucket count (``None``: 2 buckets per entry; tests shrink it to force overflow).
@@ -326,6 +326,8 @@ def _resolve_kernel(
         placed = needs & (val < -1)  # always, unless more rows were wanted than H
         hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_all // bs) * s_hbt_b, mask=placed)
         tl.store(out_addr, hb.to(tl.int64) * bs + slot_all % bs, mask=placed)
+        # (configuration checks keep this empty; the reference raises) never a stale row
+        tl.store(out_addr, -1, mask=needs & ~placed)
 
         # ---- 9. swap list ascending by host row: rank of each miss among the misses ----
         n_sw = tl.minimum(n_miss, H)
@@ -373,10 +375,7 @@ def _resolve_sort_kernel(
     K, H, bs,
     ROWS: tl.constexpr, KP: tl.constexpr, LOGN: tl.constexpr, BH: tl.constexpr,
     BR: tl.constexpr, HAS_RES: tl.constexpr, HAS_VALID: tl.constexpr, HAS_HM: tl.constexpr,
-    ABL: tl.constexpr = 0,
 ):  # fmt: skip
-    # ABL (benchmarks only, wrong results): 1 skips the sort, 2 the binary searches,
-    # 4 the LRU pass, 8 stage 5.
     N: tl.constexpr = ROWS * KP
     SENT: tl.constexpr = _SENTINEL
     q = tl.program_id(0)
@@ -451,10 +450,7 @@ def _resolve_sort_kernel(
         # ---- 2. sort by (host row, position); run heads are the wanted set ------------
         pos = ri * KP + col
         key = tl.where(needs, g, SENT) * N + pos
-        if ABL & 1:  # noqa: SIM108
-            keys = tl.reshape(key, [N])
-        else:
-            keys = tl.sort(tl.reshape(key, [N]))
+        keys = tl.sort(tl.reshape(key, [N]))
         gs = keys >> LOGN
         ps = (keys & (N - 1)).to(tl.int32)
         idx = tl.arange(0, N)
@@ -481,7 +477,7 @@ def _resolve_sort_kernel(
             v = tl.load(hot_index_ptr + s64 * s_hi_s + h * s_hi_h, mask=hm, other=-1)
             v = v.to(tl.int64)
             lo = tl.zeros([BH], tl.int32)
-            for k in tl.static_range(0 if ABL & 2 else LOGN):
+            for k in tl.static_range(LOGN):
                 mid = tl.load(sc_uniq_ptr + base_n + lo + ((N >> (k + 1)) - 1))
                 lo = tl.where(mid < v, lo + (N >> (k + 1)), lo)
             found = tl.load(sc_uniq_ptr + base_n + lo)
@@ -496,7 +492,7 @@ def _resolve_sort_kernel(
         # ---- 4. new LRU order in closed form; evictable slot of each miss rank ---------
         ce = 0
         ch = 0
-        for j0 in range(0, 0 if ABL & 4 else H, BH):
+        for j0 in range(0, H, BH):
             j = j0 + bh
             jm = j < H
             sl = tl.load(lru_ptr + s64 * s_lru_s + j * s_lru_h, mask=jm, other=0).to(tl.int32)
@@ -515,45 +511,40 @@ def _resolve_sort_kernel(
             ch += tl.sum(hh.to(tl.int32), 0)
 
         # ---- 5. misses: wanted-order rank -> slot; swap list; every entry's row -------
-        if (ABL & 8) == 0:
-            slot_u = tl.load(sc_slot_u_ptr + base_n + uid, mask=head, other=0)
-            miss_head = head & (slot_u < 0)
-            tl.store(sc_flag_ptr + base_n + ps, miss_head.to(tl.int32))  # ps is a permutation
-            tl.debug_barrier()
-            for j0 in range(0, H, BH):
-                j = j0 + bh
-                jm = j < H
-                nl = tl.load(sc_newlru_ptr + base_h + j, mask=jm)
-                tl.store(lru_ptr + s64 * s_lru_s + j * s_lru_h, nl, mask=jm)
-            flag = tl.load(sc_flag_ptr + base_n + idx)
-            mrank = tl.cumsum(flag, 0) - 1
-            fm = (flag != 0) & (mrank < H)
-            slot_m = tl.load(sc_evict_ptr + base_h + mrank, mask=fm, other=0)
-            tl.store(sc_flag_ptr + base_n + idx, slot_m, mask=fm)
-            tl.debug_barrier()
-            slot_new = tl.load(sc_flag_ptr + base_n + ps, mask=miss_head, other=0)
-            if ABL:  # skipped stages leave garbage: keep the timing runs in bounds
-                slot_new = tl.minimum(tl.maximum(slot_new, 0), H - 1)
-            tl.store(sc_slot_u_ptr + base_n + uid, slot_new, mask=miss_head)
-            tl.store(hot_index_ptr + s64 * s_hi_s + slot_new * s_hi_h, gs, mask=miss_head)
-            hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_new // bs) * s_hbt_b, mask=miss_head)
-            phys_m = hb.to(tl.int64) * bs + slot_new % bs
-            widx = tl.cumsum(miss_head.to(tl.int32), 0) - 1
-            tl.store(swap_src_ptr + q64 * s_ss_q + widx * s_ss_h, gs, mask=miss_head)
-            tl.store(swap_dst_ptr + q64 * s_sd_q + widx * s_sd_h, phys_m, mask=miss_head)
-            tl.store(swap_count_ptr + q64 * s_sc, n_miss)
-            if HAS_HM:
-                tl.store(hm_ptr + q64 * s_hm_q, n_hit)
-                tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, n_miss)
-            tl.debug_barrier()
-            slot_all = tl.load(sc_slot_u_ptr + base_n + uid, mask=live, other=0)
-            if ABL:
-                slot_all = tl.minimum(tl.maximum(slot_all, 0), H - 1)
-            hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_all // bs) * s_hbt_b, mask=live)
-            phys = hb.to(tl.int64) * bs + slot_all % bs
-            erow = tl.load(sc_rows_ptr + q64 * ROWS + ps // KP, mask=live, other=0).to(tl.int64)
-            ecol = ps % KP
-            tl.store(out_ptr + erow * s_out_r + ecol * s_out_c, phys, mask=live)
+        slot_u = tl.load(sc_slot_u_ptr + base_n + uid, mask=head, other=0)
+        miss_head = head & (slot_u < 0)
+        tl.store(sc_flag_ptr + base_n + ps, miss_head.to(tl.int32))  # ps is a permutation
+        tl.debug_barrier()
+        for j0 in range(0, H, BH):
+            j = j0 + bh
+            jm = j < H
+            nl = tl.load(sc_newlru_ptr + base_h + j, mask=jm)
+            tl.store(lru_ptr + s64 * s_lru_s + j * s_lru_h, nl, mask=jm)
+        flag = tl.load(sc_flag_ptr + base_n + idx)
+        mrank = tl.cumsum(flag, 0) - 1
+        fm = (flag != 0) & (mrank < H)
+        slot_m = tl.load(sc_evict_ptr + base_h + mrank, mask=fm, other=0)
+        tl.store(sc_flag_ptr + base_n + idx, slot_m, mask=fm)
+        tl.debug_barrier()
+        slot_new = tl.load(sc_flag_ptr + base_n + ps, mask=miss_head, other=0)
+        tl.store(sc_slot_u_ptr + base_n + uid, slot_new, mask=miss_head)
+        tl.store(hot_index_ptr + s64 * s_hi_s + slot_new * s_hi_h, gs, mask=miss_head)
+        hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_new // bs) * s_hbt_b, mask=miss_head)
+        phys_m = hb.to(tl.int64) * bs + slot_new % bs
+        widx = tl.cumsum(miss_head.to(tl.int32), 0) - 1
+        tl.store(swap_src_ptr + q64 * s_ss_q + widx * s_ss_h, gs, mask=miss_head)
+        tl.store(swap_dst_ptr + q64 * s_sd_q + widx * s_sd_h, phys_m, mask=miss_head)
+        tl.store(swap_count_ptr + q64 * s_sc, n_miss)
+        if HAS_HM:
+            tl.store(hm_ptr + q64 * s_hm_q, n_hit)
+            tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, n_miss)
+        tl.debug_barrier()
+        slot_all = tl.load(sc_slot_u_ptr + base_n + uid, mask=live, other=0)
+        hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_all // bs) * s_hbt_b, mask=live)
+        phys = hb.to(tl.int64) * bs + slot_all % bs
+        erow = tl.load(sc_rows_ptr + q64 * ROWS + ps // KP, mask=live, other=0).to(tl.int64)
+        ecol = ps % KP
+        tl.store(out_ptr + erow * s_out_r + ecol * s_out_c, phys, mask=live)
 
 
 def resolve_residency(
@@ -661,7 +652,8 @@ def resolve_residency(
 
 
 def _resolve_sort(common, flags, Q, n, rows, kp, logn, H, br, K, block_size, dev) -> None:  # type: ignore[no-untyped-def]
-    """The previous sort-based kernel (benchmarks only; to be removed)."""
+    """The previous sort-based kernel: slower at few misses (78.7 vs 35.6 µs, batch 64, 5%
+    miss, H200), faster when every entry misses (79 vs 163 µs); selectable for A/B runs."""
     bh = min(_next_pow2(H), 4096)
     i64 = torch.empty(2 * Q * n, dtype=torch.int64, device=dev)
     i32 = torch.empty(Q * (rows + 2 * n + 2 * H), dtype=torch.int32, device=dev)
