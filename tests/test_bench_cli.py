@@ -237,3 +237,23 @@ def test_missing_model(tmp_path, capsys):
         == 2
     )
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_same_tokens_compared_only_under_the_same_schedule():
+    from hisparse.cli_bench import ratio_rows
+
+    def row(placement, tokens, schedule):
+        return dict(placement=placement, concurrency=2, peak_running=2, decode_tok_s=1.0,
+                    token_ids=tokens, schedule=schedule, preemptions=0)  # fmt: skip
+
+    same = [(False, 10, 2), (True, 2, 2)]
+    other = [(False, 5, 1), (False, 5, 2), (True, 2, 2)]  # admitted one step later
+    assert ratio_rows([row("hisparse", [[1]], same), row("gpu", [[1]], same)])[0]["same_tokens"]
+    assert (
+        ratio_rows([row("hisparse", [[1]], same), row("gpu", [[2]], same)])[0]["same_tokens"]
+        is False
+    )
+    assert (
+        ratio_rows([row("hisparse", [[1]], same), row("gpu", [[2]], other)])[0]["same_tokens"]
+        is None
+    )

@@ -57,7 +57,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--prefill",
         choices=("synthetic", "model"),
         default="synthetic",
-        help="synthetic: write prompt KV rows directly (fast; TTFT NOT measured); "
+        help="synthetic: write prompt KV rows directly (fast; TTFT NOT measured; with "
+        "--topk-overlap off the hot buffers start cold: no prefill selection warms them); "
         "model: run the real prefill (default: %(default)s)",
     )
     bench.add_argument(
@@ -163,7 +164,7 @@ def parse_args_checked(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def _default_host_gib(model: Path, kv_format: str, tokens: int, block_size: int) -> float:
+def _default_host_gib(model: Path, kv_format: str, tokens: int) -> float:
     """Host pool for ``tokens`` tokens of every sparse layer, plus per-request slack."""
     from hisparse.kv.row_formats import mla_row_bytes
 
@@ -253,7 +254,6 @@ def _make_llm(args: argparse.Namespace, cfg: dict[str, Any], placement: str) -> 
             Path(args.model),
             args.kv_format,
             max(cfg["concurrency"]) * (cfg["max_len"] + args.block_size),
-            args.block_size,
         )
     hs = HiSparseConfig(
         top_k=args.top_k,
@@ -310,6 +310,9 @@ def run_cell(
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, on_finish=on_finish)
     row = summarize(llm, outs, first, time.perf_counter() - t0, args.prefill == "synthetic")
     row["token_ids"] = [o.token_ids for o in outs]
+    # the step-by-step schedule: tokens are comparable across placements only under the same one
+    steps = llm.step_stats[first:]
+    row["schedule"] = [(bool(s["decode"]), int(s["tokens"]), int(s["running"])) for s in steps]
     return row
 
 
@@ -376,7 +379,9 @@ def run_bench(args: argparse.Namespace) -> int:
                 if k != "handler"
             },
             ttft_measured=not synthetic,
-            results=[{k: v for k, v in r.items() if k != "token_ids"} for r in results],
+            results=[
+                {k: v for k, v in r.items() if k not in ("token_ids", "schedule")} for r in results
+            ],
             ratios=ratios,
         )
         args.json.write_text(json.dumps(doc, indent=2))
@@ -456,12 +461,10 @@ def ratio_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 peak_decode_tok_s=ratio("peak_decode_tok_s"),
                 tpot_p50=ratio("tpot_p50"),
                 tpot_p95=ratio("tpot_p95"),
-                # comparable only under the same schedule: other batch sizes may round
-                # differently (bf16 GEMMs), which is not a placement difference
+                # comparable only under the same schedule (every step's batch): other batch
+                # sizes may round differently (bf16 GEMMs), which is not a placement difference
                 same_tokens=hs["token_ids"] == gpu["token_ids"]
-                if hs["peak_running"] == gpu["peak_running"]
-                and not hs["preemptions"]
-                and not gpu["preemptions"]
+                if hs.get("schedule") == gpu.get("schedule")
                 else None,
             )
         )
