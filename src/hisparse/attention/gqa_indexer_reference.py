@@ -46,6 +46,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 #: Upper bound on the fp32 elements of one ``[T, H, S]`` score chunk.
 _CHUNK_ELEMENTS = 1 << 25
+#: The same bound on the CPU, where chunks that fit in the cache run faster.
+_CPU_CHUNK_ELEMENTS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -462,8 +464,10 @@ def gqa_indexer_topk_prefill(
     h = q.shape[1]
     g = fmt.num_kv_heads
     t_all = padded.shape[1]
-    t_step = max(1, min(t_all, _CHUNK_ELEMENTS // max(1, h * longest)))
-    r_step = max(1, _CHUNK_ELEMENTS // max(1, h * longest * t_step))
+    # CPU: score chunks that stay in the cache through select_topk's passes over them.
+    limit = _CPU_CHUNK_ELEMENTS if q.device.type == "cpu" else _CHUNK_ELEMENTS
+    t_step = max(1, min(t_all, limit // max(1, h * longest)))
+    r_step = max(1, limit // max(1, h * longest * t_step))
     sreq_d = torch.tensor(sreq, device=q.device)
     for r0 in range(0, len(sreq), r_step):
         r1 = min(len(sreq), r0 + r_step)

@@ -25,6 +25,7 @@ GQA_ROW_DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 #: Upper bound on the fp32 elements of one gathered chunk (bounds CPU memory on long prompts).
+_CPU_CHUNK_ELEMENTS = 1 << 18
 _CHUNK_ELEMENTS = 1 << 26
 
 
@@ -284,9 +285,11 @@ def selected_gqa_varlen_reference(
     keys = keys.float().permute(0, 2, 3, 1)  # [R, G, D, U]
     values = torch.where(pad, 0.0, values.float()).transpose(1, 2)  # [R, G, U, D]
     per_token = h * u
-    t_step = max(1, min(t, _CHUNK_ELEMENTS // max(1, per_token)))
-    r_step = max(1, _CHUNK_ELEMENTS // max(1, per_token * t_step))
-    tiny = torch.finfo(torch.float32).tiny
+    # On the CPU, chunks whose scores fit in the cache (a few passes over them follow); on
+    # an accelerator, as large as memory allows (fewer launches).
+    limit = _CPU_CHUNK_ELEMENTS if q.device.type == "cpu" else _CHUNK_ELEMENTS
+    t_step = max(1, min(t, limit // max(1, per_token)))
+    r_step = max(1, limit // max(1, per_token * t_step))
     for r0 in range(0, n_req, r_step):
         r1 = min(n_req, r0 + r_step)
         for lo in range(0, t, t_step):
@@ -296,14 +299,12 @@ def selected_gqa_varlen_reference(
             qg = qg.reshape(r1 - r0, g, m * (h // g), d)
             scores = torch.matmul(qg, keys[r0:r1]).view(r1 - r0, g, m, h // g, u) * scale
             sel = selected[r0:r1, None, lo:hi, None, :]
-            scores = torch.where(sel, scores, float("-inf"))
-            row_max = scores.amax(dim=-1, keepdim=True)
-            probs = torch.exp(scores - torch.where(torch.isfinite(row_max), row_max, 0.0))
-            probs = probs / probs.sum(dim=-1, keepdim=True).clamp_min(tiny)
+            # One fused softmax; a row that selects nothing (NaN) is zeroed below.
+            probs = torch.softmax(torch.where(sel, scores, float("-inf")), dim=-1)
             o = torch.matmul(probs.view(r1 - r0, g, m * (h // g), u), values[r0:r1])
             o = o.view(r1 - r0, g, m, h // g, d).transpose(1, 2).reshape(r1 - r0, m, h, d)
             out[r0:r1, lo:hi] = o.to(q.dtype)
-    return out
+    return torch.where(selected.any(-1)[..., None, None], out, 0.0)
 
 
 def causal_gqa_reference(
