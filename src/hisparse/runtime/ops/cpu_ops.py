@@ -2,14 +2,18 @@
 
 The reference (`reference.py`, the oracle) loops over requests and issues dozens of small
 torch ops per request; on the CPU each costs microseconds of dispatch, and a decode step runs
-every op once per layer. Here every op is a handful of whole-batch numpy operations on views
+every op once per layer. Here each op is a short run of whole-batch numpy operations on views
 of the same memory (``Tensor.numpy()`` shares storage, so writes land in the tensors), with no
-Python loop over requests and no host round trip through lists.
+Python loop over requests and no host round trip through lists. Batches of one query row or
+one written row (every batch-1 decode step) take a shorter form on 1-D arrays and scalars: in
+a decode step each numpy call costs a few microseconds, so the count of calls is the cost.
 
-Outputs and state equal the reference's bit for bit on every input the reference accepts.
-Inputs it rejects (too many rows or wanted rows per request, positions past the block table,
-two live requests on one hot-state slot, negative host rows, non-CPU tensors) are handed to
-the reference itself, so the same error is raised after the same partial updates.
+Outputs and state equal the reference's bit for bit on every input the reference accepts
+whose hot state is valid (DESIGN.md §5: no host row twice in one slot set, ``lru`` a
+permutation). Inputs it rejects (too many rows or wanted rows per request, positions past
+the block table, requests or state slots out of range, two live requests on one hot-state
+slot, negative host rows, non-CPU tensors) are handed to the reference itself, so the same
+error is raised after the same partial updates.
 """
 
 from __future__ import annotations
