@@ -11,9 +11,9 @@ a decode step each numpy call costs a few microseconds, so the count of calls is
 Outputs and state equal the reference's bit for bit on every input the reference accepts
 whose hot state is valid (DESIGN.md §5: no host row twice in one slot set, ``lru`` a
 permutation). Inputs it rejects (too many rows or wanted rows per request, positions past
-the block table, requests or state slots out of range, two live requests on one hot-state
-slot, negative host rows, non-CPU tensors) are handed to the reference itself, so the same
-error is raised after the same partial updates.
+the block table, requests or state slots out of range, negative host rows), two live requests
+on one hot-state slot (which it resolves one after the other) and non-CPU tensors are handed
+to the reference itself: the same result, or the same error after the same partial updates.
 """
 
 from __future__ import annotations
