@@ -62,14 +62,6 @@ class CacheHandle:
         assert self.runtime.device_view is not None, "device view not bound"
         return self.runtime.device_view, tables.slot_mapping[: meta.num_tokens]
 
-    def mirror_target(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(paged host view, host row of each new token), or None when nothing is mirrored."""
-        if not self.host_mirror_required:
-            return None
-        meta, _ = self._step()
-        assert self.runtime.host_view is not None and meta.host_slot_mapping is not None
-        return self.runtime.host_view, meta.host_slot_mapping[: meta.num_tokens]
-
     def finish_kv_update(self) -> None:
         """After the layer wrote its new rows: mirror them to the host, drop stale hot copies.
 
