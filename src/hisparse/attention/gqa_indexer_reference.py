@@ -330,14 +330,16 @@ def select_topk(
     # torch.where, not masked_fill: the same values, twice as fast on the CPU.
     lg = torch.where(cand[:, None, :], logits[..., :length], float("-inf"))
     lse = torch.logsumexp(lg, dim=-1, keepdim=True)
-    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    lse = torch.where(torch.isfinite(lse), lse, 0.0)
     mass = torch.exp(lg - lse).sum(dim=1)  # [T, S]; 0 where not a candidate
     score = torch.where(forced, 2.0 * logits.shape[1], torch.where(cand, mass, -1.0))
     kk = min(cfg.top_k, length)
     vals, idx = score.topk(kk, dim=-1)
-    idx = torch.where(vals >= 0, idx, torch.full_like(idx, length))  # non-causal -> sorts last
+    idx = torch.where(vals >= 0, idx, length)  # non-causal -> sorts last
     idx = idx.sort(dim=-1).values
-    idx = torch.where(idx < length, idx, torch.full_like(idx, -1))
+    idx = torch.where(idx < length, idx, -1)
+    if kk == width:  # the common case (decode): no padding columns to add
+        return idx.to(torch.int32)
     out = torch.full((t, width), -1, dtype=torch.int32, device=logits.device)
     n = min(kk, width)
     out[:, :n] = idx[:, :n].to(torch.int32)

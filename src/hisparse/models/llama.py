@@ -237,7 +237,8 @@ class LlamaAttention(nn.Module):
         dims = self.index_dims if fmt.method == "lowrank" else None
         idx = cache.indexer(self.layer)
         pages, idx_slots = idx.write_target()
-        write_index_keys(pages, fmt, idx_slots, k, dims, sync_free=plan.static)
+        # decode: one row per request, written without a boolean select (fewer ops)
+        write_index_keys(pages, fmt, idx_slots, k, dims, sync_free=plan.decode)
         read_pages, table = idx.read_source()
         topk = self._select(q, step, plan, read_pages, table, fmt, indexer, dims)
 
@@ -334,10 +335,13 @@ class LlamaAttention(nn.Module):
         if plan.decode:  # batch-1 decode: the request's one token
             rows = plan.decode_rows
             assert rows is not None
-            out[rows] = gqa_indexer_topk(
+            chosen = gqa_indexer_topk(
                 q[rows], step.positions[rows], pages, table[0], plan.lens[0], fmt, cfg,
                 self.scale, width, dims,
             )  # fmt: skip
+            if q.shape[0] == 1:  # no padding rows
+                return chosen
+            out[rows] = chosen
             return out
         return gqa_indexer_topk_prefill(
             q, step.positions, step.req_index, pages, table, plan.lens, fmt, cfg, self.scale,
