@@ -334,3 +334,28 @@ def test_triton_swap_in_stays_lossless_when_the_batch_shrinks(checkpoint, monkey
     for kw in (EAGER, PADDED):
         hs = _run(checkpoint, "hisparse", params=params, prompts=prompts, llm_kw=kw)
         assert _tokens(hs) == _tokens(ref)
+
+
+def test_decode_path_falls_back_where_a_step_cannot_be_captured(monkeypatch):
+    """Graphs by default on CUDA; a part that reads device values on the host (quest, a
+    PyTorch reference backend) makes the default run the same step uncaptured, with a
+    warning, and makes an explicit cuda_graphs=True an error that says what to pass."""
+    pytest.importorskip("triton")
+    from hisparse.engine.llm import _decode_path, capture_blockers
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("HISPARSE_OPS", raising=False)
+    monkeypatch.delenv("HISPARSE_INDEXER", raising=False)
+    monkeypatch.delenv("HISPARSE_ATTENTION", raising=False)
+    assert _decode_path(None, cpu) == "eager" and _decode_path(True, cpu) == "padded"
+    assert _decode_path(False, cuda) == "eager"
+    assert capture_blockers(cuda, "fp8") == [] and _decode_path(None, cuda) == "graphs"
+    with pytest.warns(UserWarning, match="quest"):
+        assert _decode_path(None, cuda, "quest") == "padded"
+    with pytest.raises(ValueError, match="cuda_graphs=False"):
+        _decode_path(True, cuda, "quest")
+    monkeypatch.setenv("HISPARSE_OPS", "reference")
+    assert "reference" in capture_blockers(cuda, "fp8")[0]
+    monkeypatch.setenv("HISPARSE_OPS", "auto")
+    monkeypatch.setenv("HISPARSE_INDEXER", "reference")
+    assert capture_blockers(cuda, "fp8") == ["HISPARSE_INDEXER=reference"]

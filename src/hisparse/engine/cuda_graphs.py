@@ -52,7 +52,7 @@ class DecodeGraphs:
 
     def __init__(self, max_num_seqs: int, device: torch.device, *, capture: bool) -> None:
         if capture and device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
+            raise ValueError("CUDA graphs need a CUDA device: pass cuda_graphs=False")
         self.sizes = padded_sizes(max_num_seqs)
         self.device = device
         self.capture = capture

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -71,15 +72,19 @@ class LLM:
             this step-to-step overlap (`hisparse.engine.replay`); both placements alike.
         synthetic_prefill: benchmark only: fill prompts' KV rows and indexer keys with
             pseudo-random valid rows instead of running the prefill (DSA models; time to
-            first token is then meaningless).
+            first token is then meaningless; without ``topk_replay`` no prefill selection
+            warms the hot buffers, so the first decode step misses every row).
         timing: record resolve / gather time of every decode step (CUDA events, read at the
             end of `generate`) into ``step_stats``. The events cannot live in a CUDA graph: with
-            timing, decode runs the graphs' fixed-shape step eagerly.
+            timing, decode runs the graphs' fixed-shape step eagerly (in both placements).
         seed: seed of the replayed selections and synthetic rows.
         cuda_graphs: decode batches padded to a captured size (1, 2, 4, ..., max_num_seqs)
             and replayed as CUDA graphs, swap-in (resolve + gathers) inside the graph,
             sampling outside. Default: on for CUDA, off (the plain eager step) on the CPU;
-            ``True`` on the CPU runs the same padded fixed-shape step without capture.
+            ``True`` on the CPU runs the same padded fixed-shape step without capture. Where
+            a part of the step cannot be captured (`capture_blockers`: a PyTorch reference
+            backend, the quest indexer) the default runs that step without graphs and warns;
+            ``True`` is then an error.
     """
 
     def __init__(
@@ -169,7 +174,7 @@ class LLM:
             replay=None if topk_replay is None else ReplaySettings(topk_replay, seed),
             synthetic_prefill=synthetic_prefill,
             timing=timing,
-            decode_path=_decode_path(cuda_graphs, self.device),
+            decode_path=_decode_path(cuda_graphs, self.device, indexer),
         )
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
@@ -354,13 +359,43 @@ class LLM:
         self.close()
 
 
-def _decode_path(cuda_graphs: bool | None, device: torch.device) -> str:
-    """`ModelRunner` decode path for the ``cuda_graphs`` argument on ``device``."""
-    if cuda_graphs is None:
-        cuda_graphs = device.type == "cuda"
-    if not cuda_graphs:
+def capture_blockers(device: torch.device, indexer: str) -> list[str]:
+    """Why a decode step on ``device`` could not be captured as a CUDA graph: the parts that
+    would read device values on the host (the PyTorch references, the quest indexer)."""
+    import os
+
+    from hisparse.runtime.ops import ops_for, reference
+
+    out = []
+    if ops_for(device) is reference:
+        out.append("the data-plane ops are the PyTorch reference (HISPARSE_OPS, or no Triton)")
+    for var in ("HISPARSE_INDEXER", "HISPARSE_ATTENTION"):
+        if os.environ.get(var) == "reference":
+            out.append(f"{var}=reference")
+    if indexer == "quest":
+        out.append("indexer='quest' reads page bounds on the host")
+    return out
+
+
+def _decode_path(cuda_graphs: bool | None, device: torch.device, indexer: str = "fp8") -> str:
+    """`ModelRunner` decode path for the ``cuda_graphs`` argument on ``device``: CUDA graphs by
+    default on CUDA, unless a part of the step cannot be captured (then the same fixed-shape
+    step runs eagerly, with a warning; asking for graphs explicitly is then an error)."""
+    if cuda_graphs is False or (cuda_graphs is None and device.type != "cuda"):
         return "eager"
-    return "graphs" if device.type == "cuda" else "padded"
+    if device.type != "cuda":
+        return "padded"  # cuda_graphs=True on the CPU: the graphs' step, run eagerly
+    blockers = capture_blockers(device, indexer)
+    if not blockers:
+        return "graphs"
+    why = "; ".join(blockers)
+    if cuda_graphs is True:
+        raise ValueError(
+            f"cuda_graphs=True: the decode step cannot be captured ({why}); pass "
+            "cuda_graphs=False, or leave it unset to run the same step without graphs."
+        )
+    warnings.warn(f"decode runs without CUDA graphs: {why}", stacklevel=3)
+    return "padded"
 
 
 def _set_index_topk(model: torch.nn.Module, top_k: int) -> None:

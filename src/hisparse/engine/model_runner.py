@@ -185,7 +185,8 @@ class ModelRunner:
     """Runs engine steps; optional benchmark modes: top-k replay (``replay``), synthetic
     prefill (``synthetic_prefill``) and swap-in timing (``timing``), all applied to both
     placements alike. ``decode_path`` picks the decode step (`DECODE_PATHS`); swap-in timing
-    records CUDA events the graphs cannot hold, so with ``timing`` ``graphs`` runs padded."""
+    records CUDA events the graphs cannot hold, so with ``timing`` ``graphs`` runs padded
+    (without capture) in both placements."""
 
     def __init__(
         self,
@@ -205,7 +206,7 @@ class ModelRunner:
         if decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path={decode_path!r}: use one of {DECODE_PATHS}")
         if decode_path == "graphs" and device.type != "cuda":
-            raise ValueError("decode_path='graphs' needs a CUDA device")
+            raise ValueError("decode_path='graphs' needs a CUDA device: pass cuda_graphs=False")
         self.model, self.config, self.kv = model, config, kv
         self.row_format = row_format
         self.device = device
@@ -288,7 +289,9 @@ class ModelRunner:
         self.decode_path = decode_path
         self.graphs: DecodeGraphs | None = None
         if decode_path != "eager":
-            capture = decode_path == "graphs" and self.timer is None
+            # swap-in timing events cannot live in a graph: with timing, both placements run
+            # the fixed-shape step eagerly, so their times stay comparable
+            capture = decode_path == "graphs" and not timing
             self.graphs = DecodeGraphs(max_num_seqs, device, capture=capture)
 
     def reset_slot(self, slot: int) -> None:
