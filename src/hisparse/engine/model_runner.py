@@ -75,7 +75,8 @@ def engine_specs(
 @dataclass
 class StepResult:
     """Logits of the rows that sample (one per request whose step ends at a new token);
-    a synthetic prefill has no logits and gives its tokens directly."""
+    a synthetic prefill has no logits and gives its tokens directly. On the CUDA-graph path
+    the logits are the graph's output buffer: valid until the next step runs."""
 
     logits: torch.Tensor | None
     sample_reqs: list[Request]

@@ -117,7 +117,8 @@ class TopKReplay:
         overlap: fraction of the previous selection each step keeps (0..1).
         seed: selections are a function of (seed, request key, leader, length).
         num_leaders: index-group leaders of the model.
-        max_slots: hot-state slots (the engine's max_num_seqs).
+        max_slots: hot-state slots (the engine passes max_num_seqs + 1: the spare slot is
+            the one padded decode rows read and write).
     """
 
     def __init__(

@@ -16,7 +16,7 @@ import torch
 
 from hisparse.attention.indexer_reference import quantize_indexer_fp8
 from hisparse.engine.replay import hash_rows, mix31, mix31_int
-from hisparse.kv.row_formats import pack_mla_rows, write_indexer_keys
+from hisparse.kv.row_formats import pack_mla_rows, write_indexer_keys, write_rows_where
 
 _M31 = 0x7FFFFFFF
 
@@ -72,10 +72,7 @@ class SyntheticPrefill:
                 latent.to(self.dtype),  # type: ignore[arg-type]
                 rope.to(self.dtype),
             )
-            keep = slots >= 0
-            bs = view.shape[1]
-            dst = slots[keep].long()
-            view[dst // bs, dst % bs] = rows[keep]
+            write_rows_where(view, slots, rows)
             handle.finish_kv_update()
             if layer in indexer_pages:
                 k = synthetic_values(self.seed, 3 * layer + 2, keys, positions, fmt_idx.head_dim)
