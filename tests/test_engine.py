@@ -296,6 +296,7 @@ def test_padded_decode_replays_the_same_selections(checkpoint, synthetic):
     assert runs["padded"][2] > 0
 
 
+@torch.no_grad()  # inference, as in the engine
 def test_sync_free_moe_matches_the_per_expert_loop():
     """Every expert on every row, masked by the routing: the per-expert loop's sum, bit for
     bit when the loop's experts also see every row (the only difference is the matmul's row
