@@ -8,6 +8,7 @@ changes only where the KV rows live, so both give the same tokens.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -26,7 +27,7 @@ from hisparse.models.loader import load_dsa_model
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PLACEMENTS = ("hisparse", "gpu")
 #: top_k of GQA models, which declare none: the smallest budget that kept needle retrieval equal
-#: to dense in docs/quality.md (2K and 4K contexts; 8K not yet measured).
+#: to dense in docs/quality.md (2K, 4K and 8K contexts).
 DEFAULT_GQA_TOP_K = 256
 
 
@@ -362,13 +363,11 @@ class LLM:
 def capture_blockers(device: torch.device, indexer: str) -> list[str]:
     """Why a decode step on ``device`` could not be captured as a CUDA graph: the parts that
     would read device values on the host (the PyTorch references, the quest indexer)."""
-    import os
-
-    from hisparse.runtime.ops import ops_for, reference
+    from hisparse.runtime.ops import cpu_ops, ops_for, reference
 
     out = []
-    if ops_for(device) is reference:
-        out.append("the data-plane ops are the PyTorch reference (HISPARSE_OPS, or no Triton)")
+    if ops_for(device) in (reference, cpu_ops):
+        out.append("the data-plane ops are not the Triton kernels (HISPARSE_OPS, or no Triton)")
     for var in ("HISPARSE_INDEXER", "HISPARSE_ATTENTION"):
         if os.environ.get(var) == "reference":
             out.append(f"{var}=reference")
