@@ -290,3 +290,73 @@ def test_batched_prefill_topk_equals_per_request(method):
         assert torch.equal(got[lo : lo + c], want), r
         lo += c
     assert (got[-1] == -1).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU decode fast paths: each against the general path it replaces
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("strided", [False, True])
+def test_sdpa_decode_cpu_matches_reference(strided: bool) -> None:
+    """The fused CPU decode attention gives the reference's output (dense cache and a pool
+    whose blocks are strided); a masked entry makes it decline (the reference then runs)."""
+    from hisparse.attention.sparse_gqa_reference import _sdpa_decode_cpu, sparse_gqa_decode
+
+    g = _gen(21)
+    fmt = GqaRowFormat(G, D, "fp32")
+    nb, bs = 12, 16
+    pool = torch.randn(nb, bs, (2 if strided else 1) * fmt.row_bytes // 4, generator=g)
+    cache = pool.view(torch.uint8)[:, :, : fmt.row_bytes]
+    q = torch.randn(2, H, D, generator=g)
+    idx = torch.stack([torch.randperm(nb * bs, generator=g)[:40] for _ in range(2)]).int()
+    want, _ = sparse_gqa_reference(q, cache, idx, D**-0.5, fmt)
+    got, lse = sparse_gqa_decode(q, cache, idx, D**-0.5, fmt, need_lse=False)
+    assert lse is None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    idx[1, 3] = -1
+    assert _sdpa_decode_cpu(q, cache, idx, D**-0.5, fmt) is None
+    masked, _ = sparse_gqa_decode(q, cache, idx, D**-0.5, fmt, need_lse=False)
+    assert torch.equal(masked, sparse_gqa_reference(q, cache, idx, D**-0.5, fmt)[0])
+
+
+def test_rope_full_width_is_bitwise_rope_half_split() -> None:
+    from hisparse.models.deepseek_v32 import rope_half_split
+    from hisparse.models.llama import LlamaConfig, Rotary, full_width_rope, rope_full_width
+
+    cfg = LlamaConfig(64, 32, 64, 1, H, G, D)
+    cos, sin = Rotary(cfg)(torch.tensor([0, 5, 700, 4095]), torch.float32)
+    x = torch.randn(4, H, D, generator=_gen(22)) * 10
+    assert torch.equal(rope_full_width(x, *full_width_rope(cos, sin)), rope_half_split(x, cos, sin))
+
+
+@pytest.mark.parametrize("slots", [[37], [-1], [5, 40, 17], [5, -1, 17]])
+def test_write_rows_fast_matches_write_rows_where(slots: list[int]) -> None:
+    from hisparse.kv.row_formats import write_rows_fast, write_rows_where
+
+    g = _gen(23)
+    base = torch.randint(0, 256, (4, 16, 24), generator=g, dtype=torch.uint8)  # poisoned
+    values = torch.randint(0, 256, (len(slots), 24), generator=g, dtype=torch.uint8)
+    want, got = base.clone(), base.clone()
+    write_rows_where(want, torch.tensor(slots), values)
+    write_rows_fast(got, torch.tensor(slots), values)
+    keep = [s for s in slots if s >= 0]
+    assert torch.equal(got, want) and (not keep or not torch.equal(got, base))
+
+
+def test_select_topk_with_step_masks_is_identical() -> None:
+    """Masks built once per step (guards skipped when ``full``) choose the same positions."""
+    from hisparse.attention.gqa_indexer_reference import select_topk, selection_masks
+
+    cfg = GqaIndexerConfig(top_k=24, sink_tokens=2, recent_window=8)
+    logits = torch.randn(1, H, 70, generator=_gen(24)) * 4
+    for pos in ([69], [30]):
+        positions = torch.tensor(pos)
+        masks = selection_masks(positions, 70, H, cfg, check=True)
+        assert masks.full
+        want = select_topk(logits, positions, 70, cfg, 24)
+        assert torch.equal(select_topk(logits, positions, 70, cfg, 24, masks), want)
+    early = torch.tensor([10])  # fewer causal positions than top_k: guards stay on
+    masks = selection_masks(early, 70, H, cfg, check=True)
+    assert not masks.full
+    want = select_topk(logits, early, 70, cfg, 24)
+    assert torch.equal(select_topk(logits, early, 70, cfg, 24, masks), want)
+    assert (want < 0).any()

@@ -165,11 +165,12 @@ def write_index_keys(
 
     quest: a token at the first position of its chunk restarts the chunk's bounds, later ones
     widen them; tokens of one step may share a chunk. ``sync_free`` (fp8 / lowrank): write
-    with `write_rows_where` (same bytes, no host read: CUDA-graph capturable).
+    with `write_rows_fast` (same bytes; off the CPU `write_rows_where`: no host read,
+    CUDA-graph capturable).
     """
     fmt.block_size_of(pages)  # validates the page shape
     if sync_free and fmt.method != "quest":
-        from hisparse.kv.row_formats import write_rows_where
+        from hisparse.kv.row_formats import write_rows_fast
 
         kf = k.float()
         if fmt.method == "fp8":
@@ -179,7 +180,7 @@ def write_index_keys(
                 raise ValueError("lowrank index keys need the kept dims")
             picked = torch.gather(kf, 2, dims[None].expand(k.shape[0], -1, -1).to(k.device))
             row = picked.to(torch.float16).flatten(1).view(torch.uint8)
-        write_rows_where(_row_view(pages, fmt.row_bytes), slots, row)
+        write_rows_fast(_row_view(pages, fmt.row_bytes), slots, row)
         return
     keep = slots >= 0
     slots, k = slots[keep].long(), k[keep].float()
@@ -309,35 +310,82 @@ def forced_mask(
     return (s <= t) & ((s < sink_tokens) | (s > t - recent_window))
 
 
+@dataclass(frozen=True)
+class SelectionMasks:
+    """What `select_topk` derives from the query positions alone, built once per decode step
+    and shared by every layer (a dozen small ops fewer per layer on the CPU).
+
+    ``cand [T, 1, length]``: scored candidates (causal, not forced); ``base [T, length]``:
+    the score of every non-candidate (``2·H`` forced, ``-1`` not causal). ``full`` (a host
+    bool, checked only when asked): every query has a candidate and at least
+    ``min(top_k, length)`` causal positions, so no infinite max and no padding column can
+    occur and `select_topk` skips the guards for them (the same values).
+    """
+
+    length: int
+    heads: int
+    cand: torch.Tensor
+    base: torch.Tensor
+    full: bool = False
+
+
+def selection_masks(
+    positions: torch.Tensor, length: int, heads: int, cfg: GqaIndexerConfig, *, check: bool
+) -> SelectionMasks:
+    """`SelectionMasks` of queries at ``positions`` over ``length`` keys, ``heads`` query
+    heads; ``check`` reads ``full`` back to the host (free on the CPU, a sync elsewhere)."""
+    assert cfg.top_k is not None
+    s = torch.arange(length, device=positions.device)
+    causal = s[None, :] <= positions[:, None]
+    forced = forced_mask(positions, length, cfg.sink_tokens, cfg.recent_window)
+    cand = causal & ~forced
+    base = torch.where(forced, 2.0 * heads, -1.0)
+    full = False
+    if check:
+        kk = min(cfg.top_k, length)
+        enough = (positions + 1).clamp(max=length) >= kk
+        full = bool((enough & cand.any(-1)).all())
+    return SelectionMasks(length, heads, cand[:, None, :], base, full)
+
+
 def select_topk(
     logits: torch.Tensor,
     positions: torch.Tensor,
     length: int,
     cfg: GqaIndexerConfig,
     width: int,
+    masks: SelectionMasks | None = None,
 ) -> torch.Tensor:
     """Positions ``int32 [T, width]`` (ascending, ``-1`` padded) from ``logits [T, H, >= length]``.
 
     Scores are the attention mass over query heads among non-forced candidates ``s <= t``;
-    forced positions come first, then the best candidates up to ``top_k``.
+    forced positions come first, then the best candidates up to ``top_k``. ``masks``: the
+    `selection_masks` of these positions (built here when not given; same result).
     """
     assert cfg.top_k is not None
     t = positions.shape[0]
-    s = torch.arange(length, device=logits.device)
-    causal = s[None, :] <= positions[:, None]
-    forced = forced_mask(positions, length, cfg.sink_tokens, cfg.recent_window)
-    cand = causal & ~forced
+    if masks is None or masks.length != length or masks.heads != logits.shape[1]:
+        masks = selection_masks(positions, length, logits.shape[1], cfg, check=False)
+    cand = masks.cand
     # torch.where, not masked_fill: the same values, twice as fast on the CPU.
-    lg = torch.where(cand[:, None, :], logits[..., :length], float("-inf"))
-    lse = torch.logsumexp(lg, dim=-1, keepdim=True)
-    lse = torch.where(torch.isfinite(lse), lse, 0.0)
+    lg = torch.where(cand, logits[..., :length], float("-inf"))
+    if masks.full:
+        # torch.logsumexp's own steps, minus its guard for infinite maxima (none here).
+        top = lg.amax(dim=-1, keepdim=True)
+        lse = (lg - top).exp_().sum(dim=-1, keepdim=True).log_().add_(top)
+    else:
+        lse = torch.logsumexp(lg, dim=-1, keepdim=True)
+        lse = torch.where(torch.isfinite(lse), lse, 0.0)
     mass = torch.exp(lg - lse).sum(dim=1)  # [T, S]; 0 where not a candidate
-    score = torch.where(forced, 2.0 * logits.shape[1], torch.where(cand, mass, -1.0))
+    score = torch.where(cand[:, 0], mass, masks.base)
     kk = min(cfg.top_k, length)
     vals, idx = score.topk(kk, dim=-1)
-    idx = torch.where(vals >= 0, idx, length)  # non-causal -> sorts last
-    idx = idx.sort(dim=-1).values
-    idx = torch.where(idx < length, idx, -1)
+    if masks.full:  # every kept score is >= 0: nothing to push past the end
+        idx = idx.sort(dim=-1).values
+    else:
+        idx = torch.where(vals >= 0, idx, length)  # non-causal -> sorts last
+        idx = idx.sort(dim=-1).values
+        idx = torch.where(idx < length, idx, -1)
     if kk == width:  # the common case (decode): no padding columns to add
         return idx.to(torch.int32)
     out = torch.full((t, width), -1, dtype=torch.int32, device=logits.device)
@@ -364,11 +412,13 @@ def gqa_indexer_topk(
     scale: float,
     width: int,
     dims: torch.Tensor | None = None,
+    masks: SelectionMasks | None = None,
 ) -> torch.Tensor:
     """Logical top-k ``int32 [T, width]`` of one request's queries ``q [T, H, D]``.
 
     The request holds ``length`` keys, read from ``pages`` through its block-table row
-    ``table``. A request that fits in ``top_k`` skips the scoring (dense).
+    ``table``. A request that fits in ``top_k`` skips the scoring (dense). ``masks``: the
+    `selection_masks` of all ``positions`` (a decode step builds them once for all layers).
     """
     if cfg.top_k is None or length <= cfg.top_k:
         return dense_topk(positions, width)
@@ -390,8 +440,9 @@ def gqa_indexer_topk(
     for lo in range(0, q.shape[0], step):
         hi = min(q.shape[0], lo + step)
         logits = approx_logits(q[lo:hi], keys, fmt, scale, dims)
-        out.append(select_topk(logits, positions[lo:hi], length, cfg, width))
-    return torch.cat(out)
+        whole = masks if lo == 0 and hi == q.shape[0] else None
+        out.append(select_topk(logits, positions[lo:hi], length, cfg, width, whole))
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def pad_groups(group: torch.Tensor, num_groups: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ the all-GPU placement and HiSparse differ only in where rows sit. With ``top_k=N
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -29,11 +29,13 @@ from torch import nn
 from hisparse.attention.gqa_indexer_reference import (
     GqaIndexerConfig,
     GqaIndexerFormat,
+    SelectionMasks,
     gqa_indexer_topk,
     gqa_indexer_topk_decode,
     gqa_indexer_topk_prefill,
     pad_groups,
     rope_pair_dims,
+    selection_masks,
     write_index_keys,
 )
 from hisparse.attention.sparse_gqa_reference import (
@@ -42,7 +44,7 @@ from hisparse.attention.sparse_gqa_reference import (
     selected_gqa_varlen_reference,
     sparse_gqa_decode,
 )
-from hisparse.kv.row_formats import write_rows_where
+from hisparse.kv.row_formats import write_rows_fast
 from hisparse.models.deepseek_v32 import MLP, RMSNorm, rope_half_split
 from hisparse.models.kv_access import (
     DenseBlockTables,
@@ -63,8 +65,10 @@ class StepPlan:
     ``decode``: every request has exactly one token (padding tokens aside); ``decode_rows[r]``
     is then request ``r``'s token. Otherwise ``tokens [R, T]`` lists each request's tokens
     (``-1`` padded), the layout of the batched prefill attention.
-    ``longest``: the most keys of any request (host int). A static step (`DsaStep.static`: a
-    padded decode batch, possibly under CUDA-graph capture) reads nothing from the device:
+    ``longest``: the most keys of any request (host int). ``memo``: what the first layer
+    derives from the step alone for the others (the batch-1 selection masks). A static
+    step (`DsaStep.static`: a padded decode batch, possibly under CUDA-graph capture) reads
+    nothing from the device:
     row ``r`` is request ``r`` (padding rows have ``req_index < 0``), ``lens`` is unknown
     (``None``) and ``longest`` is the step's host bound ``max_len``.
     """
@@ -75,6 +79,7 @@ class StepPlan:
     decode_rows: torch.Tensor | None
     tokens: torch.Tensor | None
     static: bool = False
+    memo: dict[str, SelectionMasks] = field(default_factory=dict, compare=False)
 
     @classmethod
     def of(cls, step: Step) -> StepPlan:
@@ -194,6 +199,20 @@ class Rotary(nn.Module):
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
+def full_width_rope(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of `Rotary` widened to ``[N, D]`` once per step for `rope_full_width`:
+    ``[cos ‖ cos]`` and ``[-sin ‖ sin]``."""
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
+def rope_full_width(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rope_half_split` of ``x [N, heads, D]`` with `full_width_rope` tables, in 4 ops instead
+    of 9: ``x·[c‖c] + [x2‖x1]·[-s‖s]`` is ``[x1·c - x2·s ‖ x2·c + x1·s]`` bit for bit
+    (``a + (-b)`` is ``a - b`` in IEEE arithmetic, and each sum adds the same two products)."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    return x * c + x.roll(x.shape[-1] // 2, dims=-1) * s
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, layer: int) -> None:
         super().__init__()
@@ -220,16 +239,19 @@ class LlamaAttention(nn.Module):
         indexer: GqaIndexerConfig,
         plan: StepPlan | None = None,
     ) -> torch.Tensor:
+        """``cos, sin``: `Rotary` tables ``[N, D / 2]``, or ``[N, D]`` ones from
+        `full_width_rope` (the CPU path: the same values in fewer ops)."""
         n = x.shape[0]
         plan = plan or StepPlan.of(step)
-        q = rope_half_split(self.q_proj(x).view(n, self.n_heads, self.head_dim), cos, sin)
-        k = rope_half_split(self.k_proj(x).view(n, self.n_kv, self.head_dim), cos, sin)
+        rope = rope_full_width if cos.shape[-1] == self.head_dim else rope_half_split
+        q = rope(self.q_proj(x).view(n, self.n_heads, self.head_dim), cos, sin)
+        k = rope(self.k_proj(x).view(n, self.n_kv, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
 
         # 1. this step's rows into the paged cache.
         kv = cache.attention(self.layer)
         view, slots = kv.write_target()
-        write_rows_where(view, slots, cache.row_format.pack(k, v))  # no host sync
+        write_rows_fast(view, slots, cache.row_format.pack(k, v))  # no host sync off the CPU
         kv.finish_kv_update()
 
         # 2. compact keys, then one logical top-k per query token.
@@ -266,7 +288,7 @@ class LlamaAttention(nn.Module):
         (`selected_gqa_varlen_reference`): far less copying than one gather per token and no
         loop over requests."""
         if plan.decode:
-            out, _ = sparse_gqa_decode(q, view, physical, self.scale, fmt)
+            out, _ = sparse_gqa_decode(q, view, physical, self.scale, fmt, need_lse=False)
             return out
         tokens = plan.tokens
         assert tokens is not None and plan.lens is not None
@@ -317,7 +339,6 @@ class LlamaAttention(nn.Module):
         """Logical top-k ``int32 [N, width]``, ``width = min(top_k, longest request)``."""
         longest = plan.longest
         width = longest if cfg.top_k is None else min(cfg.top_k, longest)
-        out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
         if plan.decode and (plan.static or len(plan.lens or ()) > 1):
             # One batched scoring for all requests of a decode step (no host read).
             rows = plan.decode_rows
@@ -329,18 +350,29 @@ class LlamaAttention(nn.Module):
             )  # fmt: skip
             if plan.static:  # padding rows (no request) select nothing
                 return torch.where(step.req_index[:, None] >= 0, chosen, -1)
+            out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
             out[rows] = chosen
             return out
         assert plan.lens is not None
         if plan.decode:  # batch-1 decode: the request's one token
             rows = plan.decode_rows
             assert rows is not None
+            alone = q.shape[0] == 1  # no padding rows: row 0 is the token
+            q1, pos1 = (q, step.positions) if alone else (q[rows], step.positions[rows])
+            length = plan.lens[0]
+            masks = None
+            if cfg.top_k is not None and length > cfg.top_k:  # scored: masks once per step
+                masks = plan.memo.get("select")
+                if masks is None:
+                    cpu = q.device.type == "cpu"
+                    masks = selection_masks(pos1, length, q.shape[1], cfg, check=cpu)
+                    plan.memo["select"] = masks
             chosen = gqa_indexer_topk(
-                q[rows], step.positions[rows], pages, table[0], plan.lens[0], fmt, cfg,
-                self.scale, width, dims,
-            )  # fmt: skip
-            if q.shape[0] == 1:  # no padding rows
+                q1, pos1, pages, table[0], length, fmt, cfg, self.scale, width, dims, masks
+            )
+            if alone:
                 return chosen
+            out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
             out[rows] = chosen
             return out
         return gqa_indexer_topk_prefill(
@@ -427,6 +459,8 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states ``[N, hidden]`` of a packed batch ``input_ids [N]``."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(step.positions, x.dtype)
+        if x.device.type == "cpu":  # the same rotation in fewer ops per layer
+            cos, sin = full_width_rope(cos, sin)
         plan = StepPlan.of(step)
         for layer in self.model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
