@@ -32,7 +32,7 @@ import triton.language as tl
 
 from hisparse.attention.sparse_gqa_reference import GqaRowFormat
 from hisparse.attention.sparse_mla_triton import interpreting
-from hisparse.attention.triton_split import combine_splits, num_sms
+from hisparse.attention.triton_split import combine_splits, num_sms, split_buffers
 
 Tensor = torch.Tensor
 
@@ -208,19 +208,9 @@ def sparse_gqa_decode_triton(
         indices = indices.to(torch.int32).contiguous()
     kv = kv_cache.view(row_format.torch_dtype)
 
-    out = torch.empty(t, h, d, dtype=q.dtype, device=device)
-    lse = torch.empty(t, h, dtype=torch.float32, device=device)
+    out, lse, o_buf, l_buf, so, sl = split_buffers(t, h, d, splits, q.dtype, device)
     if t == 0:
         return out, lse
-    if splits == 1:
-        o_buf, l_buf = out, lse
-        so = (out.stride(0), out.stride(1), 0)
-        sl = (lse.stride(0), lse.stride(1), 0)
-    else:
-        o_buf = torch.empty(t, h, splits, d, dtype=torch.float32, device=device)
-        l_buf = torch.empty(t, h, splits, dtype=torch.float32, device=device)
-        so = (o_buf.stride(0), o_buf.stride(1), o_buf.stride(2))
-        sl = (l_buf.stride(0), l_buf.stride(1), l_buf.stride(2))
 
     interp = interpreting() or device.type != "cuda"
     dot, precision = _dot_dtype(q, row_format, interp)

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse.attention.triton_split import combine_splits, num_sms
+from hisparse.attention.triton_split import combine_splits, num_sms, split_buffers
 from hisparse.kv.row_formats import MlaFormat, mla_format_name, mla_row_bytes
 
 Tensor = torch.Tensor
@@ -480,19 +480,9 @@ def sparse_mla_decode_triton(
         scale_view = rope_view  # unused
         sc_off, rp_off = 0, LATENT_DIM
 
-    out = torch.empty(t, h, c, dtype=q_latent.dtype, device=device)
-    lse = torch.empty(t, h, dtype=torch.float32, device=device)
+    out, lse, o_buf, l_buf, so, sl = split_buffers(t, h, c, splits, q_latent.dtype, device)
     if t == 0:
         return out, lse
-    if splits == 1:
-        o_buf, l_buf = out, lse
-        so = (out.stride(0), out.stride(1), 0)
-        sl = (lse.stride(0), lse.stride(1), 0)
-    else:
-        o_buf = torch.empty(t, h, splits, c, dtype=torch.float32, device=device)
-        l_buf = torch.empty(t, h, splits, dtype=torch.float32, device=device)
-        so = (o_buf.stride(0), o_buf.stride(1), o_buf.stride(2))
-        sl = (l_buf.stride(0), l_buf.stride(1), l_buf.stride(2))
 
     interp = interpreting() or device.type != "cuda"
     grid = (triton.cdiv(h, cfg.block_h), t, splits)

@@ -63,6 +63,25 @@ def _combine_kernel(
     tl.store(lse_ptr + t * s_l_t + h, lse)
 
 
+def split_buffers(
+    t: int, h: int, d: int, splits: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """``(out [t, h, d], lse [t, h], parts, part_lse, part strides, part_lse strides)``: with
+    one split the kernel writes ``out`` / ``lse`` directly (split stride 0), else fp32 partial
+    buffers ``[t, h, splits, d]`` / ``[t, h, splits]`` for `combine_splits`."""
+    out = torch.empty(t, h, d, dtype=dtype, device=device)
+    lse = torch.empty(t, h, dtype=torch.float32, device=device)
+    if splits == 1:
+        so = (out.stride(0), out.stride(1), 0)
+        sl = (lse.stride(0), lse.stride(1), 0)
+        return out, lse, out, lse, so, sl
+    parts = torch.empty(t, h, splits, d, dtype=torch.float32, device=device)
+    part_lse = torch.empty(t, h, splits, dtype=torch.float32, device=device)
+    so = (parts.stride(0), parts.stride(1), parts.stride(2))
+    sl = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2))
+    return out, lse, parts, part_lse, so, sl
+
+
 def combine_splits(
     parts: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
 ) -> None:
