@@ -8,10 +8,9 @@ the reference elsewhere; ``HISPARSE_ATTENTION=reference`` forces the reference e
 first CUDA call, so importing this package never imports it.
 """
 
-import os
-
 import torch
 
+from hisparse.attention.backend import env_backend
 from hisparse.attention.indexer_reference import (
     hadamard_transform,
     indexer_scores_exact,
@@ -25,12 +24,7 @@ from hisparse.kv.row_formats import MlaFormat
 
 def _attention_backend(device: torch.device) -> str:
     """``triton`` or ``reference`` for tensors on ``device`` (``HISPARSE_ATTENTION`` decides)."""
-    choice = os.environ.get("HISPARSE_ATTENTION", "auto")
-    if choice not in ("auto", "reference", "triton"):
-        raise ValueError(f"HISPARSE_ATTENTION={choice!r}: use 'auto', 'reference' or 'triton'.")
-    if choice == "auto":
-        return "triton" if device.type == "cuda" else "reference"
-    return choice
+    return env_backend("HISPARSE_ATTENTION", device)
 
 
 def sparse_mla_decode(

@@ -20,10 +20,9 @@ kernel of `hisparse.attention.indexer_triton` on CUDA).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from hisparse.attention.backend import env_backend
 from hisparse.kv.row_formats import IndexerCacheFormat, quantize_fp8_tiles, read_indexer_keys
 
 #: DeepSeek's act_quant floors a tile's absolute maximum at this value.
@@ -160,12 +159,7 @@ def indexer_topk_paged_reference(
 
 def indexer_backend(device: torch.device) -> str:
     """``triton`` or ``reference`` for tensors on ``device`` (``HISPARSE_INDEXER`` decides)."""
-    choice = os.environ.get("HISPARSE_INDEXER", "auto")
-    if choice not in ("auto", "reference", "triton"):
-        raise ValueError(f"HISPARSE_INDEXER={choice!r}: use 'auto', 'reference' or 'triton'.")
-    if choice == "auto":
-        return "triton" if device.type == "cuda" else "reference"
-    return choice
+    return env_backend("HISPARSE_INDEXER", device)
 
 
 def indexer_topk_paged(
