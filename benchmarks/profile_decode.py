@@ -53,6 +53,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--arch", default="deepseek_v32", choices=("deepseek_v32", "glm_moe_dsa"))
     p.add_argument("--preset", default="v32-attention", choices=("v32-attention", "tiny"))
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="an existing checkpoint dir or .gguf file (default: build --preset)",
+    )
+    p.add_argument("--top-k", type=int, default=None, help="HiSparseConfig.top_k")
+    p.add_argument(
+        "--real-prefill",
+        action="store_true",
+        help="run the prompts through the model instead of the synthetic prefill",
+    )
+    p.add_argument(
+        "--host-pool-gib",
+        type=float,
+        default=None,
+        help="host pool (default: sized from the checkpoint's MLA rows)",
+    )
     p.add_argument("--context", type=int, default=32000, help="prompt tokens per request")
     p.add_argument("--batches", default="1,16")
     p.add_argument("--placements", default="hisparse,gpu")
@@ -60,7 +78,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output", type=int, default=28, help="new tokens per request")
     p.add_argument("--skip", type=int, default=4, help="decode steps before profiling")
     p.add_argument("--active", type=int, default=4, help="profiled decode steps")
-    p.add_argument("--overlap", type=float, default=0.8, help="top-k replay overlap")
+    p.add_argument(
+        "--overlap",
+        type=float,
+        default=0.8,
+        help="top-k replay overlap; <= 0: the model's own indexer chooses",
+    )
     p.add_argument("--gpu-memory-gib", type=float, default=8.0)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--kv-format", default="auto", help="fp8_ds_mla (auto), bf16")
@@ -76,6 +99,8 @@ def parse_args() -> argparse.Namespace:
 def build_checkpoint(args: argparse.Namespace, where: Path) -> Path:
     from hisparse.models.tiny import make_tiny
 
+    if args.model is not None:
+        return args.model
     path = where / f"{args.arch}-{args.preset}-{args.layers}l"
     make_tiny(args.arch, path, preset=args.preset, seed=0, num_hidden_layers=args.layers)
     return path
@@ -86,23 +111,27 @@ def make_llm(args: argparse.Namespace, ckpt: Path, placement: str, max_batch: in
     from hisparse.engine.llm import LLM
     from hisparse.kv.row_formats import mla_row_bytes
 
-    cfg = json.loads((ckpt / "config.json").read_text())
     max_len = args.context + args.output + args.block_size
-    fmt = "fp8_ds_mla" if args.kv_format == "auto" else args.kv_format
-    row = mla_row_bytes(fmt, cfg["kv_lora_rank"], cfg["qk_rope_head_dim"])
-    host_gib = 1.2 * max_batch * (max_len + args.block_size) * row * args.layers / 2**30 + 0.05
+    host_gib = args.host_pool_gib
+    if host_gib is None:
+        cfg = json.loads((ckpt / "config.json").read_text())
+        fmt = "fp8_ds_mla" if args.kv_format == "auto" else args.kv_format
+        row = mla_row_bytes(fmt, cfg["kv_lora_rank"], cfg["qk_rope_head_dim"])
+        host_gib = 1.2 * max_batch * (max_len + args.block_size) * row * args.layers / 2**30 + 0.05
     return LLM(
         ckpt,
         kv_placement=placement,
-        hisparse=HiSparseConfig(host_pool_gib=host_gib, block_size=args.block_size),
+        hisparse=HiSparseConfig(
+            host_pool_gib=host_gib, block_size=args.block_size, top_k=args.top_k
+        ),
         max_num_seqs=max_batch,
         max_model_len=max_len,
         gpu_memory_gib=args.gpu_memory_gib,
         device=args.device,
         kv_format=args.kv_format,
-        max_num_batched_tokens=max_batch * max_len,  # every prompt in one synthetic step
-        topk_replay=args.overlap,
-        synthetic_prefill=True,
+        max_num_batched_tokens=max_batch * max_len,  # every prompt in one prefill step
+        topk_replay=args.overlap if args.overlap > 0 else None,
+        synthetic_prefill=not args.real_prefill,
         cuda_graphs=True,
     )
 
@@ -209,6 +238,10 @@ def profile_run(
         step_ms_min=min(ms) if ms else None,
         step_ms_max=max(ms) if ms else None,
         gpu_busy_ms_per_step=busy_ms(trace) / n if cuda else None,
+        gpu_kernels_per_step=sum(
+            1 for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"
+        )
+        / n,
         syncs_per_step=count(SYNC_CALLS),
         scalar_reads_per_step=count(SCALAR_READS),
         launches_per_step=count(LAUNCHES),
@@ -225,7 +258,7 @@ def profile_run(
         f"per profiled step: syncs {row['syncs_per_step']:.1f}, scalar reads "
         f"{row['scalar_reads_per_step']:.1f}, kernel launches {row['launches_per_step']:.1f}, "
         f"graph launches {row['graph_launches_per_step']:.1f}, GPU busy "
-        f"{row['gpu_busy_ms_per_step']} ms"
+        f"{row['gpu_busy_ms_per_step']} ms, GPU kernels {row['gpu_kernels_per_step']:.0f}"
     )
     print("top self CPU (ms per step, calls in window):")
     for k, c, t in row["top_self_cpu"]:
@@ -245,7 +278,7 @@ def main() -> int:
     paths = [p for p in args.paths.split(",") if p]
     results: list[dict[str, Any]] = []
     (out / "traces.tar").unlink(missing_ok=True)
-    meta = dict(vars(args), out=str(out), torch=torch.__version__)
+    meta = dict(vars(args), out=str(out), model=str(args.model), torch=torch.__version__)
     if torch.cuda.is_available() and (args.device or "cuda") == "cuda":
         meta["gpu"] = torch.cuda.get_device_name()
     with tempfile.TemporaryDirectory() as tmp:
