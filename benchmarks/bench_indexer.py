@@ -1,20 +1,25 @@
 """Lightning indexer per decode step: Triton score kernel + torch.topk against the reference.
 
 DeepSeek-V3.2 sizes (64 heads x 128 dims, index_topk 2048, block size 64), one decode token per
-request, every request at the same context; batch 1 / 8 / 64 at 32K and 128K tokens. For each
-case it first checks the kernel against the reference (`indexer_triton.selection_errors`,
-tolerance as in tests/gpu/test_indexer_gpu.py; it stops at the first failure), then times:
+request, every request at the same context; batch 1 / 8 / 29 / 64 at 32K and 128K tokens. For
+each case it first checks the kernel (default config and `OLD_FP8_CONFIG`) against the reference
+(`indexer_triton.selection_errors`, tolerance as in tests/gpu/test_indexer_gpu.py; it stops at
+the first failure), then times:
 
 - ``reference``: `indexer_topk_paged_reference` (the model's path before the kernel);
 - ``triton``: `indexer_topk_paged_triton`, eager (score kernel, then torch.topk);
 - ``graph``: the same captured in one CUDA graph (what a graph-captured decode step pays);
 - ``scores`` / ``topk``: the two stages alone (eager).
 
-Times are medians of `triton.testing.do_bench` (which flushes L2 between runs), in µs.
-``GB/s`` is the score stage's key bytes (``contexts x 132 B``) over its time. Exact mode
-(fp32 keys) runs at batch 8 only. Writes ``$OUT/bench_indexer.json`` when ``OUT`` is set.
+- ``old`` / ``new``: the score stage with `OLD_FP8_CONFIG` (the first kernel) and the default;
+- the `VARIANTS` sweep: the score stage per config (and keys per program), with its error.
 
-    PYTHONPATH=src python3 benchmarks/bench_indexer.py [--quick]
+Times are medians of `triton.testing.do_bench` (which flushes L2 between runs), in µs.
+``GB/s`` is the score stage's key bytes (``contexts x 132 B``) over its time; ``% copy`` puts it
+against a same-run HBM copy (``2 x bytes`` read and written over the copy's time, 1 GiB). Exact
+mode (fp32 keys) runs at batch 8 only. Writes ``$OUT/bench_indexer.json`` when ``OUT`` is set.
+
+    PYTHONPATH=src python3 benchmarks/bench_indexer.py [--quick] [--no-sweep]
 """
 
 from __future__ import annotations
@@ -53,7 +58,20 @@ def _graph_us(fn) -> float:
     return _us(graph.replay)
 
 
-def run_case(kind: str, batch: int, context: int, seed: int) -> dict:
+def copy_GBps() -> float:
+    """HBM bandwidth of a 1 GiB device-to-device copy (bytes read + written per second)."""
+    n = 2**30
+    src = torch.empty(n, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    us = _us(lambda: dst.copy_(src), rep=200)
+    return 2 * n / (us * 1e3)
+
+
+def _score_err(s: torch.Tensor, ref: torch.Tensor, tol: torch.Tensor) -> float:
+    return float(((s - ref).abs().masked_fill(~torch.isfinite(ref), 0) / tol).max())
+
+
+def run_case(kind: str, batch: int, context: int, seed: int, sweep: bool) -> dict:
     dev = torch.device(DEVICE)
     case = it.random_indexer_case(
         kind,
@@ -70,26 +88,31 @@ def run_case(kind: str, batch: int, context: int, seed: int) -> dict:
     def triton_topk() -> torch.Tensor:
         return it.indexer_topk_paged_triton(*args, K, case.softmax_scale)
 
-    def scores() -> torch.Tensor:
-        return it.indexer_scores_paged_triton(*args, case.softmax_scale)
+    def scores(cfg: it.IndexerConfig | None = None) -> torch.Tensor:
+        return it.indexer_scores_paged_triton(*args, case.softmax_scale, config=cfg)
 
     def reference() -> torch.Tensor:
         return indexer_topk_paged_reference(*args, case.seq_lens, K, case.softmax_scale)
 
-    # Correctness first.
+    # Correctness first: the default config and, for fp8, the first kernel's.
     got = triton_topk()
     s = scores()
     ref = it.reference_scores(case, s.shape[1])
     tol = it.score_tolerance(ref, RTOL, ATOL)
-    finite = torch.isfinite(ref)
-    err = float(((s - ref).abs().masked_fill(~finite, 0) / tol).max())
+    err = _score_err(s, ref, tol)
     errors = it.selection_errors(got, ref, case.limits, K, tol)
-    if err > 1.0 or errors:
+    old = it.OLD_FP8_CONFIG if kind == "fp8" else it.default_config("fp32")
+    s_old = scores(old)
+    err_old = _score_err(s_old, ref, tol)
+    errors += it.selection_errors(it.topk_from_scores(s_old, K), ref, case.limits, K, tol)
+    if max(err, err_old) > 1.0 or errors:
         raise SystemExit(
-            f"{kind} batch {batch} ctx {context}: score error {err:.3g} x tol, {errors}"
+            f"{kind} batch {batch} ctx {context}: score error {err:.3g} x tol (old config "
+            f"{err_old:.3g}), {errors}"
         )
     want = reference()
     overlap = _overlap(got, want)
+    del want
 
     sc = s.clone()
     row = {
@@ -97,46 +120,73 @@ def run_case(kind: str, batch: int, context: int, seed: int) -> dict:
         "batch": batch,
         "context": context,
         "score_err_over_tol": err,
+        "old_score_err_over_tol": err_old,
         "set_overlap_vs_reference": overlap,
-        "reference_us": _us(reference, rep=200),
+        "reference_us": _us(reference),
         "triton_us": _us(triton_topk),
         "graph_us": _graph_us(triton_topk),
+        "old_scores_us": _us(lambda: scores(old)),
         "scores_us": _us(scores),
         "topk_us": _us(lambda: it.topk_from_scores(sc, K)),
         "chunk": it.chunk_for(batch, context, it.default_config(case.fmt.kind).block_n, dev),
     }
-    row["score_GBps"] = batch * context * case.fmt.row_bytes / (row["scores_us"] * 1e3)
+    key_bytes = batch * context * case.fmt.row_bytes
+    row["score_GBps"] = key_bytes / (row["scores_us"] * 1e3)
+    row["old_score_GBps"] = key_bytes / (row["old_scores_us"] * 1e3)
     row["speedup_vs_reference"] = row["reference_us"] / row["triton_us"]
     compiled = it.last_compiled[0]  # the default config's kernel (timed last above)
     if compiled is not None and hasattr(compiled, "n_regs"):
         row["regs"], row["spills"] = compiled.n_regs, compiled.n_spills
-    if kind == "fp8":
-        row["variants"] = _variants(case, ref_tol=(ref, tol))
+    if kind == "fp8" and sweep:
+        row["variants"] = _variants(case, ref, tol, key_bytes)
     return row
 
 
-#: Score-kernel tile shapes tried besides the default (the table's last columns).
-VARIANTS = {
-    "bn128w8": it.IndexerConfig(block_n=128, num_warps=8),
-    "bn32w4": it.IndexerConfig(block_n=32, num_warps=4),
-    "stages2": it.IndexerConfig(num_stages=2),
-    "fp8dot": it.IndexerConfig(fp8_dot=True),
+#: Score-stage configurations swept besides the default (``chunk_x2`` / ``chunk_half``: the
+#: default config with twice / half the default keys per program). Those with exact (f16 /
+#: bf16) dots are the ones tests/gpu/test_indexer_gpu.py checks as well.
+VARIANTS: dict[str, it.IndexerConfig] = {
+    "old": it.OLD_FP8_CONFIG,
+    "f16_perkey_s3": it.IndexerConfig(page_tiles=False, num_stages=3),
+    "f16_perkey_s5": it.IndexerConfig(page_tiles=False, num_stages=5),
+    "bf16_page_s5": it.IndexerConfig(dot="bf16"),
+    "page_s3": it.IndexerConfig(num_stages=3),
+    "page_s4": it.IndexerConfig(num_stages=4),
+    "page_s7": it.IndexerConfig(num_stages=7),
+    "chunk_x2": it.IndexerConfig(),
+    "chunk_half": it.IndexerConfig(),
+    "fp8dot": it.IndexerConfig(dot="fp8"),
+    "fp8dot_acc32": it.IndexerConfig(dot="fp8", fp8_acc_k=32),
 }
 
 
-def _variants(case: it.PagedIndexerCase, ref_tol: tuple[torch.Tensor, torch.Tensor]) -> dict:
-    """Score-stage µs and error (x tol) of each variant; a failure is reported, not raised."""
-    ref, tol = ref_tol
+def _variants(
+    case: it.PagedIndexerCase, ref: torch.Tensor, tol: torch.Tensor, key_bytes: int
+) -> dict:
+    """Score-stage µs, GB/s, error (x tol) and registers of each variant; failures reported."""
+    dev = case.q.device
+    base = it.chunk_for(case.q.shape[0], ref.shape[1], it.IndexerConfig().block_n, dev)
+    chunks = {"chunk_x2": 2 * base, "chunk_half": max(it.IndexerConfig().block_n, base // 2)}
     out = {}
     for name, cfg in VARIANTS.items():
+        chunk = chunks.get(name)
 
-        def fn(cfg: it.IndexerConfig = cfg) -> torch.Tensor:
-            return it.indexer_scores_paged_triton(*case.args(), case.softmax_scale, config=cfg)
+        def fn(cfg: it.IndexerConfig = cfg, chunk: int | None = chunk) -> torch.Tensor:
+            return it.indexer_scores_paged_triton(
+                *case.args(), case.softmax_scale, config=cfg, chunk=chunk
+            )
 
         try:
             s = fn()
-            err = float(((s - ref).abs().masked_fill(~torch.isfinite(ref), 0) / tol).max())
-            out[name] = {"scores_us": _us(fn), "err_over_tol": err}
+            compiled = it.last_compiled[0]
+            us = _us(fn, rep=50)
+            out[name] = {
+                "scores_us": us,
+                "GBps": key_bytes / (us * 1e3),
+                "err_over_tol": _score_err(s, ref, tol),
+                "regs": getattr(compiled, "n_regs", None),
+                "spills": getattr(compiled, "n_spills", None),
+            }
         except Exception as exc:  # a variant that does not compile is a result too
             out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     return out
@@ -151,11 +201,12 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
     return sum(fr) / len(fr)
 
 
-def _print_tables(rows: list[dict], seconds: float) -> None:
+def _print_tables(rows: list[dict], seconds: float, copy: float) -> None:
     print(
         f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
         f"{seconds:.1f} s; µs per decode step (one layer's indexer), "
-        f"H={H} D={D} top_k={K}, all checked against the reference first"
+        f"H={H} D={D} top_k={K}, all checked against the reference first; "
+        f"HBM copy {copy:.0f} GB/s"
     )
     head = (
         f"{'mode':5} {'batch':>5} {'context':>7} {'reference':>10} {'triton':>8} "
@@ -169,9 +220,24 @@ def _print_tables(rows: list[dict], seconds: float) -> None:
             f"{r['topk_us']:>8.1f} {r['score_GBps']:>6.0f} "
             f"{r['speedup_vs_reference']:>6.1f}x {r['set_overlap_vs_reference']:>7.4f}"
         )
-    print("\nscore stage only, µs (error x tol) of the tile variants, fp8 pages:")
+    print("\nscore stage, old config (OLD_FP8_CONFIG) vs new (default), µs / GB/s / % of copy:")
+    print(
+        f"{'mode':5} {'batch':>5} {'context':>7} {'old µs':>8} {'GB/s':>6} {'%copy':>6} "
+        f"{'new µs':>8} {'GB/s':>6} {'%copy':>6} {'speedup':>7} {'err new':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['kind']:5} {r['batch']:>5} {r['context']:>7} {r['old_scores_us']:>8.1f} "
+            f"{r['old_score_GBps']:>6.0f} {100 * r['old_score_GBps'] / copy:>5.0f}% "
+            f"{r['scores_us']:>8.1f} {r['score_GBps']:>6.0f} "
+            f"{100 * r['score_GBps'] / copy:>5.0f}% "
+            f"{r['old_scores_us'] / r['scores_us']:>6.2f}x {r['score_err_over_tol']:>7.3f}"
+        )
     names = list(VARIANTS)
-    print(f"{'batch':>5} {'context':>7} {'default':>8} " + " ".join(f"{n:>16}" for n in names))
+    if not any("variants" in r for r in rows):
+        return
+    print("\nscore stage sweep, fp8 pages: GB/s (error x tol); default first")
+    print(f"{'batch':>5} {'context':>7} {'default':>8} " + " ".join(f"{n:>15}" for n in names))
     for r in rows:
         if "variants" not in r:
             continue
@@ -179,40 +245,47 @@ def _print_tables(rows: list[dict], seconds: float) -> None:
         for n in names:
             v = r["variants"][n]
             cells.append(
-                f"{v['scores_us']:>8.1f} ({v['err_over_tol']:.2f})"
-                if "error" not in v
-                else "failed"
+                f"{v['GBps']:>6.0f} ({v['err_over_tol']:.2f})" if "error" not in v else "failed"
             )
         print(
-            f"{r['batch']:>5} {r['context']:>7} {r['scores_us']:>8.1f} "
-            + " ".join(f"{c:>16}" for c in cells)
+            f"{r['batch']:>5} {r['context']:>7} {r['score_GBps']:>8.0f} "
+            + " ".join(f"{c:>15}" for c in cells)
         )
+    last = [r for r in rows if "variants" in r][-1]["variants"]
+    print("registers / spills:", {n: (v.get("regs"), v.get("spills")) for n, v in last.items()})
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at 32K only")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the VARIANTS sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_indexer needs CUDA", file=sys.stderr)
         return 1
     torch.backends.cuda.matmul.allow_tf32 = False
-    cases = [("fp8", b, c) for c in (32768, 131072) for b in (1, 8, 64)]
+    cases = [("fp8", b, c) for c in (32768, 131072) for b in (1, 8, 29, 64)]
     cases += [("exact", 8, 32768), ("exact", 8, 131072)]
     if args.quick:
         cases = [c for c in cases if c[2] == 32768 and c[1] <= 8]
     t0 = time.perf_counter()
+    copy = copy_GBps()
+    print(f"HBM copy: {copy:.0f} GB/s", flush=True)
     rows = []
     for i, (kind, batch, context) in enumerate(cases):
-        row = run_case(kind, batch, context, seed=i)
+        row = run_case(kind, batch, context, seed=i, sweep=not args.no_sweep)
         rows.append(row)
         print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()
-    _print_tables(rows, time.perf_counter() - t0)
+    _print_tables(rows, time.perf_counter() - t0, copy)
     out = os.environ.get("OUT")
     if out:
         path = Path(out) / "bench_indexer.json"
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+        meta = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "copy_GBps": copy,
+        }
         path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         print(f"wrote {path}")
     return 0

@@ -35,6 +35,8 @@ pytestmark = pytest.mark.skipif(
 
 RTOL, ATOL = 1e-5, 1e-6
 SMALL = it.IndexerConfig(block_n=16)
+#: Per-key block lookups (the first kernel's loop, which `OLD_FP8_CONFIG` keeps selectable).
+SMALL_PER_KEY = it.IndexerConfig(block_n=16, page_tiles=False)
 
 
 def _case(
@@ -68,19 +70,39 @@ def _check(case: it.PagedIndexerCase, top_k: int, **kw) -> torch.Tensor:
     return scores
 
 
+# Block sizes 8 (tiles span pages: per-key lookups) and 32 (page tiles: one lookup per tile),
+# and page tiles switched off on 32-key pages.
+LOOPS = [(8, SMALL), (32, SMALL), (32, SMALL_PER_KEY)]
+
+
+@pytest.mark.parametrize("block_size,config", LOOPS, ids=["bs8", "bs32-page-tiles", "bs32-per-key"])
 @pytest.mark.parametrize("kind", ["fp8", "exact"])
-def test_decode_contexts_shorter_and_longer_than_top_k(kind: str) -> None:
+def test_decode_contexts_shorter_and_longer_than_top_k(
+    kind: str, block_size: int, config: it.IndexerConfig
+) -> None:
     """One token per request; contexts from 1 key to several pages and several chunks."""
-    case = _case(kind, [1, 9, 16, 17, 75, 130], [1] * 6, seed=1 + (kind == "exact"))
-    _check(case, 16, config=SMALL, chunk=32)
+    contexts = [1, 9, 16, 17, 75, 130]
+    case = _case(kind, contexts, [1] * 6, seed=1 + (kind == "exact"), block_size=block_size)
+    _check(case, 16, config=config, chunk=32)
 
 
+@pytest.mark.parametrize("block_size,config", LOOPS, ids=["bs8", "bs32-page-tiles", "bs32-per-key"])
 @pytest.mark.parametrize("kind", ["fp8", "exact"])
-def test_prefill_chunks_mixed_with_decode(kind: str) -> None:
+def test_prefill_chunks_mixed_with_decode(
+    kind: str, block_size: int, config: it.IndexerConfig
+) -> None:
     """Whole prompt, a later chunk of another request, a decode token, and padding tokens."""
-    case = _case(kind, [24, 60, 41], [24, 9, 1], seed=10 + (kind == "exact"), pad_tokens=2)
-    scores = _check(case, 16, config=SMALL, chunk=32)
+    case = _case(
+        kind, [24, 60, 41], [24, 9, 1], seed=10 + (kind == "exact"), pad_tokens=2,
+        block_size=block_size, extra_blocks=2,
+    )  # fmt: skip
+    scores = _check(case, 16, config=config, chunk=32)
     assert torch.isneginf(scores[-2:]).all()
+
+
+def test_config_rejects_unknown_dot_type() -> None:
+    with pytest.raises(ValueError, match="dot"):
+        it.IndexerConfig(dot="int8")
 
 
 @pytest.mark.parametrize("kind", ["fp8", "exact"])

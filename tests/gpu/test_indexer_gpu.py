@@ -92,6 +92,34 @@ def test_bf16_queries_in_exact_mode() -> None:
     _check(case)
 
 
+#: bench_indexer.py's swept configs with exact (f16 / bf16) dots: any of them may become the
+#: default, so each is held to the same tolerance (the fp8-dot ones are measured, not held).
+SWEPT = {
+    "old": it.OLD_FP8_CONFIG,
+    "f16_perkey_s3": it.IndexerConfig(page_tiles=False, num_stages=3),
+    "f16_perkey_s5": it.IndexerConfig(page_tiles=False, num_stages=5),
+    "bf16_page_s5": it.IndexerConfig(dot="bf16"),
+    "page_s3": it.IndexerConfig(num_stages=3),
+    "page_s4": it.IndexerConfig(num_stages=4),
+    "page_s7": it.IndexerConfig(num_stages=7),
+}
+
+
+@pytest.mark.parametrize("name", list(SWEPT))
+def test_swept_config_decode_and_prefill(name: str) -> None:
+    """Mixed contexts with padding and a -inf tail, then a prefill chunk with decode tokens."""
+    contexts = [4096, 1000, 16384, 32768, 65536 + 17, 131072, 8192, 2049]
+    _check(_case("fp8", contexts, seed=12, extra_blocks=3, pad_tokens=1), config=SWEPT[name])
+    _check(_case("fp8", [8192, 32768, 3000], [512, 1, 1], seed=13), config=SWEPT[name])
+
+
+@pytest.mark.parametrize("chunk", [64, 192, 16384])
+def test_default_config_with_other_chunks(chunk: int) -> None:
+    """Keys per program from one tile to a whole 16K run, not a power of two in between."""
+    contexts = [20000, 131072, 777, 65536]
+    _check(_case("fp8", contexts, seed=14, extra_blocks=2), chunk=chunk)
+
+
 def test_dispatch_picks_the_kernel_and_trims() -> None:
     case = _case("fp8", [40000, 9000], seed=6, extra_blocks=200)
     args = (*case.args(), case.seq_lens, K, case.softmax_scale)

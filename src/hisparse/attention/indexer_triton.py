@@ -53,20 +53,45 @@ MAX_HEADS = 128
 
 @dataclass(frozen=True)
 class IndexerConfig:
-    """Tile shape of the score kernel (`default_config` picks one per page format)."""
+    """Tile shape and operand type of the score kernel (`default_config` picks one per format).
+
+    The defaults are the fp8 tuning of issue #5 (bench_indexer.py measures it against
+    `OLD_FP8_CONFIG`, the first version's, which stays selectable for that comparison).
+    """
 
     block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 3
-    #: fp8 pages on a GPU only: feed the e4m3 values to the tensor cores as e4m3 (half the
-    #: MMA work of bf16; Hopper's fp8 MMA accumulates with fewer bits, so scores move more).
-    #: An opt-in variant that bench_indexer.py measures; the default stays bf16.
-    fp8_dot: bool = False
+    #: Software-pipelining depth of the key loads. The block-table read is one more load
+    #: level, so 3 stages keep one key tile in flight per program and 5 keep two.
+    num_stages: int = 5
+    #: MMA operand type of fp8 pages on a GPU: ``f16`` (e4m3 -> f16 is one conversion per two
+    #: values and exact), ``bf16`` (also exact, but e4m3 -> bf16 goes through f16: three
+    #: conversions per two values), or ``fp8`` (no conversion, half the MMA work; Hopper's
+    #: fp8 MMA accumulates with fewer bits, so scores move more: an opt-in variant that
+    #: bench_indexer.py measures). fp32 pages and the CPU interpreter always use fp32 dots.
+    dot: str = "f16"
+    #: One block-table read per tile, and a contiguous key run, when ``block_n`` divides the
+    #: block size (else, and when off, every key looks up its own block as at first).
+    page_tiles: bool = True
+    #: ``dot="fp8"`` only: fp32 accumulation every this many products (``None``: Triton's
+    #: default, all of K in the fp8 MMA accumulator).
+    fp8_acc_k: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dot not in ("f16", "bf16", "fp8"):
+            raise ValueError(f"IndexerConfig.dot {self.dot!r}: expected 'f16', 'bf16' or 'fp8'")
+
+
+#: The first kernel's fp8 configuration (per-key block lookups, bf16 MMA, 3 stages).
+OLD_FP8_CONFIG = IndexerConfig(block_n=64, num_warps=4, num_stages=3, dot="bf16", page_tiles=False)
 
 
 def default_config(kind: str) -> IndexerConfig:
-    """fp8 keys: 64-key tiles. fp32 keys are 4x wider in registers: 32-key tiles."""
-    return IndexerConfig(block_n=64) if kind == "fp8" else IndexerConfig(block_n=32)
+    """fp8 keys: the tuned tile. fp32 keys (exact mode, not a serving path) are 4x wider in
+    registers: 32-key tiles, and the first kernel's shape otherwise."""
+    if kind == "fp8":
+        return IndexerConfig()
+    return IndexerConfig(block_n=32, num_stages=3, page_tiles=False)
 
 
 def supports(q: Tensor, q_scale: Tensor | None, pages: Tensor, fmt: IndexerCacheFormat) -> bool:
@@ -131,6 +156,8 @@ def _indexer_scores_kernel(
     BLOCK_N: tl.constexpr,
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
+    PAGE_TILES: tl.constexpr,
+    FP8_ACC_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * chunk
@@ -154,25 +181,49 @@ def _indexer_scores_kernel(
     q_t = tl.trans(q)  # [D, HP]
     table_row = table_ptr + tl.maximum(req, 0).to(tl.int64) * s_tab_r
 
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + n
-        valid = pos < end
-        blk = tl.load(table_row + pos // block_size, mask=valid, other=0).to(tl.int64)
-        off = pos % block_size
-        keys = tl.load(
-            key_ptr + blk[:, None] * s_key_b + off[:, None] * D + d[None, :],
-            mask=valid[:, None],
-            other=0.0,
-        ).to(DOT)
-        # Keys as the MMA's M dim: the head sum then reduces along N, inside each warp.
-        logits = tl.dot(keys, q_t, input_precision=PRECISION)  # [BLOCK_N, HP]
-        if not IS_FP8:  # exact mode: ReLU(q . k * scale); fp8 folds the scale into w
-            logits = logits * softmax_scale
-        logits = tl.maximum(logits, 0.0)
-        score = tl.sum(logits * w[None, :], axis=1)
-        if IS_FP8:
-            score *= tl.load(ksc_ptr + blk * s_ksc_b + sc_off + off, mask=valid, other=0.0)
-        tl.store(row + pos, tl.where(valid, score, float("-inf")), mask=pos < stop)
+    if PAGE_TILES:
+        # Every tile lies inside one page (BLOCK_N divides the block size and chunks start on
+        # a tile): one block-table entry per tile, and the tile's keys are one contiguous run.
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + n
+            valid = pos < end
+            blk = tl.load(table_row + n0 // block_size).to(tl.int64)
+            off = n0 % block_size + n
+            keys = tl.load(
+                key_ptr + blk * s_key_b + off[:, None] * D + d[None, :],
+                mask=valid[:, None],
+                other=0.0,
+            ).to(DOT)
+            logits = tl.dot(
+                keys, q_t, input_precision=PRECISION, max_num_imprecise_acc=FP8_ACC_K
+            )  # [BLOCK_N, HP]
+            if not IS_FP8:
+                logits = logits * softmax_scale
+            logits = tl.maximum(logits, 0.0)
+            score = tl.sum(logits * w[None, :], axis=1)
+            if IS_FP8:
+                score *= tl.load(ksc_ptr + blk * s_ksc_b + sc_off + off, mask=valid, other=0.0)
+            tl.store(row + pos, tl.where(valid, score, float("-inf")), mask=pos < stop)
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + n
+            valid = pos < end
+            blk = tl.load(table_row + pos // block_size, mask=valid, other=0).to(tl.int64)
+            off = pos % block_size
+            keys = tl.load(
+                key_ptr + blk[:, None] * s_key_b + off[:, None] * D + d[None, :],
+                mask=valid[:, None],
+                other=0.0,
+            ).to(DOT)
+            # Keys as the MMA's M dim: the head sum then reduces along N, inside each warp.
+            logits = tl.dot(keys, q_t, input_precision=PRECISION)  # [BLOCK_N, HP]
+            if not IS_FP8:  # exact mode: ReLU(q . k * scale); fp8 folds the scale into w
+                logits = logits * softmax_scale
+            logits = tl.maximum(logits, 0.0)
+            score = tl.sum(logits * w[None, :], axis=1)
+            if IS_FP8:
+                score *= tl.load(ksc_ptr + blk * s_ksc_b + sc_off + off, mask=valid, other=0.0)
+            tl.store(row + pos, tl.where(valid, score, float("-inf")), mask=pos < stop)
 
     # Tiles wholly past the causal limit: -inf without reading anything.
     tail = start + tl.cdiv(end - start, BLOCK_N) * BLOCK_N
@@ -253,9 +304,11 @@ def indexer_scores_paged_triton(
     q = q if q.stride(-1) == 1 else q.contiguous()
 
     interp = interpreting() or device.type != "cuda"
-    fp8_dot = cfg.fp8_dot and is_fp8 and not interp
-    bf16_dot = is_fp8 and not interp and not fp8_dot  # e4m3 -> bf16 is exact
-    dot = tl.float8e4nv if fp8_dot else tl.bfloat16 if bf16_dot else tl.float32
+    if not is_fp8 or interp:
+        dot = tl.float32
+    else:  # e4m3 -> f16 and e4m3 -> bf16 are exact
+        dot = {"f16": tl.float16, "bf16": tl.bfloat16, "fp8": tl.float8e4nv}[cfg.dot]
+    fp8_acc_k = cfg.fp8_acc_k if dot == tl.float8e4nv else None
     grid = (t, triton.cdiv(cols, chunk))
     last_compiled[0] = _indexer_scores_kernel[grid](
         q, qs, weights, key_view, ksc_view, block_table, req_index, positions, out,
@@ -266,6 +319,8 @@ def indexer_scores_paged_triton(
         IS_FP8=is_fp8, D=d, HP=max(16, triton.next_power_of_2(h)), BLOCK_N=cfg.block_n,
         DOT=dot,
         PRECISION="ieee" if dot == tl.float32 else "tf32",  # only fp32 operands read it
+        PAGE_TILES=cfg.page_tiles and bs % cfg.block_n == 0,
+        FP8_ACC_K=fp8_acc_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
@@ -487,6 +542,7 @@ def selection_errors(
 
 
 __all__ = [
+    "OLD_FP8_CONFIG",
     "IndexerConfig",
     "PagedIndexerCase",
     "chunk_for",
