@@ -1,0 +1,159 @@
+"""Triton GQA decode indexer on CUDA at SmolLM2-135M shapes against the torch path.
+
+9 query heads, 3 KV heads, head dim 64, block size 64, top_k 256, 4 sinks, a 64-token window;
+batch 1 and 64; contexts 556, 2048 and 8192, and the CUDA-graph bound (``longest`` = the
+table's capacity, 8192, with 556-token requests). Runs on the GPU machine only (``pytest
+tests/gpu``; CI ignores it). The torch path (``HISPARSE_GQA_INDEXER=reference``) runs on the same
+GPU from the same bytes, fp32 without TF32.
+
+Tolerance: the kernel's dot products are exact (e4m3 keys and bf16 query parts on the tensor
+cores) and accumulate in fp32; its exp is the hardware approximation. Masses therefore differ
+from the torch path's by rounding only; ``tol = 1e-6 + 1e-4 * kth`` (masses are at most 9) both
+for the masses themselves and for `selection_errors` (any indexing or softmax bug moves a mass
+by far more).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from hisparse.attention import gqa_indexer_reference as gr
+from hisparse.attention import gqa_indexer_triton as git
+
+DEV = torch.device("cuda")
+H, G, D, BS, TOP_K = 9, 3, 64, 64, 256
+CFG = gr.GqaIndexerConfig(top_k=TOP_K, sink_tokens=4, recent_window=64)
+SCALE = D**-0.5
+RTOL, ATOL = 1e-4, 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _torch_path_fp32(monkeypatch: pytest.MonkeyPatch):
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.delenv("HISPARSE_GQA_INDEXER", raising=False)
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def _lengths(batch: int, context: int, seed: int) -> list[int]:
+    """Batch 1: the context. Larger batches: lengths from half the context up to it, the
+    first and last exactly ``context``, and two requests that fit in top_k."""
+    if batch == 1:
+        return [context]
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(context // 2, context + 1, (batch,), generator=g).tolist()
+    lens[0] = lens[-1] = context
+    lens[1], lens[2] = TOP_K, 100
+    return lens
+
+
+def _torch_path(case: git.DecodeCase, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    monkeypatch.setenv("HISPARSE_GQA_INDEXER", "reference")
+    try:
+        return gr.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)
+    finally:
+        monkeypatch.delenv("HISPARSE_GQA_INDEXER")
+
+
+def _check(case: git.DecodeCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list = []
+    real = git._scratch
+
+    def poisoned(*args):
+        bufs = real(*args)
+        for b in bufs:
+            b.fill_(float("nan"))
+        seen.append(bufs)
+        return bufs
+
+    monkeypatch.setattr(git, "_scratch", poisoned)
+    out = torch.full((case.q.shape[0], TOP_K), -7, dtype=torch.int32, device=DEV)
+    got = git.gqa_indexer_topk_decode_triton(*case.args(), CFG, SCALE, TOP_K, out=out)
+    monkeypatch.setattr(git, "_scratch", real)
+    assert not bool((got == -7).any()), "an output element was not written"
+    want = _torch_path(case, monkeypatch)
+    ref = git.reference_scores(case, CFG, SCALE)
+    assert git.selection_errors(got, want, case, CFG, ref, RTOL, ATOL) == []
+    masses = seen[0][2].cpu()
+    scored = 0
+    for i, n in enumerate(case.lengths.tolist()):
+        if n > TOP_K:
+            hi = int(case.positions[i]) - CFG.recent_window + 1
+            torch.testing.assert_close(
+                masses[i, CFG.sink_tokens : hi], ref[i][CFG.sink_tokens : hi], rtol=RTOL,
+                atol=ATOL,
+            )  # fmt: skip
+            scored += 1
+    assert scored > 0
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("batch", [1, 64])
+@pytest.mark.parametrize("context", [556, 2048, 8192])
+def test_matches_torch_path(
+    monkeypatch: pytest.MonkeyPatch, context: int, batch: int, q_dtype: torch.dtype
+) -> None:
+    seed = int(torch.randint(0, 2**31, ()))
+    case = git.random_decode_case(
+        _lengths(batch, context, seed), heads=H, kv_heads=G, head_dim=D, block_size=BS,
+        key_scale=3.0, q_dtype=q_dtype, strided=True, seed=seed, device=DEV,
+    )  # fmt: skip
+    _check(case, monkeypatch)
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_capacity_bound_matches_torch_path(monkeypatch: pytest.MonkeyPatch, batch: int) -> None:
+    """``longest`` = the table capacity (8192) while the requests hold ~556 keys."""
+    seed = int(torch.randint(0, 2**31, ()))
+    case = git.random_decode_case(
+        _lengths(batch, 556, seed), heads=H, kv_heads=G, head_dim=D, block_size=BS,
+        capacity=8192, key_scale=3.0, q_dtype=torch.bfloat16, seed=seed, device=DEV,
+    )  # fmt: skip
+    _check(case, monkeypatch)
+
+
+def test_cuda_graph_replay_equals_eager() -> None:
+    """The dispatch (`gqa_indexer_topk_decode` -> Triton) captured once at the capacity bound,
+    replayed on new queries, keys and lengths: each replay equals an eager call."""
+    batch, cap = 64, 2048
+    # Captured at full capacity, so its page pool holds any later step's blocks.
+    case = git.random_decode_case(
+        [cap] * batch, heads=H, kv_heads=G, head_dim=D, block_size=BS, capacity=cap,
+        q_dtype=torch.bfloat16, seed=1, device=DEV,
+    )  # fmt: skip
+
+    def step() -> torch.Tensor:
+        return gr.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    for seed in (2, 3, 4):
+        lens = _lengths(batch, 300 + 400 * seed, seed)
+        fresh = git.random_decode_case(
+            lens, heads=H, kv_heads=G, head_dim=D, block_size=BS, capacity=cap,
+            q_dtype=torch.bfloat16, seed=seed, device=DEV,
+        )  # fmt: skip
+        # New contents in the captured tensors (same shapes: the table capacity is fixed).
+        case.q.copy_(fresh.q)
+        case.positions.copy_(fresh.positions)
+        case.lengths.copy_(fresh.lengths)
+        case.tables.copy_(fresh.tables)
+        case.pages.fill_(0xFF)
+        case.pages[: fresh.pages.shape[0]].copy_(fresh.pages)
+        eager = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int((eager >= 0).sum()) > 0
+        assert torch.equal(static_out, eager)

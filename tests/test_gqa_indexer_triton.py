@@ -1,0 +1,152 @@
+"""Triton GQA decode indexer equals the torch path (Triton's CPU interpreter, CI).
+
+``TRITON_INTERPRET=1`` is set before the kernel module is imported. Every case draws fresh
+random e4m3 keys in shuffled blocks (unwritten pages NaN bytes) and queries, with outputs and
+scratch buffers poisoned first (NaN scratch, ``-7`` outputs), so every element read back must
+have been written by the kernels.
+
+What "equal" means (`gqa_indexer_triton.selection_errors`): rows that fit in ``top_k`` exactly
+the dense list; scored rows ascending, ``-1`` only as a suffix, as many picks as the torch path,
+every forced position, and any position chosen by only one of the two a candidate whose
+reference score is within ``1e-6 + 1e-5 * kth`` of the k-th kept score (under the interpreter
+the dots are fp32, so the masses differ by summation order only: checked directly on the
+kernel's mass scratch row at the same tolerance).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hisparse.attention import gqa_indexer_reference as gr
+from hisparse.attention import gqa_indexer_triton as git
+from hisparse.attention.sparse_mla_triton import interpreting
+
+pytestmark = pytest.mark.skipif(
+    not interpreting(), reason="Triton kernels were defined outside the interpreter"
+)
+
+RTOL, ATOL = 1e-5, 1e-6
+TOP_K = 24
+CFG = gr.GqaIndexerConfig(top_k=TOP_K, sink_tokens=2, recent_window=8)
+SCALE = 0.25
+
+
+@pytest.fixture
+def scratch(monkeypatch: pytest.MonkeyPatch) -> list:
+    """NaN-poisoned scratch buffers; the list collects them so a test can read the masses."""
+    seen: list = []
+    real = git._scratch
+
+    def poisoned(*args):
+        bufs = real(*args)
+        for b in bufs:
+            b.fill_(float("nan"))
+        seen.append(bufs)
+        return bufs
+
+    monkeypatch.setattr(git, "_scratch", poisoned)
+    return seen
+
+
+def _run(case: git.DecodeCase, width: int, scratch: list, cfg=CFG, **kw) -> torch.Tensor:
+    """Kernel vs torch path on one case: selections and candidate masses."""
+    r = case.q.shape[0]
+    out = torch.full((r, width), -7, dtype=torch.int32)
+    got = git.gqa_indexer_topk_decode_triton(*case.args(), cfg, SCALE, width, out=out, **kw)
+    assert got.data_ptr() == out.data_ptr()
+    assert not bool((got == -7).any()), "an output element was not written"
+    want = gr.gqa_indexer_topk_decode(*case.args(), cfg, SCALE, width)  # CPU: torch path
+    ref = git.reference_scores(case, cfg, SCALE)
+    assert git.selection_errors(got, want, case, cfg, ref, RTOL, ATOL) == []
+    # The kernel's candidate masses themselves (its scratch row) match the reference's.
+    scored = 0
+    masses = scratch[-1][2]
+    for i, n in enumerate(case.lengths.tolist()):
+        if n <= cfg.top_k:
+            continue
+        pos = int(case.positions[i])
+        lo, hi = cfg.sink_tokens, max(pos - cfg.recent_window + 1, cfg.sink_tokens)
+        if hi > lo:
+            torch.testing.assert_close(masses[i, lo:hi], ref[i][lo:hi], rtol=RTOL, atol=ATOL)
+            scored += 1
+    return torch.tensor(scored)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_varied_lengths_capacity_bound(scratch: list, q_dtype: torch.dtype) -> None:
+    """Scored and dense requests in one step; ``longest`` is the table capacity (CUDA-graph
+    case: past every length); lengths just above top_k (one or two candidates dropped) and a
+    request whose candidates start right after the sinks; pages strided inside a pool."""
+    lengths = [70, 20, 45, 25, 100, 26, 24, 33]
+    case = git.random_decode_case(
+        lengths, head_dim=16, block_size=8, capacity=136, q_dtype=q_dtype, strided=True,
+        seed=int(torch.randint(0, 2**31, ())),
+    )  # fmt: skip
+    cfg = git.GqaIndexerTritonConfig(block_n=16, chunk=32)
+    assert int(_run(case, TOP_K, scratch, config=cfg)) == 6
+
+
+def test_tile_by_tile_search_and_padding_columns(scratch: list) -> None:
+    """Candidates beyond one ``BLOCK_S`` tile (the search loops over tiles), output wider than
+    ``top_k`` (``-1`` columns), longest = the longest request."""
+    case = git.random_decode_case(
+        [150, 90, 10], head_dim=16, block_size=16, seed=int(torch.randint(0, 2**31, ()))
+    )
+    cfg = git.GqaIndexerTritonConfig(block_n=16, chunk=64, block_s=32, block_m=32, block_w=16)
+    assert int(_run(case, TOP_K + 5, scratch, config=cfg)) == 2
+
+
+def test_ties_keep_the_lowest_positions(scratch: list) -> None:
+    """Every key equal: every candidate has the same mass, so the tie rule alone decides:
+    the sinks, the first ``top_k - forced`` candidates, the recent window. Small integer
+    keys and queries make every dot exact, so no summation order can break the tie."""
+    n = 60
+    case = git.random_decode_case([n, n], head_dim=16, block_size=8, seed=3)
+    case.q = torch.randint(-3, 4, case.q.shape).float()
+    key = torch.randint(-2, 3, (case.fmt.row_bytes,)).float()
+    row = key.to(gr.FP8_DTYPE).view(torch.uint8)
+    for b in range(n // 8 + 1):
+        for tbl in case.tables:
+            case.pages[int(tbl[b])].view(-1, case.fmt.row_bytes)[:] = row
+    _run(case, TOP_K, scratch)
+    got = git.gqa_indexer_topk_decode_triton(*case.args(), CFG, SCALE, TOP_K)
+    sinks, window = CFG.sink_tokens, CFG.recent_window
+    need = TOP_K - sinks - window
+    expect = list(range(sinks + need)) + list(range(n - window, n))
+    assert got[0].tolist() == expect and got[1].tolist() == expect
+
+
+def test_all_dense_requests(scratch: list) -> None:
+    """Every request fits in top_k while the host bound does not: all rows dense."""
+    case = git.random_decode_case([5, 24, 17], head_dim=16, block_size=8, capacity=64, seed=4)
+    got = git.gqa_indexer_topk_decode_triton(*case.args(), CFG, SCALE, TOP_K)
+    assert torch.equal(got, gr.dense_topk(case.positions, TOP_K))
+
+
+def test_dispatch_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``HISPARSE_GQA_INDEXER=triton`` routes `gqa_indexer_topk_decode` to the kernels (on a
+    CPU only under the interpreter), ``reference`` keeps the torch path."""
+    case = git.random_decode_case([40, 30], head_dim=16, block_size=8, seed=5)
+    calls: list[int] = []
+    real = git.gqa_indexer_topk_decode_triton
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(git, "gqa_indexer_topk_decode_triton", counted)
+    monkeypatch.setenv("HISPARSE_GQA_INDEXER", "triton")
+    via = gr.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)
+    assert calls == [1]
+    monkeypatch.setenv("HISPARSE_GQA_INDEXER", "reference")
+    torch_path = gr.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)
+    assert calls == [1]
+    ref = git.reference_scores(case, CFG, SCALE)
+    assert git.selection_errors(via, torch_path, case, CFG, ref, RTOL, ATOL) == []
