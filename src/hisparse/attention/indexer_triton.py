@@ -4,30 +4,36 @@ Two stages:
 
 1. ``_indexer_scores_kernel`` writes ``scores [T, S]`` fp32, ``S`` = the block table's width
    (or the caller's ``max_len``): program ``(token, chunk)`` keeps the token's ``[H, D]``
-   query in registers and walks its chunk of key positions in tiles of ``BLOCK_N``, each
+   query in shared memory and walks its chunk of key positions in tiles of ``BLOCK_N``, each
    tile one ``[BLOCK_N, D] x [D, H]`` dot, ReLU, and the weighted sum over heads (keys are
    the MMA's rows, so that sum stays within a warp). Splitting the context into chunks
    gives a decode step (few tokens, up to 128K keys) thousands of programs; a prefill chunk
    works the same way, one row of programs per token. Positions past the token's causal
    limit (``positions[t] + 1``), and every position of a padding token (``req_index < 0``),
-   get ``-inf``.
+   get ``-inf``. When ``BLOCK_N`` divides the block size each tile is one contiguous run of
+   one page: one block-table read per tile (not per key), which with 5 pipeline stages keeps
+   two key tiles in flight per program (the table read is a load level of its own). At
+   batch >= 8 this reads ~55-62% of a copy's bandwidth (bench_indexer.py); the fp8-MMA
+   variant, with no conversions and about 100 fewer instructions per tile, reads more, so
+   the per-tile instruction count (conversions, masks, addresses) looks like the limit.
 2. ``torch.topk`` over each row, ``-inf`` picks turned into ``-1``: the reference's own
    selection code, run on the same scores up to float summation order.
 
 Why ``torch.topk`` rather than a Triton select: it is the reference's selection (ties and
 order behave alike), it needs no host synchronisation and no data-dependent shape (a decode
 step calling it can be captured in a CUDA graph), and it reads ``4 B`` of scores per key
-where the score kernel reads the 132-byte key, so the score stage should stay the larger
-cost; bench_indexer.py times both stages to check that. A fused select is the next step if
-it does not.
+where the score kernel reads the 132-byte key. bench_indexer.py times both stages: at 128K
+``torch.topk`` takes 120-240 µs per call whatever the batch, as much as the score stage up to
+batch ~29, so a cheaper exact select is the next step.
 
 Numerics, per mode (the reference's operation order is kept where it costs nothing):
 
 - ``fp8`` pages (132-byte rows: ``block_size x 128`` e4m3 keys, then ``block_size`` fp32
-  scales): e4m3 queries and keys go to the tensor cores as bf16 (exact) and accumulate in
-  fp32, so each ``q . k`` product is exact and only the summation order differs from the
-  reference; ``w * q_scale * softmax_scale`` is folded per head and the key scale multiplies
-  the head sum, as in the reference.
+  scales): e4m3 queries and keys go to the tensor cores as f16 (exact; bf16, the first
+  kernel's choice, is exact too but costs three conversions per two values where f16 costs
+  one) and accumulate in fp32, so each ``q . k`` product is exact and only the summation
+  order differs from the reference; ``w * q_scale * softmax_scale`` is folded per head and
+  the key scale multiplies the head sum, as in the reference.
 - ``fp32`` pages (exact mode): fp32 dots (``ieee``, no tf32), ``ReLU(q . k * scale)``.
 
 Under Triton's CPU interpreter (CI) every dot runs in fp32.
@@ -67,8 +73,9 @@ class IndexerConfig:
     #: MMA operand type of fp8 pages on a GPU: ``f16`` (e4m3 -> f16 is one conversion per two
     #: values and exact), ``bf16`` (also exact, but e4m3 -> bf16 goes through f16: three
     #: conversions per two values), or ``fp8`` (no conversion, half the MMA work; Hopper's
-    #: fp8 MMA accumulates with fewer bits, so scores move more: an opt-in variant that
-    #: bench_indexer.py measures). fp32 pages and the CPU interpreter always use fp32 dots.
+    #: fp8 MMA accumulates with fewer bits: 1.8-4.2x the GPU tests' tolerance measured; with
+    #: ``fp8_acc_k=32`` 0.5-0.8x, but no faster than f16). Opt-in variants bench_indexer.py
+    #: measures. fp32 pages and the CPU interpreter always use fp32 dots.
     dot: str = "f16"
     #: One block-table read per tile, and a contiguous key run, when ``block_n`` divides the
     #: block size (else, and when off, every key looks up its own block as at first).
