@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hisparse.attention.backend import env_backend
+
 INDEXER_METHODS = ("fp8", "quest", "lowrank")
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -570,9 +572,17 @@ def gqa_indexer_topk_decode(
     to ``longest``; the causal mask hides the padding, NaN garbage of unwritten pages too),
     instead of a dozen small ops per request: what makes batch-64 decode affordable on a GPU.
     Requests that fit in ``top_k`` are dense. No host read (CUDA-graph capturable), except for
-    quest (per-chunk keys), which goes request by request.
+    quest (per-chunk keys), which goes request by request. fp8 on CUDA runs the fused Triton
+    kernels of `gqa_indexer_triton` (``HISPARSE_GQA_INDEXER=reference`` keeps this path).
     """
     r, h, _ = q.shape
+    if fmt.method == "fp8" and env_backend("HISPARSE_GQA_INDEXER", q.device) == "triton":
+        from hisparse.attention import gqa_indexer_triton as git  # triton: GPU path only
+
+        if git.supports(q, pages, tables, fmt, cfg):
+            return git.gqa_indexer_topk_decode_triton(
+                q, positions, pages, tables, lengths, longest, fmt, cfg, scale, width
+            )
     dense = dense_topk(positions, width)
     if cfg.top_k is None or longest <= cfg.top_k:
         return dense
