@@ -56,11 +56,22 @@ Tensor = torch.Tensor
 
 _SENTINEL = tl.constexpr(1 << 40)  # above any host row: entries not needing the hot buffer
 
-#: resolve_residency implementation: "bucket" (default) or "sort" (the previous kernel). H200,
+#: resolve_residency implementation: "auto" (default: "split" up to ``RESOLVE_SPLIT_MAX_Q``
+#: requests, else "bucket"), "split", "bucket", or "sort" (the kernel before "bucket"). H200,
 #: batch 64, hot 4096, top_k 2048: bucket 35.6-42.6 µs at 5% miss vs sort 78.7; at 100% miss
 #: bucket 163 µs (after its rank tiles stopped reducing per tile: 487 before) vs sort 79.
 #: Benchmarks and tests switch these.
-RESOLVE_IMPL = "bucket"
+RESOLVE_IMPL = "auto"
+#: "auto" takes the split kernel up to this many requests, the bucket kernel above.
+RESOLVE_SPLIT_MAX_Q = 16
+#: Split kernel: programs per request (0: ``n / 32`` up to ``RESOLVE_SPLIT_P_MAX``), warps,
+#: (entry tile, slot tile) override, and whether the last program of a request runs the
+#: finish (else a second launch does).
+RESOLVE_SPLIT_P = 0
+RESOLVE_SPLIT_P_MAX = 64
+RESOLVE_SPLIT_WARPS = 8
+RESOLVE_SPLIT_TILE: tuple[int, int] | None = None
+RESOLVE_SPLIT_FUSE = True
 #: Warps per program (0: by size), hot-slot chunk, rank tile of the swap-list order, and
 #: log2 of the bucket count (``None``: 2 buckets per entry; tests shrink it to force overflow).
 RESOLVE_WARPS = 0
@@ -547,6 +558,375 @@ def _resolve_sort_kernel(
         tl.store(out_ptr + erow * s_out_r + ecol * s_out_c, phys, mask=live)
 
 
+@triton.jit
+def _split_rows(row_req_ptr, R, q, ROWS: tl.constexpr, BR: tl.constexpr):
+    """Request ``q``'s rows in row order as a ``[ROWS]`` register vector, and their count."""
+    rr = tl.arange(0, ROWS)
+    rowsel = tl.zeros([ROWS], tl.int32)
+    n_rows = 0
+    br = tl.arange(0, BR)
+    for r0 in range(0, R, BR):
+        offs = r0 + br
+        rq = tl.load(row_req_ptr + offs, mask=offs < R, other=-1)
+        mine = rq == q
+        rank = n_rows + tl.cumsum(mine.to(tl.int32), 0) - 1
+        sel = mine[None, :] & (rank[None, :] == rr[:, None])
+        rowsel += tl.sum(tl.where(sel, offs[None, :], 0), 1)
+        n_rows += tl.sum(mine.to(tl.int32), 0)
+    return rowsel, n_rows
+
+
+@triton.jit
+def _split_row_of(e, rowsel, KP: tl.constexpr, ROWS: tl.constexpr):
+    """Row (of ``topk``) of entry indices ``e``: a select from the in-register row vector."""
+    rr = tl.arange(0, ROWS)
+    return tl.sum(tl.where((e // KP)[:, None] == rr[None, :], rowsel[None, :], 0), 1)
+
+
+@triton.jit
+def _split_finish(
+    q, s, row_req_ptr, R, hot_bt_ptr, s_hbt_s, s_hbt_b, hot_index_ptr, s_hi_s, s_hi_h,
+    lru_ptr, s_lru_s, s_lru_h, out_ptr, s_out_r, s_out_c,
+    swap_src_ptr, s_ss_q, s_ss_h, swap_dst_ptr, s_sd_q, s_sd_h, swap_count_ptr, s_sc,
+    hm_ptr, s_hm_q, s_hm_c,
+    info_ptr, gq_ptr, rk_ptr, hit_ptr, cnt_ptr, base_ptr, evict_ptr, slotof_ptr, newlru_ptr,
+    K, H, bs,
+    P: tl.constexpr, ROWS: tl.constexpr, KP: tl.constexpr, BR: tl.constexpr,
+    BH: tl.constexpr, ONE_CHUNK: tl.constexpr, HAS_HM: tl.constexpr,
+):  # fmt: skip
+    """The per-request sequential part: miss ranks, LRU order, slots, outputs, swap list.
+
+    Reads what the partition programs left in scratch (L2: ``.cg`` loads) for request ``q``.
+    """
+    N: tl.constexpr = ROWS * KP
+    q64 = q.to(tl.int64)
+    s64 = s.to(tl.int64)
+    base_n = q64 * N
+    base_h = q64 * H
+    rowsel, n_rows = _split_rows(row_req_ptr, R, q, ROWS, BR)
+    e = tl.arange(0, N)
+    emask = ((e // KP) < n_rows) & ((e % KP) < K)
+    info = tl.load(info_ptr + base_n + e, mask=emask, other=-2, cache_modifier=".cg")
+    mh = info == -1  # miss heads (first appearance of a row not in the hot buffer)
+    mrank = tl.cumsum(mh.to(tl.int32), 0) - 1
+    n_miss = tl.sum(mh.to(tl.int32), 0)
+    pp = tl.arange(0, P)
+    cmiss = tl.load(cnt_ptr + (q64 * P + pp) * 2, cache_modifier=".cg")
+    n_hit = tl.sum(tl.load(cnt_ptr + (q64 * P + pp) * 2 + 1, cache_modifier=".cg"), 0)
+    # Swap-list offset of each partition: partitions are host-row ranges in ascending order.
+    tl.store(base_ptr + q64 * P + pp, tl.cumsum(cmiss, 0) - cmiss)
+    n_evict = H - n_hit
+    # New LRU order in closed form; evictable slot of each miss rank (as the bucket kernel).
+    ce = 0
+    ch = 0
+    bh = tl.arange(0, BH)
+    for j0 in range(0, H, BH):
+        j = j0 + bh
+        jm = j < H
+        sl = tl.load(lru_ptr + s64 * s_lru_s + j * s_lru_h, mask=jm, other=0).to(tl.int32)
+        was_hit = tl.load(hit_ptr + base_h + sl, mask=jm, other=0, cache_modifier=".cg") != 0
+        ev = jm & ~was_hit
+        hh = jm & was_hit
+        ei = ce + tl.cumsum(ev.to(tl.int32), 0) - 1
+        kh = ch + tl.cumsum(hh.to(tl.int32), 0) - 1
+        newpos = tl.where(
+            hh, n_evict + kh, tl.where(ei >= n_miss, ei - n_miss, n_evict - n_miss + ei)
+        )
+        ok = jm & (newpos >= 0) & (newpos < H)
+        tl.store(evict_ptr + base_h + ei, sl, mask=ev & (ei < n_miss))
+        if ONE_CHUNK:
+            tl.debug_barrier()  # every thread has read lru before any writes it
+            tl.store(lru_ptr + s64 * s_lru_s + newpos * s_lru_h, sl.to(tl.int16), mask=ok)
+        else:
+            tl.store(newlru_ptr + base_h + newpos, sl.to(tl.int16), mask=ok)
+        ce += tl.sum(ev.to(tl.int32), 0)
+        ch += tl.sum(hh.to(tl.int32), 0)
+    tl.debug_barrier()
+    if not ONE_CHUNK:
+        for j0 in range(0, H, BH):
+            j = j0 + bh
+            jm = j < H
+            nl = tl.load(newlru_ptr + base_h + j, mask=jm, cache_modifier=".cg")
+            tl.store(lru_ptr + s64 * s_lru_s + j * s_lru_h, nl, mask=jm)
+    # Each miss head takes its evictable slot; its swap position is its partition's offset
+    # plus its rank (by host row) inside the partition.
+    placed = mh & (mrank < n_evict)  # always, unless more rows were wanted than H
+    slot = tl.load(evict_ptr + base_h + mrank, mask=placed, other=-1, cache_modifier=".cg")
+    g = tl.load(gq_ptr + base_n + e, mask=mh, other=0, cache_modifier=".cg")
+    rk = tl.load(rk_ptr + base_n + e, mask=mh, other=0, cache_modifier=".cg")
+    pos = tl.load(base_ptr + q64 * P + (rk >> 16), mask=mh, other=0, cache_modifier=".cg")
+    pos += rk & 0xFFFF
+    tl.store(hot_index_ptr + s64 * s_hi_s + slot * s_hi_h, g, mask=placed)
+    hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot // bs) * s_hbt_b, mask=placed, other=0)
+    phys = hb.to(tl.int64) * bs + slot % bs
+    row = _split_row_of(e, rowsel, KP, ROWS).to(tl.int64)
+    out_addr = out_ptr + row * s_out_r + (e % KP) * s_out_c
+    tl.store(out_addr, tl.where(placed, phys, -1), mask=mh)
+    sw = placed & (pos < H)
+    tl.store(swap_src_ptr + q64 * s_ss_q + pos * s_ss_h, g, mask=sw)
+    tl.store(swap_dst_ptr + q64 * s_sd_q + pos * s_sd_h, phys, mask=sw)
+    tl.store(swap_count_ptr + q64 * s_sc, n_miss)
+    if HAS_HM:
+        tl.store(hm_ptr + q64 * s_hm_q, n_hit)
+        tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, n_miss)
+    # Repeats of a missed row (several rows of one request, or shared host blocks) read the
+    # slot their first appearance took.
+    dup = emask & (info <= -3)
+    if tl.max(dup.to(tl.int32), 0) > 0:
+        tl.store(slotof_ptr + base_n + e, slot, mask=mh)
+        tl.debug_barrier()
+        f = -3 - info
+        sd = tl.load(slotof_ptr + base_n + f, mask=dup, other=-1, cache_modifier=".cg")
+        ok = dup & (sd >= 0)
+        hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (sd // bs) * s_hbt_b, mask=ok, other=0)
+        tl.store(out_addr, tl.where(ok, hb.to(tl.int64) * bs + sd % bs, -1), mask=dup)
+
+
+@triton.jit
+def _split_kernel(
+    topk_ptr, stk_r, stk_c,
+    row_req_ptr, R,
+    state_ptr, Q,
+    src_bt_ptr, s_src_q, s_src_b,
+    res_bt_ptr, s_res_q, s_res_b,
+    hot_bt_ptr, s_hbt_s, s_hbt_b,
+    hot_index_ptr, s_hi_s, s_hi_h,
+    lru_ptr, s_lru_s, s_lru_h,
+    out_ptr, s_out_r, s_out_c,
+    swap_src_ptr, s_ss_q, s_ss_h,
+    swap_dst_ptr, s_sd_q, s_sd_h,
+    swap_count_ptr, s_sc,
+    valid_ptr, s_v,
+    hm_ptr, s_hm_q, s_hm_c,
+    le_ptr, lg_ptr, lhs_ptr, lf_ptr, lh_ptr, lv_ptr,
+    info_ptr, gq_ptr, rk_ptr, hit_ptr, cnt_ptr, base_ptr, evict_ptr, slotof_ptr, newlru_ptr,
+    ctr_ptr,
+    K, H, bs,
+    P: tl.constexpr, ROWS: tl.constexpr, KP: tl.constexpr, BR: tl.constexpr,
+    BH: tl.constexpr, ONE_CHUNK: tl.constexpr, TE: tl.constexpr, TH: tl.constexpr,
+    FINISH: tl.constexpr, FUSED: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_VALID: tl.constexpr, HAS_HM: tl.constexpr,
+):  # fmt: skip
+    """resolve_residency with ``P`` programs per request (module docstring, "split").
+
+    Program ``p`` of request ``q`` owns the host-row range ``p`` of the request's wanted rows
+    (``[gmin, gmax]`` cut into ``P`` equal ranges): every copy of a row and the hot slot
+    holding it fall into the same range, so hits, first appearances and the rank by host row
+    are all decided inside one program by comparing its few entries with its few slots.
+    ``FINISH`` launches (grid ``Q``) run only the sequential rest (`_split_finish`);
+    with ``FUSED`` the last partition program of each request to finish runs it instead.
+    """
+    N: tl.constexpr = ROWS * KP
+    BIG: tl.constexpr = 0x7FFFFFFF
+    pid = tl.program_id(0)
+    if FINISH:
+        q = pid
+        s = tl.load(state_ptr + q)
+        if s >= 0:
+            _split_finish(
+                q, s, row_req_ptr, R, hot_bt_ptr, s_hbt_s, s_hbt_b,
+                hot_index_ptr, s_hi_s, s_hi_h, lru_ptr, s_lru_s, s_lru_h,
+                out_ptr, s_out_r, s_out_c, swap_src_ptr, s_ss_q, s_ss_h,
+                swap_dst_ptr, s_sd_q, s_sd_h, swap_count_ptr, s_sc, hm_ptr, s_hm_q, s_hm_c,
+                info_ptr, gq_ptr, rk_ptr, hit_ptr, cnt_ptr, base_ptr, evict_ptr, slotof_ptr,
+                newlru_ptr, K, H, bs, P, ROWS, KP, BR, BH, ONE_CHUNK, HAS_HM,
+            )  # fmt: skip
+    else:
+        q = pid // P
+        p = pid % P
+        q64 = q.to(tl.int64)
+
+        # Rows whose request is padding (or out of range) are written here, spread over programs.
+        cols = tl.arange(0, KP)
+        for r in range(pid, R, Q * P):
+            rq = tl.load(row_req_ptr + r)
+            in_range = (rq >= 0) & (rq < Q)
+            st = tl.load(state_ptr + tl.where(in_range, rq, 0))
+            dead = (~in_range) | (st < 0)
+            r64 = tl.cast(r, tl.int64)
+            tl.store(
+                out_ptr + r64 * s_out_r + cols * s_out_c,
+                tl.full([KP], -1, tl.int32),
+                mask=(cols < K) & dead,
+            )
+            if HAS_VALID:
+                tl.store(valid_ptr + r64 * s_v, 0, mask=dead)
+
+        s = tl.load(state_ptr + q)
+        if s < 0:
+            if p == 0:
+                tl.store(swap_count_ptr + q64 * s_sc, 0)
+                if HAS_HM:
+                    tl.store(hm_ptr + q64 * s_hm_q, 0)
+                    tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, 0)
+        else:
+            s64 = s.to(tl.int64)
+            base_n = q64 * N
+            base_h = q64 * H
+            bh = tl.arange(0, BH)
+            if ONE_CHUNK:  # issue the hot-slot load early: it only needs the state slot
+                v_first = tl.load(hot_index_ptr + s64 * s_hi_s + bh * s_hi_h, mask=bh < H, other=-1)
+            # ---- 1. every entry of the request (each program computes them all) -------------
+            rowsel, n_rows = _split_rows(row_req_ptr, R, q, ROWS, BR)
+            e = tl.arange(0, N)
+            col = e % KP
+            row = _split_row_of(e, rowsel, KP, ROWS).to(tl.int64)
+            emask = ((e // KP) < n_rows) & (col < K)
+            pos_ = tl.load(topk_ptr + row * stk_r + col * stk_c, mask=emask, other=-1).to(tl.int64)
+            valid = pos_ >= 0
+            pc = tl.maximum(pos_, 0)
+            blk = pc // bs
+            off = pc % bs
+            sblk = tl.load(src_bt_ptr + q64 * s_src_q + blk * s_src_b, mask=valid, other=0)
+            g = (sblk.to(tl.int64) * bs + off).to(tl.int32)
+            out_direct = tl.full([N], -1, tl.int64)
+            if HAS_RES:
+                rblk = tl.load(res_bt_ptr + q64 * s_res_q + blk * s_res_b, mask=valid, other=0)
+                rblk = rblk.to(tl.int64)
+                out_direct = tl.where(valid & (rblk != 0), rblk * bs + off, out_direct)
+                needs = valid & (rblk == 0)
+            else:
+                needs = valid
+            # Entries not needing the hot buffer: written by the program owning their chunk.
+            echunk = ((e * P) // N) == p
+            direct = emask & ~needs & echunk
+            tl.store(out_ptr + row * s_out_r + col * s_out_c, out_direct, mask=direct)
+            tl.store(info_ptr + base_n + e, tl.full([N], -2, tl.int32), mask=direct)
+            if HAS_VALID:  # noqa: SIM102 (constexpr, then a runtime branch)
+                if p == 0:
+                    vrow = tl.sum(tl.reshape(valid.to(tl.int32), [ROWS, KP]), 1)
+                    rr = tl.arange(0, ROWS)
+                    tl.store(valid_ptr + rowsel.to(tl.int64) * s_v, vrow, mask=rr < n_rows)
+
+            # ---- 2. host-row ranges; this program's entries and slots, compacted in order ---
+            gmin = tl.min(tl.where(needs, g, BIG), 0)
+            gmax = tl.max(tl.where(needs, g, -1), 0)
+            span = tl.maximum(gmax.to(tl.int64) - gmin + 1, 1)
+            part = tl.where(needs, ((g.to(tl.int64) - gmin) * P // span).to(tl.int32), -1)
+            mine = part == p
+            off_e = tl.sum((needs & (part < p)).to(tl.int32), 0)  # partitions before p
+            ce = off_e + tl.cumsum(mine.to(tl.int32), 0) - 1
+            ne = tl.sum(mine.to(tl.int32), 0)
+            tl.store(le_ptr + base_n + ce, e, mask=mine)
+            tl.store(lg_ptr + base_n + ce, g, mask=mine)
+            # Hot slots: count the earlier ranges' slots first (the list is per request).
+            off_h = 0
+            for h0 in range(0, H, BH):
+                h = h0 + bh
+                if ONE_CHUNK:
+                    v = v_first
+                else:
+                    v = tl.load(hot_index_ptr + s64 * s_hi_s + h * s_hi_h, mask=h < H, other=-1)
+                inr = (h < H) & (v >= gmin) & (v <= gmax)
+                ph = tl.where(inr, ((v.to(tl.int64) - gmin) * P // span).to(tl.int32), -1)
+                off_h += tl.sum((inr & (ph < p)).to(tl.int32), 0)
+            lbh = base_h + off_h
+            nh = 0
+            for h0 in range(0, H, BH):
+                h = h0 + bh
+                hm = h < H
+                if ONE_CHUNK:
+                    v = v_first
+                else:
+                    v = tl.load(hot_index_ptr + s64 * s_hi_s + h * s_hi_h, mask=hm, other=-1)
+                inr = hm & (v >= gmin) & (v <= gmax)
+                ph = tl.where(inr, ((v.to(tl.int64) - gmin) * P // span).to(tl.int32), -1)
+                mh = ph == p
+                ch = nh + tl.cumsum(mh.to(tl.int32), 0) - 1
+                tl.store(lh_ptr + lbh + ch, h, mask=mh)
+                tl.store(lv_ptr + lbh + ch, v, mask=mh)
+                # Hit flags start at 0 (owner: the slot's range, else the slot's chunk).
+                own = mh | ((ph < 0) & (((h * P) // H) == p))
+                tl.store(hit_ptr + base_h + h, tl.zeros([BH], tl.int8), mask=hm & own)
+                nh += tl.sum(mh.to(tl.int32), 0)
+            tl.debug_barrier()
+
+            # ---- 3. pass 1: each entry's hit slot and first appearance ----------------------
+            lbe = base_n + off_e
+            te = tl.arange(0, TE)
+            th = tl.arange(0, TH)
+            for i0 in range(0, ne, TE):
+                i = i0 + te
+                im = i < ne
+                gi = tl.load(lg_ptr + lbe + i, mask=im, other=-1, cache_modifier=".cg")
+                hsl = tl.full([TE], -1, tl.int32)
+                for j0 in range(0, nh, TH):
+                    j = j0 + th
+                    jm = j < nh
+                    vj = tl.load(lv_ptr + lbh + j, mask=jm, other=-1, cache_modifier=".cg")
+                    hj = tl.load(lh_ptr + lbh + j, mask=jm, other=0, cache_modifier=".cg")
+                    m = (gi[:, None] == vj[None, :]) & im[:, None] & jm[None, :]
+                    hsl = tl.maximum(hsl, tl.max(tl.where(m, hj[None, :], -1), 1))
+                    anyj = tl.max(m.to(tl.int32), 0) > 0
+                    tl.store(hit_ptr + base_h + hj, tl.full([TH], 1, tl.int8), mask=anyj)
+                first = tl.full([TE], BIG, tl.int32)
+                for j0 in range(0, ne, TE):
+                    j = j0 + te
+                    jm = j < ne
+                    gj = tl.load(lg_ptr + lbe + j, mask=jm, other=-1, cache_modifier=".cg")
+                    ej = tl.load(le_ptr + lbe + j, mask=jm, other=0, cache_modifier=".cg")
+                    eq = (gj[None, :] == gi[:, None]) & jm[None, :]
+                    first = tl.minimum(first, tl.min(tl.where(eq, ej[None, :], BIG), 1))
+                tl.store(lhs_ptr + lbe + i, hsl, mask=im)
+                tl.store(lf_ptr + lbe + i, first, mask=im)
+            tl.debug_barrier()
+
+            # ---- 4. pass 2: rank by host row among the range's miss heads; results ----------
+            n_mh = 0
+            n_hh = 0
+            for i0 in range(0, ne, TE):
+                i = i0 + te
+                im = i < ne
+                gi = tl.load(lg_ptr + lbe + i, mask=im, other=-1, cache_modifier=".cg")
+                ei = tl.load(le_ptr + lbe + i, mask=im, other=0, cache_modifier=".cg")
+                hi = tl.load(lhs_ptr + lbe + i, mask=im, other=0, cache_modifier=".cg")
+                fi = tl.load(lf_ptr + lbe + i, mask=im, other=0, cache_modifier=".cg")
+                lr = tl.zeros([TE], tl.int32)
+                for j0 in range(0, ne, TE):
+                    j = j0 + te
+                    jm = j < ne
+                    gj = tl.load(lg_ptr + lbe + j, mask=jm, other=-1, cache_modifier=".cg")
+                    ej = tl.load(le_ptr + lbe + j, mask=jm, other=0, cache_modifier=".cg")
+                    hj = tl.load(lhs_ptr + lbe + j, mask=jm, other=0, cache_modifier=".cg")
+                    fj = tl.load(lf_ptr + lbe + j, mask=jm, other=0, cache_modifier=".cg")
+                    mhj = jm & (hj < 0) & (fj == ej)
+                    lr += tl.sum((mhj[None, :] & (gj[None, :] < gi[:, None])).to(tl.int32), 1)
+                head = fi == ei
+                hit = im & (hi >= 0)
+                info = tl.where(hi >= 0, hi, tl.where(head, -1, -3 - fi))
+                tl.store(info_ptr + base_n + ei, info, mask=im)
+                mhead = im & head & (hi < 0)
+                tl.store(gq_ptr + base_n + ei, gi, mask=mhead)
+                tl.store(rk_ptr + base_n + ei, p * 65536 + lr, mask=mhead)
+                hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (hi // bs) * s_hbt_b, mask=hit, other=0)
+                ri = _split_row_of(ei, rowsel, KP, ROWS).to(tl.int64)
+                tl.store(
+                    out_ptr + ri * s_out_r + (ei % KP) * s_out_c,
+                    hb.to(tl.int64) * bs + hi % bs,
+                    mask=hit,
+                )
+                n_mh += tl.sum(mhead.to(tl.int32), 0)
+                n_hh += tl.sum((im & head & (hi >= 0)).to(tl.int32), 0)
+            tl.store(cnt_ptr + (q64 * P + p) * 2, n_mh)
+            tl.store(cnt_ptr + (q64 * P + p) * 2 + 1, n_hh)
+
+            # ---- 5. the last program of the request to finish runs the sequential rest ------
+            if FUSED:
+                tl.debug_barrier()  # every thread's results are issued before the release
+                arrived = tl.atomic_add(ctr_ptr + q, 1, sem="acq_rel")
+                if arrived == P - 1:
+                    tl.store(ctr_ptr + q, 0)  # left clean for the next call
+                    tl.debug_barrier()
+                    _split_finish(
+                        q, s, row_req_ptr, R, hot_bt_ptr, s_hbt_s, s_hbt_b,
+                        hot_index_ptr, s_hi_s, s_hi_h, lru_ptr, s_lru_s, s_lru_h,
+                        out_ptr, s_out_r, s_out_c, swap_src_ptr, s_ss_q, s_ss_h,
+                        swap_dst_ptr, s_sd_q, s_sd_h, swap_count_ptr, s_sc, hm_ptr, s_hm_q, s_hm_c,
+                        info_ptr, gq_ptr, rk_ptr, hit_ptr, cnt_ptr, base_ptr, evict_ptr,
+                        slotof_ptr, newlru_ptr, K, H, bs, P, ROWS, KP, BR, BH, ONE_CHUNK, HAS_HM,
+                    )  # fmt: skip
+
+
 def resolve_residency(
     topk: Tensor,
     row_req: Tensor,
@@ -622,7 +1002,13 @@ def resolve_residency(
         HAS_VALID=valid_counts is not None,
         HAS_HM=hit_miss is not None,
     )
-    if RESOLVE_IMPL == "sort":
+    impl = RESOLVE_IMPL
+    if impl == "auto":
+        impl = "split" if Q <= RESOLVE_SPLIT_MAX_Q else "bucket"
+    if impl == "split" and n < (1 << 16):
+        _resolve_split(common, flags, Q, n, rows, kp, H, br, K, block_size, dev)
+        return
+    if impl == "sort":
         _resolve_sort(common, flags, Q, n, rows, kp, logn, H, br, K, block_size, dev)
         return
     # Buckets: 2 per entry by default (4 ways each: a bucket overflows with ~1e-4 odds).
@@ -649,6 +1035,72 @@ def resolve_residency(
         **flags,
         num_warps=RESOLVE_WARPS or (8 if max(n, bh) <= 4096 else 16),
     )  # fmt: skip
+
+
+#: Per-request arrival counters of the fused split kernel, per device: zeroed once, and left
+#: at zero by every call (the last program of a request resets its counter).
+_split_counters: dict[str, Tensor] = {}
+
+
+def _split_counter(dev: torch.device, Q: int) -> Tensor | None:
+    """The device's counters (at least ``Q``), or None when they would have to be created
+    during graph capture (the kernel then runs unfused: the finish as a second launch)."""
+    key = str(dev)
+    t = _split_counters.get(key)
+    if t is not None and t.numel() >= Q:
+        return t
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    t = torch.zeros(max(Q, 256), dtype=torch.int32, device=dev)
+    _split_counters[key] = t
+    return t
+
+
+def split_programs(n: int, H: int) -> tuple[int, int, int]:
+    """(programs per request, entry tile, slot tile) of the split kernel for ``n`` entries.
+
+    About ``n / 32`` programs (each then holds ~32 entries and ~``H / P`` slots), tiles of
+    twice the mean range size so a range rarely needs a second tile. Knobs override.
+    """
+    P = RESOLVE_SPLIT_P or min(RESOLVE_SPLIT_P_MAX, _next_pow2(max(1, n // 32)))
+    P = max(1, min(_next_pow2(P), n))
+    if RESOLVE_SPLIT_TILE is not None:
+        te, th = RESOLVE_SPLIT_TILE
+    else:
+        te = min(256, max(16, _next_pow2(2 * n // P)))
+        th = min(512, max(16, _next_pow2(2 * H // P)))
+        while te * th > 16384 and th > 16:
+            th //= 2
+    return P, te, th
+
+
+def _resolve_split(common, flags, Q, n, rows, kp, H, br, K, block_size, dev) -> None:  # type: ignore[no-untyped-def]
+    """``P`` programs per request over host-row ranges, then one finish per request."""
+    P, te, th = split_programs(n, H)
+    bh = min(_next_pow2(H), 4096)
+    i32 = torch.empty(Q * (8 * n + 3 * H + 3 * P), dtype=torch.int32, device=dev)
+    parts = []
+    o = 0
+    for size in (Q * n,) * 8 + (Q * H,) * 3 + (2 * Q * P, Q * P):
+        parts.append(i32[o : o + size])
+        o += size
+    le, lg, lhs, lf, info, gq, rk, slotof, lh, lv, evict, cnt, base = parts
+    hit = torch.empty(Q * H, dtype=torch.int8, device=dev)
+    newlru = torch.empty(Q * H, dtype=torch.int16, device=dev)
+    ctr = _split_counter(dev, Q) if RESOLVE_SPLIT_FUSE else None
+    scratch = (le, lg, lhs, lf, lh, lv, info, gq, rk, hit, cnt, base, evict, slotof, newlru)
+    meta = dict(
+        P=P, ROWS=rows, KP=kp, BR=br, BH=bh, ONE_CHUNK=bh >= H, TE=te, TH=th, **flags,
+        num_warps=RESOLVE_SPLIT_WARPS,
+    )  # fmt: skip
+    _split_kernel[(Q * P,)](
+        *common, *scratch, ctr if ctr is not None else cnt, K, H, block_size,
+        FINISH=False, FUSED=ctr is not None, **meta,
+    )  # fmt: skip
+    if ctr is None:
+        _split_kernel[(Q,)](
+            *common, *scratch, cnt, K, H, block_size, FINISH=True, FUSED=False, **meta
+        )  # fmt: skip
 
 
 def _resolve_sort(common, flags, Q, n, rows, kp, logn, H, br, K, block_size, dev) -> None:  # type: ignore[no-untyped-def]
