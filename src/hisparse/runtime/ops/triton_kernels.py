@@ -32,6 +32,16 @@ yet timed stage by stage; our reading is that the ~20 dependent passes of scatte
 (one program per request, so one SM's load/store unit each) set the time, not any one stage.
 A linear-probing table with CAS loops was slower than the sort (115-187 µs).
 
+resolve_residency "split" (batch 1; ``RESOLVE_IMPL``): ``P`` programs per request, program
+``p`` owning the ``p``-th of ``P`` equal host-row ranges of the request's wanted rows. Every
+copy of a row and the hot slot holding it fall into one range, so each program decides hits,
+first appearances and the rank by host row of its misses by comparing its few (~32) entries
+with its few slots, with no table to empty; the last program of the request to finish (an
+arrival counter, left at zero) runs the sequential rest: miss ranks in entry order, the LRU
+pass, slots, outputs, and the swap list (range offset + rank in range). Measured 30 µs at
+batch 1 (bucket 36-46): each program still reads and scans the whole request, which is what
+is left to cut (and why it loses from batch 8 on).
+
 The gathers copy whole rows as int32x4 (16-byte) accesses, reading the pinned host pool
 directly: Triton's launcher turns a pinned or ``cudaHostRegister``-ed CPU tensor's address
 into its device (UVA) address with ``cuPointerGetAttribute``, so a pinned CPU tensor can be
@@ -62,8 +72,14 @@ _SENTINEL = tl.constexpr(1 << 40)  # above any host row: entries not needing the
 #: bucket 163 µs (after its rank tiles stopped reducing per tile: 487 before) vs sort 79.
 #: Benchmarks and tests switch these.
 RESOLVE_IMPL = "auto"
-#: "auto" takes the split kernel up to this many requests, the bucket kernel above.
-RESOLVE_SPLIT_MAX_Q = 16
+#: "auto" takes the split kernel up to this many requests with at most ``RESOLVE_SPLIT_MAX_N``
+#: entries per request (rows x pow2(top_k)), the bucket kernel otherwise. H200, CUDA-graph
+#: replays, hot 4096, top_k 2048, one row per request: batch 1 split 30.1 / 30.4 µs vs bucket
+#: 35.7 / 45.6 (5% / 20% miss); batch 8 split 86 (P 32: 67) vs bucket 36; batch 64 split 599
+#: vs 36. Each split program redoes the whole request's entry and slot pass, so its cost grows
+#: with the batch; only batch 1 gains.
+RESOLVE_SPLIT_MAX_Q = 1
+RESOLVE_SPLIT_MAX_N = 2048
 #: Split kernel: programs per request (0: ``n / 32`` up to ``RESOLVE_SPLIT_P_MAX``), warps,
 #: (entry tile, slot tile) override, and whether the last program of a request runs the
 #: finish (else a second launch does).
@@ -1004,7 +1020,7 @@ def resolve_residency(
     )
     impl = RESOLVE_IMPL
     if impl == "auto":
-        impl = "split" if Q <= RESOLVE_SPLIT_MAX_Q else "bucket"
+        impl = "split" if Q <= RESOLVE_SPLIT_MAX_Q and n <= RESOLVE_SPLIT_MAX_N else "bucket"
     if impl == "split" and n < (1 << 16):
         _resolve_split(common, flags, Q, n, rows, kp, H, br, K, block_size, dev)
         return
@@ -1067,7 +1083,8 @@ def split_programs(n: int, H: int) -> tuple[int, int, int]:
     if RESOLVE_SPLIT_TILE is not None:
         te, th = RESOLVE_SPLIT_TILE
     else:
-        te = min(256, max(16, _next_pow2(2 * n // P)))
+        # (entry x entry tiles of 256 x 256 spill: P 16 at top_k 2048 took 330 µs, H200)
+        te = min(128, max(16, _next_pow2(2 * n // P)))
         th = min(512, max(16, _next_pow2(2 * H // P)))
         while te * th > 16384 and th > 16:
             th //= 2
