@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hisparse.runtime import ops as ops_pkg
+from hisparse.runtime.ops import cpu_jit
 from hisparse.runtime.ops import cpu_ops as cpu
 from hisparse.runtime.ops import reference as ref
 from hisparse.runtime.ops.triton_testing import (
@@ -43,11 +44,19 @@ def _pick(g: torch.Generator, xs: list) -> object:
     return xs[int(torch.randint(0, len(xs), (1,), generator=g))]
 
 
-@pytest.fixture(params=[True, False], ids=["one-request-path", "batched-path"])
+@pytest.fixture(
+    params=["jit", "numpy", "batched"],
+    ids=["one-request-jit", "one-request-numpy", "batched-path"],
+)
 def one_request_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Run a test with and without `cpu_ops`' form for batches with one live request."""
-    monkeypatch.setattr(cpu, "_ONE_REQUEST_PATH", request.param)
-    return request.param
+    """Run a test with `cpu_ops`' form for batches with one live request (compiled, where
+    numba is installed, and numpy) and without it (the batched form)."""
+    if request.param == "jit" and cpu_jit.jit() is None:
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(cpu, "_ONE_REQUEST_PATH", request.param != "batched")
+    cpu_jit.set_enabled(request.param == "jit")
+    yield request.param != "batched"
+    cpu_jit.set_enabled(True)
 
 
 @pytest.mark.parametrize("seed", range(60))

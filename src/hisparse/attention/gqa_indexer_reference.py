@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hisparse.attention.backend import env_backend
@@ -259,12 +260,18 @@ def read_index_keys(
 def _fp8_to_float(raw: torch.Tensor) -> torch.Tensor:
     """e4m3 bytes -> fp32, exactly ``raw.view(e4m3).float()``, through a 256-entry table (3x
     faster on the CPU than the cast, which dominated the decode indexer)."""
-    lut = _FP8_TABLES.get(raw.device)
+    lut = _fp8_table(raw.device)
+    return lut.index_select(0, raw.reshape(-1).int()).view(raw.shape)
+
+
+def _fp8_table(device: torch.device) -> torch.Tensor:
+    """fp32 ``[256]``: the value of each e4m3 code, as torch converts it."""
+    lut = _FP8_TABLES.get(device)
     if lut is None:
         codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-        lut = codes.view(FP8_DTYPE).float().to(raw.device)
-        _FP8_TABLES[raw.device] = lut
-    return lut.index_select(0, raw.reshape(-1).int()).view(raw.shape)
+        lut = codes.view(FP8_DTYPE).float().to(device)
+        _FP8_TABLES[device] = lut
+    return lut
 
 
 _FP8_TABLES: dict[torch.device, torch.Tensor] = {}
@@ -424,6 +431,10 @@ def gqa_indexer_topk(
     """
     if cfg.top_k is None or length <= cfg.top_k:
         return dense_topk(positions, width)
+    if q.shape[0] == 1 and q.device.type == "cpu" and fmt.method == "fp8":
+        chosen = _fp8_topk_one_cpu(q, positions, pages, table, length, fmt, cfg, scale, width)
+        if chosen is not None:
+            return chosen
     if q.shape[0] > 1:
         # A prefill's tokens before position top_k have at most top_k candidates: they keep
         # every one of them (what scoring would choose too), so only later tokens are scored.
@@ -445,6 +456,48 @@ def gqa_indexer_topk(
         whole = masks if lo == 0 and hi == q.shape[0] else None
         out.append(select_topk(logits, positions[lo:hi], length, cfg, width, whole))
     return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _fp8_topk_one_cpu(
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    pages: torch.Tensor,
+    table: torch.Tensor,
+    length: int,
+    fmt: GqaIndexerFormat,
+    cfg: GqaIndexerConfig,
+    scale: float,
+    width: int,
+) -> torch.Tensor | None:
+    """One CPU query's fp8 selection in one compiled call (`cpu_jit.fp8_topk_row`: the same
+    rule as `select_topk`, a dozen torch ops and a 100k-element key decode fewer per layer
+    and step). ``None`` where numba is missing or the compiled path does not apply."""
+    from hisparse.runtime.ops import cpu_jit
+
+    fns = cpu_jit.jit()
+    assert cfg.top_k is not None
+    kk = min(cfg.top_k, length)
+    if fns is None or width < kk:
+        return None
+    g, d = fmt.num_kv_heads, fmt.head_dim
+    h = q.shape[1]
+    paged = cpu_jit.paged_pages(pages, g * d)
+    if h % g or q.shape[2] != d or paged is None:
+        return None
+    qf = q if q.dtype == torch.float32 else q.float()
+    out = np.full((1, width), -1, dtype=np.int32)
+    lut = _FP8_TABLES_NP.get("cpu")
+    if lut is None:
+        lut = _FP8_TABLES_NP["cpu"] = _fp8_table(torch.device("cpu")).numpy()
+    ok = fns.fp8_topk_row(
+        qf.detach().reshape(g, h // g, d).numpy(), *paged, table.numpy(), lut, length,
+        int(positions.numpy()[0]), cfg.sink_tokens, cfg.recent_window, cfg.top_k,
+        float(scale), out[0],
+    )  # fmt: skip
+    return torch.from_numpy(out) if ok else None
+
+
+_FP8_TABLES_NP: dict[str, np.ndarray] = {}
 
 
 def pad_groups(group: torch.Tensor, num_groups: int) -> torch.Tensor:

@@ -19,17 +19,21 @@ the all-GPU placement and HiSparse differ only in where rows sit. With ``top_k=N
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hisparse.attention.gqa_indexer_reference import (
+    FP8_DTYPE,
+    FP8_MAX,
     GqaIndexerConfig,
     GqaIndexerFormat,
-    SelectionMasks,
     gqa_indexer_topk,
     gqa_indexer_topk_decode,
     gqa_indexer_topk_prefill,
@@ -38,6 +42,7 @@ from hisparse.attention.gqa_indexer_reference import (
     selection_masks,
     write_index_keys,
 )
+from hisparse.attention.gqa_indexer_reference import _fp8_topk_one_cpu as fp8_topk_one_cpu
 from hisparse.attention.sparse_gqa_reference import (
     GqaRowFormat,
     gqa_dtype_name,
@@ -52,6 +57,7 @@ from hisparse.models.kv_access import (
     IndexerLayerCache,
     SparseMlaLayerCache,
 )
+from hisparse.runtime.ops import cpu_jit
 
 #: Step metadata of a packed batch (the same for every model family).
 Step = DsaStep
@@ -79,7 +85,7 @@ class StepPlan:
     decode_rows: torch.Tensor | None
     tokens: torch.Tensor | None
     static: bool = False
-    memo: dict[str, SelectionMasks] = field(default_factory=dict, compare=False)
+    memo: dict[str, object] = field(default_factory=dict, compare=False)
 
     @classmethod
     def of(cls, step: Step) -> StepPlan:
@@ -130,6 +136,86 @@ class LlamaConfig:
     def row_format(self, dtype: torch.dtype | str) -> GqaRowFormat:
         """The KV row of one layer in ``dtype`` (SmolLM2: 768 B bf16, 1536 B fp32)."""
         return GqaRowFormat(self.num_key_value_heads, self.head_dim, gqa_dtype_name(dtype))
+
+
+#: The CPU batch-1 decode path (`LlamaForCausalLM._decode_one_cpu`) on or off.
+_CPU_FAST = [os.environ.get("HISPARSE_CPU_FAST", "1") != "0"]
+
+
+def _sdpa_one_cpu(
+    q: torch.Tensor,
+    view: torch.Tensor,
+    physical: torch.Tensor,
+    scale: float,
+    fmt: GqaRowFormat,
+) -> torch.Tensor | None:
+    """`_sdpa_decode_cpu` of one query whose rows are all valid: the same SDPA call on the
+    same values, the rows gathered by one compiled copy (numpy without numba) into a buffer
+    that every layer reuses. ``None`` where it does not apply."""
+    g, d = fmt.num_kv_heads, fmt.head_dim
+    h = q.shape[1]
+    if fmt.torch_dtype != torch.float32 or q.dtype != torch.float32 or physical.shape[0] != 1:
+        return None
+    idx = physical.numpy()[0]
+    k = idx.shape[0]
+    if k == 0 or int(idx.min()) < 0 or view.dim() != 3 or view.shape[2] != fmt.row_bytes:
+        return None
+    strides = view.stride()
+    if strides[-1] != 1 or view.storage_offset() % 4 or any(st % 4 for st in strides[:-1]):
+        return None
+    typed = view.numpy().view(np.float32)  # [blocks, block_size, 2·G·D]
+    width = typed.shape[2]
+    buf = _ROW_BUFFERS.get((k, width))
+    if buf is None:
+        buf = _ROW_BUFFERS[(k, width)] = torch.empty(k, width)
+    fns = cpu_jit.jit()
+    if fns is not None:
+        fns.gather_rows(typed, idx, buf.numpy())
+    else:
+        bs = typed.shape[1]
+        buf.numpy()[:] = typed[idx // bs, idx % bs]
+    keys, values = buf.view(1, k, 2, g, d).unbind(2)
+    out = F.scaled_dot_product_attention(
+        q.view(1, g, h // g, d), keys.transpose(1, 2), values.transpose(1, 2), scale=scale
+    )
+    return out.reshape(1, h, d)
+
+
+_ROW_BUFFERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+class _OneTokenStep:
+    """What every layer of a batch-1 CPU decode step shares (`StepPlan.memo`): the compiled
+    functions, numpy views of the step's rotation tables and position, and scratch buffers
+    each layer reuses (written and read within one layer's `forward_one_cpu`)."""
+
+    def __init__(
+        self, cos: torch.Tensor, sin: torch.Tensor, step: Step, heads: int, kv_heads: int,
+        head_dim: int,
+    ) -> None:  # fmt: skip
+        self.fns = cpu_jit.jit()
+        self.cos, self.sin = cos.numpy()[0], sin.numpy()[0]
+        self.pos = int(step.positions.numpy()[0])
+        self.lut = _fp8_lut()
+        width = kv_heads * head_dim
+        self.codes = np.empty(width, np.uint8)
+        self.scratch = np.empty(width, np.float32)
+        self.scratch_bits = self.scratch.view(np.uint32)
+        self.q_rot = np.empty((heads, head_dim), np.float32)
+        self.out_t = torch.empty(1, heads * head_dim)
+        self.out = self.out_t.numpy().reshape(heads, head_dim)
+
+
+def _fp8_lut() -> np.ndarray:
+    """The fp32 value of each e4m3 code (torch's conversion), as numpy."""
+    lut = _FP8_LUT.get("cpu")
+    if lut is None:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        lut = _FP8_LUT["cpu"] = codes.view(FP8_DTYPE).float().numpy()
+    return lut
+
+
+_FP8_LUT: dict[str, np.ndarray] = {}
 
 
 @runtime_checkable
@@ -213,6 +299,34 @@ def rope_full_width(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return x * c + x.roll(x.shape[-1] // 2, dims=-1) * s
 
 
+def fused_weight(mods: Sequence[nn.Linear], cached: torch.Tensor | None) -> torch.Tensor:
+    """One ``[Σ out, in]`` weight whose row blocks ARE the weights of ``mods`` (their
+    parameters become views of it): one matmul instead of several, no extra memory.
+
+    ``cached`` (the last result) is returned while the modules still view it; after a load
+    or a ``.to()`` replaced their parameters the weights are fused again. For one input row
+    on the CPU, each output of the fused matmul equals the separate one bit for bit
+    (tests/test_llama_cpu_decode.py checks the whole model)."""
+    if cached is not None:
+        ptr, size = cached.data_ptr(), cached.element_size()
+        offset = 0
+        for m in mods:
+            w = m.weight
+            if w.data_ptr() != ptr + offset * size or not w.is_contiguous():
+                break
+            offset += w.numel()
+        else:
+            if offset == cached.numel():
+                return cached
+    fused = torch.cat([m.weight.detach() for m in mods])
+    row = 0
+    for m in mods:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(fused[row : row + n], requires_grad=m.weight.requires_grad)
+        row += n
+    return fused
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, layer: int) -> None:
         super().__init__()
@@ -228,6 +342,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
         #: ``lowrank`` indexer: the rotary dims kept per KV head (set by `prepare_indexer`).
         self.register_buffer("index_dims", torch.zeros(0, dtype=torch.long), persistent=False)
+        #: q, k, v projections as one weight (`fused_weight`; the CPU batch-1 decode step).
+        self._qkv: torch.Tensor | None = None
 
     def forward(
         self,
@@ -268,6 +384,132 @@ class LlamaAttention(nn.Module):
         physical = kv.swap_in(topk)
         out = self._attend(q, step, plan, view, topk, physical, cache.row_format, indexer)
         return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
+
+    def forward_one_cpu(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: Step,
+        cache: GqaKVCache,
+        indexer: GqaIndexerConfig,
+        plan: StepPlan,
+    ) -> torch.Tensor:
+        """`forward` of a batch-1 decode step on the CPU (one fp32 token, `full_width_rope`
+        tables), through the same cache protocol with a handful of calls: q, k and v in one
+        matmul, then (with numba, fp8 index keys, fp32 rows) one compiled call for the
+        rotation, the row and index-key writes and the selection (`cpu_jit.decode_pre`) and
+        one for the attention over the swapped-in rows, read in place
+        (`cpu_jit.attend_rows`). Without numba, `_forward_one_torch`.
+
+        The rotation and every written byte equal `forward`'s; the scored selection and the
+        attention sum in another order (last-bit differences; both placements run the same
+        code, so HiSparse stays lossless against the all-GPU placement)."""
+        fmt = cache.indexer_format
+        rows_fmt = cache.row_format
+        H, G, D = self.n_heads, self.n_kv, self.head_dim
+        self._qkv = fused_weight((self.q_proj, self.k_proj, self.v_proj), self._qkv)
+        qkv = F.linear(x, self._qkv)
+        one = plan.memo.get("cpu_one")
+        if one is None:
+            one = plan.memo["cpu_one"] = _OneTokenStep(cos, sin, step, H, G, D)
+        fns = one.fns
+        if fns is None or fmt.method != "fp8" or rows_fmt.torch_dtype != torch.float32:
+            return self._forward_one_torch(qkv, cos, sin, step, cache, indexer, plan)
+        kv = cache.attention(self.layer)
+        view, slots = kv.write_target()
+        idx = cache.indexer(self.layer)
+        pages, idx_slots = idx.write_target()
+        read_pages, table = idx.read_source()
+        kv_rows = cpu_jit.paged_rows(view, cpu_jit.F32)
+        written = cpu_jit.paged_pages(pages, fmt.row_bytes)
+        read = written if read_pages is pages else cpu_jit.paged_pages(read_pages, fmt.row_bytes)
+        if kv_rows is None or written is None or read is None:
+            return self._forward_one_torch(qkv, cos, sin, step, cache, indexer, plan)
+        length = plan.longest
+        top_k = indexer.top_k
+        scored = top_k is not None and length > top_k
+        width = min(top_k, length) if scored else length  # type: ignore[type-var]
+        chosen = np.empty((1, width), np.int32)
+        q_rot = one.q_rot
+        ok = fns.decode_pre(
+            qkv.numpy()[0], one.cos, one.sin, H, q_rot, *kv_rows, int(slots.numpy()[0]),
+            *written, int(idx_slots.numpy()[0]), one.codes, one.scratch, one.scratch_bits,
+            *read, table.numpy()[0], one.lut, length, one.pos, indexer.sink_tokens,
+            indexer.recent_window, top_k or 0, self.scale, scored, chosen[0],
+        )  # fmt: skip
+        topk = torch.from_numpy(chosen)
+        if not ok:
+            q = torch.from_numpy(q_rot.copy()).view(1, H, D)
+            topk = self._select(q, step, plan, read_pages, table, fmt, indexer, None)
+        kv.finish_kv_update()
+        physical = kv.swap_in(topk)
+        fns.attend_rows(q_rot, *kv_rows, physical.numpy()[0], self.scale, one.out)
+        return F.linear(one.out_t, self.o_proj.weight)
+
+    def _forward_one_torch(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: Step,
+        cache: GqaKVCache,
+        indexer: GqaIndexerConfig,
+        plan: StepPlan,
+    ) -> torch.Tensor:
+        """`forward_one_cpu` in torch and numpy (no numba, or formats it does not cover): the
+        same values as `forward` bit for bit (the selection aside, compiled where numba is)."""
+        H, G, D = self.n_heads, self.n_kv, self.head_dim
+        qk = rope_full_width(qkv[:, : (H + G) * D].view(1, H + G, D), cos, sin)
+        q, k = qk[:, :H], qk[:, H:]
+        v = qkv[:, (H + G) * D :]
+
+        # 1. this step's row into the paged cache (k then v, fp32).
+        kv = cache.attention(self.layer)
+        view, slots = kv.write_target()
+        slot = int(slots.numpy()[0])
+        if slot >= 0:
+            bs = view.shape[1]
+            row = view[slot // bs, slot % bs].numpy().view(np.float32)
+            row[: G * D] = k.numpy().reshape(-1)
+            row[G * D :] = v.numpy().reshape(-1)
+        kv.finish_kv_update()
+
+        # 2. the index key (fp8 codes, as `write_index_keys`), then the logical top-k.
+        fmt = cache.indexer_format
+        idx = cache.indexer(self.layer)
+        pages, idx_slots = idx.write_target()
+        read_pages, table = idx.read_source()
+        length = plan.longest
+        scored = indexer.top_k is not None and length > indexer.top_k
+        if fmt.method != "fp8":
+            dims = self.index_dims if fmt.method == "lowrank" else None
+            write_index_keys(pages, fmt, idx_slots, k, dims, sync_free=True)
+            topk = self._select(q, step, plan, read_pages, table, fmt, indexer, dims)
+        else:
+            islot = int(idx_slots.numpy()[0])
+            if islot >= 0:
+                codes = k.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
+                rb = fmt.row_bytes
+                bs = pages.shape[1] // rb
+                start = (islot % bs) * rb
+                pages[islot // bs].numpy()[start : start + rb] = codes.numpy().reshape(-1)
+            topk = None
+            if scored:
+                width = min(indexer.top_k, length)  # type: ignore[type-var]
+                topk = fp8_topk_one_cpu(
+                    q, step.positions, read_pages, table[0], length, fmt, indexer,
+                    self.scale, width,
+                )  # fmt: skip
+            if topk is None:
+                topk = self._select(q, step, plan, read_pages, table, fmt, indexer, None)
+
+        # 3./4. physical rows, then attention over them (one SDPA, as `_sdpa_decode_cpu`).
+        physical = kv.swap_in(topk)
+        out = _sdpa_one_cpu(q, view, physical, self.scale, cache.row_format)
+        if out is None:
+            out = self._attend(q, step, plan, view, topk, physical, cache.row_format, indexer)
+        return F.linear(out.reshape(1, H * D), self.o_proj.weight)
 
     def _attend(
         self,
@@ -462,12 +704,50 @@ class LlamaForCausalLM(nn.Module):
         if x.device.type == "cpu":  # the same rotation in fewer ops per layer
             cos, sin = full_width_rope(cos, sin)
         plan = StepPlan.of(step)
+        if self._decode_one_cpu_applies(x, plan):
+            return self._decode_one_cpu(x, cos, sin, step, cache, plan)
         for layer in self.model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             attn = layer.self_attn
             x = x + attn(layer.input_layernorm(x), cos, sin, step, cache, self.indexer, plan)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.norm(x)
+
+    def _decode_one_cpu_applies(self, x: torch.Tensor, plan: StepPlan) -> bool:
+        """A batch-1 fp32 decode step on the CPU (one token, no padding row): the shape
+        `_decode_one_cpu` serves. ``HISPARSE_CPU_FAST=0`` turns it off (A/B checks)."""
+        return (
+            _CPU_FAST[0]
+            and x.device.type == "cpu"
+            and x.shape[0] == 1
+            and x.dtype == torch.float32
+            and plan.decode
+            and not plan.static
+            and plan.lens is not None
+            and len(plan.lens) == 1
+        )
+
+    def _decode_one_cpu(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step,
+        cache: GqaKVCache, plan: StepPlan,
+    ) -> torch.Tensor:  # fmt: skip
+        """The layers of a batch-1 CPU decode step with fewer ops, the same values as the
+        general loop: `LlamaAttention.forward_one_cpu`, RMS norms as one ``F.rms_norm`` (the
+        same bits in fp32 as `RMSNorm`'s steps) and gate and up projections as one matmul."""
+        shape = (self.config.hidden_size,)
+        eps = self.config.rms_norm_eps
+        for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            h = F.rms_norm(x, shape, layer.input_layernorm.weight, eps)
+            x = x + attn.forward_one_cpu(h, cos, sin, step, cache, self.indexer, plan)
+            h = F.rms_norm(x, shape, layer.post_attention_layernorm.weight, eps)
+            fused = fused_weight((mlp.gate_proj, mlp.up_proj), getattr(mlp, "_gate_up", None))
+            mlp._gate_up = fused
+            gu = F.linear(h, fused)
+            inter = mlp.gate_proj.weight.shape[0]
+            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], mlp.down_proj.weight)
+        return F.rms_norm(x, shape, self.model.norm.weight, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

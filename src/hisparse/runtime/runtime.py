@@ -15,13 +15,54 @@ import torch
 from hisparse.config import ResolvedHiSparseConfig
 from hisparse.kv.host_pool import is_host_pool_memory
 from hisparse.runtime.batch import GroupTables, StepMetadata
-from hisparse.runtime.ops import ops_for
+from hisparse.runtime.ops import cpu_jit, ops_for
 from hisparse.runtime.streams import CopyStream, LayerEvent
 
 
 def prefix_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """``t[:n]``, or ``t`` itself when it has exactly ``n`` rows: no new view per layer."""
     return t if t.shape[0] == n else t[:n]
+
+
+def _np_rows(view: torch.Tensor) -> np.ndarray:
+    """A paged ``[blocks, block_size, W]`` uint8 view as numpy, in 8-byte words where the
+    strides allow (a compiled row copy then moves W / 8 words instead of W bytes)."""
+    for dtype in (torch.int64, torch.int32):
+        size = dtype.itemsize
+        if (
+            view.stride(-1) == 1
+            and view.shape[-1] % size == 0
+            and all(st % size == 0 for st in view.stride()[:-1])
+            and view.storage_offset() % size == 0
+        ):
+            return view.view(dtype).numpy()
+    return view.numpy()
+
+
+class _StepArrays:
+    """numpy views of one step's metadata and tables, made once per step for every layer."""
+
+    __slots__ = ("meta", "q", "resident", "source", "state", "tables")
+
+    def __init__(self, meta: StepMetadata, tables: GroupTables) -> None:
+        self.meta, self.tables = meta, tables
+        self.q = int(meta.req_per_token[0]) if meta.req_per_token.shape[0] else -1
+        self.state = meta.request_state_indices.numpy()
+        self.source = meta.source_block_table.numpy()
+        resident = tables.resident_block_table
+        self.resident = None if resident is None else resident.numpy()
+
+
+#: The last step's `_StepArrays` (the layers of a step share one metadata object).
+_LAST_STEP: list[_StepArrays] = []
+
+
+def _step_arrays(meta: StepMetadata, tables: GroupTables) -> _StepArrays:
+    if _LAST_STEP and _LAST_STEP[0].meta is meta and _LAST_STEP[0].tables is tables:
+        return _LAST_STEP[0]
+    arrays = _StepArrays(meta, tables)
+    _LAST_STEP[:] = [arrays]
+    return arrays
 
 
 class IndexGroup:
@@ -78,6 +119,8 @@ class IndexGroup:
         #: of 4, 5% miss) it measured 1.221x the all-GPU step against 1.173x for one read of
         #: the whole span: two reads (one of 656 B rows) cost more than the earlier start wins.
         self.leader_first = False
+        #: numpy views of the state and output buffers (CPU only; `_cpu_arrays`).
+        self._cpu_np: dict[str, np.ndarray] | None = None
 
     @property
     def leader(self) -> SparseLayerRuntime:
@@ -90,6 +133,7 @@ class IndexGroup:
         if tuple(table.shape) != expected or table.dtype != torch.int32:
             raise ValueError(f"hot block table must be int32 {expected}, got {tuple(table.shape)}")
         self.hot_block_table = table
+        self._cpu_np = None
 
     def reset_slot(self, slot: int) -> None:
         """Forget slot ``slot``'s hot rows: a new request takes the slot."""
@@ -193,6 +237,75 @@ class IndexGroup:
         self._span_gather = None
         self._span_checked = False
         self._follower_span = None
+        self._cpu_np = None
+
+    def _cpu_arrays(self) -> dict[str, np.ndarray]:
+        """numpy views (shared memory) of the buffers the compiled decode path reads and
+        writes, and of each layer's host and device rows; made once per binding."""
+        if self._cpu_np is None:
+            arrays = {
+                name: getattr(self, name).numpy()
+                for name in ("hot_index", "lru", "hot_block_table", "physical",
+                             "valid_counts", "swap_src", "swap_dst", "swap_count",
+                             "hit_miss", "totals")
+            }  # fmt: skip
+            for i, ly in enumerate(self.layers):
+                if ly.host_view is not None and ly.device_view is not None:
+                    arrays[f"host{i}"] = _np_rows(ly.host_view)
+                    arrays[f"dev{i}"] = _np_rows(ly.device_view)
+            self._cpu_np = arrays
+        return self._cpu_np
+
+    def _cpu_decode_one(self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor) -> bool:
+        """A decode step with one query row on the CPU: resolve, count and gather every layer
+        of the group in compiled calls (`cpu_jit`), with the results of `_resolve`,
+        `_count_step` and the layers' `gather_swapped_rows` bit for bit. ``False``: not such
+        a step, or an input the general path must handle (it then runs from the same state).
+        """
+        fns = cpu_jit.jit()
+        if fns is None or not meta.is_decode or topk.shape[0] != 1 or not topk.is_cpu:
+            return False
+        if self.config.max_query_len < 1 or not self.totals.is_cpu:
+            return False
+        self.check_rows(topk)
+        step = _step_arrays(meta, tables)
+        q, S = step.q, self.max_num_reqs
+        if q < 0 or q >= step.state.shape[0] or int(step.state[q]) < 0:
+            return False  # padding (the general path only clears the outputs)
+        s = int(step.state[q])
+        if s >= S or q >= S or q >= step.source.shape[0]:
+            return False
+        res = step.resident
+        if res is not None and q >= res.shape[0]:
+            return False
+        a = self._cpu_arrays()
+        k = topk.shape[1]
+        out = a["physical"][0, :k]
+        ok, n_valid, wanted, n_miss = fns.resolve_row(
+            topk.numpy()[0], step.source[q], step.source[q] if res is None else res[q],
+            res is not None, a["hot_block_table"][s], a["hot_index"][s], a["lru"][s],
+            self.config.block_size, out, a["swap_src"][q], a["swap_dst"][q],
+        )  # fmt: skip
+        if not ok:
+            return False  # nothing was written: the general path starts from the same state
+        a["valid_counts"][0] = n_valid
+        count, hm = a["swap_count"], a["hit_miss"]
+        count[:] = 0
+        hm[:] = 0
+        count[q] = n_miss
+        hm[q, 0] = wanted - n_miss
+        hm[q, 1] = n_miss
+        totals = a["totals"]
+        totals[0] += wanted - n_miss
+        totals[1] += n_miss
+        totals[2] += n_miss * len(self.layers)
+        src, dst = a["swap_src"][q], a["swap_dst"][q]
+        for i, layer in enumerate(self.layers):
+            if n_miss and layer.host_view is not None:
+                assert layer.device_view is not None, f"{layer.name}: device view not bound"
+                fns.copy_rows(a[f"host{i}"], a[f"dev{i}"], src, dst, n_miss)
+            layer.mark_ready()
+        return True
 
     def span_gather_views(self) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """(token-major host span, device views in span order) if one read serves the group.
@@ -274,6 +387,8 @@ class IndexGroup:
         self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor
     ) -> None:
         """The body of `resolve_and_stage`, on whatever stream is current."""
+        if self.device.type == "cpu" and self._cpu_decode_one(meta, tables, topk):
+            return
         self._resolve(meta, tables.resident_block_table, topk, self.config.max_query_len)
         self._count_step(meta.num_reqs)
         span = self.span_gather_views() if meta.is_decode else None

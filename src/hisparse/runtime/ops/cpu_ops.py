@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hisparse.runtime.ops import reference
+from hisparse.runtime.ops import cpu_jit, reference
 
 Tensor = torch.Tensor
 
@@ -370,6 +370,29 @@ def resolve_residency(
         s = int(state[q])
         if s >= S or (max_rows_per_request is not None and max_rows_per_request < 1):
             oracle()
+            return
+        fns = cpu_jit.jit()
+        if fns is not None and q < min(source_block_table.shape[0], swap_src.shape[0]):
+            src_bt = _np(source_block_table)
+            res_bt = src_bt if resident_block_table is None else _np(resident_block_table)
+            if q >= res_bt.shape[0] or q >= swap_dst.shape[0]:
+                oracle()
+                return
+            ok, n_valid, wanted, n_miss = fns.resolve_row(
+                _np(topk)[0], src_bt[q], res_bt[q], resident_block_table is not None,
+                _np(hot_block_table)[s], _np(hot_index)[s], _np(lru)[s], bs, out[0],
+                _np(swap_src)[q], _np(swap_dst)[q],
+            )  # fmt: skip
+            if not ok:
+                oracle()
+                return
+            if vc is not None:
+                vc[0] = n_valid
+            if wanted:
+                _np(swap_count)[q] = n_miss
+                if hm is not None:
+                    hm[q, 0] = wanted - n_miss
+                    hm[q, 1] = n_miss
             return
         pos = _np(topk)[0].astype(np.int64)
         valid = pos >= 0

@@ -1,0 +1,553 @@
+"""numba-compiled forms of the CPU batch-1 decode hot spots (optional: numpy/torch without it).
+
+A batch-1 decode step on the CPU runs every data-plane op once per layer on a few hundred
+entries; as whole-array numpy (`cpu_ops`) each op is dozens of calls of a few microseconds
+each, so the call count, not the arithmetic, is the cost. Here each op is one compiled call
+over plain loops. The results are `cpu_ops`' (hence the reference's) bit for bit: these are
+integer bookkeeping and byte copies, no floating point.
+
+numba is imported lazily, on the first `jit()` call, and only on the CPU paths: the GPU
+machine has no numba, and its absence (or ``HISPARSE_CPU_JIT=0``) makes every caller keep its
+numpy/torch path. Functions compile on first use (about a second each; ``cache=True`` keeps
+the machine code in ``__pycache__`` when that folder is writable, and numba falls back to its
+per-user cache folder, or to no cache, when it is not).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+_STATE: dict[str, object] = {"enabled": os.environ.get("HISPARSE_CPU_JIT", "1") != "0"}
+
+
+def jit() -> SimpleNamespace | None:
+    """The compiled functions, or ``None`` where numba is missing or ``HISPARSE_CPU_JIT=0``."""
+    if not _STATE["enabled"]:
+        return None
+    if "fns" not in _STATE:
+        _STATE["fns"] = _build()
+    return _STATE["fns"]  # type: ignore[return-value]
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn the compiled paths on or off for this process (tests, A/B timing)."""
+    _STATE["enabled"] = enabled
+
+
+#: Helpers called from compiled functions; those in `_REASSOCIATE` may sum in any order.
+_HELPERS = ("_fp8_encode", "_dots", "_fp8_topk_row")
+_REASSOCIATE = ("_dots",)
+
+
+def _build() -> SimpleNamespace | None:
+    try:
+        import numba
+    except ImportError:
+        return None
+
+    def compile_(fn):
+        if isinstance(fn, numba.core.dispatcher.Dispatcher):  # a helper, compiled above
+            return fn
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # NumbaWarning when no cache folder is writable
+            try:
+                return numba.njit(cache=True, nogil=True)(fn)
+            except Exception:  # pragma: no cover - no cache locator at all
+                return numba.njit(nogil=True)(fn)
+
+    # Helpers other compiled functions call: compiled first, in place of the module's
+    # Python functions (numba resolves a callee from the module's globals at compile time).
+    module = globals()
+    for name in _HELPERS:
+        fastmath = {"reassoc", "contract"} if name in _REASSOCIATE else False
+        module[name] = numba.njit(fastmath=fastmath, nogil=True, cache=True)(module[name])
+    return SimpleNamespace(
+        resolve_row=compile_(_resolve_row),
+        copy_rows=compile_(_copy_rows),
+        fp8_topk_row=compile_(_fp8_topk_row),
+        gather_rows=compile_(_gather_rows),
+        decode_pre=compile_(_decode_pre),
+        attend_rows=compile_(_attend_rows),
+        fp8_encode=compile_(_fp8_encode),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain-Python bodies (numba compiles them; they also run uncompiled, slowly, for debugging)
+# ---------------------------------------------------------------------------------------------
+def _resolve_row(pos, src_bt, res_bt, has_res, hot_bt, hot, lru, bs, out, swap_src, swap_dst):
+    """`cpu_ops.resolve_residency` of one query row of one request (a batch-1 decode step).
+
+    ``pos [K]`` logical positions (``< 0``: none); ``src_bt`` / ``res_bt`` the request's host
+    and resident block-table rows (``res_bt`` read only with ``has_res``); ``hot_bt``, ``hot``,
+    ``lru`` its state slot's hot block table, held rows and LRU order (updated in place);
+    ``out [K]`` the physical rows; ``swap_src`` / ``swap_dst`` its swap-list rows.
+
+    Returns ``(ok, valid, wanted, misses)``. ``ok`` False (nothing written): an input the
+    reference rejects (a position past the block table, a negative host row, more wanted rows
+    than hot slots) or an invalid hot state; the caller hands the step to the reference.
+    """
+    K = pos.shape[0]
+    NB = src_bt.shape[0]
+    H = hot.shape[0]
+    phys = np.empty(K, np.int64)
+    ent = np.empty(K, np.int64)  # entries that need the hot buffer, in entry order
+    host = np.empty(K, np.int64)  # their host rows
+    n_valid = 0
+    n_ent = 0
+    for i in range(K):
+        p = np.int64(pos[i])
+        phys[i] = -1
+        if p < 0:
+            continue
+        n_valid += 1
+        b = p // bs
+        o = p - b * bs
+        if b >= NB:
+            return False, 0, 0, 0
+        if has_res:
+            rb = np.int64(res_bt[b])
+            if rb != 0:
+                phys[i] = rb * bs + o
+                continue
+        g = np.int64(src_bt[b]) * bs + o
+        if g < 0:
+            return False, 0, 0, 0
+        ent[n_ent] = i
+        host[n_ent] = g
+        n_ent += 1
+    if n_ent == 0:
+        for i in range(K):
+            out[i] = phys[i]
+        return True, n_valid, 0, 0
+    # Wanted set: distinct host rows, sorted (the swap list's order), each one's first entry.
+    order = np.argsort(host[:n_ent], kind="mergesort")
+    keys = np.empty(n_ent, np.int64)
+    first = np.empty(n_ent, np.int64)
+    inverse = np.empty(n_ent, np.int64)
+    U = 0
+    for j in range(n_ent):
+        e = order[j]
+        g = host[e]
+        if U == 0 or keys[U - 1] != g:
+            keys[U] = g
+            first[U] = e
+            U += 1
+        inverse[e] = U - 1
+    if U > H:
+        return False, 0, 0, 0
+    # Hits: slots holding a wanted row.
+    slot_of_u = np.full(U, -1, np.int64)
+    hit_slot = np.zeros(H, np.bool_)
+    n_hit = 0
+    for h in range(H):
+        v = np.int64(hot[h])
+        if v < 0:
+            continue
+        at = np.searchsorted(keys[:U], v)
+        if at < U and keys[at] == v:
+            if slot_of_u[at] >= 0:  # two slots hold one row: not a valid hot state
+                return False, 0, 0, 0
+            slot_of_u[at] = h
+            hit_slot[h] = True
+            n_hit += 1
+    n_miss = U - n_hit
+    # New LRU order: evictable slots past the misses, the slots just filled, then the hits.
+    evict = np.empty(H, np.int64)
+    hits = np.empty(H, np.int64)
+    n_ev = 0
+    n_h = 0
+    for j in range(H):
+        sl = np.int64(lru[j])
+        if hit_slot[sl]:
+            hits[n_h] = sl
+            n_h += 1
+        else:
+            evict[n_ev] = sl
+            n_ev += 1
+    if n_ev < n_miss or n_h != n_hit:
+        return False, 0, 0, 0
+    # Misses in wanted-set order (first entry) take the oldest evictable slots.
+    miss_u = np.empty(n_miss, np.int64)
+    miss_first = np.empty(n_miss, np.int64)
+    m = 0
+    for u in range(U):
+        if slot_of_u[u] < 0:
+            miss_u[m] = u
+            miss_first[m] = first[u]
+            m += 1
+    by_first = np.argsort(miss_first, kind="mergesort")
+    for m in range(n_miss):
+        slot_of_u[miss_u[by_first[m]]] = evict[m]
+    j = 0
+    for m in range(n_miss, n_ev):
+        lru[j] = evict[m]
+        j += 1
+    for m in range(n_miss):
+        lru[j] = evict[m]
+        j += 1
+    for m in range(n_h):
+        lru[j] = hits[m]
+        j += 1
+    for m in range(n_miss):
+        u = miss_u[m]
+        hot[slot_of_u[u]] = keys[u]
+    phys_of_u = np.empty(U, np.int64)
+    for u in range(U):
+        sl = slot_of_u[u]
+        blk = sl // bs
+        phys_of_u[u] = np.int64(hot_bt[blk]) * bs + (sl - blk * bs)
+    for e in range(n_ent):
+        phys[ent[e]] = phys_of_u[inverse[e]]
+    for i in range(K):
+        out[i] = phys[i]
+    for m in range(n_miss):
+        u = miss_u[m]
+        swap_src[m] = keys[u]
+        swap_dst[m] = phys_of_u[u]
+    return True, n_valid, U, n_miss
+
+
+def _copy_rows(src, dst, src_rows, dst_rows, n):
+    """``dst`` row ``dst_rows[i]`` = ``src`` row ``src_rows[i]`` for ``i < n``; ``src`` and
+    ``dst`` are paged ``[blocks, block_size, width]`` (any strides, distinct memory)."""
+    sbs = src.shape[1]
+    dbs = dst.shape[1]
+    w = src.shape[2]
+    for i in range(n):
+        s = np.int64(src_rows[i])
+        d = np.int64(dst_rows[i])
+        sb = s // sbs
+        db = d // dbs
+        a = src[sb, s - sb * sbs]
+        b = dst[db, d - db * dbs]
+        for c in range(w):
+            b[c] = a[c]
+
+
+def _gather_rows(src, rows, out):
+    """``out[i] = src`` row ``rows[i]`` (``src`` paged ``[blocks, block_size, W]``, any
+    strides; ``out [n, W]``)."""
+    bs = src.shape[1]
+    w = src.shape[2]
+    for i in range(rows.shape[0]):
+        r = np.int64(rows[i])
+        b = r // bs
+        a = src[b, r - b * bs]
+        o = out[i]
+        for c in range(w):
+            o[c] = a[c]
+
+
+def _fp8_encode(x, codes, f, u):
+    """``codes[i]`` = the e4m3fn byte of fp32 ``x[i]`` clamped to [-448, 448], as torch's
+    ``x.clamp(-448, 448).to(torch.float8_e4m3fn)`` (round to nearest even, NaN -> 0x7F with
+    its sign: c10's ``fp8e4m3fn_from_fp32_value``; tests compare millions of values).
+    ``f`` fp32 scratch as long as ``x``, ``u`` the same memory as uint32."""
+    n = x.shape[0]
+    for i in range(n):
+        v = x[i]
+        if v > 448.0:
+            v = np.float32(448.0)
+        elif v < -448.0:
+            v = np.float32(-448.0)
+        f[i] = v
+    for i in range(n):
+        fb = np.int64(u[i])
+        sign = fb & 0x80000000
+        fb = fb ^ sign
+        if fb >= (1087 << 20):
+            r = np.int64(0x7F)
+        elif fb < (121 << 23):
+            u[i] = np.uint32(fb)
+            f[i] = f[i] + np.float32(16384.0)  # 2^14: the float whose bits are 141 << 23
+            r = np.int64(u[i]) - (141 << 23)
+        else:
+            odd = (fb >> 20) & 1
+            r = ((fb + 0xC407FFFF + odd) & 0xFFFFFFFF) >> 20  # + ((7 - 127) << 23) + 0x7FFFF
+        codes[i] = np.uint8((r | (sign >> 24)) & 0xFF)
+
+
+def _dots(q, key, logit, c, scale):
+    """``logit[h, c] = (q[h] · key[h's KV head]) · scale`` for every query head ``h``; summed
+    in whatever order vectorises (numba ``fastmath`` reassociation)."""
+    G, QH, D = q.shape
+    for g in range(G):
+        for j in range(QH):
+            acc = np.float32(0.0)
+            for d in range(D):
+                acc += q[g, j, d] * key[g * D + d]
+            logit[g * QH + j, c] = acc * scale
+
+
+def _fp8_topk_row(q, pflat, play, table, lut, length, pos, sink, window, top_k, scale, out):
+    """The batch-1 decode selection of `gqa_indexer_topk` (``fp8`` keys) in one pass.
+
+    ``q [G, H/G, D]`` fp32 (query heads grouped by KV head); the index pages (e4m3 codes,
+    ``G·D`` per token) as `paged` gives them (``pflat``, ``play``), read through the
+    request's block-table row ``table``; ``lut`` the 256 code
+    values (torch's own e4m3 -> fp32, so the keys are exact); ``length`` keys, the query
+    at ``pos``.
+
+    The rule is `select_topk`'s: a key's score is its attention mass summed over the query
+    heads (softmax of ``q·k·scale`` over the candidates: causal, neither among the first
+    ``sink`` nor in the last ``window`` positions); the forced sink and window positions come
+    first, then the candidates of highest mass (ties: the earlier position), ``min(top_k,
+    length)`` in all, written ascending to ``out``. Each dot product is summed in the order
+    the compiler vectorises (`_dots`), the mass as ``exp(l - max) / sum``: the rounding
+    differs from torch's einsum and softmax in the last bits (ties at the top-k border may
+    then fall the other way; the rule is the same).
+
+    Returns False (``out`` untouched) where not every query has a candidate and at least
+    ``min(top_k, length)`` causal keys (`SelectionMasks.full` fails): the caller's general
+    path pads and guards those.
+    """
+    G, QH, D = q.shape
+    H = G * QH
+    kk = min(top_k, length)
+    n_causal = min(pos + 1, length)
+    hi = min(pos - window, length - 1)  # candidates: sink <= s <= hi
+    if n_causal < kk or hi < sink:
+        return False
+    n_cand = hi - sink + 1
+    n_forced = n_causal - n_cand
+    if n_forced > kk:
+        return False
+    rb = G * D
+    off, s_blk, s_row, bs = play[0], play[1], play[2], play[3]
+    logit = np.empty((H, n_cand), np.float32)
+    key = np.empty(rb, np.float32)
+    for c in range(n_cand):
+        s = sink + c
+        blk = s // bs
+        at = off + np.int64(table[blk]) * s_blk + (s - blk * bs) * s_row
+        for i in range(rb):
+            key[i] = lut[pflat[at + i]]
+        _dots(q, key, logit, c, scale)
+    # Attention mass per candidate, summed over the query heads.
+    mass = np.zeros(n_cand, np.float32)
+    for h in range(H):
+        row = logit[h]
+        top = row[0]
+        for c in range(1, n_cand):
+            if row[c] > top:
+                top = row[c]
+        total = np.float32(0.0)
+        for c in range(n_cand):
+            e = np.float32(np.exp(row[c] - top))
+            row[c] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for c in range(n_cand):
+            mass[c] += row[c] * inv
+    # The best candidates (highest mass, earlier position on ties), then every pick ascending.
+    order = np.argsort(-mass, kind="mergesort")
+    keep = np.zeros(n_cand, np.bool_)
+    for i in range(kk - n_forced):
+        keep[order[i]] = True
+    n = 0
+    for s in range(n_causal):
+        if s < sink or s > hi or keep[s - sink]:
+            out[n] = s
+            n += 1
+    return True
+
+
+def _decode_pre(
+    qkv, cos, sin, n_heads, q_out, kflat, klay, slot, wflat, wlay, islot, codes, scratch,
+    scratch_bits, rflat, rlay, table, lut, length, pos, sink, window, top_k, scale, scored,
+    out,
+):  # fmt: skip
+    """A GQA layer's batch-1 decode step from its q/k/v projections up to the swap-in.
+
+    ``qkv`` the projected token (q heads, k heads, v heads; ``D`` each); ``cos``, ``sin`` its
+    `full_width_rope` tables ``[D]``. Writes the rotated queries to ``q_out [H, D]``, the
+    row ``[k ‖ v]`` (fp32) at physical row ``slot`` of the paged rows ``kflat``/``klay`` and
+    the fp8 key (`_fp8_encode`) at row ``islot`` of the index pages ``wflat``/``wlay``
+    (``< 0``: skipped), then the logical top-k into ``out``: the `_fp8_topk_row` selection
+    over ``rflat``/``rlay``/``table`` when ``scored``, else every position up to ``pos``.
+    (Paged arrays as `paged` describes them.)
+
+    The rotation is `rope_full_width`'s ``x·c + roll(x)·s`` with each product and the sum
+    rounded alone (no fused multiply-add), so every written value is torch's bit for bit.
+    Returns False when the scored selection does not apply (the caller selects instead).
+    """
+    D = cos.shape[0]
+    half = D // 2
+    H = n_heads
+    GD = codes.shape[0]
+    G = GD // D
+    k_rot = np.empty(GD, np.float32)
+    for h in range(H + G):
+        base = h * D
+        for i in range(D):
+            j = i + half if i < half else i - half
+            y = qkv[base + i] * cos[i] + qkv[base + j] * sin[i]
+            if h < H:
+                q_out[h, i] = y
+            else:
+                k_rot[(h - H) * D + i] = y
+    if slot >= 0:
+        b = slot // klay[3]
+        at = klay[0] + b * klay[1] + (slot - b * klay[3]) * klay[2]
+        for i in range(GD):
+            kflat[at + i] = k_rot[i]
+            kflat[at + GD + i] = qkv[(H + G) * D + i]
+    if islot >= 0:
+        _fp8_encode(k_rot, codes, scratch, scratch_bits)
+        b = islot // wlay[3]
+        at = wlay[0] + b * wlay[1] + (islot - b * wlay[3]) * wlay[2]
+        for i in range(GD):
+            wflat[at + i] = codes[i]
+    if scored:
+        return _fp8_topk_row(
+            q_out.reshape((G, H // G, D)), rflat, rlay, table, lut, length, pos, sink, window,
+            top_k, scale, out,
+        )  # fmt: skip
+    for s in range(out.shape[0]):
+        out[s] = s if s <= pos else -1
+    return True
+
+
+def _attend_rows(q, kflat, klay, rows, scale, out):
+    """``out [H, D]``: attention of the query heads ``q [H, D]`` over the rows ``rows`` of
+    the paged rows ``kflat``/``klay`` (``[k ‖ v]`` fp32, ``2·G·D`` per row, read in place;
+    ``< 0``: masked), query head ``h`` on KV head ``h // (H / G)``; a head with no valid row
+    gets 0. Scores as `_dots` sums them, then ``Σ exp(s - max) · v / Σ exp(s - max)``:
+    `sparse_gqa_reference`'s math, rounded differently in the last bits."""
+    H, D = q.shape
+    GD = klay[4] // 2
+    G = GD // D
+    QH = H // G
+    K = rows.shape[0]
+    off, s_blk, s_row, bs = klay[0], klay[1], klay[2], klay[3]
+    qg = q.reshape((G, QH, D))
+    scores = np.empty((H, K), np.float32)
+    starts = np.empty(K, np.int64)
+    for k in range(K):
+        r = np.int64(rows[k])
+        if r < 0:
+            starts[k] = -1
+            for h in range(H):
+                scores[h, k] = -np.inf
+            continue
+        b = r // bs
+        at = off + b * s_blk + (r - b * bs) * s_row
+        starts[k] = at
+        _dots(qg, kflat[at : at + GD], scores, k, scale)
+    for h in range(H):
+        srow = scores[h]
+        top = -np.inf
+        for k in range(K):
+            if srow[k] > top:
+                top = srow[k]
+        total = np.float32(0.0)
+        if top > -np.inf:
+            for k in range(K):
+                e = np.float32(np.exp(srow[k] - top))
+                srow[k] = e
+                total += e
+        for d in range(D):
+            out[h, d] = 0.0
+        if total > 0:
+            inv = np.float32(1.0) / total
+            for k in range(K):
+                srow[k] = srow[k] * inv
+    for k in range(K):
+        at = starts[k]
+        if at < 0:
+            continue
+        for g in range(G):
+            v = kflat[at + GD + g * D : at + GD + (g + 1) * D]
+            for j in range(QH):
+                h = g * QH + j
+                p = scores[h, k]
+                o = out[h]
+                for d in range(D):
+                    o[d] += p * v[d]
+
+
+#: Whole storages as flat numpy arrays, by (address, bytes, item type); bounded (an entry
+#: keeps its storage alive, so no other storage can take its address while it is here).
+_FLAT: dict[tuple[int, int, str], np.ndarray] = {}
+_FLAT_MAX = 256
+
+
+def _flat(t: torch.Tensor, dtype: np.dtype) -> np.ndarray:
+    st = t.untyped_storage()
+    key = (st.data_ptr(), st.nbytes(), dtype.str)
+    arr = _FLAT.get(key)
+    if arr is None:
+        whole = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,))
+        arr = whole[: st.nbytes() - st.nbytes() % dtype.itemsize].numpy().view(dtype)
+        if len(_FLAT) >= _FLAT_MAX:
+            _FLAT.pop(next(iter(_FLAT)))
+        _FLAT[key] = arr
+    return arr
+
+
+#: `paged_rows` / `paged_pages` results by tensor identity (the per-layer views persist
+#: across steps); an entry keeps its tensor alive, so its id cannot be reused meanwhile.
+_PAGED: dict[tuple[int, str, int], tuple[torch.Tensor, object]] = {}
+
+
+def _remembered(key: tuple[int, str, int], t: torch.Tensor, make):
+    hit = _PAGED.get(key)
+    if hit is not None and hit[0] is t:
+        return hit[1]
+    value = make()
+    if len(_PAGED) >= _FLAT_MAX:
+        _PAGED.pop(next(iter(_PAGED)))
+    _PAGED[key] = (t, value)
+    return value
+
+
+def paged_rows(view: torch.Tensor, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray] | None:
+    """`_paged_rows`, remembered per view (tensors whose shape, strides and storage never
+    change after creation, as the caches' views)."""
+    return _remembered((id(view), dtype.str, 0), view, lambda: _paged_rows(view, dtype))
+
+
+def paged_pages(pages: torch.Tensor, row_bytes: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """`_paged_pages`, remembered per pages tensor."""
+    return _remembered((id(pages), "pages", row_bytes), pages,
+                       lambda: _paged_pages(pages, row_bytes))  # fmt: skip
+
+
+def _paged_rows(view: torch.Tensor, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(flat, layout)`` of paged rows ``view [blocks, bs, row bytes]`` (uint8) for the
+    compiled functions: ``flat`` the whole storage as a 1-D ``dtype`` numpy array (shared
+    memory; contiguous, so loops over a row vectorise whatever the pool's strides),
+    ``layout`` int64 ``[offset, block stride, row stride, block size, row width]`` in items.
+    ``None`` where the strides are not whole items."""
+    size = dtype.itemsize
+    if view.dim() != 3 or view.dtype != torch.uint8 or view.stride(2) != 1:
+        return None
+    if view.storage_offset() % size or any(st % size for st in view.stride()[:2]):
+        return None
+    if view.shape[2] % size:
+        return None
+    _, bs, width = view.shape
+    layout = np.array(
+        [view.storage_offset() // size, view.stride(0) // size, view.stride(1) // size, bs,
+         width // size], dtype=np.int64,
+    )  # fmt: skip
+    return _flat(view, dtype), layout
+
+
+def _paged_pages(pages: torch.Tensor, row_bytes: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """`_paged_rows` of index pages ``[blocks, bs · row_bytes]`` (uint8 items)."""
+    if pages.dim() != 2 or pages.dtype != torch.uint8 or pages.stride(1) != 1:
+        return None
+    if pages.shape[1] % row_bytes:
+        return None
+    return _paged_rows(pages.unflatten(1, (pages.shape[1] // row_bytes, row_bytes)), _U8)
+
+
+_U8 = np.dtype(np.uint8)
+F32 = np.dtype(np.float32)
