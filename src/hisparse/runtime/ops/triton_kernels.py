@@ -77,8 +77,10 @@ RESOLVE_IMPL = "auto"
 #: replays, hot 4096, top_k 2048, one row per request: batch 1 split 30.1 / 30.4 µs vs bucket
 #: 35.7 / 45.6 (5% / 20% miss); batch 8 split 86 (P 32: 67) vs bucket 36; batch 64 split 599
 #: vs 36. Each split program redoes the whole request's entry and slot pass, so its cost grows
-#: with the batch; only batch 1 gains.
-RESOLVE_SPLIT_MAX_Q = 1
+#: with the batch; only batch 1 gains. OFF by default (0): in the 128K engine bench on the
+#: H200 (v32-attention, batch 1, host pool of ~2M rows) a decode step with the split kernel
+#: raised an illegal memory access, not yet reproduced at test sizes.
+RESOLVE_SPLIT_MAX_Q = 0
 RESOLVE_SPLIT_MAX_N = 2048
 #: Split kernel: programs per request (0: ``n / 32`` up to ``RESOLVE_SPLIT_P_MAX``), warps,
 #: (entry tile, slot tile) override, and whether the last program of a request runs the
