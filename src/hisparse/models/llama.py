@@ -299,32 +299,27 @@ def rope_full_width(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return x * c + x.roll(x.shape[-1] // 2, dims=-1) * s
 
 
-def fused_weight(mods: Sequence[nn.Linear], cached: torch.Tensor | None) -> torch.Tensor:
-    """One ``[Σ out, in]`` weight whose row blocks ARE the weights of ``mods`` (their
-    parameters become views of it): one matmul instead of several, no extra memory.
+def fused_weight(
+    mods: Sequence[nn.Linear], cached: tuple[torch.Tensor, tuple[int, ...]] | None
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``(weight, addresses)``: one ``[Σ out, in]`` weight whose row blocks ARE the weights
+    of ``mods`` (their parameters become views of it; one matmul instead of several, no
+    extra memory), and the addresses of those views.
 
-    ``cached`` (the last result) is returned while the modules still view it; after a load
-    or a ``.to()`` replaced their parameters the weights are fused again. For one input row
-    on the CPU, each output of the fused matmul equals the separate one bit for bit
+    ``cached`` (the last result) is returned while the modules' weights still sit at its
+    addresses (the fused tensor keeps that memory, so nothing else can be there); after a
+    load or a ``.to()`` replaced them, the weights are fused again. For one input row on the
+    CPU, each output of the fused matmul equals the separate one bit for bit
     (tests/test_llama_cpu_decode.py checks the whole model)."""
-    if cached is not None:
-        ptr, size = cached.data_ptr(), cached.element_size()
-        offset = 0
-        for m in mods:
-            w = m.weight
-            if w.data_ptr() != ptr + offset * size or not w.is_contiguous():
-                break
-            offset += w.numel()
-        else:
-            if offset == cached.numel():
-                return cached
+    if cached is not None and tuple(m.weight.data_ptr() for m in mods) == cached[1]:
+        return cached
     fused = torch.cat([m.weight.detach() for m in mods])
     row = 0
     for m in mods:
         n = m.weight.shape[0]
         m.weight = nn.Parameter(fused[row : row + n], requires_grad=m.weight.requires_grad)
         row += n
-    return fused
+    return fused, tuple(m.weight.data_ptr() for m in mods)
 
 
 class LlamaAttention(nn.Module):
@@ -343,7 +338,7 @@ class LlamaAttention(nn.Module):
         #: ``lowrank`` indexer: the rotary dims kept per KV head (set by `prepare_indexer`).
         self.register_buffer("index_dims", torch.zeros(0, dtype=torch.long), persistent=False)
         #: q, k, v projections as one weight (`fused_weight`; the CPU batch-1 decode step).
-        self._qkv: torch.Tensor | None = None
+        self._qkv: tuple[torch.Tensor, tuple[int, ...]] | None = None
 
     def forward(
         self,
@@ -408,8 +403,10 @@ class LlamaAttention(nn.Module):
         fmt = cache.indexer_format
         rows_fmt = cache.row_format
         H, G, D = self.n_heads, self.n_kv, self.head_dim
-        self._qkv = fused_weight((self.q_proj, self.k_proj, self.v_proj), self._qkv)
-        qkv = F.linear(x, self._qkv)
+        fused = fused_weight((self.q_proj, self.k_proj, self.v_proj), self._qkv)
+        if fused is not self._qkv:
+            self._qkv = fused
+        qkv = F.linear(x, fused[0])
         one = plan.memo.get("cpu_one")
         if one is None:
             one = plan.memo["cpu_one"] = _OneTokenStep(cos, sin, step, H, G, D)
@@ -658,6 +655,9 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config)
+        #: gate and up projections of each layer as one weight (`fused_weight`; CPU decode).
+        self._gate_up: dict[int, tuple[torch.Tensor, tuple[int, ...]]] = {}
+        self._indexer_format: tuple[GqaIndexerConfig, GqaIndexerFormat] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -670,8 +670,13 @@ class LlamaForCausalLM(nn.Module):
     @property
     def indexer_format(self) -> GqaIndexerFormat:
         """The index pages this model's indexer method reads and writes."""
+        known = self._indexer_format
+        if known is not None and known[0] is self.indexer:
+            return known[1]
         cfg = self.config
-        return GqaIndexerFormat.for_config(self.indexer, cfg.num_key_value_heads, cfg.head_dim)
+        fmt = GqaIndexerFormat.for_config(self.indexer, cfg.num_key_value_heads, cfg.head_dim)
+        self._indexer_format = (self.indexer, fmt)
+        return fmt
 
     def set_indexer(self, indexer: GqaIndexerConfig | None = None, **changes) -> LlamaForCausalLM:
         """Replace the indexer settings (``set_indexer(top_k=256)`` keeps the rest)."""
@@ -736,16 +741,17 @@ class LlamaForCausalLM(nn.Module):
         same bits in fp32 as `RMSNorm`'s steps) and gate and up projections as one matmul."""
         shape = (self.config.hidden_size,)
         eps = self.config.rms_norm_eps
-        for layer in self.model.layers:
+        gate_up = self._gate_up
+        for i, layer in enumerate(self.model.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
             h = F.rms_norm(x, shape, layer.input_layernorm.weight, eps)
             x = x + attn.forward_one_cpu(h, cos, sin, step, cache, self.indexer, plan)
             h = F.rms_norm(x, shape, layer.post_attention_layernorm.weight, eps)
-            fused = fused_weight((mlp.gate_proj, mlp.up_proj), getattr(mlp, "_gate_up", None))
-            mlp._gate_up = fused
-            gu = F.linear(h, fused)
-            inter = mlp.gate_proj.weight.shape[0]
+            fused = fused_weight((mlp.gate_proj, mlp.up_proj), gate_up.get(i))
+            gate_up[i] = fused
+            gu = F.linear(h, fused[0])
+            inter = gu.shape[1] // 2
             x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], mlp.down_proj.weight)
         return F.rms_norm(x, shape, self.model.norm.weight, eps)
 

@@ -40,16 +40,19 @@ def _np_rows(view: torch.Tensor) -> np.ndarray:
 
 
 class _StepArrays:
-    """numpy views of one step's metadata and tables, made once per step for every layer."""
+    """numpy views of one step's metadata and tables, made once per step for every layer
+    (``tables`` ``None``: the metadata alone)."""
 
-    __slots__ = ("meta", "q", "resident", "source", "state", "tables")
+    __slots__ = ("host_row", "meta", "q", "resident", "source", "state", "tables")
 
-    def __init__(self, meta: StepMetadata, tables: GroupTables) -> None:
+    def __init__(self, meta: StepMetadata, tables: GroupTables | None) -> None:
         self.meta, self.tables = meta, tables
         self.q = int(meta.req_per_token[0]) if meta.req_per_token.shape[0] else -1
         self.state = meta.request_state_indices.numpy()
         self.source = meta.source_block_table.numpy()
-        resident = tables.resident_block_table
+        written = meta.host_slot_mapping
+        self.host_row = int(written[0]) if written is not None and written.shape[0] else -1
+        resident = None if tables is None else tables.resident_block_table
         self.resident = None if resident is None else resident.numpy()
 
 
@@ -57,9 +60,10 @@ class _StepArrays:
 _LAST_STEP: list[_StepArrays] = []
 
 
-def _step_arrays(meta: StepMetadata, tables: GroupTables) -> _StepArrays:
-    if _LAST_STEP and _LAST_STEP[0].meta is meta and _LAST_STEP[0].tables is tables:
-        return _LAST_STEP[0]
+def _step_arrays(meta: StepMetadata, tables: GroupTables | None) -> _StepArrays:
+    last = _LAST_STEP[0] if _LAST_STEP else None
+    if last is not None and last.meta is meta and (tables is None or last.tables is tables):
+        return last
     arrays = _StepArrays(meta, tables)
     _LAST_STEP[:] = [arrays]
     return arrays
@@ -153,6 +157,16 @@ class IndexGroup:
         n = meta.num_tokens if num_rows is None else num_rows
         if n == 0:
             return
+        if n == 1 and self.device.type == "cpu" and meta.is_decode:
+            # A batch-1 decode step: the written host row out of the slot set, in numpy.
+            step = _step_arrays(meta, None)
+            q, row = step.q, step.host_row
+            if row >= 0 and 0 <= q < step.state.shape[0]:
+                s = int(step.state[q])
+                if 0 <= s < self.hot_index.shape[0]:
+                    held = self._cpu_arrays()["hot_index"][s]
+                    held[held == row] = -1
+                    return
         self.ops.invalidate_written_slots(
             self.hot_index,
             meta.request_state_indices,
@@ -281,24 +295,14 @@ class IndexGroup:
         a = self._cpu_arrays()
         k = topk.shape[1]
         out = a["physical"][0, :k]
-        ok, n_valid, wanted, n_miss = fns.resolve_row(
+        n_miss = fns.resolve_decode_row(
             topk.numpy()[0], step.source[q], step.source[q] if res is None else res[q],
             res is not None, a["hot_block_table"][s], a["hot_index"][s], a["lru"][s],
-            self.config.block_size, out, a["swap_src"][q], a["swap_dst"][q],
+            self.config.block_size, out, a["swap_src"], a["swap_dst"], q, a["valid_counts"],
+            a["swap_count"], a["hit_miss"], a["totals"], len(self.layers),
         )  # fmt: skip
-        if not ok:
+        if n_miss < 0:
             return False  # nothing was written: the general path starts from the same state
-        a["valid_counts"][0] = n_valid
-        count, hm = a["swap_count"], a["hit_miss"]
-        count[:] = 0
-        hm[:] = 0
-        count[q] = n_miss
-        hm[q, 0] = wanted - n_miss
-        hm[q, 1] = n_miss
-        totals = a["totals"]
-        totals[0] += wanted - n_miss
-        totals[1] += n_miss
-        totals[2] += n_miss * len(self.layers)
         src, dst = a["swap_src"][q], a["swap_dst"][q]
         for i, layer in enumerate(self.layers):
             if n_miss and layer.host_view is not None:

@@ -40,7 +40,7 @@ def set_enabled(enabled: bool) -> None:
 
 
 #: Helpers called from compiled functions; those in `_REASSOCIATE` may sum in any order.
-_HELPERS = ("_fp8_encode", "_dots", "_fp8_topk_row")
+_HELPERS = ("_fp8_encode", "_dots", "_fp8_topk_row", "_resolve_row")
 _REASSOCIATE = ("_dots",)
 
 
@@ -69,6 +69,7 @@ def _build() -> SimpleNamespace | None:
     return SimpleNamespace(
         resolve_row=compile_(_resolve_row),
         copy_rows=compile_(_copy_rows),
+        resolve_decode_row=compile_(_resolve_decode_row),
         fp8_topk_row=compile_(_fp8_topk_row),
         gather_rows=compile_(_gather_rows),
         decode_pre=compile_(_decode_pre),
@@ -211,6 +212,32 @@ def _resolve_row(pos, src_bt, res_bt, has_res, hot_bt, hot, lru, bs, out, swap_s
         swap_src[m] = keys[u]
         swap_dst[m] = phys_of_u[u]
     return True, n_valid, U, n_miss
+
+
+def _resolve_decode_row(
+    pos, src_bt, res_bt, has_res, hot_bt, hot, lru, bs, out, swap_src, swap_dst, q,
+    valid_counts, swap_count, hit_miss, totals, n_layers,
+):  # fmt: skip
+    """`_resolve_row` for request ``q`` (the only query row of a decode step) plus the
+    runtime's bookkeeping: ``valid_counts[0]``, every request's swap count and hit/miss
+    counters reset, then request ``q``'s set, and the running ``totals`` (hits, misses,
+    rows moved = misses x ``n_layers``). Returns the misses, or -1 (nothing written) where
+    `_resolve_row` declines."""
+    ok, n_valid, wanted, n_miss = _resolve_row(
+        pos, src_bt, res_bt, has_res, hot_bt, hot, lru, bs, out, swap_src[q], swap_dst[q]
+    )
+    if not ok:
+        return -1
+    valid_counts[0] = n_valid
+    swap_count[:] = 0
+    hit_miss[:] = 0
+    swap_count[q] = n_miss
+    hit_miss[q, 0] = wanted - n_miss
+    hit_miss[q, 1] = n_miss
+    totals[0] += wanted - n_miss
+    totals[1] += n_miss
+    totals[2] += n_miss * n_layers
+    return n_miss
 
 
 def _copy_rows(src, dst, src_rows, dst_rows, n):

@@ -40,7 +40,7 @@ def _on_cpu(*tensors: Tensor | None) -> bool:
 
 def _np(t: Tensor) -> np.ndarray:
     """A numpy view sharing ``t``'s memory (writes go to the tensor)."""
-    return t.detach().numpy()
+    return t.detach().numpy() if t.requires_grad else t.numpy()
 
 
 #: numpy >= 2.1 can be told never to copy in a reshape (cheaper than `as_strided`).
@@ -152,14 +152,15 @@ def gather_plan(src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, ma
     if not _on_cpu(src, dst, src_rows, dst_rows, mask):
         reference.gather_plan(src, dst, src_rows, dst_rows, mask)
         return
+    if mask.numel() == 1 and src_rows.numel() == 1 and dst_rows.numel() == 1:
+        # One entry (a batch-1 decode step's mirror): one row copy by scalar indices.
+        if _np(mask).reshape(-1)[0]:
+            d, s_ = int(_np(dst_rows).reshape(-1)[0]), int(_np(src_rows).reshape(-1)[0])
+            _row(_np(dst), d)[...] = _row(_np(src), s_)
+        return
     live = _np(mask).reshape(-1)
     s = _np(src_rows).reshape(-1)
     d = _np(dst_rows).reshape(-1)
-    if live.shape[0] == 1 and s.shape[0] == 1 and d.shape[0] == 1:
-        # One entry (a batch-1 decode step's mirror): one row copy by scalar indices.
-        if live[0]:
-            _row(_np(dst), int(d[0]))[...] = _row(_np(src), int(s[0]))
-        return
     if live.dtype != np.bool_:
         live = live != 0
     if not live.all():
