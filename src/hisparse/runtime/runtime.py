@@ -15,7 +15,7 @@ import torch
 from hisparse.config import ResolvedHiSparseConfig
 from hisparse.kv.host_pool import is_host_pool_memory
 from hisparse.runtime.batch import GroupTables, StepMetadata
-from hisparse.runtime.ops import cpu_jit, ops_for
+from hisparse.runtime.ops import cpu_jit, cpu_ops, ops_for
 from hisparse.runtime.streams import CopyStream, LayerEvent
 
 
@@ -157,7 +157,7 @@ class IndexGroup:
         n = meta.num_tokens if num_rows is None else num_rows
         if n == 0:
             return
-        if n == 1 and self.device.type == "cpu" and meta.is_decode:
+        if n == 1 and self.ops is cpu_ops and meta.is_decode:
             # A batch-1 decode step: the written host row out of the slot set, in numpy.
             step = _step_arrays(meta, None)
             q, row = step.q, step.host_row
@@ -271,11 +271,11 @@ class IndexGroup:
         return self._cpu_np
 
     def _cpu_decode_one(self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor) -> bool:
-        """A decode step with one query row on the CPU: resolve, count and gather every layer
-        of the group in compiled calls (`cpu_jit`), with the results of `_resolve`,
-        `_count_step` and the layers' `gather_swapped_rows` bit for bit. ``False``: not such
-        a step, or an input the general path must handle (it then runs from the same state).
-        """
+        """A decode step with one query row on the CPU (`cpu_ops` backend): resolve, count
+        and gather every layer of the group in compiled calls (`cpu_jit`), with the results
+        of `_resolve`, `_count_step` and the layers' `gather_swapped_rows` bit for bit.
+        ``False``: not such a step, or an input the general path must handle (it then runs
+        from the same state)."""
         fns = cpu_jit.jit()
         if fns is None or not meta.is_decode or topk.shape[0] != 1 or not topk.is_cpu:
             return False
@@ -391,7 +391,7 @@ class IndexGroup:
         self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor
     ) -> None:
         """The body of `resolve_and_stage`, on whatever stream is current."""
-        if self.device.type == "cpu" and self._cpu_decode_one(meta, tables, topk):
+        if self.ops is cpu_ops and self._cpu_decode_one(meta, tables, topk):
             return
         self._resolve(meta, tables.resident_block_table, topk, self.config.max_query_len)
         self._count_step(meta.num_reqs)

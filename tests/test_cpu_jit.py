@@ -1,0 +1,189 @@
+"""The numba-compiled CPU batch-1 decode pieces (`cpu_jit`) against the torch code they stand
+in for: bit for bit where they claim it (fp8 encoding, rotation, written rows, index keys),
+the same choice where only the rounding of sums differs (selection), close where the
+attention sums in another order. Fresh random inputs, outputs poisoned first; strided pools as
+the engine's (a layer's pages between other layers' pages)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hisparse.attention.gqa_indexer_reference import (
+    FP8_DTYPE,
+    GqaIndexerConfig,
+    GqaIndexerFormat,
+    gqa_indexer_topk,
+    selection_masks,
+    write_index_keys,
+)
+from hisparse.attention.sparse_gqa_reference import GqaRowFormat, sparse_gqa_reference
+from hisparse.models.llama import full_width_rope, rope_full_width
+from hisparse.runtime.ops import cpu_jit
+
+fns = cpu_jit.jit()
+pytestmark = pytest.mark.skipif(fns is None, reason="numba is not installed")
+
+G, H, D = 3, 9, 64
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _lut() -> np.ndarray:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    return codes.view(FP8_DTYPE).float().numpy()
+
+
+def test_fp8_encode_is_torch_conversion() -> None:
+    """Random values over every exponent, both signs, the exact midpoints between
+    neighbouring e4m3 values (ties to even) and their fp32 neighbours, ±0, ±inf, NaN and
+    values past the clamp: the byte of ``clamp(-448, 448).to(e4m3fn)`` every time."""
+    g = np.random.default_rng(0)
+    bits = g.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32)
+    values = [bits.view(np.float32)]
+    grid = np.sort(np.unique(np.abs(_lut()[np.isfinite(_lut())])))
+    mids = (grid[:-1].astype(np.float64) + grid[1:]) / 2
+    mids = mids.astype(np.float32)
+    for m in (mids, -mids, grid, -grid):
+        values += [m, np.nextafter(m, np.float32(np.inf)), np.nextafter(m, np.float32(-np.inf))]
+    values.append(np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 448, 449, -500, 1e30], np.float32))
+    x = np.concatenate(values).astype(np.float32)
+    codes = np.full(x.shape, 0xAB, np.uint8)
+    scratch = np.empty(x.shape, np.float32)
+    fns_encode = cpu_jit._fp8_encode  # compiled by jit() (a helper of decode_pre)
+    fns_encode(x, codes, scratch, scratch.view(np.uint32))
+    want = torch.from_numpy(x.copy()).clamp(-448, 448).to(FP8_DTYPE).view(torch.uint8).numpy()
+    assert np.array_equal(codes, want), np.flatnonzero(codes != want)[:10]
+
+
+def _engine_like_pool(nb: int, bs: int, row_bytes: int, layers: int, layer: int) -> torch.Tensor:
+    """One layer's ``[nb, bs, row_bytes]`` view of a pool that interleaves ``layers`` layers
+    block by block (strided), filled with garbage."""
+    pool = torch.randint(0, 256, (nb, layers, bs, row_bytes), dtype=torch.uint8, generator=_gen(9))
+    return pool[:, layer]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_decode_pre_writes_what_torch_writes(seed: int) -> None:
+    """Rotated queries, the ``[k ‖ v]`` row and the fp8 index key equal `rope_full_width`,
+    `GqaRowFormat.pack` and `write_index_keys` bit for bit; unscored, every position up to
+    the query is chosen."""
+    g = _gen(seed)
+    bs, nb = 16, 6
+    fmt_rows = GqaRowFormat(G, D, "fp32")
+    cfg = GqaIndexerConfig(top_k=32, sink_tokens=4, recent_window=16)
+    ifmt = GqaIndexerFormat.for_config(cfg, G, D)
+    view = _engine_like_pool(nb, bs, fmt_rows.row_bytes, 3, 1)
+    pages = torch.randint(0, 256, (nb, 2, ifmt.page_bytes(bs)), dtype=torch.uint8)[:, 0]
+    qkv = torch.randn(1, (H + 2 * G) * D, generator=g) * 4
+    pos = 37
+    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float) / D))
+    freqs = torch.tensor([float(pos)])[:, None] * inv[None, :]
+    cos, sin = full_width_rope(freqs.cos(), freqs.sin())
+    slot, islot = 2 * bs + 5, 3 * bs + 7
+    q_out = np.full((H, D), np.nan, np.float32)
+    chosen = np.full(pos + 3, 12345, np.int32)
+    scratch = np.empty(G * D, np.float32)
+    view_before, pages_before = view.clone(), pages.clone()
+    ok = fns.decode_pre(
+        qkv.numpy()[0], cos.numpy()[0], sin.numpy()[0], H, q_out,
+        *cpu_jit.paged_rows(view, cpu_jit.F32), slot,
+        *cpu_jit.paged_pages(pages, ifmt.row_bytes), islot, np.empty(G * D, np.uint8),
+        scratch, scratch.view(np.uint32), *cpu_jit.paged_pages(pages, ifmt.row_bytes),
+        np.zeros(nb, np.int32), _lut(), pos + 1, pos, 4, 16, 32, D**-0.5, False, chosen,
+    )  # fmt: skip
+    assert ok
+    q = rope_full_width(qkv[:, : H * D].view(1, H, D), cos, sin)
+    k = rope_full_width(qkv[:, H * D : (H + G) * D].view(1, G, D), cos, sin)
+    v = qkv[:, (H + G) * D :].view(1, G, D)
+    assert torch.equal(torch.from_numpy(q_out), q[0])
+    want_view = view_before.clone()
+    want_view[slot // bs, slot % bs] = fmt_rows.pack(k, v)[0]
+    assert torch.equal(view, want_view)
+    want_pages = pages_before.clone()
+    write_index_keys(want_pages, ifmt, torch.tensor([islot]), k)
+    assert torch.equal(pages, want_pages)
+    assert chosen.tolist() == [*range(pos + 1), -1, -1]
+
+
+def _index_case(seed: int, length: int, bs: int = 16):
+    cfg = GqaIndexerConfig(top_k=48, sink_tokens=4, recent_window=16)
+    fmt = GqaIndexerFormat.for_config(cfg, G, D)
+    nb = -(-length // bs)
+    pool = torch.zeros(nb + 3, 2, fmt.page_bytes(bs), dtype=torch.uint8)
+    pages = pool[:, 1]  # strided, as layers of a shared pool
+    table = (torch.randperm(nb + 2, generator=_gen(seed))[:nb] + 1).to(torch.int32)
+    pos = torch.arange(length)
+    k = torch.randn(length, G, D, generator=_gen(seed + 1)) * 3
+    write_index_keys(pages, fmt, table[pos // bs].long() * bs + pos % bs, k)
+    q = torch.randn(1, H, D, generator=_gen(seed + 2)) * 3
+    return cfg, fmt, pages, table, q
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_fp8_selection_equals_torch_selection(seed: int) -> None:
+    """The compiled selection chooses exactly what `select_topk` does (random keys: no
+    ties at the border), across lengths, and declines where a query has too few keys."""
+    length = [60, 100, 177, 240][seed % 4]
+    cfg, fmt, pages, table, q = _index_case(seed, length)
+    p1 = torch.tensor([length - 1])
+    masks = selection_masks(p1, length, H, cfg, check=True)
+    cpu_jit.set_enabled(False)
+    try:
+        want = gqa_indexer_topk(q, p1, pages, table, length, fmt, cfg, D**-0.5, 48, None, masks)
+    finally:
+        cpu_jit.set_enabled(True)
+    out = np.full(48, -7, np.int32)
+    ok = fns.fp8_topk_row(
+        q.view(G, H // G, D).numpy(), *cpu_jit.paged_pages(pages, fmt.row_bytes),
+        table.numpy(), _lut(), length, length - 1, 4, 16, 48, D**-0.5, out,
+    )  # fmt: skip
+    assert ok and out.tolist() == want[0].tolist()
+    # Through the dispatch in gqa_indexer_topk as well.
+    got = gqa_indexer_topk(q, p1, pages, table, length, fmt, cfg, D**-0.5, 48)
+    assert torch.equal(got, want)
+    # A query with fewer than top_k keys up to it: declined, nothing written.
+    out[:] = -7
+    assert not fns.fp8_topk_row(
+        q.view(G, H // G, D).numpy(), *cpu_jit.paged_pages(pages, fmt.row_bytes),
+        table.numpy(), _lut(), length, 40, 4, 16, 48, D**-0.5, out,
+    )  # fmt: skip
+    assert (out == -7).all()
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_attend_rows_matches_the_reference(masked: bool) -> None:
+    """Attention over rows read in place from a strided pool equals `sparse_gqa_reference`
+    (to rounding); masked entries (``-1``) are left out, NaN garbage in the pool included."""
+    g = _gen(3)
+    bs, nb, k = 16, 12, 70
+    fmt = GqaRowFormat(G, D, "fp32")
+    pool = torch.full((nb, 3, bs, fmt.row_bytes), 0xFF, dtype=torch.uint8)  # NaN garbage
+    view = pool[:, 2]
+    rows = torch.randperm(nb * bs, generator=g)[:k].to(torch.int32)
+    kv = torch.randn(k, 2 * G * D, generator=g)
+    for i, r in enumerate(rows.tolist()):
+        view[r // bs, r % bs] = kv[i].view(torch.uint8)
+    if masked:
+        rows[::5] = -1
+    q = torch.randn(1, H, D, generator=g)
+    out = np.full((H, D), np.nan, np.float32)
+    fns.attend_rows(q[0].numpy(), *cpu_jit.paged_rows(view, cpu_jit.F32), rows.numpy(), D**-0.5,
+                    out)  # fmt: skip
+    want, _ = sparse_gqa_reference(q, view, rows[None], D**-0.5, fmt)
+    torch.testing.assert_close(torch.from_numpy(out), want[0], rtol=1e-5, atol=1e-6)
+    none = np.full((H, D), np.nan, np.float32)
+    fns.attend_rows(q[0].numpy(), *cpu_jit.paged_rows(view, cpu_jit.F32),
+                    np.full(4, -1, np.int32), D**-0.5, none)  # fmt: skip
+    assert (none == 0).all()
+
+
+def test_paged_layouts_refuse_what_they_cannot_view() -> None:
+    rows = torch.zeros(4, 16, 1536, dtype=torch.uint8)
+    assert cpu_jit.paged_rows(rows[:, :, 1:1025], cpu_jit.F32) is None  # not whole fp32 items
+    flat, layout = cpu_jit.paged_rows(rows, cpu_jit.F32)
+    assert layout.tolist() == [0, 16 * 384, 384, 16, 384] and flat.dtype == np.float32
+    assert cpu_jit.paged_pages(torch.zeros(4, 100, dtype=torch.uint8), 192) is None
