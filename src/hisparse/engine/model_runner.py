@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -116,10 +115,6 @@ class _PrefillLayerCache:
             runner.warm_topk[rt.name] = logical_topk[runner.warm_rows].clone()
         return self.handle.resident_rows(logical_topk)
 
-    def begin_swap_in(self, logical_topk: torch.Tensor) -> Callable[[], torch.Tensor]:
-        rows = self.swap_in(logical_topk)
-        return lambda: rows
-
 
 class _DecodeLayerCache:
     """A decode step's view of one layer: the runtime's handle, with the leader's logical
@@ -136,13 +131,10 @@ class _DecodeLayerCache:
         self.handle.finish_kv_update()
 
     def swap_in(self, logical_topk: torch.Tensor) -> torch.Tensor:
-        return self.begin_swap_in(logical_topk)()
-
-    def begin_swap_in(self, logical_topk: torch.Tensor) -> Callable[[], torch.Tensor]:
         rt = self.handle.runtime
         if rt.is_leader and self.runner.replay is not None:
             logical_topk = self.runner.replayed_decode_topk(rt.name, logical_topk)
-        return self.handle.begin_swap_in(logical_topk)
+        return self.handle.swap_in(logical_topk)  # type: ignore[return-value]
 
 
 class _IndexerLayerCache:

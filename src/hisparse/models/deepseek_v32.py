@@ -279,6 +279,9 @@ class MLAttention(nn.Module):
         """``(output [N, hidden], logical top-k [N, K])`` (the top-k feeds IndexShare layers)."""
         n = x.shape[0]
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(n, self.n_heads, self.nope + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        q_pe = rope_interleaved(q_pe, cos, sin)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.c, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         k_pe = rope_interleaved(k_pe, cos, sin)
@@ -308,17 +311,11 @@ class MLAttention(nn.Module):
         else:
             raise RuntimeError(f"layer {self.layer} shares top-k but no full layer precedes it")
 
-        # 3./4. physical rows, then sparse attention in latent space. The query's own
-        # projections need no KV row: queued between issuing the swap-in and waiting for
-        # it, they run while the missed rows arrive (same values, same order per tensor).
-        rows_ready = kv.begin_swap_in(topk)
-        q = self.q_b_proj(q_resid).view(n, self.n_heads, self.nope + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
-        q_pe = rope_interleaved(q_pe, cos, sin)
+        # 3./4. physical rows, then sparse attention in latent space.
+        physical = kv.swap_in(topk)
         w_kv = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.c)
         w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope :]
         q_latent = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
-        physical = rows_ready()
         out_latent, _ = sparse_mla_decode(
             q_latent, q_pe, view, physical, self.scale, cache.row_format
         )

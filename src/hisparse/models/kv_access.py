@@ -8,8 +8,7 @@ Per layer and step the attention (DESIGN.md §3):
 2. on a full-indexer layer, writes the indexer keys into the indexer pages and scores every
    earlier key of the request (read through the indexer block table) -> logical top-k;
 3. turns the logical top-k into physical rows with ``swap_in()`` (HiSparse: resident rows or
-   hot rows it just gathered; dense cache: a block-table lookup), or in two halves with
-   ``begin_swap_in()`` so independent work can be queued while the misses arrive;
+   hot rows it just gathered; dense cache: a block-table lookup);
 4. runs sparse attention on the view of step 1 at those physical rows (``-1`` masked).
 
 `hisparse.runtime.cache_handle.CacheHandle` already has the three methods of
@@ -19,7 +18,7 @@ Per layer and step the attention (DESIGN.md §3):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -69,12 +68,6 @@ class SparseMlaLayerCache(Protocol):
 
     def swap_in(self, logical_topk: torch.Tensor) -> torch.Tensor:
         """Physical rows of the write-target view for logical positions ``[N, K]`` (-1 kept)."""
-        ...
-
-    def begin_swap_in(self, logical_topk: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """`swap_in` in two halves: issue it now, get the rows from the returned call, so
-        the model can queue work that does not need them (the query's projections) while
-        the misses arrive."""
         ...
 
 
@@ -252,10 +245,6 @@ class _DenseAttentionLayer:
         pos = logical_topk.long()
         phys = self.cache._physical(req[:n, None].expand(n, k), pos)
         return phys.to(torch.int32)
-
-    def begin_swap_in(self, logical_topk: torch.Tensor) -> Callable[[], torch.Tensor]:
-        rows = self.swap_in(logical_topk)
-        return lambda: rows
 
 
 class _DenseIndexerLayer:

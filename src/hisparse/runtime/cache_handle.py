@@ -9,8 +9,6 @@ resident, so `swap_in` resolves to resident rows and nothing is mirrored or gath
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from hisparse.runtime.batch import GroupTables, StepMetadata
@@ -94,21 +92,6 @@ class CacheHandle:
         The leader resolves and issues the group's gathers; every layer then waits for its
         own rows only.
         """
-        wait = self._stage(logical_topk)
-        physical, valid_counts = wait()
-        if return_valid_counts:
-            return physical, valid_counts
-        return physical
-
-    def begin_swap_in(self, logical_topk: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """`swap_in` in two halves: the resolve and gathers are queued (copy stream) now;
-        calling the result makes the compute stream wait for this layer's rows and returns
-        them. Work the model queues in between (the query's projections) overlaps the
-        swap-in instead of waiting behind it."""
-        wait = self._stage(logical_topk)
-        return lambda: wait()[0]
-
-    def _stage(self, logical_topk: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         meta, tables = self._step()
         rt = self.runtime
         group = rt.group
@@ -118,13 +101,11 @@ class CacheHandle:
             group.check_rows(logical_topk)
             if not meta.is_decode:
                 rt.stage_own_rows()
-        shape = logical_topk.shape
-
-        def wait() -> tuple[torch.Tensor, torch.Tensor]:
-            rt.wait_ready()
-            return group.out_views(*shape)
-
-        return wait
+        rt.wait_ready()
+        physical, valid_counts = group.out_views(*logical_topk.shape)
+        if return_valid_counts:
+            return physical, valid_counts
+        return physical
 
     def resident_rows(self, logical_topk: torch.Tensor) -> torch.Tensor:
         """Physical rows of ``logical_topk`` through the resident block table alone.
