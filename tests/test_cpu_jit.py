@@ -187,3 +187,19 @@ def test_paged_layouts_refuse_what_they_cannot_view() -> None:
     flat, layout = cpu_jit.paged_rows(rows, cpu_jit.F32)
     assert layout.tolist() == [0, 16 * 384, 384, 16, 384] and flat.dtype == np.float32
     assert cpu_jit.paged_pages(torch.zeros(4, 100, dtype=torch.uint8), 192) is None
+
+
+def test_exp_shifted_is_within_an_ulp_and_zero_far_below() -> None:
+    x = np.concatenate(
+        [np.linspace(-100, 0, 200_001), [-np.inf, 0.0, -1e-30, -87.0, -86.99]]
+    ).astype(np.float32)
+    top = np.float32(2.5)
+    y = x + top
+    shifted = (y - top).astype(np.float64)  # the argument the kernel sees, exactly
+    cpu_jit._exp_shifted(y, top, np.empty_like(y))  # compiled by jit() (a helper)
+    want = np.exp(shifted)
+    x = shifted
+    live = x > -87
+    rel = np.abs(y[live] - want[live]) / want[live]
+    assert rel.max() < 2**-23  # under one ulp of the result
+    assert (y[~live] == 0).all() and y[-4] == 1.0

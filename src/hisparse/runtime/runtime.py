@@ -40,31 +40,39 @@ def _np_rows(view: torch.Tensor) -> np.ndarray:
 
 
 class _StepArrays:
-    """numpy views of one step's metadata and tables, made once per step for every layer
-    (``tables`` ``None``: the metadata alone)."""
+    """numpy views of one step's metadata, made once per step for every layer, and of the
+    resident block table of each group's `GroupTables` (`resident_of`)."""
 
-    __slots__ = ("host_row", "meta", "q", "resident", "source", "state", "tables")
+    __slots__ = ("_resident", "host_row", "meta", "q", "source", "state")
 
-    def __init__(self, meta: StepMetadata, tables: GroupTables | None) -> None:
-        self.meta, self.tables = meta, tables
+    def __init__(self, meta: StepMetadata) -> None:
+        self.meta = meta
         self.q = int(meta.req_per_token[0]) if meta.req_per_token.shape[0] else -1
         self.state = meta.request_state_indices.numpy()
         self.source = meta.source_block_table.numpy()
         written = meta.host_slot_mapping
         self.host_row = int(written[0]) if written is not None and written.shape[0] else -1
-        resident = None if tables is None else tables.resident_block_table
-        self.resident = None if resident is None else resident.numpy()
+        self._resident: list[tuple[GroupTables, np.ndarray | None]] = []
+
+    def resident_of(self, tables: GroupTables) -> np.ndarray | None:
+        for known, array in self._resident:
+            if known is tables:
+                return array
+        table = tables.resident_block_table
+        array = None if table is None else table.numpy()
+        self._resident.append((tables, array))
+        return array
 
 
 #: The last step's `_StepArrays` (the layers of a step share one metadata object).
 _LAST_STEP: list[_StepArrays] = []
 
 
-def _step_arrays(meta: StepMetadata, tables: GroupTables | None) -> _StepArrays:
+def _step_arrays(meta: StepMetadata) -> _StepArrays:
     last = _LAST_STEP[0] if _LAST_STEP else None
-    if last is not None and last.meta is meta and (tables is None or last.tables is tables):
+    if last is not None and last.meta is meta:
         return last
-    arrays = _StepArrays(meta, tables)
+    arrays = _StepArrays(meta)
     _LAST_STEP[:] = [arrays]
     return arrays
 
@@ -159,7 +167,7 @@ class IndexGroup:
             return
         if n == 1 and self.ops is cpu_ops and meta.is_decode:
             # A batch-1 decode step: the written host row out of the slot set, in numpy.
-            step = _step_arrays(meta, None)
+            step = _step_arrays(meta)
             q, row = step.q, step.host_row
             if row >= 0 and 0 <= q < step.state.shape[0]:
                 s = int(step.state[q])
@@ -282,14 +290,14 @@ class IndexGroup:
         if self.config.max_query_len < 1 or not self.totals.is_cpu:
             return False
         self.check_rows(topk)
-        step = _step_arrays(meta, tables)
+        step = _step_arrays(meta)
         q, S = step.q, self.max_num_reqs
         if q < 0 or q >= step.state.shape[0] or int(step.state[q]) < 0:
             return False  # padding (the general path only clears the outputs)
         s = int(step.state[q])
         if s >= S or q >= S or q >= step.source.shape[0]:
             return False
-        res = step.resident
+        res = step.resident_of(tables)
         if res is not None and q >= res.shape[0]:
             return False
         a = self._cpu_arrays()

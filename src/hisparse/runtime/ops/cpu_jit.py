@@ -40,7 +40,7 @@ def set_enabled(enabled: bool) -> None:
 
 
 #: Helpers called from compiled functions; those in `_REASSOCIATE` may sum in any order.
-_HELPERS = ("_fp8_encode", "_dots", "_fp8_topk_row", "_resolve_row")
+_HELPERS = ("_fp8_encode", "_dots", "_exp_shifted", "_fp8_topk_row", "_resolve_row")
 _REASSOCIATE = ("_dots",)
 
 
@@ -300,6 +300,31 @@ def _fp8_encode(x, codes, f, u):
         codes[i] = np.uint8((r | (sign >> 24)) & 0xFF)
 
 
+def _exp_shifted(x, top, scratch):
+    """``x[i] = exp(x[i] - top)`` in place (``x <= top``; ``-inf`` -> 0), in two loops the
+    compiler vectorises (libm's ``expf`` is one call per value): Cody-Waite reduction to
+    ``r`` in [-ln2/2, ln2/2], Cephes' degree-7 polynomial for ``e^r`` (within 2 ulp of
+    ``expf``), then ``2^n`` built from its bits (``scratch``, viewed as int32). Arguments
+    below -87 (``e^x < 2^-126``) give 0."""
+    n = x.shape[0]
+    bits = scratch.view(np.int32)
+    for i in range(n):
+        u = x[i] - top
+        v = u if u > np.float32(-87.0) else np.float32(-87.0)
+        k = np.floor(v * np.float32(1.44269504) + np.float32(0.5))
+        r = v - k * np.float32(0.693359375) + k * np.float32(2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        x[i] = p * r * r + r + np.float32(1.0)
+        bits[i] = ((np.int32(k) + np.int32(127)) << 23) if u > np.float32(-87.0) else 0
+    for i in range(n):
+        x[i] = x[i] * scratch[i]
+
+
 def _dots(q, key, logit, c, scale):
     """``logit[h, c] = (q[h] · key[h's KV head]) · scale`` for every query head ``h``; summed
     in whatever order vectorises (numba ``fastmath`` reassociation)."""
@@ -358,17 +383,17 @@ def _fp8_topk_row(q, pflat, play, table, lut, length, pos, sink, window, top_k, 
         _dots(q, key, logit, c, scale)
     # Attention mass per candidate, summed over the query heads.
     mass = np.zeros(n_cand, np.float32)
+    scale2 = np.empty(n_cand, np.float32)
     for h in range(H):
         row = logit[h]
         top = row[0]
         for c in range(1, n_cand):
             if row[c] > top:
                 top = row[c]
+        _exp_shifted(row, top, scale2)
         total = np.float32(0.0)
         for c in range(n_cand):
-            e = np.float32(np.exp(row[c] - top))
-            row[c] = e
-            total += e
+            total += row[c]
         inv = np.float32(1.0) / total
         for c in range(n_cand):
             mass[c] += row[c] * inv
@@ -455,6 +480,7 @@ def _attend_rows(q, kflat, klay, rows, scale, out):
     off, s_blk, s_row, bs = klay[0], klay[1], klay[2], klay[3]
     qg = q.reshape((G, QH, D))
     scores = np.empty((H, K), np.float32)
+    scale2 = np.empty(K, np.float32)
     starts = np.empty(K, np.int64)
     for k in range(K):
         r = np.int64(rows[k])
@@ -475,10 +501,9 @@ def _attend_rows(q, kflat, klay, rows, scale, out):
                 top = srow[k]
         total = np.float32(0.0)
         if top > -np.inf:
+            _exp_shifted(srow, top, scale2)
             for k in range(K):
-                e = np.float32(np.exp(srow[k] - top))
-                srow[k] = e
-                total += e
+                total += srow[k]
         for d in range(D):
             out[h, d] = 0.0
         if total > 0:
