@@ -40,7 +40,15 @@ def set_enabled(enabled: bool) -> None:
 
 
 #: Helpers called from compiled functions; those in `_REASSOCIATE` may sum in any order.
-_HELPERS = ("_fp8_encode", "_dots", "_exp_shifted", "_fp8_topk_row", "_resolve_row")
+_HELPERS = (
+    "_argsort_stable",
+    "_search",
+    "_fp8_encode",
+    "_dots",
+    "_exp_shifted",
+    "_fp8_topk_row",
+    "_resolve_row",
+)
 _REASSOCIATE = ("_dots",)
 
 
@@ -50,22 +58,22 @@ def _build() -> SimpleNamespace | None:
     except ImportError:
         return None
 
-    def compile_(fn):
+    def compile_(fn, fastmath: set[str] | bool = False):
         if isinstance(fn, numba.core.dispatcher.Dispatcher):  # a helper, compiled above
             return fn
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # NumbaWarning when no cache folder is writable
             try:
-                return numba.njit(cache=True, nogil=True)(fn)
+                return numba.njit(cache=True, nogil=True, fastmath=fastmath)(fn)
             except Exception:  # pragma: no cover - no cache locator at all
-                return numba.njit(nogil=True)(fn)
+                return numba.njit(nogil=True, fastmath=fastmath)(fn)
 
     # Helpers other compiled functions call: compiled first, in place of the module's
     # Python functions (numba resolves a callee from the module's globals at compile time).
     module = globals()
     for name in _HELPERS:
-        fastmath = {"reassoc", "contract"} if name in _REASSOCIATE else False
-        module[name] = numba.njit(fastmath=fastmath, nogil=True, cache=True)(module[name])
+        reassociate = {"reassoc", "contract"} if name in _REASSOCIATE else False
+        module[name] = compile_(module[name], reassociate)
     return SimpleNamespace(
         resolve_row=compile_(_resolve_row),
         copy_rows=compile_(_copy_rows),
@@ -81,6 +89,52 @@ def _build() -> SimpleNamespace | None:
 # ---------------------------------------------------------------------------------------------
 # Plain-Python bodies (numba compiles them; they also run uncompiled, slowly, for debugging)
 # ---------------------------------------------------------------------------------------------
+def _argsort_stable(keys):
+    """Indices that sort ``keys`` ascending, equal keys in index order (numpy's stable
+    argsort; a bottom-up merge sort here: plain loops compile in a fraction of the time
+    numba needs for ``np.argsort``)."""
+    n = keys.shape[0]
+    a = np.arange(n)
+    b = np.empty(n, np.int64)
+    width = 1
+    while width < n:
+        for lo in range(0, n, 2 * width):
+            mid = min(lo + width, n)
+            hi = min(lo + 2 * width, n)
+            i, j, k = lo, mid, lo
+            while i < mid and j < hi:
+                if keys[a[j]] < keys[a[i]]:
+                    b[k] = a[j]
+                    j += 1
+                else:
+                    b[k] = a[i]
+                    i += 1
+                k += 1
+            while i < mid:
+                b[k] = a[i]
+                i += 1
+                k += 1
+            while j < hi:
+                b[k] = a[j]
+                j += 1
+                k += 1
+        a, b = b, a
+        width *= 2
+    return a
+
+
+def _search(keys, n, v):
+    """The first index ``i < n`` with ``keys[i] >= v`` (``keys[:n]`` ascending), else ``n``."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if keys[mid] < v:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 def _resolve_row(pos, src_bt, res_bt, has_res, hot_bt, hot, lru, bs, out, swap_src, swap_dst):
     """`cpu_ops.resolve_residency` of one query row of one request (a batch-1 decode step).
 
@@ -127,7 +181,7 @@ def _resolve_row(pos, src_bt, res_bt, has_res, hot_bt, hot, lru, bs, out, swap_s
             out[i] = phys[i]
         return True, n_valid, 0, 0
     # Wanted set: distinct host rows, sorted (the swap list's order), each one's first entry.
-    order = np.argsort(host[:n_ent], kind="mergesort")
+    order = _argsort_stable(host[:n_ent])
     keys = np.empty(n_ent, np.int64)
     first = np.empty(n_ent, np.int64)
     inverse = np.empty(n_ent, np.int64)
@@ -150,7 +204,7 @@ def _resolve_row(pos, src_bt, res_bt, has_res, hot_bt, hot, lru, bs, out, swap_s
         v = np.int64(hot[h])
         if v < 0:
             continue
-        at = np.searchsorted(keys[:U], v)
+        at = _search(keys, U, v)
         if at < U and keys[at] == v:
             if slot_of_u[at] >= 0:  # two slots hold one row: not a valid hot state
                 return False, 0, 0, 0
@@ -182,7 +236,7 @@ def _resolve_row(pos, src_bt, res_bt, has_res, hot_bt, hot, lru, bs, out, swap_s
             miss_u[m] = u
             miss_first[m] = first[u]
             m += 1
-    by_first = np.argsort(miss_first, kind="mergesort")
+    by_first = _argsort_stable(miss_first)
     for m in range(n_miss):
         slot_of_u[miss_u[by_first[m]]] = evict[m]
     j = 0
@@ -398,7 +452,7 @@ def _fp8_topk_row(q, pflat, play, table, lut, length, pos, sink, window, top_k, 
         for c in range(n_cand):
             mass[c] += row[c] * inv
     # The best candidates (highest mass, earlier position on ties), then every pick ascending.
-    order = np.argsort(-mass, kind="mergesort")
+    order = _argsort_stable(-mass)
     keep = np.zeros(n_cand, np.bool_)
     for i in range(kk - n_forced):
         keep[order[i]] = True
