@@ -175,81 +175,7 @@ def graph_resolve_us(Q: int, H: int, miss: float, reps: int = 50) -> dict:
 
 
 #: Knobs of the Triton module each ablation variant sets (the rest stay at their defaults).
-_KNOBS = (
-    "RESOLVE_IMPL", "RESOLVE_WARPS", "RESOLVE_BH", "RESOLVE_LOG_BUCKETS", "RESOLVE_SPLIT_P",
-    "RESOLVE_SPLIT_WARPS", "RESOLVE_SPLIT_FUSE", "RESOLVE_SPLIT_TILE",
-)  # fmt: skip
-
-#: The old kernel (one program per request, bucket table) and the split kernel (programs per
-#: host-row range, fused finish) at its defaults and at other settings.
-_COMPARE = [
-    ("bucket", {"RESOLVE_IMPL": "bucket"}),
-    ("split", {"RESOLVE_IMPL": "split"}),
-    ("split-unfused", {"RESOLVE_IMPL": "split", "RESOLVE_SPLIT_FUSE": False}),
-    ("split-P16", {"RESOLVE_IMPL": "split", "RESOLVE_SPLIT_P": 16}),
-    ("split-P32", {"RESOLVE_IMPL": "split", "RESOLVE_SPLIT_P": 32}),
-    ("split-w4", {"RESOLVE_IMPL": "split", "RESOLVE_SPLIT_WARPS": 4}),
-    ("split-w16", {"RESOLVE_IMPL": "split", "RESOLVE_SPLIT_WARPS": 16}),
-]
-
-
-def _with_knobs(knobs: dict, fn):  # type: ignore[no-untyped-def]
-    defaults = {k: getattr(tk, k) for k in _KNOBS}
-    for k, v in knobs.items():
-        setattr(tk, k, v)
-    try:
-        return fn()
-    finally:
-        for k, v in defaults.items():
-            setattr(tk, k, v)
-
-
-def compare_resolve(reps: int = 50) -> dict:
-    """Old vs new resolve kernel, CUDA-graph µs, batch 1 / 8 / 64, hot 4096, top_k 2048,
-    one decode row per request, 5% and 20% miss; each variant checked against the oracle."""
-    rows = []
-    for Q in (1, 8, 64):
-        for miss in (0.05, 0.2):
-            r = {"batch": Q, "miss": miss}
-            for name, knobs in _COMPARE:
-                try:
-                    res = _with_knobs(
-                        knobs, lambda Q=Q, miss=miss: graph_resolve_us(Q, 4096, miss, reps)
-                    )
-                    r[name] = res["resolve_us"]
-                except Exception as e:  # keep going; report the failure
-                    r[name] = repr(e)[:200]
-            rows.append(r)
-            print("compare", r, flush=True)
-    checks = {}
-    for name, knobs in _COMPARE:
-        for Q, reuse in ((1, 0.95), (8, 0.8), (8, 0.0)):
-            case = make_resolve_case(
-                Q=Q, K=K, H=4096, block_size=BS, seed=79 + Q, reuse=reuse, hot_fill=0.9,
-                p_neg=0.01, max_rows=1,
-            ).to(DEV)  # fmt: skip
-            a, b = case.clone(), case.clone()
-            ref.resolve_residency(*a.args())
-            _with_knobs(knobs, lambda b=b: tk.resolve_residency(*b.args()))
-            torch.cuda.synchronize()
-            checks[f"{name}-Q{Q}-reuse{reuse}"] = compare(
-                a.state_and_outputs(), b.state_and_outputs()
-            )
-    print("compare checks", checks, flush=True)
-    names = [n for n, _ in _COMPARE]
-    print("\nresolve µs, CUDA-graph replays (hot 4096, top_k 2048, 1 row/request)")
-    print(f"{'batch':>5} {'miss':>5} " + " ".join(f"{n:>13}" for n in names) + "  new/old")
-    for r in rows:
-        cells = " ".join(
-            f"{r[n]:>13.1f}" if isinstance(r[n], float) else f"{'ERR':>13}" for n in names
-        )
-        ratio = (
-            f"{r['split'] / r['bucket']:.2f}"
-            if isinstance(r["split"], float) and isinstance(r["bucket"], float)
-            else "-"
-        )
-        print(f"{r['batch']:>5} {r['miss']:>5} {cells}  {ratio}")
-    return {"rows": rows, "checks": checks}
+_KNOBS = ("RESOLVE_IMPL", "RESOLVE_WARPS", "RESOLVE_BH", "RESOLVE_LOG_BUCKETS")
 
 
 def ablate_resolve(reps: int = 50) -> list[dict]:
@@ -617,8 +543,6 @@ def main() -> None:
             graph_resolve_us(256, 8192, 0.05),
         ]
         print("graph", result["graph_check"], flush=True)
-        result["compare"] = compare_resolve()
-        _dump(result, args.out)
         if args.ablate:
             result["ablate"] = ablate_resolve()
             _dump(result, args.out)

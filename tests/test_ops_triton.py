@@ -54,20 +54,8 @@ def _run_both(case, steps: int = 1, seed: int = 0) -> None:
             assert held.unique().numel() == held.numel()
 
 
-#: Kernel settings the random cases rotate through: the bucket kernel, and the split kernel
-#: with several programs per request (fused finish, tiny tiles, a separate finish launch).
-_ROTATION = [
-    {"RESOLVE_IMPL": "bucket"},
-    {"RESOLVE_IMPL": "split", "RESOLVE_SPLIT_P": 4},
-    {"RESOLVE_IMPL": "split", "RESOLVE_SPLIT_P": 2, "RESOLVE_SPLIT_TILE": (2, 4)},
-    {"RESOLVE_IMPL": "split", "RESOLVE_SPLIT_P": 8, "RESOLVE_SPLIT_FUSE": False},
-]
-
-
 @pytest.mark.parametrize("seed", range(24))
-def test_resolve_random_multistep(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    for k, v in _ROTATION[seed % len(_ROTATION)].items():
-        monkeypatch.setattr(tk, k, v)
+def test_resolve_random_multistep(seed: int) -> None:
     g = torch.Generator().manual_seed(1000 + seed)
 
     def pick(xs):
@@ -192,54 +180,6 @@ def test_resolve_each_kernel(
         reuse=0.5 if seed % 2 else 0.0,
     )  # fmt: skip
     _run_both(case, steps=3, seed=seed)
-
-
-@pytest.mark.parametrize(
-    ("programs", "tile", "fuse"),
-    [
-        (1, None, True),  # one range: the whole request in one program
-        (4, (2, 2), True),  # ranges spill over several tiles of entries and slots
-        (8, (4, 8), False),  # more ranges than distinct rows; the finish as its own launch
-    ],
-)
-@pytest.mark.parametrize("seed", range(3))
-def test_resolve_split_kernel(
-    programs: int,
-    tile: tuple[int, int] | None,
-    fuse: bool,
-    seed: int,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Host-row ranges per program: repeats across rows, resident pages, padding, cold and
-    warm hot buffers; every output and the hot state equal the reference."""
-    monkeypatch.setattr(tk, "RESOLVE_IMPL", "split")
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_P", programs)
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_TILE", tile)
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_FUSE", fuse)
-    case = make_resolve_case(
-        Q=3, K=8, H=32, block_size=[1, 4, 2][seed], seed=90 + seed, max_rows=3,
-        p_dup=0.3, p_neg=0.1, p_resident_page=0.2, p_pad_req=0.3 if seed == 1 else 0.0,
-        hot_fill=[0.0, 0.7, 1.0][seed], reuse=[0.0, 0.5, 0.9][seed],
-    )  # fmt: skip
-    _run_both(case, steps=3, seed=seed)
-
-
-def test_resolve_split_chunks_hot_slots(monkeypatch: pytest.MonkeyPatch) -> None:
-    """More hot slots than one program vector (``H > 4096``): slots are read in chunks and
-    the new LRU order goes through scratch."""
-    monkeypatch.setattr(tk, "RESOLVE_IMPL", "split")
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_P", 2)
-    case = make_resolve_case(
-        Q=1, K=4, H=4100, block_size=4, seed=5, max_rows=1, hot_fill=0.01, reuse=0.5
-    )  # fmt: skip
-    _run_both(case, steps=2, seed=5)
-
-
-def test_resolve_auto_picks_by_batch() -> None:
-    assert tk.RESOLVE_IMPL == "auto" and tk.RESOLVE_SPLIT_MAX_Q >= 0
-    P, te, th = tk.split_programs(2048, 4096)
-    assert P >= 1 and te * th <= 16384 and te <= 128
-    assert tk.RESOLVE_SPLIT_MAX_N >= 1
 
 
 def test_resolve_max_rows_per_request_keyword() -> None:

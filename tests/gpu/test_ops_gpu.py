@@ -57,37 +57,6 @@ def test_resolve_real_sizes(Q: int, H: int, max_rows: int, seed: int) -> None:
     _steps(case, steps=3, seed=seed)
 
 
-_SPLIT_VARIANTS = [
-    {"RESOLVE_IMPL": "split"},
-    {"RESOLVE_IMPL": "split", "RESOLVE_SPLIT_FUSE": False},
-    {"RESOLVE_IMPL": "split", "RESOLVE_SPLIT_P": 16, "RESOLVE_SPLIT_WARPS": 4},
-    {"RESOLVE_IMPL": "split", "RESOLVE_SPLIT_P": 32},
-    {"RESOLVE_IMPL": "bucket"},
-]
-
-
-@pytest.mark.parametrize("variant", range(len(_SPLIT_VARIANTS)))
-@pytest.mark.parametrize(
-    "Q,H,max_rows,reuse,seed",
-    [(1, 4096, 1, 0.95, 0), (8, 4096, 1, 0.8, 1), (64, 4096, 1, 0.95, 2), (4, 8192, 4, 0.9, 3),
-     (2, 4096, 2, 0.0, 4)],
-)  # fmt: skip
-def test_resolve_split_real_sizes(
-    Q: int, H: int, max_rows: int, reuse: float, seed: int, variant: int,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
-    """The split kernel (and, for comparison, the bucket kernel) at decode sizes: batch 1 to
-    64, repeats across a request's rows, a cold hot buffer, two slot chunks (H 8192)."""
-    for k, v in _SPLIT_VARIANTS[variant].items():
-        monkeypatch.setattr(tk, k, v)
-    case = make_resolve_case(
-        Q=Q, K=2048, H=H, block_size=64, seed=seed, max_rows=max_rows, p_neg=0.02,
-        p_dup=0.05, p_resident_page=0.05, reuse=reuse, hot_fill=0.9, extra_out_rows=1,
-        p_pad_req=0.2 if Q >= 8 else 0.0,
-    )  # fmt: skip
-    _steps(case, steps=3, seed=seed, max_rows_per_request=max_rows)
-
-
 def test_resolve_decode_bound_keyword() -> None:
     case = make_resolve_case(Q=64, K=2048, H=8192, block_size=64, seed=9, max_rows=1)
     _steps(case, steps=2, seed=9, max_rows_per_request=1)
@@ -209,47 +178,6 @@ def test_resolve_and_gather_in_cuda_graph_equal_eager() -> None:
         assert not bad, f"replay {it}: {bad} differ"
         assert torch.equal(e_dev, g_dev)
         assert int(e_case.swap_count.sum()) > 0
-
-
-@pytest.mark.parametrize("counters", ["warm", "created-in-capture"])
-def test_resolve_split_in_cuda_graph_equal_eager(
-    counters: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The split kernel captured at batch 1 and 8: fused (its counters exist before capture)
-    or, when they would be created inside the capture, with the finish as a second launch;
-    replays with new top-k equal eager calls, and the counters stay at zero."""
-    monkeypatch.setattr(tk, "RESOLVE_IMPL", "split")
-    for Q in (1, 8):
-        case = make_resolve_case(Q=Q, K=2048, H=4096, block_size=64, seed=60 + Q, reuse=0.9)
-        case = case.to(DEV)
-        g_case, e_case, w_case = case.clone(), case.clone(), case.clone()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            tk.resolve_residency(*w_case.args())
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        if counters == "created-in-capture":
-            monkeypatch.setattr(tk, "_split_counters", {})
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            tk.resolve_residency(*g_case.args())
-        assert (counters == "warm") == bool(tk._split_counters)
-        for it in range(3):
-            topk = next_step_topk(e_case, 900 + it, reuse=0.9)
-            e_case.topk.copy_(topk)
-            g_case.topk.copy_(topk)
-            for c in (g_case, e_case):
-                for t in (c.out_physical, c.swap_src, c.swap_dst):
-                    t.fill_(POISON)
-            graph.replay()
-            tk.resolve_residency(*e_case.args())
-            torch.cuda.synchronize()
-            bad = compare(e_case.state_and_outputs(), g_case.state_and_outputs())
-            assert not bad, f"Q={Q} replay {it}: {bad} differ"
-            assert int(e_case.swap_count.sum()) > 0
-        for t in tk._split_counters.values():
-            assert int(t.abs().sum()) == 0
 
 
 def _group_inputs(G: int, rb: int, seed: int, resolve: bool = True):
