@@ -23,7 +23,7 @@ from hisparse.models.llama import full_width_rope, rope_full_width
 from hisparse.runtime.ops import cpu_jit
 
 fns = cpu_jit.jit()
-pytestmark = pytest.mark.skipif(fns is None, reason="numba is not installed")
+pytestmark = pytest.mark.skipif(fns is None, reason="no numba (or HISPARSE_CPU_JIT=0)")
 
 G, H, D = 3, 9, 64
 

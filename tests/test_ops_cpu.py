@@ -52,7 +52,7 @@ def one_request_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
     """Run a test with `cpu_ops`' form for batches with one live request (compiled, where
     numba is installed, and numpy) and without it (the batched form)."""
     if request.param == "jit" and cpu_jit.jit() is None:
-        pytest.skip("numba is not installed")
+        pytest.skip("numba is not installed (or HISPARSE_CPU_JIT=0)")
     monkeypatch.setattr(cpu, "_ONE_REQUEST_PATH", request.param != "batched")
     cpu_jit.set_enabled(request.param == "jit")
     yield request.param != "batched"
