@@ -203,3 +203,24 @@ def test_exp_shifted_is_within_an_ulp_and_zero_far_below() -> None:
     rel = np.abs(y[live] - want[live]) / want[live]
     assert rel.max() < 2**-23  # under one ulp of the result
     assert (y[~live] == 0).all() and y[-4] == 1.0
+
+
+def test_add_rms_norm_matches_rms_norm() -> None:
+    """The add is exact; the norm equals ``F.rms_norm`` to a few ulp (its sum of squares
+    rounds in another order)."""
+    g = _gen(11)
+    for scale in (0.05, 1.0, 30.0):
+        x, delta, w = (
+            torch.randn(576, generator=g) * scale,
+            torch.randn(576, generator=g),
+            (torch.randn(576, generator=g)),
+        )
+        xo, h = torch.full((576,), np.nan), torch.full((576,), np.nan)
+        fns.add_rms_norm(x.numpy(), delta.numpy(), True, w.numpy(), np.float32(1e-5),
+                         xo.numpy(), h.numpy())  # fmt: skip
+        assert torch.equal(xo, x + delta)
+        want = torch.nn.functional.rms_norm(x + delta, (576,), w, 1e-5)
+        torch.testing.assert_close(h, want, rtol=1e-6, atol=1e-7)
+        fns.add_rms_norm(x.numpy(), x.numpy(), False, w.numpy(), np.float32(1e-5), xo.numpy(),
+                         h.numpy())  # fmt: skip
+        assert torch.equal(xo, x)

@@ -736,24 +736,46 @@ class LlamaForCausalLM(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step,
         cache: GqaKVCache, plan: StepPlan,
     ) -> torch.Tensor:  # fmt: skip
-        """The layers of a batch-1 CPU decode step with fewer ops, the same values as the
-        general loop: `LlamaAttention.forward_one_cpu`, RMS norms as one ``F.rms_norm`` (the
-        same bits in fp32 as `RMSNorm`'s steps) and gate and up projections as one matmul."""
+        """The layers of a batch-1 CPU decode step with fewer ops than the general loop:
+        `LlamaAttention.forward_one_cpu`, gate and up projections as one matmul, and each
+        residual add with the RMS norm after it as one compiled call (`cpu_jit.add_rms_norm`;
+        the add is exact, the norm's sum of squares rounds in another order: last-bit
+        differences). Without numba the norms are ``F.rms_norm`` (the same bits in fp32 as
+        `RMSNorm`'s steps) and the whole step equals the general loop bit for bit."""
+        fns = cpu_jit.jit()
         shape = (self.config.hidden_size,)
         eps = self.config.rms_norm_eps
+        eps32 = np.float32(eps)
         gate_up = self._gate_up
-        for i, layer in enumerate(self.model.layers):
+        layers = self.model.layers
+        norms = [ly.input_layernorm.weight for ly in layers]  # type: ignore[union-attr]
+        norms.append(self.model.norm.weight)
+
+        def add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
+            """``(x + delta, rms_norm(x + delta))`` (``delta`` None: ``x`` as it is)."""
+            if fns is None:
+                x = x if delta is None else x + delta
+                return x, F.rms_norm(x, shape, weight, eps)
+            xo, h = torch.empty_like(x), torch.empty_like(x)
+            fns.add_rms_norm(
+                x.numpy()[0], x.numpy()[0] if delta is None else delta.numpy()[0],
+                delta is not None, weight.detach().numpy(), eps32, xo.numpy()[0], h.numpy()[0],
+            )  # fmt: skip
+            return xo, h
+
+        x, h = add_norm(x, None, norms[0])
+        for i, layer in enumerate(layers):
             assert isinstance(layer, LlamaDecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
-            h = F.rms_norm(x, shape, layer.input_layernorm.weight, eps)
-            x = x + attn.forward_one_cpu(h, cos, sin, step, cache, self.indexer, plan)
-            h = F.rms_norm(x, shape, layer.post_attention_layernorm.weight, eps)
+            a = attn.forward_one_cpu(h, cos, sin, step, cache, self.indexer, plan)
+            x, h = add_norm(x, a, layer.post_attention_layernorm.weight)
             fused = fused_weight((mlp.gate_proj, mlp.up_proj), gate_up.get(i))
             gate_up[i] = fused
             gu = F.linear(h, fused[0])
             inter = gu.shape[1] // 2
-            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], mlp.down_proj.weight)
-        return F.rms_norm(x, shape, self.model.norm.weight, eps)
+            m = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], mlp.down_proj.weight)
+            x, h = add_norm(x, m, norms[i + 1])
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -45,11 +45,12 @@ _HELPERS = (
     "_search",
     "_fp8_encode",
     "_dots",
+    "_sum_squares",
     "_exp_shifted",
     "_fp8_topk_row",
     "_resolve_row",
 )
-_REASSOCIATE = ("_dots",)
+_REASSOCIATE = ("_dots", "_sum_squares")
 
 
 def _build() -> SimpleNamespace | None:
@@ -82,6 +83,7 @@ def _build() -> SimpleNamespace | None:
         gather_rows=compile_(_gather_rows),
         decode_pre=compile_(_decode_pre),
         attend_rows=compile_(_attend_rows),
+        add_rms_norm=compile_(_add_rms_norm),
         fp8_encode=compile_(_fp8_encode),
     )
 
@@ -657,3 +659,24 @@ def _paged_pages(pages: torch.Tensor, row_bytes: int) -> tuple[np.ndarray, np.nd
 
 _U8 = np.dtype(np.uint8)
 F32 = np.dtype(np.float32)
+
+
+def _sum_squares(x):
+    """``Σ x²`` in fp32, summed in whatever order vectorises (``fastmath`` reassociation)."""
+    acc = np.float32(0.0)
+    for i in range(x.shape[0]):
+        acc += x[i] * x[i]
+    return acc
+
+
+def _add_rms_norm(x, delta, add, weight, eps, x_out, h_out):
+    """``x_out = x + delta`` (``add`` False: ``x``), ``h_out = weight · (x_out · r)`` with
+    ``r = 1 / sqrt(mean(x_out²) + eps)``: a residual add and the RMS norm after it
+    (`RMSNorm`'s steps in fp32; the add is exact, the sum of squares rounds in another
+    order than torch's mean, so the norm may differ from torch's in the last bits)."""
+    n = x.shape[0]
+    for i in range(n):
+        x_out[i] = x[i] + delta[i] if add else x[i]
+    r = np.float32(1.0) / np.sqrt(_sum_squares(x_out) / np.float32(n) + eps)
+    for i in range(n):
+        h_out[i] = weight[i] * (x_out[i] * r)
