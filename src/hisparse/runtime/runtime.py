@@ -165,7 +165,7 @@ class IndexGroup:
         n = meta.num_tokens if num_rows is None else num_rows
         if n == 0:
             return
-        if n == 1 and self.ops is cpu_ops and meta.is_decode:
+        if n == 1 and self.ops is cpu_ops and meta.is_decode and self.device.type == "cpu":
             # A batch-1 decode step: the written host row out of the slot set, in numpy.
             step = _step_arrays(meta)
             q, row = step.q, step.host_row
@@ -399,7 +399,11 @@ class IndexGroup:
         self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor
     ) -> None:
         """The body of `resolve_and_stage`, on whatever stream is current."""
-        if self.ops is cpu_ops and self._cpu_decode_one(meta, tables, topk):
+        if (
+            self.ops is cpu_ops
+            and self.device.type == "cpu"
+            and self._cpu_decode_one(meta, tables, topk)
+        ):
             return
         self._resolve(meta, tables.resident_block_table, topk, self.config.max_query_len)
         self._count_step(meta.num_reqs)
