@@ -26,7 +26,9 @@ heads (dropping the tokens of least total mass bounds the mass every head loses)
 kept and are left out of the softmax, so whatever they hold cannot move the choice among the
 others (in particular: a prefill and token-by-token decoding choose the same rows). The result
 lists positions ascending, ``-1`` padded. With ``top_k`` at least the context length every
-earlier position is chosen: attention is then exactly dense.
+earlier position is chosen: attention is then exactly dense. (A batch-1 fp8 decode on the CPU
+scores in one compiled call, `_fp8_topk_one_cpu`: the same rule, sums rounded in another
+order, so a near-tie at the top-k border may fall the other way than in a prefill.)
 
 Default ``fp8``, by measurement (SmolLM2-135M fp32, 768 tokens of the Python language reference,
 teacher-forced over the last 384, sinks 4, window 32; increase of mean NLL over dense / top-1
