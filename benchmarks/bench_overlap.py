@@ -36,8 +36,17 @@ BS = 64
 class Stack:
     """``layers`` sparse layers in index groups of ``group``; HiSparse or all-GPU placement."""
 
-    def __init__(self, *, batch: int, ctx: int, layers: int, group: int, offload: bool,
-                 host: torch.Tensor | None, weights: list[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        *,
+        batch: int,
+        ctx: int,
+        layers: int,
+        group: int,
+        offload: bool,
+        host: torch.Tensor | None,
+        weights: list[torch.Tensor],
+    ) -> None:
         dev = torch.device("cuda")
         cfg = HiSparseConfig(top_k=TOP_K, device_buffer_size=HOT, block_size=BS).resolve()
         nb = ctx // BS
@@ -56,25 +65,34 @@ class Stack:
         for i in range(layers):
             lead = i % group == 0
             rt = SparseLayerRuntime(
-                f"layers.{i}", cfg, row_bytes=ROW, max_num_reqs=batch, device=dev,
+                f"layers.{i}",
+                cfg,
+                row_bytes=ROW,
+                max_num_reqs=batch,
+                device=dev,
                 index_group=None if lead else self.runtimes[i - i % group].group,
                 offload=offload,
             )
             if lead:
                 # one GPU pool per index group, block-outermost, layer pages side by side in a
                 # block (as in the planner's hot groups): the group gather writes into it
-                pool = torch.randint(0, 255, (dev_blocks * group * BS * ROW,), dtype=torch.uint8,
-                                     device=dev)
+                pool = torch.randint(
+                    0, 255, (dev_blocks * group * BS * ROW,), dtype=torch.uint8, device=dev
+                )
             self.pools.append(pool)
-            rt.bind_device(pool.as_strided((dev_blocks, BS, ROW), (group * BS * ROW, ROW, 1),
-                                           (i % group) * BS * ROW))
+            rt.bind_device(
+                pool.as_strided(
+                    (dev_blocks, BS, ROW), (group * BS * ROW, ROW, 1), (i % group) * BS * ROW
+                )
+            )
             if offload:
                 assert host is not None
                 # block-outermost host pool, token-major inside each index group
                 unit, pos = divmod(i, group)
                 block_bytes = layers * BS * ROW
                 view = host.as_strided(
-                    (host_blocks, BS, ROW), (block_bytes, group * ROW, 1),
+                    (host_blocks, BS, ROW),
+                    (block_bytes, group * ROW, 1),
                     unit * BS * group * ROW + pos * ROW,
                 )
                 rt.bind_host(view)
@@ -90,20 +108,25 @@ class Stack:
         if offload:
             res_bt = torch.zeros((batch, nb), dtype=torch.int32, device=dev)
             res_bt[:, -2:] = (1 + q[:, None] * 2 + torch.arange(2, device=dev)).int()
-            hot_bt = (1 + batch * 2 + q[:, None] * hot_blocks
-                      + torch.arange(hot_blocks, device=dev)).int()
+            hot_bt = (
+                1 + batch * 2 + q[:, None] * hot_blocks + torch.arange(hot_blocks, device=dev)
+            ).int()
             for lead_h in self.leaders:
                 lead_h.runtime.group.bind_hot_block_table(hot_bt)
         else:
             res_bt = src_bt.clone()
         self.meta = StepMetadata(
-            num_tokens=batch, is_decode=True,
-            req_per_token=q.int(), request_state_indices=q.int(),
-            source_block_table=src_bt, host_slot_mapping=None,
+            num_tokens=batch,
+            is_decode=True,
+            req_per_token=q.int(),
+            request_state_indices=q.int(),
+            source_block_table=src_bt,
+            host_slot_mapping=None,
         )
-        self.tables = GroupTables(resident_block_table=res_bt,
-                                  slot_mapping=torch.full((batch,), -1, dtype=torch.int32,
-                                                          device=dev))
+        self.tables = GroupTables(
+            resident_block_table=res_bt,
+            slot_mapping=torch.full((batch,), -1, dtype=torch.int32, device=dev),
+        )
         self.topk = torch.zeros((batch, TOP_K), dtype=torch.int32, device=dev)
         self.x = torch.randn(batch, 7168, device=dev, dtype=torch.bfloat16)
         self.sink = torch.zeros((), device=dev)
@@ -116,8 +139,10 @@ class Stack:
             flat = phys.reshape(-1).clamp_min(0).long()
             # row r of layer j of the group pool: block r // BS, page j, token r % BS
             blk, tok = flat // BS, flat % BS
-            rows = self.pools[i].view(-1, ROW).index_select(
-                0, (blk * self.group + i % self.group) * BS + tok
+            rows = (
+                self.pools[i]
+                .view(-1, ROW)
+                .index_select(0, (blk * self.group + i % self.group) * BS + tok)
             )
             self.sink += rows[:, :16].view(torch.float32).float().sum() * 0
             y = self.x @ self.weights[i % len(self.weights)]
@@ -127,8 +152,9 @@ class Stack:
 def selections(batch: int, ctx: int, steps: int, miss: float, gen: torch.Generator) -> list:
     """Per step top-k sets keeping ``1 - miss`` of the previous step's positions."""
     dev = "cuda"
-    cur = torch.stack([torch.randperm(ctx, device=dev, generator=gen)[:TOP_K]
-                       for _ in range(batch)])
+    cur = torch.stack(
+        [torch.randperm(ctx, device=dev, generator=gen)[:TOP_K] for _ in range(batch)]
+    )
     out = [cur.int()]
     n_new = round(miss * TOP_K)
     for _ in range(steps - 1):
@@ -184,27 +210,44 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     # ~1.4 GB of expert weights per layer (bf16 7168 x 98304), distinct per layer: no L2 reuse.
     n = 98304 if not args.quick else 32768
-    weights = [torch.randn(7168, n, device=dev, dtype=torch.bfloat16) * 0.01
-               for _ in range(args.layers)]
+    weights = [
+        torch.randn(7168, n, device=dev, dtype=torch.bfloat16) * 0.01 for _ in range(args.layers)
+    ]
     host_bytes = (1 + args.batch * (args.ctx // BS)) * args.layers * BS * ROW
     t0 = time.time()
     pool = HostPool(host_bytes)
     pool.backing.view(torch.int32)[: host_bytes // 4].random_()
-    print(f"host pool {host_bytes / 2**30:.1f} GiB pinned + filled in {time.time() - t0:.1f} s",
-          flush=True)
+    print(
+        f"host pool {host_bytes / 2**30:.1f} GiB pinned + filled in {time.time() - t0:.1f} s",
+        flush=True,
+    )
     results = []
     use_graph = not args.no_graph
     # (index group size, leader's rows first): with False (the default) the leader reads each
     # group span once and its attention waits for all of it; True is timed at 5% miss only.
     for group, leader_first in ((1, False), (4, False), (4, True)):
-        base = Stack(batch=args.batch, ctx=args.ctx, layers=args.layers, group=group,
-                     offload=False, host=None, weights=weights)
+        base = Stack(
+            batch=args.batch,
+            ctx=args.ctx,
+            layers=args.layers,
+            group=group,
+            offload=False,
+            host=None,
+            weights=weights,
+        )
         for miss in (0.05,) if leader_first else (0.05, 0.2):
             sels = selections(args.batch, args.ctx, args.steps, miss, gen)
             try:
                 t_base = time_steps(base, sels, 3, use_graph)
-                hs = Stack(batch=args.batch, ctx=args.ctx, layers=args.layers, group=group,
-                           offload=True, host=pool.backing, weights=weights)
+                hs = Stack(
+                    batch=args.batch,
+                    ctx=args.ctx,
+                    layers=args.layers,
+                    group=group,
+                    offload=True,
+                    host=pool.backing,
+                    weights=weights,
+                )
                 for lead_h in hs.leaders:
                     lead_h.runtime.group.leader_first = leader_first
                 t_hs = time_steps(hs, sels, 3, use_graph)
@@ -212,18 +255,33 @@ def main() -> None:
                 print(f"graph replay failed ({e}); timing eagerly", flush=True)
                 use_graph = False
                 t_base = time_steps(base, sels, 3, False)
-                hs = Stack(batch=args.batch, ctx=args.ctx, layers=args.layers, group=group,
-                           offload=True, host=pool.backing, weights=weights)
+                hs = Stack(
+                    batch=args.batch,
+                    ctx=args.ctx,
+                    layers=args.layers,
+                    group=group,
+                    offload=True,
+                    host=pool.backing,
+                    weights=weights,
+                )
                 for lead_h in hs.leaders:
                     lead_h.runtime.group.leader_first = leader_first
                 t_hs = time_steps(hs, sels, 3, False)
             tot = torch.stack([h.runtime.group.totals for h in hs.leaders]).sum(0).tolist()
             hits, misses, rows = tot
-            row = dict(group=group, leader_first=leader_first, miss_target=miss,
-                       batch=args.batch, ctx=args.ctx, layers=args.layers, graph=use_graph,
-                       base_us=statistics.median(t_base), hisparse_us=statistics.median(t_hs),
-                       measured_miss=misses / max(hits + misses, 1),
-                       swapped_bytes_per_step=rows * ROW / max(len(sels), 1))
+            row = dict(
+                group=group,
+                leader_first=leader_first,
+                miss_target=miss,
+                batch=args.batch,
+                ctx=args.ctx,
+                layers=args.layers,
+                graph=use_graph,
+                base_us=statistics.median(t_base),
+                hisparse_us=statistics.median(t_hs),
+                measured_miss=misses / max(hits + misses, 1),
+                swapped_bytes_per_step=rows * ROW / max(len(sels), 1),
+            )
             row["ratio"] = row["hisparse_us"] / row["base_us"]
             results.append(row)
             print(json.dumps(row), flush=True)
@@ -234,13 +292,17 @@ def main() -> None:
     if out:
         with open(os.path.join(out, "bench_overlap.json"), "w") as f:
             json.dump(results, f, indent=1)
-    print(f"\n{'group':>5} {'lead1st':>7} {'miss':>5} {'meas.miss':>9} {'all-GPU us':>10} "
-          f"{'HiSparse us':>11} {'ratio':>6}  "
-          f"(batch {args.batch}, {args.layers} layers, ctx {args.ctx})")
+    print(
+        f"\n{'group':>5} {'lead1st':>7} {'miss':>5} {'meas.miss':>9} {'all-GPU us':>10} "
+        f"{'HiSparse us':>11} {'ratio':>6}  "
+        f"(batch {args.batch}, {args.layers} layers, ctx {args.ctx})"
+    )
     for r in results:
-        print(f"{r['group']:>5} {r['leader_first']!s:>7} {r['miss_target']:>5.2f} "
-              f"{r['measured_miss']:>9.3f} {r['base_us']:>10.0f} {r['hisparse_us']:>11.0f} "
-              f"{r['ratio']:>6.3f}")
+        print(
+            f"{r['group']:>5} {r['leader_first']!s:>7} {r['miss_target']:>5.2f} "
+            f"{r['measured_miss']:>9.3f} {r['base_us']:>10.0f} {r['hisparse_us']:>11.0f} "
+            f"{r['ratio']:>6.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -28,12 +28,19 @@ def _prompts(llm: LLM) -> list[list[int]]:
 
 def _generate(placement: str, **hs) -> tuple[list[list[int]], list]:
     cfg = HiSparseConfig(top_k=TOP_K, host_pool_gib=0.25, **hs)
-    with LLM("smollm2", kv_placement=placement, hisparse=cfg, max_model_len=1024,
-             gpu_memory_gib=0.25, max_num_seqs=2) as llm:
+    with LLM(
+        "smollm2",
+        kv_placement=placement,
+        hisparse=cfg,
+        max_model_len=1024,
+        gpu_memory_gib=0.25,
+        max_num_seqs=2,
+    ) as llm:
         prompts = _prompts(llm)
         assert min(len(p) for p in prompts) > 2 * TOP_K
-        outs = llm.generate(prompt_token_ids=prompts,
-                            sampling_params=SamplingParams(temperature=0, max_tokens=16))
+        outs = llm.generate(
+            prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=16)
+        )
     assert all(o.ok for o in outs), [o.error for o in outs]
     return [o.token_ids for o in outs], outs
 
@@ -48,8 +55,13 @@ def test_smollm2_hisparse_equals_all_gpu():
 
 
 def test_text_prompts_and_stop_strings():
-    with LLM("smollm2", hisparse=HiSparseConfig(top_k=TOP_K, host_pool_gib=0.25),
-             max_model_len=512, gpu_memory_gib=0.1, max_num_seqs=2) as llm:
+    with LLM(
+        "smollm2",
+        hisparse=HiSparseConfig(top_k=TOP_K, host_pool_gib=0.25),
+        max_model_len=512,
+        gpu_memory_gib=0.1,
+        max_num_seqs=2,
+    ) as llm:
         outs = llm.generate(
             ["The capital of France is", "1, 2, 3, 4,"],
             SamplingParams(temperature=0, max_tokens=12, stop=[" 7"]),

@@ -37,8 +37,21 @@ def test_resolve_hits_misses_lru_and_resident():
     valid = torch.full((1,), -3, dtype=torch.int32)
     hm = torch.full((1, 2), -3, dtype=torch.int32)
     ref.resolve_residency(
-        topk, row_req, state, src_bt, res_bt, hot_bt, hot_index, lru, BS, out, src, dst, cnt,
-        valid, hm,
+        topk,
+        row_req,
+        state,
+        src_bt,
+        res_bt,
+        hot_bt,
+        hot_index,
+        lru,
+        BS,
+        out,
+        src,
+        dst,
+        cnt,
+        valid,
+        hm,
     )
     # host rows: pos 1 -> 10*4+1 = 41, pos 5 -> 11*4+1 = 45. Slots 0, 1 filled.
     assert hot_index[0, :2].tolist() == [41, 45]
@@ -53,8 +66,21 @@ def test_resolve_hits_misses_lru_and_resident():
     topk = torch.tensor([[6, 5, -1, -1, -1]], dtype=torch.int32)
     out, src, dst, cnt = _outputs(1, 5, 1, H)
     ref.resolve_residency(
-        topk, row_req, state, src_bt, res_bt, hot_bt, hot_index, lru, BS, out, src, dst, cnt,
-        None, hm,
+        topk,
+        row_req,
+        state,
+        src_bt,
+        res_bt,
+        hot_bt,
+        hot_index,
+        lru,
+        BS,
+        out,
+        src,
+        dst,
+        cnt,
+        None,
+        hm,
     )
     assert hot_index[0, :3].tolist() == [41, 45, 46]
     assert out[0, :2].tolist() == [22, 21]
@@ -75,8 +101,19 @@ def test_padding_rows_and_empty_wanted_leave_state():
     res_bt = torch.tensor([[0], [9]], dtype=torch.int32)  # request 1: all resident
     out, src, dst, cnt = _outputs(2, 2, 2, H)
     ref.resolve_residency(
-        topk, row_req, state, torch.tensor([[1], [2]], dtype=torch.int32), res_bt,
-        torch.tensor([[1], [2]], dtype=torch.int32), hot_index, lru, BS, out, src, dst, cnt,
+        topk,
+        row_req,
+        state,
+        torch.tensor([[1], [2]], dtype=torch.int32),
+        res_bt,
+        torch.tensor([[1], [2]], dtype=torch.int32),
+        hot_index,
+        lru,
+        BS,
+        out,
+        src,
+        dst,
+        cnt,
     )
     assert out.tolist() == [[-1, -1], [38, 39]]
     assert torch.equal(hot_index, before[0]) and torch.equal(lru, before[1])
@@ -94,9 +131,7 @@ def test_gather_compact_and_plan_copy_whole_rows():
     untouched = torch.ones(3, BS, dtype=torch.bool)
     untouched[1, 0] = untouched[2, 3] = False
     assert torch.equal(dev[untouched], before[untouched])
-    ref.gather_plan(
-        host, dev, torch.tensor([1, 2]), torch.tensor([0, 1]), torch.tensor([0, 1])
-    )
+    ref.gather_plan(host, dev, torch.tensor([1, 2]), torch.tensor([0, 1]), torch.tensor([0, 1]))
     assert torch.equal(dev[0, 1], host[0, 2]) and torch.equal(dev[0, 0], before[0, 0])
 
 

@@ -33,18 +33,27 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
         help="generate text (default: the built-in SmolLM2 demo)",
         description="Generate with the KV cache in host memory and a small GPU hot buffer.",
     )
-    gen.add_argument("--model", default="smollm2",
-                     help="'smollm2' (bundled), a Llama .gguf file, or a DSA checkpoint folder")
+    gen.add_argument(
+        "--model",
+        default="smollm2",
+        help="'smollm2' (bundled), a Llama .gguf file, or a DSA checkpoint folder",
+    )
     gen.add_argument("--prompt", default=None, help="the user message (default: the demo)")
-    gen.add_argument("--no-chat", action="store_true", help="send the prompt without the "
-                     "model's chat template")
+    gen.add_argument(
+        "--no-chat", action="store_true", help="send the prompt without the model's chat template"
+    )
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--top-k", type=int, default=None,
-                     help=f"rows each token attends to (demo: {DEMO_TOP_K})")
-    gen.add_argument("--device-buffer-size", type=int, default=None,
-                     help="hot rows per request and layer (default (max_query_len+1)*top_k)")
+    gen.add_argument(
+        "--top-k", type=int, default=None, help=f"rows each token attends to (demo: {DEMO_TOP_K})"
+    )
+    gen.add_argument(
+        "--device-buffer-size",
+        type=int,
+        default=None,
+        help="hot rows per request and layer (default (max_query_len+1)*top_k)",
+    )
     gen.add_argument("--host-pool-gib", type=float, default=1.0)
     gen.add_argument("--gpu-memory-gib", type=float, default=None)
     gen.add_argument("--max-model-len", type=int, default=4096)
@@ -61,14 +70,21 @@ def run_generate(args: argparse.Namespace) -> int:
     demo = args.prompt is None
     top_k = args.top_k if args.top_k is not None else (DEMO_TOP_K if demo else None)
     config = HiSparseConfig(
-        top_k=top_k, device_buffer_size=args.device_buffer_size,
+        top_k=top_k,
+        device_buffer_size=args.device_buffer_size,
         host_pool_gib=args.host_pool_gib,
     )
     t0 = time.perf_counter()
     with console.status("loading the model"):
-        llm = LLM(args.model, kv_placement=args.kv_placement, hisparse=config,
-                  max_model_len=args.max_model_len, gpu_memory_gib=args.gpu_memory_gib,
-                  device=args.device, max_num_seqs=1)
+        llm = LLM(
+            args.model,
+            kv_placement=args.kv_placement,
+            hisparse=config,
+            max_model_len=args.max_model_len,
+            gpu_memory_gib=args.gpu_memory_gib,
+            device=args.device,
+            max_num_seqs=1,
+        )
     load_s = time.perf_counter() - t0
     try:
         text = demo_prompt() if demo else args.prompt
@@ -79,11 +95,14 @@ def run_generate(args: argparse.Namespace) -> int:
             ids = list(getattr(ids, "ids", ids))
         else:
             ids = llm.tokenizer.encode_chat([{"role": "user", "content": text}])
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                                seed=args.seed)
+        params = SamplingParams(
+            temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+        )
         if demo:
-            console.print(f"[bold]Prompt[/] ({len(ids)} tokens): a passage of the Python "
-                          f"reference (pydoc_data 'for'), then: {DEMO_QUESTION}")
+            console.print(
+                f"[bold]Prompt[/] ({len(ids)} tokens): a passage of the Python "
+                f"reference (pydoc_data 'for'), then: {DEMO_QUESTION}"
+            )
         with console.status("generating"):
             (out,) = llm.generate(prompt_token_ids=[ids], sampling_params=params)
         if out.error:
@@ -109,11 +128,15 @@ def summary_line(llm: object, out: object, load_s: float) -> str:
         host_b = cdiv(ctx, bs) * layout.host_block_bytes
         gpu_b = layout.gpu_blocks_per_request(ctx) * layout.gpu_bytes_per_block
         rate = m.hits / max(m.hits + m.misses, 1)
-        where = (f"KV on host {host_b / 2**20:.1f} MiB, on GPU {gpu_b / 2**20:.1f} MiB "
-                 f"(hot buffer {cfg.device_buffer_size} rows/layer for {ctx} tokens)")
+        where = (
+            f"KV on host {host_b / 2**20:.1f} MiB, on GPU {gpu_b / 2**20:.1f} MiB "
+            f"(hot buffer {cfg.device_buffer_size} rows/layer for {ctx} tokens)"
+        )
         hits = f"hit rate {100 * rate:.1f}% ({m.misses} rows swapped in)"
     else:
         gpu_b = layout.gpu_blocks_per_request(ctx) * layout.gpu_bytes_per_block
         where, hits = f"KV on GPU {gpu_b / 2**20:.1f} MiB (all-GPU placement)", "no swaps"
-    return (f"{n_out} tokens, decode {decode_tps:.1f} tok/s, time to first token "
-            f"{m.ttft:.2f} s (load {load_s:.1f} s), {hits}, {where}")
+    return (
+        f"{n_out} tokens, decode {decode_tps:.1f} tok/s, time to first token "
+        f"{m.ttft:.2f} s (load {load_s:.1f} s), {hits}, {where}"
+    )

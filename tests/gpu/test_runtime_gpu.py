@@ -31,7 +31,11 @@ def _setup(pool: HostPool, dev: torch.device):
     layers: list[SparseLayerRuntime] = []
     for i in range(LAYERS):
         rt = SparseLayerRuntime(
-            f"layers.{i}", cfg, row_bytes=W, max_num_reqs=Q, device=dev,
+            f"layers.{i}",
+            cfg,
+            row_bytes=W,
+            max_num_reqs=Q,
+            device=dev,
             index_group=layers[0].group if layers else None,
         )
         rt.bind_host(host[i * layer_bytes : (i + 1) * layer_bytes].view(HOST_BLOCKS, BS, W))

@@ -258,9 +258,17 @@ def plan_kv_layout(
         # holding all layers fills each block exactly (overlaying groups would pad the KV
         # packs up to the indexer page and understate the baseline's capacity).
         return _finish(
-            placement, config, max_model_len, gpu_budget_bytes, check_capacity, by_name,
-            index_groups, (_device_group(GroupKind.RESIDENT, indexers + sparse + regular),),
-            host_block_bytes=0, host_num_blocks=0, host_views={},
+            placement,
+            config,
+            max_model_len,
+            gpu_budget_bytes,
+            check_capacity,
+            by_name,
+            index_groups,
+            (_device_group(GroupKind.RESIDENT, indexers + sparse + regular),),
+            host_block_bytes=0,
+            host_num_blocks=0,
+            host_views={},
         )
     indexer_group = _device_group(GroupKind.INDEXER, indexers) if indexers else None
     units = [[by_name[n] for n in g.layers] for g in index_groups]
@@ -277,9 +285,16 @@ def plan_kv_layout(
         [g for g in (indexer_group,) if g is not None] + resident + hot + regular_groups
     )
     return _finish(
-        placement, config, max_model_len, gpu_budget_bytes, check_capacity, by_name,
-        index_groups, gpu_groups,
-        host_block_bytes=host_block_bytes, host_num_blocks=host_num_blocks,
+        placement,
+        config,
+        max_model_len,
+        gpu_budget_bytes,
+        check_capacity,
+        by_name,
+        index_groups,
+        gpu_groups,
+        host_block_bytes=host_block_bytes,
+        host_num_blocks=host_num_blocks,
         host_views=host_views,
     )
 
@@ -320,9 +335,7 @@ def _finish(
         placement=placement,
         block_size=bs,
         max_model_len=max_model_len,
-        hot_blocks_per_request=(
-            config.hot_blocks_per_request if placement == "hisparse" else 0
-        ),
+        hot_blocks_per_request=(config.hot_blocks_per_request if placement == "hisparse" else 0),
         index_groups=tuple(index_groups),
         host_block_bytes=host_block_bytes,
         host_num_blocks=host_num_blocks,

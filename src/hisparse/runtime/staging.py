@@ -80,9 +80,7 @@ class PrefillStagingPlan:
         self._resident_rows[key] = per_row.to(torch.int32)
         return self._resident_rows[key]
 
-    def stage(
-        self, layer: SparseLayerRuntime, resident_block_table: torch.Tensor
-    ) -> torch.Tensor:
+    def stage(self, layer: SparseLayerRuntime, resident_block_table: torch.Tensor) -> torch.Tensor:
         """This layer's staged cache ``[U, bs, row_bytes]`` on the layer's device."""
         if layer.device_view is None or layer.host_view is None:
             raise ValueError(f"{layer.name}: staging needs bound host and device views")
@@ -96,7 +94,5 @@ class PrefillStagingPlan:
         gpu_rows = self.resident_rows(resident_block_table)
         from_gpu = gpu_rows >= 0
         ops.gather_plan(layer.device_view, staged, gpu_rows, dst, from_gpu.to(torch.int32))
-        ops.gather_plan(
-            layer.host_view, staged, self.host_rows, dst, (~from_gpu).to(torch.int32)
-        )
+        ops.gather_plan(layer.host_view, staged, self.host_rows, dst, (~from_gpu).to(torch.int32))
         return staged

@@ -44,7 +44,7 @@ class CopyStream:
 
 
 class LayerEvent:
-    """"This layer's rows are on the GPU": recorded on the copy stream, awaited by compute."""
+    """ "This layer's rows are on the GPU": recorded on the copy stream, awaited by compute."""
 
     def __init__(self, copy: CopyStream) -> None:
         self._copy = copy

@@ -194,9 +194,7 @@ def gather_compact_group(
         gather_compact(host_span[:, :, j * rb : (j + 1) * rb], dev, swap_src, swap_dst, swap_count)
 
 
-def gather_plan(
-    src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, mask: Tensor
-) -> None:
+def gather_plan(src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, mask: Tensor) -> None:
     """Copy ``src`` row ``src_rows[i]`` to ``dst`` row ``dst_rows[i]`` where ``mask[i] != 0``."""
     live = (mask.reshape(-1) != 0).to(src_rows.device)
     s = src_rows.reshape(-1)[live].long().to(src.device)
