@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from hisparse.runtime.batch import GroupTables, StepMetadata
+from hisparse.runtime.ops import cpu_ops
 from hisparse.runtime.runtime import SparseLayerRuntime, prefix_rows
 from hisparse.runtime.staging import PrefillStagingPlan
 
@@ -71,6 +72,8 @@ class CacheHandle:
         meta, tables = self._step()
         rt = self.runtime
         group = rt.group
+        if meta.num_tokens == 1 and group.finish_decode_one_cpu(rt, meta, tables):
+            return  # a batch-1 decode step on the CPU: one compiled call, same result
         if group.layers[0] is rt:
             group.invalidate_written(meta)
         if not self.host_mirror_required:
@@ -96,7 +99,15 @@ class CacheHandle:
         rt = self.runtime
         group = rt.group
         if group.layers[0] is rt:  # the leader (its resolve checks the rows)
-            group.resolve_and_stage(meta, tables, logical_topk)
+            # The CPU (no copy stream) with the compiled batch-1 step first: what
+            # `resolve_and_stage` would run, without its frames; declined: the general path.
+            if not (
+                group.copy.stream is None
+                and group.ops is cpu_ops
+                and group.device.type == "cpu"
+                and group._cpu_decode_one(meta, tables, logical_topk)
+            ):
+                group.resolve_and_stage(meta, tables, logical_topk)
         else:
             group.check_rows(logical_topk)
             if not meta.is_decode:

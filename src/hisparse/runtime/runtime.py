@@ -43,16 +43,19 @@ class _StepArrays:
     """numpy views of one step's metadata, made once per step for every layer, and of the
     resident block table of each group's `GroupTables` (`resident_of`)."""
 
-    __slots__ = ("_resident", "host_row", "meta", "q", "source", "state")
+    __slots__ = ("_dev_rows", "_resident", "host_row", "meta", "q", "slot", "source", "state")
 
     def __init__(self, meta: StepMetadata) -> None:
         self.meta = meta
-        self.q = int(meta.req_per_token[0]) if meta.req_per_token.shape[0] else -1
+        self.q = int(meta.req_per_token.numpy()[0]) if meta.req_per_token.shape[0] else -1
         self.state = meta.request_state_indices.numpy()
         self.source = meta.source_block_table.numpy()
         written = meta.host_slot_mapping
-        self.host_row = int(written[0]) if written is not None and written.shape[0] else -1
+        self.host_row = int(written.numpy()[0]) if written is not None and written.shape[0] else -1
+        #: The state slot of request ``q`` (``-1``: none, or ``q`` outside the state list).
+        self.slot = int(self.state[self.q]) if 0 <= self.q < self.state.shape[0] else -1
         self._resident: list[tuple[GroupTables, np.ndarray | None]] = []
+        self._dev_rows: list[tuple[GroupTables, int]] = []
 
     def resident_of(self, tables: GroupTables) -> np.ndarray | None:
         for known, array in self._resident:
@@ -63,6 +66,19 @@ class _StepArrays:
         self._resident.append((tables, array))
         return array
 
+    def dev_row_of(self, tables: GroupTables) -> int:
+        """The resident row the step's one new token is written to (``-1``: none)."""
+        for known, row in self._dev_rows:
+            if known is tables:
+                return row
+        mapping = tables.slot_mapping
+        row = int(mapping.numpy()[0]) if mapping.shape[0] else -1
+        self._dev_rows.append((tables, row))
+        return row
+
+
+#: The arguments `cpu_jit.finish_decode_row` takes for a layer without host rows (no copy).
+_NO_PAIR = (np.zeros((1, 1, 1), np.int64), np.zeros((1, 1, 1), np.int64), 0, 0)
 
 #: The last step's `_StepArrays` (the layers of a step share one metadata object).
 _LAST_STEP: list[_StepArrays] = []
@@ -133,6 +149,11 @@ class IndexGroup:
         self.leader_first = False
         #: numpy views of the state and output buffers (CPU only; `_cpu_arrays`).
         self._cpu_np: dict[str, np.ndarray] | None = None
+        #: ``(slot, q)`` -> the state and output rows `_cpu_decode_one` passes (`_cpu_rows`).
+        self._cpu_row_args: dict[tuple[int, int], tuple] = {}
+        #: Each layer's (host rows, device rows, host rows count, device rows count) as
+        #: numpy (``None``: a view not bound); made with `_cpu_np`.
+        self._cpu_pairs: list[tuple[np.ndarray, np.ndarray, int, int] | None] = []
 
     @property
     def leader(self) -> SparseLayerRuntime:
@@ -146,6 +167,7 @@ class IndexGroup:
             raise ValueError(f"hot block table must be int32 {expected}, got {tuple(table.shape)}")
         self.hot_block_table = table
         self._cpu_np = None
+        self._cpu_row_args = {}
 
     def reset_slot(self, slot: int) -> None:
         """Forget slot ``slot``'s hot rows: a new request takes the slot."""
@@ -260,6 +282,7 @@ class IndexGroup:
         self._span_checked = False
         self._follower_span = None
         self._cpu_np = None
+        self._cpu_row_args = {}
 
     def _cpu_arrays(self) -> dict[str, np.ndarray]:
         """numpy views (shared memory) of the buffers the compiled decode path reads and
@@ -271,12 +294,34 @@ class IndexGroup:
                              "valid_counts", "swap_src", "swap_dst", "swap_count",
                              "hit_miss", "totals")
             }  # fmt: skip
+            pairs: list[tuple[np.ndarray, np.ndarray, int, int] | None] = []
             for i, ly in enumerate(self.layers):
+                pair = None
                 if ly.host_view is not None and ly.device_view is not None:
-                    arrays[f"host{i}"] = _np_rows(ly.host_view)
-                    arrays[f"dev{i}"] = _np_rows(ly.device_view)
+                    host = arrays[f"host{i}"] = _np_rows(ly.host_view)
+                    dev = arrays[f"dev{i}"] = _np_rows(ly.device_view)
+                    pair = (host, dev, host.shape[0] * host.shape[1], dev.shape[0] * dev.shape[1])
+                pairs.append(pair)
+            self._cpu_pairs = pairs
             self._cpu_np = arrays
         return self._cpu_np
+
+    def _cpu_rows(self, s: int, q: int) -> tuple:
+        """What `_cpu_decode_one` passes for state slot ``s`` and query row ``q``, made once
+        per binding: (slot ``s``'s hot block table, held rows and LRU order, block size),
+        the output row, (swap lists, counters, layers), each layer's (name, has host rows,
+        host rows, device rows) (``None``: not bound) and query ``q``'s swap lists."""
+        a = self._cpu_arrays()
+        state = (a["hot_block_table"][s], a["hot_index"][s], a["lru"][s], self.config.block_size)
+        tail = (a["swap_src"], a["swap_dst"], q, a["valid_counts"], a["swap_count"],
+                a["hit_miss"], a["totals"], len(self.layers))  # fmt: skip
+        copies = [
+            (ly.name, ly.host_view is not None, a.get(f"host{i}"), a.get(f"dev{i}"))
+            for i, ly in enumerate(self.layers)
+        ]
+        args = (state, a["physical"][0], tail, copies, a["swap_src"][q], a["swap_dst"][q])
+        self._cpu_row_args[(s, q)] = args
+        return args
 
     def _cpu_decode_one(self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor) -> bool:
         """A decode step with one query row on the CPU (`cpu_ops` backend): resolve, count
@@ -291,32 +336,81 @@ class IndexGroup:
             return False
         self.check_rows(topk)
         step = _step_arrays(meta)
-        q, S = step.q, self.max_num_reqs
-        if q < 0 or q >= step.state.shape[0] or int(step.state[q]) < 0:
+        q, s, S = step.q, step.slot, self.max_num_reqs
+        if s < 0:
             return False  # padding (the general path only clears the outputs)
-        s = int(step.state[q])
         if s >= S or q >= S or q >= step.source.shape[0]:
             return False
         res = step.resident_of(tables)
         if res is not None and q >= res.shape[0]:
             return False
-        a = self._cpu_arrays()
-        k = topk.shape[1]
-        out = a["physical"][0, :k]
+        rows = self._cpu_row_args.get((s, q))
+        if rows is None:
+            rows = self._cpu_rows(s, q)
+        state, out, tail, copies, src, dst = rows
+        source = step.source[q]
         n_miss = fns.resolve_decode_row(
-            topk.numpy()[0], step.source[q], step.source[q] if res is None else res[q],
-            res is not None, a["hot_block_table"][s], a["hot_index"][s], a["lru"][s],
-            self.config.block_size, out, a["swap_src"], a["swap_dst"], q, a["valid_counts"],
-            a["swap_count"], a["hit_miss"], a["totals"], len(self.layers),
+            topk.numpy()[0], source, source if res is None else res[q], res is not None,
+            *state, out[: topk.shape[1]], *tail,
         )  # fmt: skip
         if n_miss < 0:
             return False  # nothing was written: the general path starts from the same state
-        src, dst = a["swap_src"][q], a["swap_dst"][q]
-        for i, layer in enumerate(self.layers):
-            if n_miss and layer.host_view is not None:
-                assert layer.device_view is not None, f"{layer.name}: device view not bound"
-                fns.copy_rows(a[f"host{i}"], a[f"dev{i}"], src, dst, n_miss)
+        if n_miss:
+            for name, has_host, host, dev in copies:
+                if has_host:
+                    assert dev is not None, f"{name}: device view not bound"
+                    fns.copy_rows(host, dev, src, dst, n_miss)
+        for layer in self.layers:
             layer.mark_ready()
+        return True
+
+    def finish_decode_one_cpu(
+        self, layer: SparseLayerRuntime, meta: StepMetadata, tables: GroupTables
+    ) -> bool:
+        """`CacheHandle.finish_kv_update` of a batch-1 decode step on the CPU (`cpu_ops`
+        backend) in one compiled call (numpy without numba) on views made once per step and
+        binding: the leader's `invalidate_written` of the step's host row and the layer's
+        mirror of its new row (`gather_plan`), the same bytes and hot state. ``False``: not
+        such a step, or an input the general path handles (nothing was done)."""
+        if meta.num_tokens != 1 or not meta.is_decode or self.ops is not cpu_ops:
+            return False
+        if self.device.type != "cpu":
+            return False
+        if meta.host_slot_mapping is None:
+            return True  # nothing written to the host: no invalidation, no mirror
+        step = _step_arrays(meta)
+        row, q, s = step.host_row, step.q, step.slot
+        H = self.hot_index.shape[0]
+        leader = layer is self.layers[0]
+        drop = leader and row >= 0 and 0 <= s < H
+        if leader and row >= 0 and q >= 0 and (q >= step.state.shape[0] or s >= H):
+            return False  # the general path raises the IndexError
+        mirror = layer.host_view is not None and layer.config.eager_host_mirror
+        copy = False
+        a = self._cpu_arrays()
+        pair = self._cpu_pairs[self.layers.index(layer)] if mirror else None
+        dev_row = -1
+        if mirror:
+            if pair is None:
+                return False  # a view is not bound: the general path fails as before
+            dev_row = step.dev_row_of(tables)
+            copy = row >= 0 and dev_row >= 0
+            if copy and (row >= pair[2] or dev_row >= pair[3]):
+                return False  # out of range: the general path raises
+        else:
+            pair = _NO_PAIR
+        fns = cpu_jit.jit()
+        if fns is not None:
+            fns.finish_decode_row(a["hot_index"], drop, s, row, pair[1], pair[0], dev_row,
+                                  row, copy)  # fmt: skip
+            return True
+        if drop:
+            held = a["hot_index"][s]
+            held[held == row] = -1
+        if copy:
+            host, dev = pair[0], pair[1]
+            hb, db = host.shape[1], dev.shape[1]
+            host[row // hb, row % hb] = dev[dev_row // db, dev_row % db]
         return True
 
     def span_gather_views(self) -> tuple[torch.Tensor, list[torch.Tensor]] | None:

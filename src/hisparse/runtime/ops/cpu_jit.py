@@ -85,6 +85,7 @@ def _build() -> SimpleNamespace | None:
         attend_rows=compile_(_attend_rows),
         add_rms_norm=compile_(_add_rms_norm),
         fp8_encode=compile_(_fp8_encode),
+        finish_decode_row=compile_(_finish_decode_row),
     )
 
 
@@ -310,6 +311,30 @@ def _copy_rows(src, dst, src_rows, dst_rows, n):
         a = src[sb, s - sb * sbs]
         b = dst[db, d - db * dbs]
         for c in range(w):
+            b[c] = a[c]
+
+
+def _finish_decode_row(hot, drop, s, row, src, dst, src_row, dst_row, copy):
+    """A batch-1 decode step's KV update bookkeeping for one layer: with ``drop``, empty
+    (-1) every slot of ``hot[s]`` holding host row ``row`` (`invalidate_written_slots`);
+    with ``copy``, ``dst`` row ``dst_row`` = ``src`` row ``src_row`` (the host mirror,
+    `gather_plan`; paged ``[blocks, block_size, width]``, any strides). The caller checks
+    the indices."""
+    if drop:
+        held = hot[s]
+        for h in range(held.shape[0]):
+            if held[h] == row:
+                held[h] = -1
+    if copy:
+        sbs = src.shape[1]
+        dbs = dst.shape[1]
+        r = np.int64(src_row)
+        d = np.int64(dst_row)
+        sb = r // sbs
+        db = d // dbs
+        a = src[sb, r - sb * sbs]
+        b = dst[db, d - db * dbs]
+        for c in range(src.shape[2]):
             b[c] = a[c]
 
 
