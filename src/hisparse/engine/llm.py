@@ -7,11 +7,13 @@ changes only where the KV rows live, so both give the same tokens.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -222,7 +224,8 @@ class LLM:
             else:
                 self.scheduler.add(req)
             requests.append(req)
-        self._run(requests, progress, on_finish)
+        with _young_objects_only(self.device):
+            self._run(requests, progress, on_finish)
         return [
             RequestOutput(
                 req_id=r.req_id,
@@ -358,6 +361,24 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _young_objects_only(device: torch.device) -> Iterator[None]:
+    """On the CPU: the objects that exist when a call starts (model, caches, everything
+    loaded) are frozen (`gc.freeze`) for the call, so the cyclic collector's full passes
+    during it walk only the call's own objects. Measured on SmolLM2 (batch 1): a full pass
+    over the loaded process took ~125 ms, about once per 32-token decode, i.e. ~4 ms a
+    token. Unfrozen after the call (nothing is kept from the collector for longer); left
+    alone where something else froze objects, and on CUDA."""
+    if device.type != "cpu" or gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def capture_blockers(device: torch.device, indexer: str) -> list[str]:

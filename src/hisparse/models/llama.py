@@ -204,6 +204,19 @@ class _OneTokenStep:
         self.q_rot = np.empty((heads, head_dim), np.float32)
         self.out_t = torch.empty(1, heads * head_dim)
         self.out = self.out_t.numpy().reshape(heads, head_dim)
+        #: (step tensor, its first row as numpy): read once per step, not once per layer
+        #: (every layer gets the same slot mappings and block table).
+        self._rows: list[tuple[torch.Tensor, np.ndarray]] = []
+
+    def row0(self, t: torch.Tensor) -> np.ndarray:
+        """``t.numpy()[0]`` of a tensor of this step (the step's tensors are not written
+        while its layers run), made once per tensor."""
+        for known, row in self._rows:
+            if known is t:
+                return row
+        row = t.numpy()[0]
+        self._rows.append((t, row))
+        return row
 
 
 def _fp8_lut() -> np.ndarray:
@@ -430,9 +443,9 @@ class LlamaAttention(nn.Module):
         chosen = np.empty((1, width), np.int32)
         q_rot = one.q_rot
         ok = fns.decode_pre(
-            qkv.numpy()[0], one.cos, one.sin, H, q_rot, *kv_rows, int(slots.numpy()[0]),
-            *written, int(idx_slots.numpy()[0]), one.codes, one.scratch, one.scratch_bits,
-            *read, table.numpy()[0], one.lut, length, one.pos, indexer.sink_tokens,
+            qkv.numpy()[0], one.cos, one.sin, H, q_rot, *kv_rows, int(one.row0(slots)),
+            *written, int(one.row0(idx_slots)), one.codes, one.scratch, one.scratch_bits,
+            *read, one.row0(table), one.lut, length, one.pos, indexer.sink_tokens,
             indexer.recent_window, top_k or 0, self.scale, scored, chosen[0],
         )  # fmt: skip
         topk = torch.from_numpy(chosen)
@@ -751,17 +764,22 @@ class LlamaForCausalLM(nn.Module):
         norms = [ly.input_layernorm.weight for ly in layers]  # type: ignore[union-attr]
         norms.append(self.model.norm.weight)
 
+        # With numba: the residual stream and the normed rows live in two buffers of this
+        # step, updated in place (each add reads and writes the same element; the normed row
+        # is consumed by the matmul after it before the next norm overwrites it).
+        x_buf, h_buf = torch.empty_like(x), torch.empty_like(x)
+        x_np, h_np = x_buf.numpy()[0], h_buf.numpy()[0]
+
         def add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
             """``(x + delta, rms_norm(x + delta))`` (``delta`` None: ``x`` as it is)."""
             if fns is None:
                 x = x if delta is None else x + delta
                 return x, F.rms_norm(x, shape, weight, eps)
-            xo, h = torch.empty_like(x), torch.empty_like(x)
             fns.add_rms_norm(
-                x.numpy()[0], x.numpy()[0] if delta is None else delta.numpy()[0],
-                delta is not None, weight.detach().numpy(), eps32, xo.numpy()[0], h.numpy()[0],
+                x.numpy()[0], x_np if delta is None else delta.numpy()[0], delta is not None,
+                weight.detach().numpy(), eps32, x_np, h_np,
             )  # fmt: skip
-            return xo, h
+            return x_buf, h_buf
 
         x, h = add_norm(x, None, norms[0])
         for i, layer in enumerate(layers):
