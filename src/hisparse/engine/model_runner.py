@@ -368,7 +368,15 @@ class ModelRunner:
         self._max_len = max(s + n for s, n in zip(starts, counts, strict=True))
         step = DsaStep(positions=pos, req_index=rix, seq_lens=seq_lens, max_len=self._max_len)
 
+        one_cpu = decode and R == 1 and dev.type == "cpu"
+        page, offset = divmod(starts[0], bs) if one_cpu else (0, 0)
+
         def rows_of(table: torch.Tensor) -> torch.Tensor:
+            if one_cpu and table.is_cpu:
+                # One decode row on the CPU: the same row from Python ints (a dozen tables
+                # a step, five small torch ops each otherwise).
+                blk = int(table.numpy()[0, page])
+                return torch.tensor([blk * bs + offset if blk > 0 else -1], dtype=torch.int32)
             blk = table.long()[rix, pos // bs]
             return torch.where(blk > 0, blk * bs + pos % bs, -1).to(torch.int32)
 
