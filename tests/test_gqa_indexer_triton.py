@@ -16,6 +16,7 @@ kernel's mass scratch row at the same tolerance).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -39,20 +40,10 @@ SCALE = 0.25
 
 
 @pytest.fixture
-def scratch(monkeypatch: pytest.MonkeyPatch) -> list:
+def scratch() -> Iterator[list]:
     """NaN-poisoned scratch buffers; the list collects them so a test can read the masses."""
-    seen: list = []
-    real = git._scratch
-
-    def poisoned(*args):
-        bufs = real(*args)
-        for b in bufs:
-            b.fill_(float("nan"))
-        seen.append(bufs)
-        return bufs
-
-    monkeypatch.setattr(git, "_scratch", poisoned)
-    return seen
+    with git.poisoned_scratch() as seen:
+        yield seen
 
 
 def _run(case: git.DecodeCase, width: int, scratch: list, cfg=CFG, **kw) -> torch.Tensor:

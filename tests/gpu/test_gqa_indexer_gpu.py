@@ -61,20 +61,9 @@ def _torch_path(case: git.DecodeCase, monkeypatch: pytest.MonkeyPatch) -> torch.
 
 
 def _check(case: git.DecodeCase, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list = []
-    real = git._scratch
-
-    def poisoned(*args):
-        bufs = real(*args)
-        for b in bufs:
-            b.fill_(float("nan"))
-        seen.append(bufs)
-        return bufs
-
-    monkeypatch.setattr(git, "_scratch", poisoned)
     out = torch.full((case.q.shape[0], TOP_K), -7, dtype=torch.int32, device=DEV)
-    got = git.gqa_indexer_topk_decode_triton(*case.args(), CFG, SCALE, TOP_K, out=out)
-    monkeypatch.setattr(git, "_scratch", real)
+    with git.poisoned_scratch() as seen:
+        got = git.gqa_indexer_topk_decode_triton(*case.args(), CFG, SCALE, TOP_K, out=out)
     assert not bool((got == -7).any()), "an output element was not written"
     want = _torch_path(case, monkeypatch)
     ref = git.reference_scores(case, CFG, SCALE)

@@ -38,6 +38,8 @@ host read, no allocation that depends on device values: CUDA-graph capturable.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -445,6 +447,28 @@ def gqa_indexer_topk_decode_triton(
 # ---------------------------------------------------------------------------------------------
 # Test and benchmark support: random decode steps and what "the same selection" means
 # ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def poisoned_scratch() -> Iterator[list[tuple[Tensor, Tensor, Tensor]]]:
+    """Within the block every scratch buffer the kernels get is NaN-filled first (so a value
+    read back that no kernel wrote shows); the yielded list collects them, so a test can read
+    the masses (``[-1][2]``)."""
+    global _scratch
+    real, seen = _scratch, []
+
+    def poisoned(*args):  # type: ignore[no-untyped-def]
+        bufs = real(*args)
+        for b in bufs:
+            b.fill_(float("nan"))
+        seen.append(bufs)
+        return bufs
+
+    _scratch = poisoned
+    try:
+        yield seen
+    finally:
+        _scratch = real
+
+
 @dataclass
 class DecodeCase:
     """One random decode step over a paged fp8 index cache (unwritten pages hold NaN bytes)."""
