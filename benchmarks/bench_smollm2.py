@@ -268,6 +268,10 @@ def main() -> int:
         out = Path(args.out, "bench_smollm2.json")
         out.write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
         log(f"wrote {out}")
+        sys.path.insert(0, str(Path(__file__).parent))
+        from plot_smollm2 import plot
+
+        log(plot([{"meta": meta, "runs": results}], Path(args.out, "bench_smollm2.png")))
 
     print(f"\n{device} {dtype_name}, prompt {len(prompt)} tokens, {args.max_tokens} new tokens")
     print(
