@@ -42,7 +42,6 @@ from hisparse.attention.gqa_indexer_reference import (
     selection_masks,
     write_index_keys,
 )
-from hisparse.attention.gqa_indexer_reference import _fp8_topk_one_cpu as fp8_topk_one_cpu
 from hisparse.attention.sparse_gqa_reference import (
     GqaRowFormat,
     gqa_dtype_name,
@@ -416,10 +415,8 @@ class LlamaAttention(nn.Module):
         fmt = cache.indexer_format
         rows_fmt = cache.row_format
         H, G, D = self.n_heads, self.n_kv, self.head_dim
-        fused = fused_weight((self.q_proj, self.k_proj, self.v_proj), self._qkv)
-        if fused is not self._qkv:
-            self._qkv = fused
-        qkv = F.linear(x, fused[0])
+        self._qkv = fused_weight((self.q_proj, self.k_proj, self.v_proj), self._qkv)
+        qkv = F.linear(x, self._qkv[0])
         one = plan.memo.get("cpu_one")
         if one is None:
             one = plan.memo["cpu_one"] = _OneTokenStep(cos, sin, step, H, G, D)
@@ -490,12 +487,9 @@ class LlamaAttention(nn.Module):
         idx = cache.indexer(self.layer)
         pages, idx_slots = idx.write_target()
         read_pages, table = idx.read_source()
-        length = plan.longest
-        scored = indexer.top_k is not None and length > indexer.top_k
+        dims = self.index_dims if fmt.method == "lowrank" else None
         if fmt.method != "fp8":
-            dims = self.index_dims if fmt.method == "lowrank" else None
             write_index_keys(pages, fmt, idx_slots, k, dims, sync_free=True)
-            topk = self._select(q, step, plan, read_pages, table, fmt, indexer, dims)
         else:
             islot = int(idx_slots.numpy()[0])
             if islot >= 0:
@@ -504,15 +498,8 @@ class LlamaAttention(nn.Module):
                 bs = pages.shape[1] // rb
                 start = (islot % bs) * rb
                 pages[islot // bs].numpy()[start : start + rb] = codes.numpy().reshape(-1)
-            topk = None
-            if scored:
-                width = min(indexer.top_k, length)  # type: ignore[type-var]
-                topk = fp8_topk_one_cpu(
-                    q, step.positions, read_pages, table[0], length, fmt, indexer,
-                    self.scale, width,
-                )  # fmt: skip
-            if topk is None:
-                topk = self._select(q, step, plan, read_pages, table, fmt, indexer, None)
+        # (`gqa_indexer_topk` scores one CPU fp8 query in its compiled call where numba is)
+        topk = self._select(q, step, plan, read_pages, table, fmt, indexer, dims)
 
         # 3./4. physical rows, then attention over them (one SDPA, as `_sdpa_decode_cpu`).
         physical = kv.swap_in(topk)
