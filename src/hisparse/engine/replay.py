@@ -6,27 +6,35 @@ replay overrides the logical top-k an index-group leader hands to the runtime (t
 still runs; its choice is discarded): a request's first selection is ``top_k - 1`` random
 earlier positions plus the newest token; each next step keeps ``round(overlap * top_k)``
 entries of the previous selection (capped at ``top_k - 1``) and fills the rest with positions
-the previous selection did not hold, the newest token always included. Short contexts
-(``length <= top_k``) select every position, as the indexer does.
+the previous selection did not hold, the newest token always included. When too few such
+positions exist, more of the previous selection is kept; short contexts (``length <= top_k``)
+select every position, as the indexer does.
 
-Every random choice is a counter-based hash of (seed, request key, leader, length, position),
+Every random choice is a counter-based hash of (seed, request key, leader, length, index),
 computed on the device with integer ops, so both placements (and CPU and GPU) see exactly
-the same selections whatever the batch composition, and no step does O(context) Python.
-Ties cannot happen: each candidate's sort key is unique (class, hash, position).
+the same selections whatever the batch composition. The fresh positions are drawn by
+stratified sampling of ranks in the complement of the previous selection (one rank per
+equal stratum, so they are distinct by construction) and mapped to positions with one
+`searchsorted` over the sorted previous selection: a step costs O(rows * top_k), never
+O(rows * context) -- the replay is measurement scaffolding and must not weigh on the step
+it measures (a 128K context made the earlier whole-context sort cost more than the
+indexer's own top-k).
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 _M31 = 0x7FFFFFFF
 _MUL = 0x45D9F3B
 _STRIDE = 40503
 #: bits of the position in a sort key: contexts up to 2M tokens
 POS_BITS = 21
+_POS_MASK = (1 << POS_BITS) - 1
 _HASH_SHIFT = POS_BITS
-_CLASS_SHIFT = POS_BITS + 31
-_KEPT, _FRESH, _DROPPED, _INVALID = 0, 1, 2, 3
+_BIG = torch.iinfo(torch.int64).max
 
 
 def mix31(x: torch.Tensor) -> torch.Tensor:
@@ -50,10 +58,67 @@ def hash_rows(base: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     return mix31((base[:, None] + (c & _M31) * _STRIDE) & _M31)
 
 
+def _salt(seed: int, salt: int) -> int:
+    return mix31_int(mix31_int(seed) ^ mix31_int(salt + 0x1234567))
+
+
 def row_bases(seed: int, salt: int, keys: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """Per-row hash base of (seed, salt, request key, current length): int64 ``[R]``."""
-    s = mix31_int(mix31_int(seed) ^ mix31_int(salt + 0x1234567))
-    return mix31(mix31((keys & _M31) ^ s) ^ (lens & _M31))
+    return mix31(mix31((keys & _M31) ^ _salt(seed, salt)) ^ (lens & _M31))
+
+
+@triton.jit
+def _mix31_tl(x):
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & 0x7FFFFFFF
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & 0x7FFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _replay_hash_kernel(keys, lens, cols, out, s, N, cols_row_stride, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    key = tl.load(keys + r).to(tl.int64)
+    length = tl.load(lens + r).to(tl.int64)
+    base = _mix31_tl(_mix31_tl((key & 0x7FFFFFFF) ^ s) ^ (length & 0x7FFFFFFF))
+    c = tl.load(cols + r * cols_row_stride + offs, mask=m, other=0).to(tl.int64)
+    h = _mix31_tl((base + (c & 0x7FFFFFFF) * 40503) & 0x7FFFFFFF)
+    tl.store(out + r * N + offs, h, mask=m)
+
+
+def replay_hash_triton(
+    seed: int,
+    salt: int,
+    keys: torch.Tensor,
+    lens: torch.Tensor,
+    cols: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`replay_hash` as one kernel (the torch form is ~40 one-microsecond launches)."""
+    R = keys.shape[0]
+    N = cols.shape[-1]
+    c = cols.contiguous().long()
+    if out is None:
+        out = torch.empty((R, N), dtype=torch.int64, device=cols.device)
+    if R and N:
+        block = min(1024, triton.next_power_of_2(N))
+        grid = (R, triton.cdiv(N, block))
+        row_stride = N if c.dim() == 2 else 0
+        _replay_hash_kernel[grid](
+            keys.contiguous().long(), lens.contiguous().long(), c, out,
+            _salt(seed, salt), N, row_stride, BLOCK=block,
+        )  # fmt: skip
+    return out
+
+
+def replay_hash(
+    seed: int, salt: int, keys: torch.Tensor, lens: torch.Tensor, cols: torch.Tensor
+) -> torch.Tensor:
+    """``hash_rows(row_bases(seed, salt, keys, lens), cols)``; one fused kernel on CUDA."""
+    if cols.device.type == "cuda":
+        return replay_hash_triton(seed, salt, keys, lens, cols)
+    return hash_rows(row_bases(seed, salt, keys, lens), cols)
 
 
 def replay_step(
@@ -68,6 +133,9 @@ def replay_step(
 ) -> torch.Tensor:
     """The next selection of each row: int32 ``[R, K]`` (``-1`` padded).
 
+    Column 0 is the newest position, then the kept entries of ``prev`` (in hash order), then
+    the fresh ones.
+
     Args:
         prev: int32 ``[R, K]`` the previous selection (``-1`` entries: none; all ``-1``:
             first selection of the request).
@@ -75,38 +143,37 @@ def replay_step(
             position is ``lens - 1``).
         keys: int64 ``[R]`` request keys (stable across placements).
         keep: entries of ``prev`` to keep (``<= K - 1``).
-        max_len: ``max(lens)`` as a Python int (sizes the candidate range; no device sync).
+        max_len: ``max(lens)`` as a Python int (only checked: no device sync).
     """
-    R, K = prev.shape
+    K = prev.shape[1]
     dev = prev.device
     if max_len >= 1 << POS_BITS:
         raise ValueError(f"top-k replay handles contexts below {1 << POS_BITS} tokens")
-    n_old = max(max_len - 1, 1)
-    older = lens[:, None] - 1  # positions [0, older) are candidates; the newest is added
-    j = torch.arange(n_old, device=dev, dtype=torch.int64)
-    base = row_bases(seed, 2 * leader, keys, lens)
-    cls = torch.where(j[None, :] < older, _FRESH, _INVALID).to(torch.int64)
-    cls = torch.cat((cls, torch.full((R, 1), _INVALID, dtype=torch.int64, device=dev)), dim=1)
+    older = (lens - 1)[:, None]  # positions [0, older) are candidates; the newest is added
     p = prev.long()
     valid = (p >= 0) & (p < older)
-    dummy = torch.full_like(p, n_old)
-    cls.scatter_(1, torch.where(valid, p, dummy), _DROPPED)
-    if keep > 0:
-        kbase = row_bases(seed, 2 * leader + 1, keys, lens)
-        big = torch.iinfo(torch.int64).max
-        kkey = torch.where(valid, (hash_rows(kbase, p) << _HASH_SHIFT) | p, big)
-        chosen = torch.topk(kkey, min(keep, K), dim=1, largest=False).values
-        ok = chosen != big
-        cls.scatter_(1, torch.where(ok, chosen & ((1 << POS_BITS) - 1), n_old), _KEPT)
-    score = (cls[:, :n_old] << _CLASS_SHIFT) | (hash_rows(base, j) << _HASH_SHIFT) | j[None, :]
-    k1 = min(K - 1, n_old)
-    out = torch.full((R, K), -1, dtype=torch.int32, device=dev)
-    out[:, 0] = (lens - 1).to(torch.int32)
-    if k1 > 0:
-        best = torch.topk(score, k1, dim=1, largest=False).values
-        pos = torch.where((best >> _CLASS_SHIFT) < _INVALID, best & ((1 << POS_BITS) - 1), -1)
-        out[:, 1 : 1 + k1] = pos.to(torch.int32)
-    return out
+    n_valid = valid.sum(1, keepdim=True)
+    col = torch.arange(K - 1, device=dev, dtype=torch.int64)[None, :]
+    # the previous selection in hash order: its first `n_keep` entries are kept
+    khash = replay_hash(seed, 2 * leader + 1, keys, lens, p)
+    kkey = torch.where(valid, (khash << _HASH_SHIFT) | p, _BIG)
+    old = torch.sort(kkey, dim=1).values[:, : K - 1] & _POS_MASK
+    room = (older - n_valid).clamp_min(0)  # earlier positions the previous selection lacks
+    n_keep = torch.minimum((K - 1 - room).clamp_min(keep), n_valid)
+    n_fresh = torch.minimum(K - 1 - n_keep, room)
+    # fresh ranks in [0, room): one per equal stratum, so distinct without a sort
+    m = n_fresh.clamp_min(1)
+    lo = col * room // m
+    hi = (col + 1) * room // m
+    rank = lo + replay_hash(seed, 2 * leader, keys, lens, col[0]) % (hi - lo).clamp_min(1)
+    # rank -> position: skip the previous selection's positions below it
+    taken = torch.sort(torch.where(valid, p, _BIG), dim=1).values
+    gaps = torch.where(taken != _BIG, taken - torch.arange(K, device=dev), _BIG)
+    fresh = rank + torch.searchsorted(gaps, rank, right=True)
+    i = (col - n_keep).clamp(0, K - 2)
+    body = torch.where(col < n_keep, old, fresh.gather(1, i))
+    body = torch.where(col < n_keep + n_fresh, body, -1)
+    return torch.cat(((lens - 1)[:, None], body), dim=1).to(torch.int32)
 
 
 class TopKReplay:
