@@ -500,12 +500,7 @@ class IndexGroup:
         ):
             return
         self._resolve(meta, tables.resident_block_table, topk, self.config.max_query_len)
-        self._gather_resolved(meta)
-        # after the gathers and ready events: the counters are off the attention's path
         self._count_step(meta.num_reqs)
-
-    def _gather_resolved(self, meta: StepMetadata) -> None:
-        """Issue the gathers of the last resolve and record the layers' ready events."""
         span = self.span_gather_views() if meta.is_decode else None
         if span is not None and self.leader_first and self._follower_span is not None:
             self.leader.gather_swapped_rows()
