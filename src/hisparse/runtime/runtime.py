@@ -9,6 +9,8 @@ recording one ready event per layer, so the followers' copies hide behind earlie
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -147,6 +149,8 @@ class IndexGroup:
         #: of 4, 5% miss) it measured 1.221x the all-GPU step against 1.173x for one read of
         #: the whole span: two reads (one of 656 B rows) cost more than the earlier start wins.
         self.leader_first = False
+        #: ``True``: a group of one still swaps in on the copy stream (see `inline_swap_in`).
+        self.side_stream_for_one = os.environ.get("HISPARSE_SIDE_STREAM_FOR_ONE", "0") == "1"
         #: numpy views of the state and output buffers (CPU only; `_cpu_arrays`).
         self._cpu_np: dict[str, np.ndarray] | None = None
         #: ``(slot, q)`` -> the state and output rows `_cpu_decode_one` passes (`_cpu_rows`).
@@ -158,6 +162,18 @@ class IndexGroup:
     @property
     def leader(self) -> SparseLayerRuntime:
         return self.layers[0]
+
+    @property
+    def inline_swap_in(self) -> bool:
+        """Resolve and gather on the compute stream, in program order, without events.
+
+        The CPU has no copy stream. A group of one on CUDA gains nothing from it: between
+        issuing its gathers and waiting for them the compute stream has nothing to run (the
+        attention needs the rows, no follower layer computes meanwhile), while the fork and
+        join cost graph nodes, launch time and cross-stream latency in every layer.
+        `side_stream_for_one` keeps the copy stream for it (tests, comparisons).
+        """
+        return self.copy.stream is None or (len(self.layers) == 1 and not self.side_stream_for_one)
 
     # --- state lifecycle -------------------------------------------------------------------
     def bind_hot_block_table(self, table: torch.Tensor) -> None:
@@ -482,10 +498,10 @@ class IndexGroup:
         layer and every event waits for it: fewer, longer reads (FACTS.md: 2.6 KB spans move
         ~2x faster than 656 B rows), but the leader's attention waits for the whole group.
         """
-        self.copy.wait_for_compute()
-        if self.copy.stream is None:  # the CPU: program order, no stream to enter
+        if self.inline_swap_in:
             self._resolve_and_gather(meta, tables, topk)
             return
+        self.copy.wait_for_compute()
         with self.copy.active():
             self._resolve_and_gather(meta, tables, topk)
 
@@ -634,7 +650,8 @@ class SparseLayerRuntime:
 
     def mark_ready(self) -> None:
         """Record this layer's ready event on the copy stream (its rows are enqueued)."""
-        self.event.record()
+        if not self.group.inline_swap_in:
+            self.event.record()
         self.staged = True
 
     def stage_own_rows(self) -> None:
@@ -650,5 +667,6 @@ class SparseLayerRuntime:
                 f"{self.name}: swap-in was not staged; the index-group leader "
                 f"({self.group.leader.name}) must call swap_in first in each step."
             )
-        self.event.wait()
+        if not self.group.inline_swap_in:
+            self.event.wait()
         self.staged = False
