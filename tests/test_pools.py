@@ -29,6 +29,18 @@ def test_refcounts_keep_shared_blocks_alive():
         pool.free([NULL_BLOCK])
 
 
+def test_free_many_keeps_order_and_earlier_releases_on_a_bad_id():
+    pool = BlockPool(8)
+    a = pool.allocate(7)
+    pool.incref([a[2]])
+    assert pool.free(a[:4]) == [a[0], a[1], a[3]]  # a[2] still shared
+    assert pool.allocate(3) == [a[0], a[1], a[3]]  # freed to the back, in call order
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free([a[4], a[5], a[5], a[6]])
+    assert pool.num_free == 2 and pool.ref_count(a[6]) == 1  # a[4], a[5] freed; a[6] not
+    assert pool.allocate(2) == [a[4], a[5]]
+
+
 def test_failed_allocation_takes_nothing():
     pool = BlockPool(5)
     pool.allocate(2)

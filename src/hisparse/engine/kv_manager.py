@@ -208,19 +208,26 @@ class KVCacheManager:
         b = self.requests[req_id]
         pages = cdiv(num_tokens, self.block_size)
         keep_from = max(pages - RESIDENT_TAIL_PAGES, 0)
-        dropped = []
+        dropped: list[tuple[int, int, int]] = []
         for gi, res in enumerate(b.resident):
-            for p in [p for p in res if p < keep_from]:
-                dropped.append((gi, p, res[p]))
+            dropped.extend((gi, p, blk) for p, blk in res.items() if p < keep_from)
         return dropped
 
     def release_resident(self, req_id: str, dropped: list[tuple[int, int, int]]) -> None:
+        """Free dropped resident pages, one pool call and one table write per group: a 128K
+        prompt drops ~2K pages per group when it starts decoding, and per-page calls cost
+        ~10 ms there, all of it in the request's second token."""
         b = self.requests[req_id]
+        by_group: dict[int, tuple[list[int], list[int]]] = {}
         for gi, p, blk in dropped:
-            del b.resident[gi][p]
-            self.gpu_blocks.free([blk])
-        for gi in {gi for gi, _, _ in dropped}:
-            pages = [p for g, p, _ in dropped if g == gi]
+            pages, blocks = by_group.setdefault(gi, ([], []))
+            pages.append(p)
+            blocks.append(blk)
+        for gi, (pages, blocks) in by_group.items():
+            res = b.resident[gi]
+            for p in pages:
+                del res[p]
+            self.gpu_blocks.free(blocks)
             self._write_pages(self.resident_tables[gi], b.slot, pages, [0] * len(pages))
 
     def lease_hot(self, req_id: str) -> int:

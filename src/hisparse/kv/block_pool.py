@@ -57,14 +57,19 @@ class BlockPool:
     def free(self, ids: Iterable[int]) -> list[int]:
         """Drop one reference from each block; returns the blocks that became free."""
         released = []
-        for b in ids:
-            self._check(b)
-            if self._ref[b] == 0:
-                raise ValueError(f"{self.name}: block {b} freed twice.")
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                self._free.append(b)
-                released.append(b)
+        ref, n = self._ref, self.num_blocks
+        try:
+            for b in ids:
+                if not 0 < b < n:
+                    self._check(b)
+                r = ref[b]
+                if r == 0:
+                    raise ValueError(f"{self.name}: block {b} freed twice.")
+                ref[b] = r - 1
+                if r == 1:
+                    released.append(b)
+        finally:  # blocks released before a bad id stay released (as one by one)
+            self._free.extend(released)
         return released
 
     def ref_count(self, block: int) -> int:
