@@ -83,6 +83,13 @@ def test_hisparse_equals_all_gpu(checkpoint):
     assert sum(o.metrics.misses for o in hs) > 0 and sum(o.metrics.hits for o in hs) > 0
 
 
+def test_lossless_with_lazy_host_mirror(checkpoint):
+    """Decode rows reach the host only when their page leaves the GPU (`write_back`)."""
+    gpu = _run(checkpoint, "gpu")
+    hs = _run(checkpoint, "hisparse", eager_host_mirror=False)
+    assert _tokens(hs) == _tokens(gpu)
+
+
 def test_lossless_at_minimum_hot_buffer(checkpoint):
     gpu = _run(checkpoint, "gpu")
     top_k = 16  # the tiny preset's index_topk

@@ -200,30 +200,30 @@ class KVCacheManager:
                 b.resident[gi][p] = blk
             self._write_pages(self.resident_tables[gi], b.slot, want, new)
 
-    def trim_resident(self, req_id: str, num_tokens: int) -> list[tuple[int, int, int]]:
-        """HiSparse: drop resident pages older than the tail; returns (group, page, block)
-        dropped so the caller can write dirty rows back first when mirroring is lazy."""
+    def trim_resident(self, req_id: str, num_tokens: int) -> list[tuple[int, list[int], list[int]]]:
+        """HiSparse: the resident pages older than the tail, as ``(group, pages, blocks)`` per
+        group, so the caller can write dirty rows back before `release_resident` frees them.
+
+        Per group, not per page: a 128K prompt drops ~2K pages per group when it starts
+        decoding, all of it in the request's second token."""
         if not self.offload:
             return []
         b = self.requests[req_id]
         pages = cdiv(num_tokens, self.block_size)
         keep_from = max(pages - RESIDENT_TAIL_PAGES, 0)
-        dropped: list[tuple[int, int, int]] = []
+        dropped = []
         for gi, res in enumerate(b.resident):
-            dropped.extend((gi, p, blk) for p, blk in res.items() if p < keep_from)
+            old = [p for p in res if p < keep_from]
+            if old:
+                dropped.append((gi, old, [res[p] for p in old]))
         return dropped
 
-    def release_resident(self, req_id: str, dropped: list[tuple[int, int, int]]) -> None:
-        """Free dropped resident pages, one pool call and one table write per group: a 128K
-        prompt drops ~2K pages per group when it starts decoding, and per-page calls cost
-        ~10 ms there, all of it in the request's second token."""
+    def release_resident(
+        self, req_id: str, dropped: list[tuple[int, list[int], list[int]]]
+    ) -> None:
+        """Free what `trim_resident` returned: one pool call and one table write per group."""
         b = self.requests[req_id]
-        by_group: dict[int, tuple[list[int], list[int]]] = {}
-        for gi, p, blk in dropped:
-            pages, blocks = by_group.setdefault(gi, ([], []))
-            pages.append(p)
-            blocks.append(blk)
-        for gi, (pages, blocks) in by_group.items():
+        for gi, pages, blocks in dropped:
             res = b.resident[gi]
             for p in pages:
                 del res[p]

@@ -608,13 +608,14 @@ class ModelRunner:
         self._pending.clear()
         return steps
 
-    def write_back(self, dropped: list[tuple[int, int, int]], req: Request) -> None:
+    def write_back(self, dropped: list[tuple[int, list[int], list[int]]], req: Request) -> None:
         """Lazy mirroring: copy dirty resident pages to their host blocks before release."""
         if self.config.eager_host_mirror or not dropped:
             return
         kv, bs = self.kv, self.config.block_size
         host = kv.requests[req.req_id].host
-        for gi, page, blk in dropped:
+        pages = [(gi, p, k) for gi, ps, ks in dropped for p, k in zip(ps, ks, strict=True)]
+        for gi, page, blk in pages:
             src = torch.arange(blk * bs, (blk + 1) * bs, dtype=torch.int32, device=self.device)
             dst = torch.arange(
                 host[page] * bs, (host[page] + 1) * bs, dtype=torch.int32, device=self.device
