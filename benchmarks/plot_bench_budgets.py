@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from plotting import pyplot, ratio_bars, save
+
 
 def pairs(runs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
     """``(label, hisparse result, all-GPU result)`` per file, in the order given."""
@@ -29,35 +31,22 @@ def pairs(runs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], dict[st
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return f"no plot: matplotlib is not installed; skipped {path}"
     rows = pairs(runs)
     fig, axes = plt.subplots(1, 2, figsize=(4 + 2.2 * len(rows), 4.2))
     panels = (("peak_running", "peak running requests"), ("peak_decode_tok_s", "decode tok/s"))
-    w = 0.38
     for ax, (key, title) in zip(axes, panels, strict=True):
-        xs = range(len(rows))
-        hs = [h[key] for _, h, _ in rows]
-        gp = [g[key] for _, _, g in rows]
-        ax.bar([x - w / 2 for x in xs], hs, w, label="HiSparse")
-        ax.bar([x + w / 2 for x in xs], gp, w, label="all-GPU")
-        for x, a, b in zip(xs, hs, gp, strict=True):
-            ax.annotate(f"{a / b:.2f}×", (x, max(a, b)), ha="center", va="bottom", fontsize=9)
-        ax.set_xticks(list(xs), [r[0] for r in rows])
+        ratio_bars(
+            ax, [r[0] for r in rows], [h[key] for _, h, _ in rows], [g[key] for _, _, g in rows],
+            ("HiSparse", "all-GPU"),
+        )  # fmt: skip
         ax.set_title(title + (" (steady state)" if key == "peak_decode_tok_s" else ""))
         ax.margins(y=0.15)
         ax.grid(axis="y", alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"wrote {path}"
+    return save(plt, fig, path)
 
 
 def main() -> None:

@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from plotting import pyplot, ratio_bars, save
+
 
 def bars(results: list[dict[str, Any]]) -> list[tuple[str, float, float]]:
     """``(label, ours, transformers)`` decode tok/s for every run of every result file."""
@@ -31,33 +33,20 @@ def bars(results: list[dict[str, Any]]) -> list[tuple[str, float, float]]:
 
 def plot(results: list[dict[str, Any]], path: Path) -> str:
     """Write the PNG; returns a line saying what was written (or why not)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return f"no plot: matplotlib is not installed; skipped {path}"
     rows = bars(results)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows)), 4.2))
-    xs = range(len(rows))
-    w = 0.38
-    ours = [r[1] for r in rows]
-    hf = [r[2] for r in rows]
-    ax.bar([x - w / 2 for x in xs], ours, w, label="hisparse (KV in the host pool)")
-    ax.bar([x + w / 2 for x in xs], hf, w, label="transformers generate")
-    for x, a, b in zip(xs, ours, hf, strict=True):
-        ax.annotate(f"{a / b:.2f}×", (x, max(a, b)), ha="center", va="bottom", fontsize=9)
-    ax.set_xticks(list(xs), [r[0] for r in rows], fontsize=8)
+    ratio_bars(
+        ax, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+        ("hisparse (KV in the host pool)", "transformers generate"), fontsize=8,
+    )  # fmt: skip
     ax.set_yscale("log")
     ax.set_ylabel("decode tokens/s (log)")
     ax.set_title("SmolLM2-135M, same GGUF file: decode throughput")
     ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"wrote {path}"
+    return save(plt, fig, path)
 
 
 def main() -> int:
