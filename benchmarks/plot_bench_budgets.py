@@ -21,6 +21,8 @@ def pairs(runs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], dict[st
     """``(label, hisparse result, all-GPU result)`` per file, in the order given."""
     out = []
     for run in runs:
+        if len({r["concurrency"] for r in run["results"]}) != 1:
+            raise SystemExit("one concurrency per JSON: this plot compares GPU budgets")
         by = {r["placement"]: r for r in run["results"]}
         if "hisparse" not in by or "gpu" not in by:
             raise SystemExit("each JSON must hold both placements (--kv-placement hisparse,gpu)")
@@ -38,10 +40,9 @@ def plot(runs: list[dict[str, Any]], path: Path) -> str:
     fig, axes = plt.subplots(1, 2, figsize=(4 + 2.2 * len(rows), 4.2))
     panels = (("peak_running", "peak running requests"), ("peak_decode_tok_s", "decode tok/s"))
     for ax, (key, title) in zip(axes, panels, strict=True):
-        ratio_bars(
-            ax, [r[0] for r in rows], [h[key] for _, h, _ in rows], [g[key] for _, _, g in rows],
-            ("HiSparse", "all-GPU"),
-        )  # fmt: skip
+        hs = [h[key] or 0 for _, h, _ in rows]  # None: no steady-state step
+        gpu = [g[key] or 0 for _, _, g in rows]
+        ratio_bars(ax, [r[0] for r in rows], hs, gpu, ("HiSparse", "all-GPU"))
         ax.set_title(title + (" (steady state)" if key == "peak_decode_tok_s" else ""))
         ax.margins(y=0.15)
         ax.grid(axis="y", alpha=0.3)

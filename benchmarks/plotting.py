@@ -35,7 +35,8 @@ def ratio_bars(
     ax.bar([x - w / 2 for x in xs], ours, w, label=names[0])
     ax.bar([x + w / 2 for x in xs], theirs, w, label=names[1])
     for x, a, b in zip(xs, ours, theirs, strict=True):
-        ax.annotate(f"{a / b:.2f}×", (x, max(a, b)), ha="center", va="bottom", fontsize=9)
+        if b:  # a missing value (0) gets no ratio
+            ax.annotate(f"{a / b:.2f}×", (x, max(a, b)), ha="center", va="bottom", fontsize=9)
     ax.set_xticks(list(xs), labels, fontsize=fontsize)
 
 

@@ -18,12 +18,13 @@ pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction
 
-from hisparse.engine import replay
-from hisparse.engine.replay import hash_rows, replay_hash_triton, row_bases
+from hisparse.engine import replay_triton
+from hisparse.engine.replay import hash_rows, row_bases
+from hisparse.engine.replay_triton import replay_hash_triton
 
 pytestmark = pytest.mark.skipif(
-    not isinstance(replay._replay_hash_kernel, InterpretedFunction),
-    reason="the replay module was imported before TRITON_INTERPRET was set",
+    not isinstance(replay_triton._replay_hash_kernel, InterpretedFunction),
+    reason="the kernel module was imported before TRITON_INTERPRET was set",
 )
 
 

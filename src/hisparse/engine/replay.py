@@ -3,10 +3,11 @@
 Random weights make the indexer choose unrelated tokens every step, which no trained model
 does, so a benchmark on random checkpoints would measure a hot buffer that never hits. The
 replay overrides the logical top-k an index-group leader hands to the runtime (the indexer
-still runs; its choice is discarded): a request's first selection is ``top_k - 1`` random
-earlier positions plus the newest token; each next step keeps ``round(overlap * top_k)``
-entries of the previous selection (capped at ``top_k - 1``) and fills the rest with positions
-the previous selection did not hold, the newest token always included. When too few such
+still runs; its choice is discarded): a request's first selection is ``top_k - 1`` earlier
+positions (stratified random sampling: one per equal stratum) plus the newest token; each next
+step keeps ``round(overlap * top_k)`` entries of the previous selection (capped at
+``top_k - 1``) and fills the rest with positions the previous selection did not hold, the
+newest token always included. When too few such
 positions exist, more of the previous selection is kept; short contexts (``length <= top_k``)
 select every position, as the indexer does.
 
@@ -24,8 +25,6 @@ indexer's own top-k).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 _M31 = 0x7FFFFFFF
 _MUL = 0x45D9F3B
@@ -58,58 +57,14 @@ def hash_rows(base: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     return mix31((base[:, None] + (c & _M31) * _STRIDE) & _M31)
 
 
-def _salt(seed: int, salt: int) -> int:
+def salt_of(seed: int, salt: int) -> int:
+    """The scalar that `row_bases` mixes into every row of (seed, salt)."""
     return mix31_int(mix31_int(seed) ^ mix31_int(salt + 0x1234567))
 
 
 def row_bases(seed: int, salt: int, keys: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """Per-row hash base of (seed, salt, request key, current length): int64 ``[R]``."""
-    return mix31(mix31((keys & _M31) ^ _salt(seed, salt)) ^ (lens & _M31))
-
-
-@triton.jit
-def _mix31_tl(x):
-    x = ((x ^ (x >> 16)) * 0x45D9F3B) & 0x7FFFFFFF
-    x = ((x ^ (x >> 16)) * 0x45D9F3B) & 0x7FFFFFFF
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def _replay_hash_kernel(keys, lens, cols, out, s, N, cols_row_stride, BLOCK: tl.constexpr):
-    r = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < N
-    key = tl.load(keys + r).to(tl.int64)
-    length = tl.load(lens + r).to(tl.int64)
-    base = _mix31_tl(_mix31_tl((key & 0x7FFFFFFF) ^ s) ^ (length & 0x7FFFFFFF))
-    c = tl.load(cols + r * cols_row_stride + offs, mask=m, other=0).to(tl.int64)
-    h = _mix31_tl((base + (c & 0x7FFFFFFF) * 40503) & 0x7FFFFFFF)
-    tl.store(out + r * N + offs, h, mask=m)
-
-
-def replay_hash_triton(
-    seed: int,
-    salt: int,
-    keys: torch.Tensor,
-    lens: torch.Tensor,
-    cols: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`replay_hash` as one kernel (the torch form is ~40 one-microsecond launches)."""
-    R = keys.shape[0]
-    N = cols.shape[-1]
-    c = cols.contiguous().long()
-    if out is None:
-        out = torch.empty((R, N), dtype=torch.int64, device=cols.device)
-    if R and N:
-        block = min(1024, triton.next_power_of_2(N))
-        grid = (R, triton.cdiv(N, block))
-        row_stride = N if c.dim() == 2 else 0
-        _replay_hash_kernel[grid](
-            keys.contiguous().long(), lens.contiguous().long(), c, out,
-            _salt(seed, salt), N, row_stride, BLOCK=block,
-        )  # fmt: skip
-    return out
+    return mix31(mix31((keys & _M31) ^ salt_of(seed, salt)) ^ (lens & _M31))
 
 
 def replay_hash(
@@ -117,6 +72,10 @@ def replay_hash(
 ) -> torch.Tensor:
     """``hash_rows(row_bases(seed, salt, keys, lens), cols)``; one fused kernel on CUDA."""
     if cols.device.type == "cuda":
+        # imported here: importing Triton early (before TRITON_INTERPRET is set) would change
+        # how other modules' kernels run under the CPU interpreter
+        from hisparse.engine.replay_triton import replay_hash_triton
+
         return replay_hash_triton(seed, salt, keys, lens, cols)
     return hash_rows(row_bases(seed, salt, keys, lens), cols)
 

@@ -51,7 +51,7 @@ class SwapTimer:
     def _mark(self) -> Any:
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()  # on the current stream: the copy stream inside the leader's resolve
+            ev.record()  # on the current stream: the leader's resolve runs on it (copy or compute)
             return ev
         return time.perf_counter()
 

@@ -4,7 +4,9 @@ An `IndexGroup` is a leader layer (the one that computes the top-k) and the foll
 that reuse its selection. They share one hot state per request (`hot_index`, `lru`) and one
 slot assignment; every layer keeps its own host rows and hot rows. In a decode step the leader
 resolves residency once on the copy stream and issues the gathers of every layer of the group,
-recording one ready event per layer, so the followers' copies hide behind earlier compute.
+recording one ready event per layer, so the followers' copies hide behind earlier compute. A
+group of one has no follower compute to hide behind: it resolves and gathers on the compute
+stream, in program order (`IndexGroup.inline_swap_in`).
 """
 
 from __future__ import annotations
@@ -171,7 +173,8 @@ class IndexGroup:
         issuing its gathers and waiting for them the compute stream has nothing to run (the
         attention needs the rows, no follower layer computes meanwhile), while the fork and
         join cost graph nodes, launch time and cross-stream latency in every layer.
-        `side_stream_for_one` keeps the copy stream for it (tests, comparisons).
+        `side_stream_for_one` (``HISPARSE_SIDE_STREAM_FOR_ONE=1``) keeps the copy stream for
+        it, to compare the two (`benchmarks/profile_decode.py` under that variable).
         """
         return self.copy.stream is None or (len(self.layers) == 1 and not self.side_stream_for_one)
 
@@ -649,7 +652,8 @@ class SparseLayerRuntime:
         self.mark_ready()
 
     def mark_ready(self) -> None:
-        """Record this layer's ready event on the copy stream (its rows are enqueued)."""
+        """Mark this layer's rows enqueued: its ready event on the copy stream (none when the
+        group swaps in on the compute stream, where program order already waits)."""
         if not self.group.inline_swap_in:
             self.event.record()
         self.staged = True
