@@ -7,9 +7,9 @@ still runs; its choice is discarded): a request's first selection is ``top_k - 1
 positions (stratified random sampling: one per equal stratum) plus the newest token; each next
 step keeps ``round(overlap * top_k)`` entries of the previous selection (capped at
 ``top_k - 1``) and fills the rest with positions the previous selection did not hold, the
-newest token always included. When too few such
-positions exist, more of the previous selection is kept; short contexts (``length <= top_k``)
-select every position, as the indexer does.
+newest token always included. When too few such positions exist, more of the previous
+selection is kept; short contexts (``length <= top_k``) select every position, as the indexer
+does. A previous selection never repeats a position (the mapping below relies on it).
 
 Every random choice is a counter-based hash of (seed, request key, leader, length, index),
 computed on the device with integer ops, so both placements (and CPU and GPU) see exactly
