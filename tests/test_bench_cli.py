@@ -184,6 +184,10 @@ def test_bench_cli_writes_json(checkpoint, tmp_path, capsys):
         assert r["ttft_p50"] is None and r["tpot_p50"] > 0
         # steady state: the median rate of the steps that ran every admitted request
         assert r["peak_steps"] > 0 and r["peak_decode_tok_s"] > 0
+        # the step log: [decode?, running, ms] per step, its decode steps the counted ones
+        decode_ms = [ms for d, _, ms in r["step_log"] if d]
+        assert len(decode_ms) == r["decode_steps"] and all(ms > 0 for ms in decode_ms)
+        assert abs(sum(decode_ms) / 1e3 - r["decode_seconds"]) < 1e-3 * len(decode_ms)
     assert rows[("hisparse", 3)]["bytes_swapped"] > 0 and rows[("gpu", 3)]["hit_rate"] is None
     assert all(r["same_tokens"] is True for r in doc["ratios"]) and len(doc["ratios"]) == 2
 

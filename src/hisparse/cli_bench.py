@@ -313,6 +313,10 @@ def run_cell(
     # the step-by-step schedule: tokens are comparable across placements only under the same one
     steps = llm.step_stats[first:]
     row["schedule"] = [(bool(s["decode"]), int(s["tokens"]), int(s["running"])) for s in steps]
+    # every step's kind, batch and time, for reading where a whole run's time went
+    row["step_log"] = [
+        [int(s["decode"]), int(s["running"]), round(1e3 * s["seconds"], 3)] for s in steps
+    ]
     return row
 
 
