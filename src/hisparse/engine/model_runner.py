@@ -614,13 +614,13 @@ class ModelRunner:
             return
         kv, bs = self.kv, self.config.block_size
         host = kv.requests[req.req_id].host
-        pages = [(gi, p, k) for gi, ps, ks in dropped for p, k in zip(ps, ks, strict=True)]
-        for gi, page, blk in pages:
-            src = torch.arange(blk * bs, (blk + 1) * bs, dtype=torch.int32, device=self.device)
-            dst = torch.arange(
-                host[page] * bs, (host[page] + 1) * bs, dtype=torch.int32, device=self.device
-            )
-            mask = torch.ones(bs, dtype=torch.int32, device=self.device)
+        offs = torch.arange(bs, dtype=torch.int64)
+        for gi, pages, blocks in dropped:
+            # every dropped page's rows of this group in one copy per layer
+            src = (torch.tensor(blocks)[:, None] * bs + offs).flatten()
+            dst = (torch.tensor([host[p] for p in pages])[:, None] * bs + offs).flatten()
+            src, dst = (t.to(self.device, torch.int32) for t in (src, dst))
+            mask = torch.ones_like(src)
             for name in kv.resident_groups[gi].layers:
                 rt = self.runtimes[int(name.split(".")[1])]
                 if name.endswith(".attn"):
