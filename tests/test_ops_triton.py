@@ -152,13 +152,17 @@ def test_resolve_wanted_fills_whole_hot_buffer() -> None:
 
 
 @pytest.mark.parametrize(
-    ("impl", "log_buckets", "bh", "rank_tile"),
+    ("impl", "log_buckets", "bh", "rank_tile", "sort_above", "window"),
     [
-        ("bucket", 0, 8, 2),  # one bucket: almost every row overflows; H in 4 chunks
-        ("bucket", 1, 16, 4),
-        ("bucket", 2, 4096, 2),
-        ("bucket", None, 4096, 128),
-        ("sort", None, 4096, 128),
+        ("bucket", 0, 8, 2, None, 0),  # one bucket: almost every row overflows; H in 4 chunks
+        ("bucket", 1, 16, 4, None, 0),
+        ("bucket", 2, 4096, 2, None, 0),
+        ("bucket", None, 4096, 128, None, 0),
+        ("bucket", None, 4096, 4, 3, 0),  # swap list by tl.sort above 3 misses, else rank tiles
+        ("bucket", None, 4096, 4, -1, 0),  # always by tl.sort
+        ("bucket", None, 4096, 4, None, 4),  # up to 4 misses: a window sort; else rank tiles
+        ("bucket", None, 4096, 4, 8, 4),  # window sort, rank tiles, full sort above 8
+        ("sort", None, 4096, 128, None, 0),
     ],
 )
 @pytest.mark.parametrize("seed", range(3))
@@ -167,6 +171,8 @@ def test_resolve_each_kernel(
     log_buckets: int | None,
     bh: int,
     rank_tile: int,
+    sort_above: int | None,
+    window: int,
     seed: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -175,11 +181,25 @@ def test_resolve_each_kernel(
     monkeypatch.setattr(tk, "RESOLVE_LOG_BUCKETS", log_buckets)
     monkeypatch.setattr(tk, "RESOLVE_BH", bh)
     monkeypatch.setattr(tk, "RESOLVE_RANK_TILE", rank_tile)
+    monkeypatch.setattr(tk, "RESOLVE_SORT_ABOVE", sort_above)
+    monkeypatch.setattr(tk, "RESOLVE_SORT_WINDOW", window)
     case = make_resolve_case(
         Q=3, K=8, H=32, block_size=4, seed=50 + seed, max_rows=2, p_dup=0.2, hot_fill=0.7,
         reuse=0.5 if seed % 2 else 0.0,
     )  # fmt: skip
     _run_both(case, steps=3, seed=seed)
+
+
+@pytest.mark.parametrize("window", [300, -4])
+def test_resolve_sort_window_must_be_a_power_of_two(
+    window: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tk, "RESOLVE_SORT_WINDOW", window)
+    case = make_resolve_case(Q=2, K=4, H=16, block_size=2, seed=3, max_rows=1)
+    before = case.clone()
+    with pytest.raises(ValueError, match="power of two"):
+        tk.resolve_residency(*case.args())
+    assert not compare(before.state_and_outputs(), case.state_and_outputs())  # nothing touched
 
 
 def test_resolve_max_rows_per_request_keyword() -> None:
