@@ -26,6 +26,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import triton
@@ -175,30 +176,58 @@ def graph_resolve_us(Q: int, H: int, miss: float, reps: int = 50) -> dict:
 
 
 #: Knobs of the Triton module each ablation variant sets (the rest stay at their defaults).
-_KNOBS = ("RESOLVE_IMPL", "RESOLVE_WARPS", "RESOLVE_BH", "RESOLVE_LOG_BUCKETS")
+_KNOBS = (
+    "RESOLVE_IMPL", "RESOLVE_WARPS", "RESOLVE_BH", "RESOLVE_LOG_BUCKETS", "RESOLVE_RANK_TILE",
+    "RESOLVE_SORT_ABOVE", "RESOLVE_SORT_WINDOW",
+)  # fmt: skip
 
 
-def ablate_resolve(reps: int = 50) -> list[dict]:
+def ablate_resolve(
+    cases: list[tuple[int, int, float]] | None = None,
+    names: list[str] | None = None,
+    reps: int = 50,
+    on_timed: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
     """Resolve kernels and settings: CUDA-graph µs of each, then each against the oracle.
 
     ``bucket`` is the default kernel (bucket table, no sort of the entries) at its default
-    warps / hot-slot chunk / bucket count and at other settings; ``sort`` is the previous
-    kernel (bitonic ``tl.sort`` of (host row, entry) int64 keys).
+    settings; the others change one knob: warps, hot-slot chunk, bucket count, the swap-list
+    rank tile, how the swap list is ordered (``tl.sort`` of a 512-key window when the misses fit,
+    the default; rank tiles only; a 1024-key window; one sort of all entries, always or above
+    256 misses; ``pairs`` variants turn the window off, so they time the rank tiles);
+    ``sort`` is the previous kernel (bitonic ``tl.sort`` of (host row, entry) int64 keys).
+    ``on_timed`` receives the timings before the (slower) oracle checks start.
     """
     defaults = {k: getattr(tk, k) for k in _KNOBS}
+    pairs = {"RESOLVE_SORT_WINDOW": 0}  # rank tiles only: what the tile variants vary
     variants: list[tuple[str, dict]] = [
         ("bucket", {}),
         ("sort", {"RESOLVE_IMPL": "sort"}),
         ("bucket-w16", {"RESOLVE_WARPS": 16}),
+        ("bucket-w4", {"RESOLVE_WARPS": 4}),
+        ("bucket-w32", {"RESOLVE_WARPS": 32}),
+        ("bucket-pairs", pairs),  # rank tiles of 64 (the default before session 5)
+        ("bucket-pairs-tile32", {**pairs, "RESOLVE_RANK_TILE": 32}),
+        ("bucket-pairs-tile128", {**pairs, "RESOLVE_RANK_TILE": 128}),
+        ("bucket-pairs-tile128-w16", {**pairs, "RESOLVE_RANK_TILE": 128, "RESOLVE_WARPS": 16}),
+        ("bucket-pairs-tile256-w16", {**pairs, "RESOLVE_RANK_TILE": 256, "RESOLVE_WARPS": 16}),
+        ("bucket-swapsort", {**pairs, "RESOLVE_SORT_ABOVE": -1}),
+        ("bucket-swapsort256", {**pairs, "RESOLVE_SORT_ABOVE": 256}),
+        ("bucket-swapsort-w16", {**pairs, "RESOLVE_SORT_ABOVE": -1, "RESOLVE_WARPS": 16}),
+        ("bucket-window1024", {"RESOLVE_SORT_WINDOW": 1024}),
         ("bucket-bh1024", {"RESOLVE_BH": 1024}),
-        ("bucket-bh4096", {"RESOLVE_BH": 4096}),
         ("bucket-4x-buckets", {"RESOLVE_LOG_BUCKETS": 13}),
     ]
+    if names is not None:
+        unknown = set(names) - {n for n, _ in variants}
+        if unknown:
+            raise SystemExit(f"unknown --ablate-variants {sorted(unknown)}")
+        variants = [v for v in variants if v[0] in names]
+    if cases is None:
+        cases = [(1, 4096, m) for m in (0.05, 0.2, 1.0)] + [(29, 4096, 0.2), (64, 4096, 0.05)]
     out = []
-    for Q, H, miss in ((64, 4096, 0.05), (64, 4096, 1.0), (256, 8192, 0.05), (8, 4096, 0.05)):
+    for Q, H, miss in cases:
         for name, knobs in variants:
-            if (Q, miss) != (64, 0.05) and name not in ("sort", "bucket"):
-                continue
             for k, v in knobs.items():
                 setattr(tk, k, v)
             try:
@@ -211,24 +240,57 @@ def ablate_resolve(reps: int = 50) -> list[dict]:
             r["variant"] = name
             out.append(r)
             print("ablate", r, flush=True)
+    if on_timed is not None:
+        on_timed(out)  # keep the timings even if the checks run out of time
     # Each kernel against the oracle on GPU-sized cases (few and many misses).
     for name, knobs in variants:
         for k, v in knobs.items():
             setattr(tk, k, v)
-        for reuse in (0.95, 0.0):
-            case = make_resolve_case(
-                Q=64, K=K, H=4096, block_size=BS, seed=78, reuse=reuse, hot_fill=0.9, p_neg=0.01
-            ).to(DEV)
-            a, b = case.clone(), case.clone()
-            ref.resolve_residency(*a.args())
-            tk.resolve_residency(*b.args())
-            torch.cuda.synchronize()
-            bad = compare(a.state_and_outputs(), b.state_and_outputs())
-            out.append({"variant": f"check-{name}-reuse{reuse}", "bad": bad})
-            print("ablate check", name, reuse, bad, flush=True)
-        for k, v in defaults.items():
-            setattr(tk, k, v)
+        try:
+            for reuse in (0.95, 0.0):
+                case = make_resolve_case(
+                    Q=64, K=K, H=4096, block_size=BS, seed=78, reuse=reuse, hot_fill=0.9,
+                    p_neg=0.01,
+                ).to(DEV)  # fmt: skip
+                a, b = case.clone(), case.clone()
+                ref.resolve_residency(*a.args())
+                tk.resolve_residency(*b.args())
+                torch.cuda.synchronize()
+                bad = compare(a.state_and_outputs(), b.state_and_outputs())
+                out.append({"variant": f"check-{name}-reuse{reuse}", "bad": bad})
+                print("ablate check", name, reuse, bad, flush=True)
+        except Exception as e:  # a failing variant is reported, the others still checked
+            out.append({"variant": f"check-{name}", "bad": [f"error: {e!r}"[:300]]})
+            print("ablate check", name, "ERROR", repr(e)[:300], flush=True)
+        finally:
+            for k, v in defaults.items():
+                setattr(tk, k, v)
     return out
+
+
+def _print_ablation(rows: list[dict]) -> None:
+    """Variant x (batch, hot, miss) table of CUDA-graph µs per call, then the oracle checks."""
+    timed = [r for r in rows if not r["variant"].startswith("check-")]
+    cases = sorted({(r["batch"], r["hot"], r["miss"]) for r in timed})
+    names = list(dict.fromkeys(r["variant"] for r in timed))
+    cell = {(r["variant"], (r["batch"], r["hot"], r["miss"])): r for r in timed}
+    print("resolve ablation, µs per call (CUDA-graph replays): batch/hot/miss")
+    print(f"{'variant':>20} " + " ".join(f"{f'{q}/{h}/{m}':>14}" for q, h, m in cases))
+    for n in names:
+        vals = []
+        for c in cases:
+            r = cell.get((n, c))
+            if r is None or "error" in r:
+                vals.append("" if r is None else "ERROR")
+            else:
+                vals.append(f"{r['resolve_us']:.1f}")
+        print(f"{n:>20} " + " ".join(f"{v:>14}" for v in vals))
+    checks = [r for r in rows if r["variant"].startswith("check-")]
+    bad = [r["variant"] for r in checks if r["bad"]]
+    if not checks:
+        print("oracle checks: not run (yet)")
+    else:
+        print(f"oracle checks ({len(checks)}):", "all equal" if not bad else f"DIFFER: {bad}")
 
 
 def check_resolve_once() -> dict:
@@ -512,6 +574,10 @@ def main() -> None:
     ap.add_argument("--only", choices=["all", "resolve", "gather", "group"], default="all")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip the rest after this")
     ap.add_argument("--ablate", action="store_true", help="resolve: time stages and kernels")
+    ap.add_argument(
+        "--ablate-cases", default=None, help="batch/hot/miss,... (e.g. 1/4096/0.2,29/4096/0.2)"
+    )
+    ap.add_argument("--ablate-variants", default=None, help="variant names, comma separated")
     args = ap.parse_args()
     if args.only == "group":
         main_group(args)
@@ -536,6 +602,24 @@ def main() -> None:
     t0 = time.time()
     if args.only == "gather":
         hots = []
+    if args.ablate:  # the ablation only: its table, then stop
+        cases = None
+        if args.ablate_cases:
+            cases = [
+                (int(q), int(h), float(m))
+                for q, h, m in (c.split("/") for c in args.ablate_cases.split(","))
+            ]
+        names = args.ablate_variants.split(",") if args.ablate_variants else None
+
+        def keep(timed: list[dict]) -> None:
+            result["ablate"] = timed
+            _dump(result, args.out)
+            _print_ablation(timed)
+
+        result["ablate"] = ablate_resolve(cases, names, on_timed=keep)
+        _dump(result, args.out)
+        _print_ablation(result["ablate"])
+        return
     if args.only == "resolve":
         rows = []
         result["graph_check"] = [
@@ -543,9 +627,6 @@ def main() -> None:
             graph_resolve_us(256, 8192, 0.05),
         ]
         print("graph", result["graph_check"], flush=True)
-        if args.ablate:
-            result["ablate"] = ablate_resolve()
-            _dump(result, args.out)
     result["check"] = check_resolve_once()
     print("check", result["check"], flush=True)
     for H in hots:
