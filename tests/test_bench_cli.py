@@ -261,3 +261,21 @@ def test_same_tokens_compared_only_under_the_same_schedule():
         ratio_rows([row("hisparse", [[1]], same), row("gpu", [[2]], other)])[0]["same_tokens"]
         is None
     )
+
+
+def test_warmup_batches_cover_every_graph_size_a_run_can_meet():
+    """A cell of n requests ramps up and drains through the smaller padded decode sizes: each
+    gets a warm-up cell, so no capture or kernel compile falls inside the timed run."""
+    from types import SimpleNamespace
+
+    from hisparse.cli_bench import warmup_batches
+    from hisparse.engine.cuda_graphs import DecodeGraphs
+
+    graphs = DecodeGraphs(36, torch.device("cpu"), capture=False)
+    llm = SimpleNamespace(runner=SimpleNamespace(graphs=graphs))
+    assert warmup_batches(llm, 29) == [29]  # eager steps: nothing captured
+    graphs.capture = True  # (as on CUDA; sizes 1, 2, 4, 8, 16, 32, 36)
+    assert warmup_batches(llm, 29) == [1, 2, 4, 8, 16, 29]
+    assert warmup_batches(llm, 36) == [1, 2, 4, 8, 16, 32, 36]
+    assert warmup_batches(llm, 1) == [1]
+    assert warmup_batches(SimpleNamespace(runner=SimpleNamespace(graphs=None)), 5) == [5]
