@@ -128,6 +128,24 @@ def _bucket(g, LOGB: tl.constexpr):
 
 
 @triton.jit
+def _store_sorted_swaps(
+    rows, slots, keep, n_keep, idx, hot_bt_row, s_hbt_b, src_row, s_src, dst_row, s_dst, bs,
+    SIZE: tl.constexpr,
+):  # fmt: skip
+    """Swap list entries ``0..n_keep-1`` ascending by host row: one ``tl.sort`` of the ``SIZE``
+    ``(row << 32 | slot)`` keys (``keep`` lanes, ``n_keep`` of them; the others sort last)."""
+    key = (rows.to(tl.int64) << 32) | slots.to(tl.int64)
+    key = tl.where(keep, key, tl.full([SIZE], 0x7FFFFFFFFFFFFFFF, tl.int64))
+    key = tl.sort(key, 0)
+    ok = idx < n_keep
+    row = (key >> 32).to(tl.int32)
+    slot = (key & 0xFFFFFFFF).to(tl.int32)
+    hb = tl.load(hot_bt_row + (slot // bs) * s_hbt_b, mask=ok)
+    tl.store(src_row + idx * s_src, row, mask=ok)
+    tl.store(dst_row + idx * s_dst, hb.to(tl.int64) * bs + slot % bs, mask=ok)
+
+
+@triton.jit
 def _resolve_kernel(
     topk_ptr, stk_r, stk_c,
     row_req_ptr, R,
@@ -352,36 +370,20 @@ def _resolve_kernel(
                 wm = w < n_sw
                 gw = tl.load(mg_ptr + base_n + w, mask=wm, other=0)
                 sw = tl.load(ms_ptr + base_n + w, mask=wm, other=0)
-                wkey = (gw.to(tl.int64) << 32) | sw.to(tl.int64)
-                wkey = tl.sort(
-                    tl.where(wm, wkey, tl.full([SORT_WINDOW], 0x7FFFFFFFFFFFFFFF, tl.int64)), 0
-                )
-                gs = (wkey >> 32).to(tl.int32)
-                ss = (wkey & 0xFFFFFFFF).to(tl.int32)
-                hb_s = tl.load(hot_bt_ptr + s64 * s_hbt_s + (ss // bs) * s_hbt_b, mask=wm)
-                tl.store(swap_src_ptr + q64 * s_ss_q + w * s_ss_h, gs, mask=wm)
-                tl.store(
-                    swap_dst_ptr + q64 * s_sd_q + w * s_sd_h,
-                    hb_s.to(tl.int64) * bs + ss % bs,
-                    mask=wm,
-                )
+                _store_sorted_swaps(
+                    gw, sw, wm, n_sw, w, hot_bt_ptr + s64 * s_hbt_s, s_hbt_b,
+                    swap_src_ptr + q64 * s_ss_q, s_ss_h, swap_dst_ptr + q64 * s_sd_q, s_sd_h, bs,
+                    SORT_WINDOW,
+                )  # fmt: skip
                 n_sw = 0
         if SORT_ABOVE < N:  # noqa: SIM102 (constexpr: compiled only when selected)
             if (n_sw > SORT_ABOVE) & (n_sw > 0):
-                # Many misses: one in-register sort of (host row, slot) keys; misses first.
-                key = (g.to(tl.int64) << 32) | slot_m.to(tl.int64)
-                key = tl.where(fm, key, tl.full([N], 0x7FFFFFFFFFFFFFFF, tl.int64))
-                key = tl.sort(key, 0)
-                gi = (key >> 32).to(tl.int32)
-                slot_i = (key & 0xFFFFFFFF).to(tl.int32)
-                im = e < n_sw
-                hb_i = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_i // bs) * s_hbt_b, mask=im)
-                tl.store(swap_src_ptr + q64 * s_ss_q + e * s_ss_h, gi, mask=im)
-                tl.store(
-                    swap_dst_ptr + q64 * s_sd_q + e * s_sd_h,
-                    hb_i.to(tl.int64) * bs + slot_i % bs,
-                    mask=im,
-                )
+                # Many misses: one sort of every entry's key (the miss heads' come first).
+                _store_sorted_swaps(
+                    g, slot_m, fm, n_sw, e, hot_bt_ptr + s64 * s_hbt_s, s_hbt_b,
+                    swap_src_ptr + q64 * s_ss_q, s_ss_h, swap_dst_ptr + q64 * s_sd_q, s_sd_h, bs,
+                    N,
+                )  # fmt: skip
                 n_sw = 0  # the rank tiles below have nothing left to do
         si = tl.arange(0, S)
         for i0 in range(0, n_sw, S):
