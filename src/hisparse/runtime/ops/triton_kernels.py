@@ -626,6 +626,11 @@ def resolve_residency(
     may own in this call; it sizes the program's entry vector (``pow2(rows) * pow2(top_k)``),
     so a decode-only caller passes 1. Default: ``max(1, min(R, H // top_k))``.
     """
+    if RESOLVE_SORT_WINDOW < 0 or RESOLVE_SORT_WINDOW & (RESOLVE_SORT_WINDOW - 1):
+        raise ValueError(
+            f"RESOLVE_SORT_WINDOW={RESOLVE_SORT_WINDOW} (HISPARSE_RESOLVE_SORT_WINDOW): "
+            "use 0 (off) or a power of two such as 512"
+        )
     R, K = topk.shape
     Q = request_state_indices.shape[0]
     H = hot_index.shape[1]
@@ -695,11 +700,6 @@ def resolve_residency(
         o += size
     sc_rows, tab, first, evict, mg, ms = parts
     bh = min(_next_pow2(H), RESOLVE_BH)
-    if RESOLVE_SORT_WINDOW < 0 or RESOLVE_SORT_WINDOW & (RESOLVE_SORT_WINDOW - 1):
-        raise ValueError(
-            f"RESOLVE_SORT_WINDOW={RESOLVE_SORT_WINDOW} (HISPARSE_RESOLVE_SORT_WINDOW): "
-            "use 0 (off) or a power of two such as 512"
-        )
     window = min(RESOLVE_SORT_WINDOW, n)
     _resolve_kernel[(Q,)](
         *common,
