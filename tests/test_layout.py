@@ -325,7 +325,8 @@ def test_deepseek_capacity_from_first_principles():
     block = indexer_page  # the largest overlaying page
     gpu_blocks = 60 * GIB // block
     hot_blocks = 2 * 2048 // bs  # (max_query_len + 1) * top_k rows
-    hisparse_gpu = pages + groups * 2 + groups * hot_blocks
+    # tail: 2 pages, 3 at the peak (a decode step adds the next page before trimming)
+    hisparse_gpu = pages + groups * 3 + groups * hot_blocks
     host_block = layers * row * bs
     host_blocks = 1024 * GIB // host_block
     host_per_request = pages + 1
@@ -338,7 +339,7 @@ def test_deepseek_capacity_from_first_principles():
     assert layout.gpu_bytes_per_block == block == 515_328
     assert layout.gpu_num_blocks == gpu_blocks
     assert layout.host_block_bytes == host_block and layout.host_num_blocks == host_blocks
-    assert layout.gpu_blocks_per_request(ctx) == hisparse_gpu == 2444
+    assert layout.gpu_blocks_per_request(ctx) == hisparse_gpu == 2450
     assert layout.host_blocks_per_request(ctx) == host_per_request
     assert layout.max_requests(ctx) == expect_hisparse == 51
     assert layout.max_requests_host(ctx) == 209

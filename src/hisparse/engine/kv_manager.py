@@ -2,9 +2,10 @@
 
 HiSparse placement: every page of every request gets a host block (the full copy, mirrored
 eagerly); on the GPU a request holds its indexer pages, its resident pages (every page while it
-prefills, the two tail pages once it decodes) and, while it decodes, a leased hot region per
-hot group and a hot-state slot. All-GPU placement: one resident group holds every page of every
-layer, nothing on the host. Both placements run the same runtime code.
+prefills, the two tail pages once it decodes, three while a step opens a page) and, while it
+decodes, a leased hot region per hot group and a hot-state slot. All-GPU placement: one
+resident group holds every page of every layer, nothing on the host. Both placements run the
+same runtime code.
 
 Block tables live on the device, one row per hot-state slot (every admitted request holds a
 slot), and are written only when a request's blocks change (a new page, a dropped page, a

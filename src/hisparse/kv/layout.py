@@ -39,6 +39,8 @@ Placement = Literal["hisparse", "gpu"]
 PLACEMENTS: tuple[Placement, ...] = ("hisparse", "gpu")
 #: Pages of a request a resident group keeps on the GPU under HiSparse (the write tail).
 RESIDENT_TAIL_PAGES = 2
+#: ... and holds at its peak: a decode step adds the next page before the oldest is dropped.
+RESIDENT_PEAK_PAGES = RESIDENT_TAIL_PAGES + 1
 #: Block id 0 is the null block in both the host and the GPU id space.
 NULL_BLOCKS = 1
 
@@ -121,7 +123,7 @@ class KVLayout:
         total = 0
         for group in self.gpu_groups:
             if group.kind is GroupKind.RESIDENT and self.placement == "hisparse":
-                total += min(RESIDENT_TAIL_PAGES, pages)
+                total += min(RESIDENT_PEAK_PAGES, pages)
             elif group.kind is GroupKind.HOT:
                 total += self.hot_blocks_per_request
             else:
@@ -193,7 +195,7 @@ class KVLayout:
                 if group.kind is GroupKind.HOT:
                     n = self.hot_blocks_per_request
                 elif group.kind is GroupKind.RESIDENT and self.placement == "hisparse":
-                    n = min(RESIDENT_TAIL_PAGES, pages)
+                    n = min(RESIDENT_PEAK_PAGES, pages)
                 else:
                     n = pages
                 row.append(f"{n:,}")
