@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import math
+import operator
 import os
 import time
 import warnings
@@ -112,7 +114,14 @@ class LLM:
     ) -> None:
         if kv_placement not in PLACEMENTS:
             raise ValueError(f"kv_placement={kv_placement!r}: use one of {PLACEMENTS}.")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1 (prompt tokens "
+                "one prefill step may compute)."
+            )
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1.")
+        self.device = _checked_device(device)
         if dtype == "auto":
             torch_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         elif dtype in _DTYPES:
@@ -156,6 +165,10 @@ class LLM:
         self.max_model_len = max_model_len or model_max_len
         if gpu_memory_gib is None:
             gpu_memory_gib = _default_kv_gib(self.device)
+        if not (math.isfinite(gpu_memory_gib) and gpu_memory_gib > 0):
+            raise ValueError(
+                f"gpu_memory_gib={gpu_memory_gib} must be a positive, finite number of GiB."
+            )
         specs = engine_specs(self.model, row_format, self.config.block_size)
         self.kv = KVCacheManager(
             specs,
@@ -166,19 +179,23 @@ class LLM:
             max_num_seqs=max_num_seqs,
             device=self.device,
         )
-        self.runner = ModelRunner(
-            self.model,
-            self.config,
-            self.kv,
-            specs,
-            row_format=row_format,
-            max_num_seqs=max_num_seqs,
-            device=self.device,
-            replay=None if topk_replay is None else ReplaySettings(topk_replay, seed),
-            synthetic_prefill=synthetic_prefill,
-            timing=timing,
-            decode_path=_decode_path(cuda_graphs, self.device, indexer),
-        )
+        try:
+            self.runner = ModelRunner(
+                self.model,
+                self.config,
+                self.kv,
+                specs,
+                row_format=row_format,
+                max_num_seqs=max_num_seqs,
+                device=self.device,
+                replay=None if topk_replay is None else ReplaySettings(topk_replay, seed),
+                synthetic_prefill=synthetic_prefill,
+                timing=timing,
+                decode_path=_decode_path(cuda_graphs, self.device, indexer),
+            )
+        except BaseException:
+            self.kv.close()  # the process's one host pool: a later LLM() must get it
+            raise
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
         )
@@ -221,11 +238,22 @@ class LLM:
             error = self._tokenize(req, text, prompt_token_ids[i] if prompt_token_ids else None)
             if error:
                 req.status, req.finish_reason, req.error = Status.FINISHED, "error", error
-            else:
-                self.scheduler.add(req)
             requests.append(req)
-        with _young_objects_only(self.device):
-            self._run(requests, progress, on_finish)
+        # Queued only once every prompt was read: nothing of this call is left behind if
+        # reading one fails.
+        for req in requests:
+            if not req.finished:
+                self.scheduler.add(req)
+        try:
+            with _young_objects_only(self.device):
+                self._run(requests, progress, on_finish)
+        except BaseException:
+            # Whatever stopped the run (an error, Ctrl-C), the engine stays usable: this
+            # call's unfinished requests leave the scheduler and give their blocks back.
+            for req in requests:
+                if not req.finished:
+                    self.scheduler.abort(req)
+            raise
         return [
             RequestOutput(
                 req_id=r.req_id,
@@ -247,7 +275,10 @@ class LLM:
             encoded = self.tokenizer.encode(text)
             ids = getattr(encoded, "ids", encoded)  # tokenizers.Encoding or a plain list
         assert ids is not None
-        ids = [int(t) for t in ids]
+        try:
+            ids = [operator.index(t) for t in ids]
+        except TypeError:
+            return "the prompt's token ids must be integers"
         vocab = self.model.config.vocab_size
         if not ids:
             return "the prompt is empty; give at least one token"
@@ -295,6 +326,12 @@ class LLM:
             for req, n in step.batch:
                 req.num_computed += n
             for req, tok in zip(result.sample_reqs, tokens, strict=True):
+                if tok is None:
+                    req.metrics.finished = now
+                    sched.fail_running(
+                        req, "sampling failed: this request's logits are not finite numbers"
+                    )
+                    continue
                 self._append(req, tok, now)
             if not step.decode:
                 for (req, _), fin in zip(step.batch, step.finishing, strict=True):
@@ -321,8 +358,6 @@ class LLM:
             if on_finish is not None and new_done > done:
                 on_finish(new_done, len(requests))
             done = new_done
-        for req in sched.failed:
-            req.metrics.finished = time.perf_counter()
         sched.failed.clear()
         # per-request and per-step swap counters, read from the device once per run
         decode_stats = iter(self.runner.flush_metrics())
@@ -422,6 +457,28 @@ def _set_index_topk(model: torch.nn.Module, top_k: int) -> None:
     for module in model.modules():
         if module.__class__.__name__ == "Indexer":
             module.topk = top_k  # type: ignore[assignment]
+
+
+def _checked_device(device: str | None) -> torch.device:
+    """``device`` (default: CUDA when there is one, else the CPU), or a clear ValueError."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a device: use 'cpu' or 'cuda[:N]'.") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: hisparse runs on 'cpu' or 'cuda[:N]'.")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={device!r}, but this PyTorch sees no CUDA device; use device='cpu'."
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device={device!r}, but there are {torch.cuda.device_count()} CUDA devices."
+            )
+    return dev
 
 
 def _default_kv_gib(device: torch.device) -> float:

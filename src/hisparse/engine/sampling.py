@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -32,31 +34,52 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy).")
+        for name in ("top_k", "max_tokens", "seed"):
+            value = getattr(self, name)
+            if value is not None or name != "seed":
+                object.__setattr__(self, name, _integer(name, value))
+        ids = tuple(_integer("stop_token_ids", t) for t in self.stop_token_ids)
+        object.__setattr__(self, "stop_token_ids", ids)
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed={self.seed} must be in [0, 2**64).")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(
+                f"temperature={self.temperature} must be finite and >= 0 (0 = greedy)."
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1].")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off).")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1.")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty (an empty one matches at once).")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
+def _integer(name: str, value: object) -> int:
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{name}={value!r} must be an integer.") from None
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-) -> list[int]:
-    """One token per row of ``logits [B, V]`` (computed in fp32).
+) -> list[int | None]:
+    """One token per row of ``logits [B, V]`` (computed in fp32); ``None`` for a sampled row
+    whose logits give no distribution (not finite), so only that request fails.
 
     Greedy rows are decided by one batched argmax and one device-to-host copy, so a decode
-    step of many requests syncs with the device once, not once per request."""
-    out: list[int] = [0] * len(params)
+    step of many requests syncs with the device once, not once per request. Sampled rows are
+    shifted by their maximum before the temperature divides them: any temperature > 0 stays
+    finite (a tiny one approaches greedy)."""
+    out: list[int | None] = [0] * len(params)
     logits = logits.float()
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -66,7 +89,7 @@ def sample(
     for i, (row, p, gen) in enumerate(zip(logits, params, generators, strict=True)):
         if p.greedy:
             continue
-        x = row / p.temperature
+        x = (row - row.max()) / p.temperature
         if p.top_k:
             kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
             x = torch.where(x < kth, torch.full_like(x, float("-inf")), x)
@@ -77,6 +100,9 @@ def sample(
             drop = cum - sorted_p > p.top_p  # keep the smallest prefix reaching top_p
             sorted_p[drop] = 0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        choice = torch.multinomial(probs.cpu(), 1, generator=gen)
-        out[i] = int(choice)
+        probs = probs.cpu()
+        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+            out[i] = None
+            continue
+        out[i] = int(torch.multinomial(probs, 1, generator=gen))
     return out

@@ -6,11 +6,13 @@ or a decode step (one token for every decoding request). New requests join betwe
 Admission reserves host blocks for the prompt *and* every token the request may still
 generate, so the host pool never overflows: a full pool means waiting. The GPU pool is checked
 for the whole prompt's pages; when a decode step cannot grow, the most recently admitted
-decoding request is preempted (its blocks freed, its tokens recomputed later).
+request whose recompute still fits the GPU pool is preempted (its blocks freed, its tokens
+recomputed later); a request that cannot grow and has nobody to preempt waits a step.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -48,7 +50,22 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = "error"
         req.error = message
+        if req.metrics.finished is None:
+            req.metrics.finished = time.perf_counter()
         self.failed.append(req)
+
+    def fail_running(self, req: Request, message: str) -> None:
+        """End one admitted request with an error and free its blocks; the others go on."""
+        self._fail(req, message)
+        self._release(req)
+
+    def abort(self, req: Request) -> None:
+        """Drop a request wherever it is (waiting or admitted) and free its blocks."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = Status.FINISHED
+        req.finish_reason = "abort"
 
     def _admit(self) -> None:
         kv = self.kv
@@ -103,6 +120,7 @@ class Scheduler:
             return ScheduledStep(decode=False, batch=batch, finishing=finishing)
         decoding = [r for r in self.running if r.status is Status.DECODING]
         batch = []
+        stuck: list[Request] = []  # could not grow, nobody to preempt: wait this step
         for req in list(decoding):
             if req.status is not Status.DECODING:
                 continue  # preempted below for an earlier request
@@ -111,26 +129,46 @@ class Scheduler:
                     self.kv.grow(req.req_id, req.num_computed + 1, keep_all_resident=False)
                     break
                 except KVCapacityError:
-                    victim = self._victim(exclude=req)
+                    if len(self.running) == 1:
+                        self.fail_running(req, "the GPU KV pool cannot hold this request alone")
+                        break
+                    victim = self._victim(req)
                     if victim is None:
-                        self._fail(req, "the GPU KV pool cannot hold this request alone")
-                        self._release(req)
+                        stuck.append(req)
                         break
                     self.preempt(victim)
                     batch = [(r, n) for r, n in batch if r is not victim]
-            if req.status is Status.DECODING:
+                    if victim is req:
+                        break
+            if req.status is Status.DECODING and req not in stuck:
                 batch.append((req, 1))
         if not batch:
-            if self.running:
+            if stuck:
+                # Every decoding request is stuck and none can be recomputed: end the newest
+                # so the others can grow (waiting would never end).
+                self.fail_running(
+                    stuck[-1],
+                    "the GPU KV pool cannot hold this request's next page beside the others, "
+                    "and none of them fits the pool again if recomputed; raise gpu_memory_gib "
+                    "or lower max_num_seqs.",
+                )
+            elif self.running:
                 # Prompts that cannot grow and nothing decoding: free the newest to progress.
                 self.preempt(self.running[-1])
             return None
         return ScheduledStep(decode=True, batch=batch, finishing=[False] * len(batch))
 
-    def _victim(self, exclude: Request) -> Request | None:
-        for req in reversed(self.running):
-            if req is not exclude:
-                return req
+    def _victim(self, req: Request) -> Request | None:
+        """The request to preempt so ``req`` can grow: the most recently admitted one (``req``
+        itself when it is the newest) whose recompute fits the GPU pool again. A recompute is
+        a prefill of prompt + generated tokens with every page resident; a request grown past
+        that is never preempted (it would only fail at readmission), so ``req`` waits for
+        blocks instead (``None``)."""
+        kv = self.kv
+        for r in reversed(self.running):
+            need = kv.prefill_gpu_blocks(r.num_tokens) + kv.hot_lease_blocks()
+            if need <= kv.gpu_blocks.num_usable:
+                return r
         return None
 
     def preempt(self, req: Request) -> None:
