@@ -200,7 +200,10 @@ def test_bench_cli_writes_json(checkpoint, tmp_path, capsys):
         ("--kv-placement", "disk", "use hisparse, gpu"),
         ("--topk-overlap", "1.5", "fraction in \\[0, 1\\]"),
         ("--output-len", "1", "must be >= 2"),
-        ("--gpu-memory-gib", "0", "must be positive"),
+        ("--gpu-memory-gib", "0", "must be a positive, finite"),
+        ("--gpu-memory-gib", "inf", "must be a positive, finite"),
+        ("--json", "{tmp}", "is a folder"),
+        ("--plot", "{tmp}/a_file/plot.png", "is a file"),
     ],
 )
 def test_bad_arguments(tmp_path, capsys, flag, value, message):
@@ -215,8 +218,9 @@ def test_bad_arguments(tmp_path, capsys, flag, value, message):
         "--gpu-memory-gib",
         "1",
         flag,
-        value,
+        value.format(tmp=tmp_path),
     ]
+    (tmp_path / "a_file").write_text("")
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "hisparse bench: error:" in err

@@ -9,6 +9,7 @@ the host pool; see `hisparse.cli_generate`.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 
@@ -108,8 +109,10 @@ def _run_plan(args: argparse.Namespace) -> int:
             f"--context-len={context_len} must be between 1 and --max-model-len="
             f"{args.max_model_len}."
         )
-    if not args.gpu_memory_gib > 0:
-        raise HiSparseConfigError(f"--gpu-memory-gib={args.gpu_memory_gib} must be positive.")
+    if not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0):
+        raise HiSparseConfigError(
+            f"--gpu-memory-gib={args.gpu_memory_gib} must be a positive, finite number of GiB."
+        )
     model = load_model_cache_shape(args.model, block_size=args.block_size, kv_format=args.kv_format)
     config = HiSparseConfig(
         top_k=args.top_k,

@@ -144,8 +144,13 @@ def parse_args_checked(args: argparse.Namespace) -> dict[str, Any]:
         raise HiSparseConfigError(
             f"--output-len={args.output_len} must be >= 2 (time per output token needs two)"
         )
-    if not args.gpu_memory_gib > 0:
-        raise HiSparseConfigError(f"--gpu-memory-gib={args.gpu_memory_gib} must be positive")
+    if not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0):
+        raise HiSparseConfigError(
+            f"--gpu-memory-gib={args.gpu_memory_gib} must be a positive, finite number of GiB"
+        )
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            _check_output_path(flag, Path(path))
     max_len = args.max_model_len or args.input_len + args.output_len
     if max_len < args.input_len + args.output_len:
         raise HiSparseConfigError(
@@ -162,6 +167,20 @@ def parse_args_checked(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         concurrency=conc, placements=placements, overlap=overlap, max_len=max_len, batched=batched
     )
+
+
+def _check_output_path(flag: str, path: Path) -> None:
+    """Refuse an output path the run could not write at its end (its results would be lost):
+    a folder, or a file under something that is not a folder."""
+    if path.is_dir():
+        raise HiSparseConfigError(f"{flag}={str(path)!r} is a folder; give a file name in it")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise HiSparseConfigError(
+            f"{flag}={str(path)!r}: {str(parent)!r} is a file, so nothing can be written under it"
+        )
 
 
 def _default_host_gib(model: Path, kv_format: str, tokens: int) -> float:
@@ -340,7 +359,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     cfg = parse_args_checked(args)
-    console = Console(width=max(Console().width, 160), highlight=False)
+    console = Console(width=max(Console().width, 200), highlight=False)
     synthetic = args.prefill == "synthetic"
     overlap = cfg["overlap"]
     console.print(

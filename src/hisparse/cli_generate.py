@@ -120,23 +120,30 @@ def summary_line(llm: object, out: object, load_s: float) -> str:
     n_out = len(out.token_ids)  # type: ignore[attr-defined]
     ctx = len(out.prompt_token_ids) + n_out  # type: ignore[attr-defined]
     times = m.token_times
-    decode_tps = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
+    decode = (
+        f"decode {(len(times) - 1) / (times[-1] - times[0]):.1f} tok/s"
+        if len(times) > 1 and times[-1] > times[0]
+        else "decode n/a (one token)"
+    )
     layout = llm.kv.layout  # type: ignore[attr-defined]
     cfg = llm.config  # type: ignore[attr-defined]
     bs = layout.block_size
     if layout.placement == "hisparse":
         host_b = cdiv(ctx, bs) * layout.host_block_bytes
         gpu_b = layout.gpu_blocks_per_request(ctx) * layout.gpu_bytes_per_block
-        rate = m.hits / max(m.hits + m.misses, 1)
         where = (
             f"KV on host {host_b / 2**20:.1f} MiB, on GPU {gpu_b / 2**20:.1f} MiB "
             f"(hot buffer {cfg.device_buffer_size} rows/layer for {ctx} tokens)"
         )
-        hits = f"hit rate {100 * rate:.1f}% ({m.misses} rows swapped in)"
+        if m.hits + m.misses:
+            rate = m.hits / (m.hits + m.misses)
+            hits = f"hit rate {100 * rate:.1f}% ({m.misses} rows swapped in)"
+        else:
+            hits = "no swaps (every row it read was resident)"
     else:
         gpu_b = layout.gpu_blocks_per_request(ctx) * layout.gpu_bytes_per_block
         where, hits = f"KV on GPU {gpu_b / 2**20:.1f} MiB (all-GPU placement)", "no swaps"
     return (
-        f"{n_out} tokens, decode {decode_tps:.1f} tok/s, time to first token "
+        f"{n_out} tokens, {decode}, time to first token "
         f"{m.ttft:.2f} s (load {load_s:.1f} s), {hits}, {where}"
     )

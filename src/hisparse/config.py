@@ -7,6 +7,7 @@ bad value fails at start with a message that names the field and a value that wo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 #: The LRU order is stored as int16 slot numbers, so a hot buffer holds at most this many rows.
@@ -81,7 +82,11 @@ class HiSparseConfig:
                     else f" (which also needs max_query_len * top_k <= {MAX_DEVICE_BUFFER_SIZE})."
                 )
             )
-        if not (isinstance(self.host_pool_gib, int | float) and self.host_pool_gib > 0):
+        if not (
+            isinstance(self.host_pool_gib, int | float)
+            and math.isfinite(self.host_pool_gib)
+            and self.host_pool_gib > 0
+        ):
             raise HiSparseConfigError(
                 f"HiSparseConfig.host_pool_gib={self.host_pool_gib!r} must be a positive number "
                 "of GiB, e.g. host_pool_gib=64."
