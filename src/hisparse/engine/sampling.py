@@ -34,10 +34,10 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
-        for name in ("top_k", "max_tokens", "seed"):
-            value = getattr(self, name)
-            if value is not None or name != "seed":
-                object.__setattr__(self, name, _integer(name, value))
+        object.__setattr__(self, "top_k", _integer("top_k", self.top_k))
+        object.__setattr__(self, "max_tokens", _integer("max_tokens", self.max_tokens))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", _integer("seed", self.seed))
         ids = tuple(_integer("stop_token_ids", t) for t in self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", ids)
         if self.seed is not None and not 0 <= self.seed < 2**64:

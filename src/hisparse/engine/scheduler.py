@@ -63,9 +63,7 @@ class Scheduler:
         """Drop a request wherever it is (waiting or admitted) and free its blocks."""
         if req in self.waiting:
             self.waiting.remove(req)
-        self._release(req)
-        req.status = Status.FINISHED
-        req.finish_reason = "abort"
+        self.finish(req, "abort")
 
     def _admit(self) -> None:
         kv = self.kv
