@@ -178,7 +178,7 @@ def graph_resolve_us(Q: int, H: int, miss: float, reps: int = 50) -> dict:
 #: Knobs of the Triton module each ablation variant sets (the rest stay at their defaults).
 _KNOBS = (
     "RESOLVE_IMPL", "RESOLVE_WARPS", "RESOLVE_BH", "RESOLVE_LOG_BUCKETS", "RESOLVE_RANK_TILE",
-    "RESOLVE_SORT_ABOVE", "RESOLVE_SORT_WINDOW",
+    "RESOLVE_SORT_ABOVE", "RESOLVE_SORT_WINDOW", "RESOLVE_SPLIT_MAX_Q", "RESOLVE_SPLIT_PROGRAMS",
 )  # fmt: skip
 
 
@@ -190,18 +190,27 @@ def ablate_resolve(
 ) -> list[dict]:
     """Resolve kernels and settings: CUDA-graph µs of each, then each against the oracle.
 
-    ``bucket`` is the default kernel (bucket table, no sort of the entries) at its default
-    settings; the others change one knob: warps, hot-slot chunk, bucket count, the swap-list
-    rank tile, how the swap list is ordered (``tl.sort`` of a 512-key window when the misses fit,
-    the default; rank tiles only; a 1024-key window; one sort of all entries, always or above
-    256 misses; ``pairs`` variants turn the window off, so they time the rank tiles);
-    ``sort`` is the previous kernel (bitonic ``tl.sort`` of (host row, entry) int64 keys).
+    ``bucket`` is the one-program kernel (bucket table, no sort of the entries; the default
+    above ``RESOLVE_SPLIT_MAX_Q`` requests) at its default settings; the ``bucket-`` ones change
+    one knob: warps, hot-slot chunk, bucket count, the swap-list rank tile, how the swap list is
+    ordered (``tl.sort`` of a 512-key window when the misses fit, the default; rank tiles only;
+    a 1024-key window; one sort of all entries, always or above 256 misses; ``pairs``
+    variants turn the window off, so they time the rank tiles);
+    ``sort`` is the previous kernel (bitonic ``tl.sort`` of (host row, entry) int64 keys);
+    ``split`` spreads each request over 16 programs up to 32 requests, else 8 (``-pN``: N), in
+    five launches (`triton_resolve_split`); the others keep one program per request.
     ``on_timed`` receives the timings before the (slower) oracle checks start.
     """
     defaults = {k: getattr(tk, k) for k in _KNOBS}
     pairs = {"RESOLVE_SORT_WINDOW": 0}  # rank tiles only: what the tile variants vary
+    split = {"RESOLVE_IMPL": "split"}
     variants: list[tuple[str, dict]] = [
         ("bucket", {}),
+        ("split", split),  # programs by batch: 16 up to 32 requests, else 8
+        ("split-p8", {**split, "RESOLVE_SPLIT_PROGRAMS": 8}),
+        ("split-p4", {**split, "RESOLVE_SPLIT_PROGRAMS": 4}),
+        ("split-p16", {**split, "RESOLVE_SPLIT_PROGRAMS": 16}),
+        ("split-p32", {**split, "RESOLVE_SPLIT_PROGRAMS": 32}),
         ("sort", {"RESOLVE_IMPL": "sort"}),
         ("bucket-w16", {"RESOLVE_WARPS": 16}),
         ("bucket-w4", {"RESOLVE_WARPS": 4}),
@@ -228,7 +237,7 @@ def ablate_resolve(
     out = []
     for Q, H, miss in cases:
         for name, knobs in variants:
-            for k, v in knobs.items():
+            for k, v in {"RESOLVE_SPLIT_MAX_Q": 0, **knobs}.items():  # one program unless split
                 setattr(tk, k, v)
             try:
                 r = graph_resolve_us(Q, H, miss, reps)
@@ -244,7 +253,7 @@ def ablate_resolve(
         on_timed(out)  # keep the timings even if the checks run out of time
     # Each kernel against the oracle on GPU-sized cases (few and many misses).
     for name, knobs in variants:
-        for k, v in knobs.items():
+        for k, v in {"RESOLVE_SPLIT_MAX_Q": 0, **knobs}.items():
             setattr(tk, k, v)
         try:
             for reuse in (0.95, 0.0):

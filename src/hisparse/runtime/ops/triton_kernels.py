@@ -57,11 +57,24 @@ Tensor = torch.Tensor
 
 _SENTINEL = tl.constexpr(1 << 40)  # above any host row: entries not needing the hot buffer
 
-#: resolve_residency implementation: "bucket" (default) or "sort" (the previous kernel). H200,
+#: resolve_residency implementation: "bucket" (default), "split" or "sort" (the previous
+#: kernel; ``HISPARSE_RESOLVE_IMPL`` sets it for whole-engine A/B runs). H200,
 #: batch 64, hot 4096, top_k 2048: bucket 35.6-42.6 µs at 5% miss vs sort 78.7; at 100% miss
 #: bucket 163 µs (after its rank tiles stopped reducing per tile: 487 before) vs sort 79.
 #: Benchmarks and tests switch these.
-RESOLVE_IMPL = "bucket"
+RESOLVE_IMPL = os.environ.get("HISPARSE_RESOLVE_IMPL") or "bucket"
+#: Batches of up to this many requests, with a hot buffer of at least ``top_k`` slots (the
+#: HiSparse placement; all-GPU's resident-only resolve keeps one program), resolve with
+#: `triton_resolve_split`: each request's work spread over ``RESOLVE_SPLIT_PROGRAMS``
+#: programs (0: 16 up to 32 requests, else 8), where a batch-1 step otherwise leaves it to one
+#: SM. "split" forces it. H200, hot 4096, top_k 2048, CUDA-graph µs (one program / split 8 /
+#: split 16): batch 1, 20% miss 37.0 / 19.0 / 16.9; batch 8, 20% 35.3 / 20.7 / 19.1;
+#: batch 29, 20% 42.3 / 25.3 / 24.7; batch 64, 5% 36.4 / 31.0 / 33.1.
+#: Only requests of at least ``RESOLVE_SPLIT_MIN_ENTRIES`` (rows x top_k) entries split: smaller
+#: ones (GQA's top_k 256, the interpreter's test sizes) were not timed split.
+RESOLVE_SPLIT_MAX_Q = int(os.environ.get("HISPARSE_RESOLVE_SPLIT_MAX_Q") or 64)
+RESOLVE_SPLIT_PROGRAMS = 0
+RESOLVE_SPLIT_MIN_ENTRIES = 1024
 #: Warps per program (0: by size), hot-slot chunk, rank tile of the swap-list order, and
 #: log2 of the bucket count (``None``: 2 buckets per entry; tests shrink it to force overflow).
 RESOLVE_WARPS = 0
@@ -631,6 +644,13 @@ def resolve_residency(
             f"RESOLVE_SORT_WINDOW={RESOLVE_SORT_WINDOW} (HISPARSE_RESOLVE_SORT_WINDOW): "
             "use 0 (off) or a power of two such as 512"
         )
+    if RESOLVE_IMPL not in ("bucket", "split", "sort"):
+        raise ValueError(
+            f"RESOLVE_IMPL={RESOLVE_IMPL!r} (HISPARSE_RESOLVE_IMPL): use bucket, split or sort"
+        )
+    p = RESOLVE_SPLIT_PROGRAMS
+    if p < 0 or p & (p - 1):
+        raise ValueError(f"RESOLVE_SPLIT_PROGRAMS={p}: use 0 (by batch) or a power of two")
     R, K = topk.shape
     Q = request_state_indices.shape[0]
     H = hot_index.shape[1]
@@ -686,6 +706,12 @@ def resolve_residency(
         return
     # Buckets: 2 per entry by default (4 ways each: a bucket overflows with ~1e-4 odds).
     logb = RESOLVE_LOG_BUCKETS if RESOLVE_LOG_BUCKETS is not None else logn + 1
+    if RESOLVE_IMPL == "split" or (
+        Q <= RESOLVE_SPLIT_MAX_Q and H >= K and n >= RESOLVE_SPLIT_MIN_ENTRIES
+    ):
+        programs = RESOLVE_SPLIT_PROGRAMS or (16 if Q <= 32 else 8)
+        resolve_split(common, flags, Q, rows, kp, logb, H, K, block_size, dev, programs)
+        return
     ncell = 4 << logb
     cs = ncell + n
     # One scratch allocation per call (graph-capturable: the graph's pool owns it); the
@@ -965,7 +991,7 @@ def _gather_plan_kernel(
     src_ptr, s_sb, s_sr,
     dst_ptr, d_sb, d_sr,
     srow_ptr, drow_ptr, mask_ptr, n, bs_s, bs_d, G,
-    RW: tl.constexpr, RWP: tl.constexpr, T: tl.constexpr,
+    RW: tl.constexpr, RWP: tl.constexpr, T: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     ti = tl.arange(0, T)
@@ -975,9 +1001,14 @@ def _gather_plan_kernel(
     for item in range(pid, n_items, G):
         j = tl.cast(item, tl.int64) * T + ti
         jm = j < n
-        live = jm & (tl.load(mask_ptr + j, mask=jm, other=0) != 0)
-        sr = tl.load(srow_ptr + j, mask=live, other=0).to(tl.int64)
-        dr = tl.load(drow_ptr + j, mask=live, other=0).to(tl.int64)
+        if HAS_MASK:
+            live = jm & (tl.load(mask_ptr + j, mask=jm, other=0) != 0)
+            sr = tl.load(srow_ptr + j, mask=live, other=0).to(tl.int64)
+            dr = tl.load(drow_ptr + j, mask=live, other=0).to(tl.int64)
+        else:  # both rows valid
+            sr = tl.load(srow_ptr + j, mask=jm, other=-1).to(tl.int64)
+            dr = tl.load(drow_ptr + j, mask=jm, other=-1).to(tl.int64)
+            live = (sr >= 0) & (dr >= 0)
         so = tl.multiple_of((sr // bs_s) * s_sb + (sr % bs_s) * s_sr, 4)
         do = tl.multiple_of((dr // bs_d) * d_sb + (dr % bs_d) * d_sr, 4)
         m = live[:, None] & wm
@@ -985,11 +1016,14 @@ def _gather_plan_kernel(
         tl.store(dst_ptr + do[:, None] + w, v, mask=m)
 
 
-def gather_plan(src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, mask: Tensor) -> None:
-    """Triton `reference.gather_plan`: copy row ``src_rows[i]`` to ``dst_rows[i]`` where masked."""
+def gather_plan(
+    src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, mask: Tensor | None
+) -> None:
+    """Triton `reference.gather_plan`: copy row ``src_rows[i]`` to ``dst_rows[i]`` where masked
+    (``mask=None``: where both rows are ``>= 0``, tested in the kernel: no mask kernels)."""
     sr = src_rows.reshape(-1)
     dr = dst_rows.reshape(-1)
-    mk = mask.reshape(-1)
+    mk = sr if mask is None else mask.reshape(-1)  # (a placeholder when there is no mask)
     if mk.dtype == torch.bool:
         mk = mk.view(torch.uint8)
     n = min(sr.numel(), dr.numel(), mk.numel())
@@ -1004,7 +1038,7 @@ def gather_plan(src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, ma
     _gather_plan_kernel[(g,)](
         sw, s_sb, s_sr, dw, d_sb, d_sr,
         sr.contiguous(), dr.contiguous(), mk.contiguous(), n, src.shape[1], dst.shape[1], g,
-        RW=rw, RWP=rwp, T=t, num_warps=nw,
+        RW=rw, RWP=rwp, T=t, HAS_MASK=mask is not None, num_warps=nw,
     )  # fmt: skip
 
 
@@ -1048,6 +1082,8 @@ def invalidate_written_slots(
         BH=min(_next_pow2(H), 2048), num_warps=4,
     )  # fmt: skip
 
+
+from hisparse.runtime.ops.triton_resolve_split import resolve_split  # noqa: E402
 
 __all__ = [
     "gather_compact",
