@@ -348,6 +348,28 @@ def test_gather_plan_matches_reference(seed: int, reshape_has_copy: bool) -> Non
     assert torch.equal(dst_a, before) != bool(mask.bool().any())  # rows moved iff any live
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_gather_plan_without_mask_copies_where_both_rows_are_valid(seed: int) -> None:
+    """``mask=None`` (a step's host mirror): rows with a ``-1`` on either side stay put."""
+    g = torch.Generator().manual_seed(90 + seed)
+    src = random_paged_view(9, 4, 32, 48, g)
+    dst = random_paged_view(30, 2, 32, 32, g)
+    n = 1 if seed == 3 else 25
+    src_rows = torch.randint(0, 36, (n,), generator=g)
+    dst_rows = torch.randperm(60, generator=g)[:n]
+    src_rows[torch.rand(n, generator=g) < 0.3] = -1
+    dst_rows[torch.rand(n, generator=g) < 0.3] = -1
+    if seed % 2:
+        src_rows, dst_rows = src_rows.int(), dst_rows.int()
+    explicit = (src_rows >= 0) & (dst_rows >= 0)
+    a, b, c = dst.clone(), dst.clone(), dst.clone()
+    ref.gather_plan(src, a, src_rows, dst_rows, explicit)
+    ref.gather_plan(src, b, src_rows, dst_rows, None)
+    cpu.gather_plan(src, c, src_rows, dst_rows, None)
+    assert torch.equal(a, b) and torch.equal(a, c)
+    assert torch.equal(a, dst) != bool(explicit.any())
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_gather_plan_within_one_view(seed: int) -> None:
     """Source and destination the same view (warm start): every read precedes every write."""

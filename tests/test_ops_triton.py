@@ -163,6 +163,9 @@ def test_resolve_wanted_fills_whole_hot_buffer() -> None:
         ("bucket", None, 4096, 4, None, 4),  # up to 4 misses: a window sort; else rank tiles
         ("bucket", None, 4096, 4, 8, 4),  # window sort, rank tiles, full sort above 8
         ("sort", None, 4096, 128, None, 0),
+        ("split", None, 4096, 4, None, 0),  # several programs per request, five launches
+        ("split", 0, 8, 2, None, 0),  # one bucket: overflow cells claimed across programs
+        ("split", 1, 16, 4, None, 0),
     ],
 )
 @pytest.mark.parametrize("seed", range(3))
@@ -177,6 +180,8 @@ def test_resolve_each_kernel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Overflowing buckets, hot-slot chunks and swap-rank tiles (and the old sort kernel)."""
+    monkeypatch.setattr(tk, "RESOLVE_SPLIT_MAX_Q", 0)  # "bucket": one program, any batch
+    monkeypatch.setattr(tk, "RESOLVE_SPLIT_PROGRAMS", 4)  # "split": 2-4 entries per program
     monkeypatch.setattr(tk, "RESOLVE_IMPL", impl)
     monkeypatch.setattr(tk, "RESOLVE_LOG_BUCKETS", log_buckets)
     monkeypatch.setattr(tk, "RESOLVE_BH", bh)
@@ -198,6 +203,45 @@ def test_resolve_sort_window_must_be_a_power_of_two(
     case = make_resolve_case(Q=2, K=4, H=16, block_size=2, seed=3, max_rows=1)
     before = case.clone()
     with pytest.raises(ValueError, match="power of two"):
+        tk.resolve_residency(*case.args())
+    assert not compare(before.state_and_outputs(), case.state_and_outputs())  # nothing touched
+
+
+@pytest.mark.parametrize("programs", [0, 1, 2, 16])
+def test_resolve_split_below_the_batch_threshold(
+    programs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches up to RESOLVE_SPLIT_MAX_Q take the split kernels (any program count), larger
+    ones, resident-only calls (hot buffer below top_k) and requests of fewer entries than
+    RESOLVE_SPLIT_MIN_ENTRIES the one-program kernel."""
+    calls: list[int] = []
+    split = tk.resolve_split
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args[2])  # Q
+        return split(*args, **kwargs)
+
+    monkeypatch.setattr(tk, "resolve_split", counting)
+    monkeypatch.setattr(tk, "RESOLVE_SPLIT_MAX_Q", 3)
+    monkeypatch.setattr(tk, "RESOLVE_SPLIT_MIN_ENTRIES", 8)
+    monkeypatch.setattr(tk, "RESOLVE_SPLIT_PROGRAMS", programs)
+    for Q, H, K in ((3, 16, 8), (4, 16, 8), (2, 4, 8), (3, 4, 2)):
+        case = make_resolve_case(Q=Q, K=K, H=H, block_size=2, seed=20 + Q, max_rows=1)
+        _run_both(case, steps=2, seed=Q)
+    assert calls == [3, 3]  # two steps of the first case only
+
+
+@pytest.mark.parametrize(
+    ("knob", "value", "match"),
+    [("RESOLVE_IMPL", "buckets", "bucket, split or sort"), ("RESOLVE_SPLIT_PROGRAMS", 6, "power")],
+)
+def test_resolve_bad_knob_is_refused(
+    knob: str, value: object, match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tk, knob, value)
+    case = make_resolve_case(Q=2, K=4, H=16, block_size=2, seed=3, max_rows=1)
+    before = case.clone()
+    with pytest.raises(ValueError, match=match):
         tk.resolve_residency(*case.args())
     assert not compare(before.state_and_outputs(), case.state_and_outputs())  # nothing touched
 
@@ -319,6 +363,10 @@ def test_gather_plan_matches_reference(seed: int) -> None:
     mask = torch.rand(n, generator=g) < 0.6
     if seed % 2:
         src_rows, dst_rows, mask = src_rows.int(), dst_rows.int(), mask.int()
+    if seed >= 2:  # no mask: rows with a -1 on either side are skipped
+        src_rows[torch.rand(n, generator=g) < 0.3] = -1
+        dst_rows[torch.rand(n, generator=g) < 0.3] = -1
+        mask = None
     ref.gather_plan(src, dst_a, src_rows, dst_rows, mask)
     tk.gather_plan(src, dst_b, src_rows, dst_rows, mask)
     assert torch.equal(dst_a, dst_b)

@@ -105,11 +105,16 @@ def test_gather_plan_host_and_device_sources() -> None:
     g = torch.Generator().manual_seed(3)
     host = _host_paged(200, 64, 656, 656)
     dev_src = torch.randint(0, 256, (50, 64, 656), dtype=torch.uint8, device=DEV)
-    for src in (host, dev_src):
+    for src, with_mask in ((host, True), (dev_src, True), (host, False)):
         n = 5000
-        src_rows = torch.randint(0, src.shape[0] * 64, (n,), generator=g).to(DEV)
-        dst_rows = torch.randperm(300 * 64, generator=g)[:n].to(DEV)
+        src_rows = torch.randint(0, src.shape[0] * 64, (n,), generator=g)
+        dst_rows = torch.randperm(300 * 64, generator=g)[:n]
         mask = (torch.rand(n, generator=g) < 0.7).to(DEV)
+        if not with_mask:  # the host mirror's form: copy where both rows are valid
+            src_rows[torch.rand(n, generator=g) < 0.2] = -1
+            dst_rows[torch.rand(n, generator=g) < 0.2] = -1
+            mask = None
+        src_rows, dst_rows = src_rows.to(DEV), dst_rows.to(DEV)
         dst_a = torch.randint(0, 256, (300, 64, 656), dtype=torch.uint8, device=DEV)
         dst_b = dst_a.clone()
         ref.gather_plan(src, dst_a, src_rows, dst_rows, mask)

@@ -82,10 +82,9 @@ class CacheHandle:
         n = meta.num_tokens
         host_rows = prefix_rows(meta.host_slot_mapping, n)
         dev_rows = prefix_rows(tables.slot_mapping, n)
-        # Both rows valid (>= 0) exactly where their bitwise or is: one op fewer than two
-        # compares and an and, per layer and step.
-        mask = (host_rows | dev_rows) >= 0
-        group.ops.gather_plan(rt.device_view, rt.host_view, dev_rows, host_rows, mask)
+        # No mask: the op copies where both rows are valid (the Triton kernel tests that
+        # itself, two elementwise kernels fewer per layer and step).
+        group.ops.gather_plan(rt.device_view, rt.host_view, dev_rows, host_rows, None)
 
     def swap_in(
         self, logical_topk: torch.Tensor, *, return_valid_counts: bool = False

@@ -147,8 +147,23 @@ def gather_compact_group(
         _put_rows(dev, dst, spans[:, j * rb : (j + 1) * rb])
 
 
-def gather_plan(src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, mask: Tensor) -> None:
-    """Copy ``src`` row ``src_rows[i]`` to ``dst`` row ``dst_rows[i]`` where ``mask[i] != 0``."""
+def gather_plan(
+    src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, mask: Tensor | None
+) -> None:
+    """Copy ``src`` row ``src_rows[i]`` to ``dst`` row ``dst_rows[i]`` where ``mask[i] != 0``
+    (``mask=None``: where both rows are ``>= 0``)."""
+    if mask is None:
+        n = min(src_rows.numel(), dst_rows.numel())
+        if not _on_cpu(src, dst, src_rows, dst_rows):
+            reference.gather_plan(src, dst, src_rows, dst_rows, None)
+            return
+        s = _np(src_rows).reshape(-1)[:n]
+        d = _np(dst_rows).reshape(-1)[:n]
+        live = (s >= 0) & (d >= 0)
+        if not live.all():
+            s, d = s[live], d[live]
+        _copy_rows(src, dst, s, d)
+        return
     if not _on_cpu(src, dst, src_rows, dst_rows, mask):
         reference.gather_plan(src, dst, src_rows, dst_rows, mask)
         return

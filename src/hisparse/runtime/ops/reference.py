@@ -194,8 +194,14 @@ def gather_compact_group(
         gather_compact(host_span[:, :, j * rb : (j + 1) * rb], dev, swap_src, swap_dst, swap_count)
 
 
-def gather_plan(src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, mask: Tensor) -> None:
-    """Copy ``src`` row ``src_rows[i]`` to ``dst`` row ``dst_rows[i]`` where ``mask[i] != 0``."""
+def gather_plan(
+    src: Tensor, dst: Tensor, src_rows: Tensor, dst_rows: Tensor, mask: Tensor | None
+) -> None:
+    """Copy ``src`` row ``src_rows[i]`` to ``dst`` row ``dst_rows[i]`` where ``mask[i] != 0``
+    (``mask=None``: where both rows are ``>= 0``, as a step's host mirror wants)."""
+    if mask is None:
+        n = min(src_rows.numel(), dst_rows.numel())
+        mask = (src_rows.reshape(-1)[:n] >= 0) & (dst_rows.reshape(-1)[:n].to(src_rows.device) >= 0)
     live = (mask.reshape(-1) != 0).to(src_rows.device)
     s = src_rows.reshape(-1)[live].long().to(src.device)
     d = dst_rows.reshape(-1)[live].long().to(dst.device)
