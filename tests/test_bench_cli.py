@@ -197,7 +197,9 @@ def test_bench_cli_writes_json(checkpoint, tmp_path, capsys):
     [
         ("--concurrency", "1,x", "positive integers"),
         ("--concurrency", "0", ">= 1"),
+        ("--concurrency", "1,8,8", "'1,8,8': 8 is listed more than once"),
         ("--kv-placement", "disk", "use hisparse, gpu"),
+        ("--kv-placement", "hisparse,gpu,hisparse", "hisparse is listed more than once"),
         ("--topk-overlap", "1.5", "fraction in \\[0, 1\\]"),
         ("--output-len", "1", "must be >= 2"),
         ("--gpu-memory-gib", "0", "must be a positive, finite"),
@@ -225,6 +227,53 @@ def test_bad_arguments(tmp_path, capsys, flag, value, message):
     err = capsys.readouterr().err
     assert "hisparse bench: error:" in err
     assert pytest.importorskip("re").search(message, err), err
+
+
+def _minimal_bench_argv(model, *extra):
+    return ["bench", "--model", str(model), "--input-len", "10", "--output-len", "4",
+            "--gpu-memory-gib", "1", *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+@pytest.mark.parametrize("flag", ["--max-batched-tokens", "--max-model-len"])
+def test_zero_or_negative_token_limit_is_a_usage_error(tmp_path, capsys, flag, value):
+    """0 used to stand silently for the default; omitting the option is the way to ask for it."""
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        main(_minimal_bench_argv(tmp_path, flag, value))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {value} is not allowed: omit it for the default, or give a " in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "max_len", "batched"),
+    [
+        ([], 14, 16384),
+        (["--prefill", "model"], 14, 2048),
+        (["--max-model-len", "20", "--max-batched-tokens", "7"], 20, 7),
+    ],
+)
+def test_token_limits_default_when_omitted(tmp_path, extra, max_len, batched):
+    from hisparse.cli import build_parser
+    from hisparse.cli_bench import parse_args_checked
+
+    (tmp_path / "config.json").write_text("{}")
+    cfg = parse_args_checked(build_parser().parse_args(_minimal_bench_argv(tmp_path, *extra)))
+    assert (cfg["max_len"], cfg["batched"]) == (max_len, batched)
+
+
+@pytest.mark.parametrize(
+    ("extra", "noted"),
+    [(["--seed", "3"], True), (["--seed", "3", "--temperature", "0.7"], False), ([], False)],
+)
+def test_generate_notes_that_seed_is_unused_when_greedy(tmp_path, capsys, extra, noted):
+    """A note, not an error: the run goes on (here to the missing model's error)."""
+    assert main(["generate", "--model", str(tmp_path / "none"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert "no config.json there" in err
+    note = "note: --seed has no effect with --temperature 0 (greedy decoding)"
+    assert (note in err) is noted, err
 
 
 def test_missing_model(tmp_path, capsys):

@@ -89,6 +89,23 @@ def test_plan_errors_exit_2_without_traceback(capsys, override, needle):
     assert "Traceback" not in captured.err and captured.out == ""
 
 
+def test_unaligned_row_names_the_kv_format_that_fits(tmp_path, capsys):
+    """fp8_ds_mla rows at kv_lora_rank 256 are 392 B, not a multiple of 16: the fix to offer
+    first is --kv-format bf16 (640 B rows), not padding a row whose format is fixed."""
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "deepseek_v32", "num_hidden_layers": 4, "index_topk": 256,
+                    "kv_lora_rank": 256})
+    )  # fmt: skip
+    args = ["plan", "--model", str(tmp_path), "--gpu-memory-gib", "1", "--host-pool-gib", "4",
+            "--max-model-len", "8192"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "a fp8_ds_mla KV row is 392 bytes" in err
+    assert "pass --kv-format bf16 (rows of 640 bytes)" in err and "pad it" not in err
+    assert main([*args, "--kv-format", "bf16"]) == 0
+    assert "bf16 640 B" in capsys.readouterr().out
+
+
 def test_unsupported_model_type_exits_2(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "qwen3"}))

@@ -19,14 +19,19 @@ from rich.table import Table
 from hisparse.cli_bench import add_bench_parser
 from hisparse.cli_generate import add_generate_parser
 from hisparse.cli_make_tiny import add_make_tiny_parser
-from hisparse.config import HiSparseConfig, HiSparseConfigError
+from hisparse.config import ROW_ALIGNMENT_BYTES, HiSparseConfig, HiSparseConfigError
 from hisparse.kv.layout import (
     KVLayout,
     format_gib,
     plan_kv_layout,
     summarize_index_groups,
 )
-from hisparse.kv.models import PRESETS, SUPPORTED_KV_FORMATS, load_model_cache_shape
+from hisparse.kv.models import (
+    PRESETS,
+    SUPPORTED_KV_FORMATS,
+    ModelCacheShape,
+    load_model_cache_shape,
+)
 
 #: Exit status for bad arguments or configuration (argparse uses the same).
 EXIT_USAGE = 2
@@ -114,6 +119,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             f"--gpu-memory-gib={args.gpu_memory_gib} must be a positive, finite number of GiB."
         )
     model = load_model_cache_shape(args.model, block_size=args.block_size, kv_format=args.kv_format)
+    _check_row_alignment(model, args)
     config = HiSparseConfig(
         top_k=args.top_k,
         device_buffer_size=args.device_buffer_size,
@@ -161,6 +167,30 @@ def _run_plan(args: argparse.Namespace) -> int:
         f"-> {verdict}"
     )
     return 0
+
+
+def _check_row_alignment(model: ModelCacheShape, args: argparse.Namespace) -> None:
+    """HiSparse copies KV rows with 16-byte accesses. When the ``--kv-format`` asked for gives
+    rows that are not a multiple of 16 bytes but another format's rows are, name that option:
+    the planner's own message (`check_row_bytes`) can only suggest padding the row, which a
+    model's row format leaves no room for."""
+    row = model.sparse_specs[0].row_bytes if model.sparse_specs else 0
+    if row % ROW_ALIGNMENT_BYTES == 0:
+        return
+    for fmt in SUPPORTED_KV_FORMATS:
+        if fmt == args.kv_format:
+            continue
+        try:
+            other = load_model_cache_shape(args.model, block_size=args.block_size, kv_format=fmt)
+        except HiSparseConfigError:
+            continue  # e.g. fp8_ds_mla needs kv_lora_rank to be a multiple of 128
+        other_row = other.sparse_specs[0].row_bytes
+        if other_row % ROW_ALIGNMENT_BYTES == 0:
+            raise HiSparseConfigError(
+                f"{model.name}: a {args.kv_format} KV row is {row} bytes, but HiSparse copies "
+                f"rows with {ROW_ALIGNMENT_BYTES}-byte accesses, so a row must be a multiple of "
+                f"{ROW_ALIGNMENT_BYTES} bytes; pass --kv-format {fmt} (rows of {other_row} bytes)."
+            )
 
 
 def _capacity_table(hisparse: KVLayout, all_gpu: KVLayout, context_len: int) -> Table:

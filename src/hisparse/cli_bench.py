@@ -35,6 +35,20 @@ from hisparse.config import HiSparseConfigError
 PLACEMENT_NAMES = {"hisparse": "HiSparse", "gpu": "all-GPU"}
 
 
+def positive_int_or_default(text: str) -> int:
+    """argparse ``type`` of an option whose omission means "use the default": 0 or a negative
+    number is refused instead of silently standing for the default."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{value} is not allowed: omit it for the default, or give a positive number"
+        )
+    return value
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser(
         "bench",
@@ -71,7 +85,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="HiSparse host pool (default: enough for the largest concurrency)",
     )
     bench.add_argument(
-        "--max-model-len", type=int, default=None, help="default: input + output length"
+        "--max-model-len",
+        type=positive_int_or_default,
+        default=None,
+        help="default: input + output length",
     )
     bench.add_argument(
         "--hot-buffer",
@@ -84,7 +101,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--block-size", type=int, default=64)
     bench.add_argument(
         "--max-batched-tokens",
-        type=int,
+        type=positive_int_or_default,
         default=None,
         help="prefill tokens per step (default: 16384 synthetic, 2048 model)",
     )
@@ -120,12 +137,14 @@ def parse_args_checked(args: argparse.Namespace) -> dict[str, Any]:
         ) from None
     if not conc or any(c < 1 for c in conc):
         raise HiSparseConfigError(f"--concurrency={args.concurrency!r}: each must be >= 1")
+    _refuse_duplicates("--concurrency", args.concurrency, conc)
     placements = [p.strip() for p in str(args.kv_placement).split(",") if p.strip()]
     bad = [p for p in placements if p not in PLACEMENT_NAMES]
     if not placements or bad:
         raise HiSparseConfigError(
             f"--kv-placement={args.kv_placement!r}: use hisparse, gpu or hisparse,gpu"
         )
+    _refuse_duplicates("--kv-placement", args.kv_placement, placements)
     if str(args.topk_overlap).lower() in ("off", "none", "model"):
         overlap = None
     else:
@@ -151,7 +170,9 @@ def parse_args_checked(args: argparse.Namespace) -> dict[str, Any]:
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None:
             _check_output_path(flag, Path(path))
-    max_len = args.max_model_len or args.input_len + args.output_len
+    max_len = (
+        args.max_model_len if args.max_model_len is not None else args.input_len + args.output_len
+    )
     if max_len < args.input_len + args.output_len:
         raise HiSparseConfigError(
             f"--max-model-len={max_len} is below input + output = "
@@ -163,10 +184,23 @@ def parse_args_checked(args: argparse.Namespace) -> dict[str, Any]:
             f"--model={args.model!r}: no config.json there; pass a DSA checkpoint folder "
             "(e.g. one written by hisparse.models.tiny.make_tiny)"
         )
-    batched = args.max_batched_tokens or (16384 if args.prefill == "synthetic" else 2048)
+    batched = args.max_batched_tokens
+    if batched is None:
+        batched = 16384 if args.prefill == "synthetic" else 2048
     return dict(
         concurrency=conc, placements=placements, overlap=overlap, max_len=max_len, batched=batched
     )
+
+
+def _refuse_duplicates(flag: str, text: object, values: list[Any]) -> None:
+    """Each listed value is one run: a repeated one would run (and report) the same cell twice."""
+    seen: set[Any] = set()
+    for v in values:
+        if v in seen:
+            raise HiSparseConfigError(
+                f"{flag}={text!r}: {v} is listed more than once; list each value once"
+            )
+        seen.add(v)
 
 
 def _check_output_path(flag: str, path: Path) -> None:

@@ -10,6 +10,7 @@ host against those on the GPU.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from rich.console import Console
@@ -66,6 +67,9 @@ def run_generate(args: argparse.Namespace) -> int:
     from hisparse.engine.llm import LLM
     from hisparse.engine.sampling import SamplingParams
 
+    if args.seed is not None and args.temperature == 0:
+        # greedy decoding draws no random numbers (SamplingParams.greedy)
+        print("note: --seed has no effect with --temperature 0 (greedy decoding)", file=sys.stderr)
     console = Console()
     demo = args.prompt is None
     top_k = args.top_k if args.top_k is not None else (DEMO_TOP_K if demo else None)
