@@ -98,10 +98,15 @@ class KVCacheManager:
             for _ in self.hot_groups
         ]
         S, MB, i32 = max_num_seqs, self.max_blocks, dict(dtype=torch.int32, device=device)
-        #: Persistent ``[max_num_seqs, max_blocks]`` tables by slot (0 = no block).
-        self.host_table = torch.zeros((S, MB), **i32) if self.offload else None
-        self.indexer_table = torch.zeros((S, MB), **i32) if self.offload else None
-        self.resident_tables = [torch.zeros((S, MB), **i32) for _ in self.resident_groups]
+        n_res = len(self.resident_groups)
+        #: Persistent ``[max_num_seqs, max_blocks]`` tables by slot (0 = no block), all views
+        #: of one ``[tables, max_num_seqs, max_blocks]`` tensor: the resident groups' first,
+        #: then (HiSparse) the host and indexer tables. A step gathers its rows of every table
+        #: with one op (a table per layer group, 12 small kernels each, otherwise).
+        self.table_stack = torch.zeros((n_res + (2 if self.offload else 0), S, MB), **i32)
+        self.resident_tables = list(self.table_stack[:n_res].unbind(0))
+        self.host_table = self.table_stack[n_res] if self.offload else None
+        self.indexer_table = self.table_stack[n_res + 1] if self.offload else None
         self.free_slots = list(range(max_num_seqs))
         #: slots leased since the runner last reset hot state (a new request in an old slot)
         self.pending_slot_resets: list[int] = []
@@ -309,13 +314,16 @@ class KVCacheManager:
 
         All-GPU placement has no host table (``None``) and reads indexer pages through the
         resident table (one block id addresses both)."""
-        res = [t.index_select(0, slots) for t in self.resident_tables]
-        host = self.host_table.index_select(0, slots) if self.host_table is not None else None
-        idx = (
-            self.indexer_table.index_select(0, slots)
-            if self.indexer_table is not None and not self.indexer_in_resident
-            else res[0]
-        )
+        return self.split_stack(self.table_stack.index_select(1, slots))
+
+    def split_stack(
+        self, stack: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor, list[torch.Tensor]]:
+        """(host, indexer, per resident group) views of ``stack`` (``table_stack``'s layout)."""
+        n_res = len(self.resident_tables)
+        res = list(stack[:n_res].unbind(0))
+        host = stack[n_res] if self.offload else None
+        idx = stack[n_res + 1] if self.offload and not self.indexer_in_resident else res[0]
         return host, idx, res
 
     def block_table(self, req_ids: list[str], kind: str, group: int = 0) -> torch.Tensor:

@@ -500,20 +500,15 @@ class ModelRunner:
         seq_lens = torch.where(valid, pos + 1, 0)
         gslot = slot.clamp_min(0)
 
-        def table(t: torch.Tensor) -> torch.Tensor:
-            return torch.where(valid[:, None], t.index_select(0, gslot), 0)
-
-        def rows_of(t: torch.Tensor) -> torch.Tensor:
-            blk = t.gather(1, (pos // bs)[:, None])[:, 0].long()
-            return torch.where(valid & (blk > 0), blk * bs + pos % bs, -1).to(torch.int32)
-
-        res_tables = [table(t) for t in kv.resident_tables]
-        host_bt = table(kv.host_table) if kv.host_table is not None else self._zero_table[:b]
-        idx_table = (
-            table(kv.indexer_table)
-            if kv.indexer_table is not None and not kv.indexer_in_resident
-            else res_tables[0]
-        )
+        # Every persistent table's rows of this batch and the new token's row in each, with
+        # one op apiece for all tables (both placements: HiSparse has a table per layer group).
+        stack = torch.where(valid[None, :, None], kv.table_stack.index_select(1, gslot), 0)
+        page = (pos // bs).view(1, b, 1).expand(stack.shape[0], b, 1)
+        blk = stack.gather(2, page)[..., 0].long()
+        rows = torch.where(valid & (blk > 0), blk * bs + pos % bs, -1).to(torch.int32)
+        host_t, idx_table, res_tables = kv.split_stack(stack)
+        host_rows, idx_rows, res_rows = kv.split_stack(rows)
+        host_bt = host_t if host_t is not None else self._zero_table[:b]
         # replay state: padded rows read and write the spare slot max_num_seqs
         self._slots = torch.where(valid, slot, self.max_num_seqs)
         self._lens, self._keys = seq_lens, key
@@ -524,15 +519,18 @@ class ModelRunner:
             req_per_token=rix.to(torch.int32),
             request_state_indices=slot.to(torch.int32),
             source_block_table=host_bt,
-            host_slot_mapping=rows_of(host_bt) if kv.offload else None,
+            host_slot_mapping=host_rows,
         )
-        tables = [GroupTables(resident_block_table=t, slot_mapping=rows_of(t)) for t in res_tables]
+        tables = [
+            GroupTables(resident_block_table=t, slot_mapping=r)
+            for t, r in zip(res_tables, res_rows, strict=True)
+        ]
         for leader in self.leaders:
             leader.prepare_group_for_batch(meta, tables[kv.group_of_layer[leader.runtime.name]])
         step = DsaStep(
             positions=pos, req_index=rix, seq_lens=seq_lens, max_len=self._max_len, static=True
         )
-        cache = _StepCache(self, True, rows_of(idx_table), idx_table)
+        cache = _StepCache(self, True, idx_rows, idx_table)
         logits = self.model.logits(self.model(ids, step, cache))
         if kv.offload:
             hm = torch.stack([h.runtime.group.hit_miss[:b] for h in self.leaders]).long()
