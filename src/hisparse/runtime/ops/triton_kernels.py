@@ -4,7 +4,9 @@ Every op here has exactly the reference's signature and writes bit-identical out
 state. None synchronises with the host or launches a grid sized by data, so a decode step
 that calls them can be captured in a CUDA graph.
 
-resolve_residency, one program per request, sorts nothing on its hot path. Scratch lives in
+resolve_residency, one program per request, sorts nothing on its hot path (batches of up to
+``RESOLVE_SPLIT_MAX_Q`` requests run the same stages over several programs per request instead:
+`triton_resolve_split`). Scratch lives in
 global memory (L1/L2 resident) and the stages are ordered with CTA barriers:
 
 1. the request's rows (in row order) and its ``rows x top_k`` entries; resident and ``-1``
