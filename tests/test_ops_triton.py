@@ -231,6 +231,41 @@ def test_resolve_split_below_the_batch_threshold(
     assert calls == [3, 3]  # two steps of the first case only
 
 
+@pytest.mark.parametrize("impl", ["bucket", "split"])
+def test_resolve_more_rows_than_slots_keeps_a_valid_state(
+    impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16 distinct rows wanted, 8 slots, 4 of them hits (configuration checks prevent this;
+    the reference raises): the first misses by rank get the 4 free slots, the others read -1;
+    the LRU stays a permutation and nothing outside the slots is written."""
+    monkeypatch.setattr(tk, "RESOLVE_SPLIT_MAX_Q", 0)
+    monkeypatch.setattr(tk, "RESOLVE_SPLIT_PROGRAMS", 2)
+    monkeypatch.setattr(tk, "RESOLVE_IMPL", impl)
+    H, K = 8, 8
+    src_bt = torch.arange(1, 33, dtype=torch.int32).view(1, 32)  # position p: host row p + 1
+    hot_index = torch.tensor([[1, 2, 3, 4, -1, -1, -1, -1]], dtype=torch.int32)
+    lru = torch.arange(H, dtype=torch.int16).view(1, H)
+    hot_bt = torch.arange(100, 108, dtype=torch.int32).view(1, H)  # slot h: physical row 100 + h
+    topk = torch.arange(16, dtype=torch.int32).view(2, K)
+    out = torch.full((2, K), POISON, dtype=torch.int32)
+    src = torch.full((1, H), POISON, dtype=torch.int32)
+    dst = src.clone()
+    count = torch.full((1,), POISON, dtype=torch.int32)
+    hm = torch.full((1, 2), POISON, dtype=torch.int32)
+    tk.resolve_residency(
+        topk, torch.tensor([0, 0], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+        src_bt, None, hot_bt, hot_index, lru, 1, out, src, dst, count, None, hm,
+        max_rows_per_request=2,
+    )  # fmt: skip
+    assert hm.tolist() == [[4, 12]] and count.tolist() == [4]
+    assert out[0, :4].tolist() == [100, 101, 102, 103]  # the hits keep their slots
+    assert out[0, 4:].tolist() == [104, 105, 106, 107]  # the first 4 misses take the free slots
+    assert out[1].tolist() == [-1] * K  # no slot left: never a stale or made-up row
+    assert hot_index.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert sorted(lru[0].tolist()) == list(range(H))
+    assert src.tolist()[0][:4] == [5, 6, 7, 8] and dst.tolist()[0][:4] == [104, 105, 106, 107]
+
+
 @pytest.mark.parametrize(
     ("knob", "value", "match"),
     [("RESOLVE_IMPL", "buckets", "bucket, split or sort"), ("RESOLVE_SPLIT_PROGRAMS", 6, "power")],

@@ -72,8 +72,9 @@ RESOLVE_IMPL = os.environ.get("HISPARSE_RESOLVE_IMPL") or "bucket"
 #: SM. "split" forces it. H200, hot 4096, top_k 2048, CUDA-graph µs (one program / split 8 /
 #: split 16): batch 1, 20% miss 37.0 / 19.0 / 16.9; batch 8, 20% 35.3 / 20.7 / 19.1;
 #: batch 29, 20% 42.3 / 25.3 / 24.7; batch 64, 5% 36.4 / 31.0 / 33.1.
-#: Only requests of at least ``RESOLVE_SPLIT_MIN_ENTRIES`` (rows x top_k) entries split: smaller
-#: ones (GQA's top_k 256, the interpreter's test sizes) were not timed split.
+#: Only requests of at least ``RESOLVE_SPLIT_MIN_ENTRIES`` entries (rows x top_k, each padded to
+#: a power of two) split: smaller ones (GQA's top_k 256, the interpreter's test sizes) were not
+#: timed split.
 RESOLVE_SPLIT_MAX_Q = int(os.environ.get("HISPARSE_RESOLVE_SPLIT_MAX_Q") or 64)
 RESOLVE_SPLIT_PROGRAMS = 0
 RESOLVE_SPLIT_MIN_ENTRIES = 1024
@@ -326,6 +327,9 @@ def _resolve_kernel(
         n_miss = tl.sum(head.to(tl.int32), 0)
         mrank = tl.cumsum(head.to(tl.int32), 0) - 1
         n_evict = H - n_hit
+        # Misses that get a slot: all of them, unless more rows were wanted than H (the
+        # configuration checks prevent it; the reference raises): then the first n_evict.
+        n_take = tl.minimum(n_miss, n_evict)
 
         # ---- 6. new LRU order in closed form; evictable slot of each miss rank ---------
         ce = 0
@@ -340,23 +344,23 @@ def _resolve_kernel(
             ei = ce + tl.cumsum(ev.to(tl.int32), 0) - 1
             kh = ch + tl.cumsum(hh.to(tl.int32), 0) - 1
             newpos = tl.where(
-                hh, n_evict + kh, tl.where(ei >= n_miss, ei - n_miss, n_evict - n_miss + ei)
+                hh, n_evict + kh, tl.where(ei >= n_take, ei - n_take, n_evict - n_take + ei)
             )
             ok = jm & (newpos >= 0) & (newpos < H)
             tl.store(newlru_ptr + base_h + newpos, sl.to(tl.int16), mask=ok)
-            tl.store(evict_ptr + base_h + ei, sl, mask=ev & (ei < n_miss))
+            tl.store(evict_ptr + base_h + ei, sl, mask=ev & (ei < n_take))
             ce += tl.sum(ev.to(tl.int32), 0)
             ch += tl.sum(hh.to(tl.int32), 0)
         tl.debug_barrier()
 
         # ---- 7. each miss head takes its evictable slot; its cell holds the slot -------
-        fm = head & (mrank < H)
+        fm = head & (mrank < n_take)
         slot_m = tl.load(evict_ptr + base_h + mrank, mask=fm, other=0)
         tl.store(hot_index_ptr + s64 * s_hi_s + slot_m * s_hi_h, g, mask=fm)
         tl.store(tab + cell, -2 - slot_m, mask=fm)
         tl.store(mg_ptr + base_n + mrank, g, mask=fm)
         tl.store(ms_ptr + base_n + mrank, slot_m, mask=fm)
-        tl.store(swap_count_ptr + q64 * s_sc, n_miss)
+        tl.store(swap_count_ptr + q64 * s_sc, n_take)
         if HAS_HM:
             tl.store(hm_ptr + q64 * s_hm_q, n_hit)
             tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, n_miss)
@@ -377,7 +381,7 @@ def _resolve_kernel(
         tl.store(out_addr, -1, mask=needs & ~placed)
 
         # ---- 9. swap list ascending by host row --------------------------------------
-        n_sw = tl.minimum(n_miss, H)
+        n_sw = n_take
         if SORT_WINDOW > 0:  # noqa: SIM102 (constexpr, then a runtime branch)
             if n_sw <= SORT_WINDOW:
                 # Few misses: sort just the first SORT_WINDOW of the compact miss list.

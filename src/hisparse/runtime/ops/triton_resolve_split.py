@@ -261,6 +261,9 @@ def _split_rank_kernel(
         n_hit = tl.sum(c_hit, 0)
         n_miss = tl.sum(c_head, 0)
         n_evict = H - n_hit
+        # Misses that get a slot: all of them, unless more rows were wanted than H (the
+        # configuration checks prevent it; the reference raises): then the first n_evict.
+        n_take = tl.minimum(n_miss, n_evict)
         # New LRU positions: evictable slots left unused, the slots just filled, the hits.
         j = p * BHS + tl.arange(0, BHS)
         jm = j < H
@@ -272,11 +275,11 @@ def _split_rank_kernel(
         ei = tl.sum(tl.where(before, c_ev, 0), 0) + tl.cumsum(ev.to(tl.int32), 0) - 1
         kh = tl.sum(tl.where(before, c_hh, 0), 0) + tl.cumsum(hh.to(tl.int32), 0) - 1
         newpos = tl.where(
-            hh, n_evict + kh, tl.where(ei >= n_miss, ei - n_miss, n_evict - n_miss + ei)
+            hh, n_evict + kh, tl.where(ei >= n_take, ei - n_take, n_evict - n_take + ei)
         )
         ok = jm & (newpos >= 0) & (newpos < H)
         tl.store(newlru_ptr + q64 * H + newpos, sl.to(tl.int16), mask=ok)
-        tl.store(evict_ptr + q64 * H + ei, sl, mask=ev & (ei < n_miss))
+        tl.store(evict_ptr + q64 * H + ei, sl, mask=ev & (ei < n_take))
         # Miss heads in entry order.
         e = p * C + tl.arange(0, C)
         head = tl.load(head_ptr + q64 * N + e) != 0
@@ -285,7 +288,7 @@ def _split_rank_kernel(
         g = tl.load(ent_g_ptr + q64 * N + e, mask=head, other=0)
         tl.store(mg_ptr + q64 * N + mrank, g, mask=head)
         if p == 0:
-            tl.store(swap_count_ptr + q64 * s_sc, n_miss)
+            tl.store(swap_count_ptr + q64 * s_sc, n_take)
             if HAS_HM:
                 tl.store(hm_ptr + q64 * s_hm_q, n_hit)
                 tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, n_miss)
@@ -318,9 +321,10 @@ def _split_place_kernel(
         val = tl.load(tab_ptr + q64 * CS + cell, mask=needs, other=-1)
         is_hit = needs & (val < -1)
         is_miss = needs & ~is_hit
+        n_sw = tl.load(swap_count_ptr + q64 * s_sc)  # misses that got a slot
         e0 = N - tl.load(first_ptr + q64 * CS + cell, mask=is_miss, other=0)
         r0 = tl.load(mrank_ptr + q64 * N + e0, mask=is_miss, other=0)
-        placed_m = is_miss & (r0 < H)  # always, unless more rows were wanted than H
+        placed_m = is_miss & (r0 < n_sw)  # always, unless more rows were wanted than H
         slot_m = tl.load(evict_ptr + q64 * H + r0, mask=placed_m, other=0)
         slot = tl.where(is_hit, -2 - val, slot_m)
         placed = is_hit | placed_m
@@ -338,7 +342,6 @@ def _split_place_kernel(
         nl = tl.load(newlru_ptr + q64 * H + j, mask=jm)
         tl.store(lru_ptr + s64 * s_lru_s + j * s_lru_h, nl, mask=jm)
         # Swap list ascending by host row: rank = misses with a smaller row (rows distinct).
-        n_sw = tl.minimum(tl.load(swap_count_ptr + q64 * s_sc), H)
         si = tl.arange(0, S)
         mg = mg_ptr + q64 * N
         for i0 in range(p * S, n_sw, P * S):
