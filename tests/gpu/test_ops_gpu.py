@@ -62,6 +62,29 @@ def test_resolve_decode_bound_keyword() -> None:
     _steps(case, steps=2, seed=9, max_rows_per_request=1)
 
 
+@pytest.mark.parametrize(
+    "Q,H,max_rows", [(1, 4096, 1), (1, 8292, 4), (8, 8192, 4), (64, 4096, 2), (3, 2148, 1)]
+)
+@pytest.mark.parametrize("log_buckets", [0, None])  # 0: one bucket, nearly all rows overflow
+@pytest.mark.parametrize("programs", [0, 4, 64])  # by batch, fewer, more than some H / P
+def test_resolve_split_kernels(
+    Q: int, H: int, max_rows: int, log_buckets: int | None, programs: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The split resolve (several programs per request) on real sizes: cells claimed by
+    concurrent programs, hot buffers not a multiple of the program count, 30% duplicates."""
+    monkeypatch.setattr(tk, "RESOLVE_IMPL", "split")
+    monkeypatch.setattr(tk, "RESOLVE_LOG_BUCKETS", log_buckets)
+    monkeypatch.setattr(tk, "RESOLVE_SPLIT_PROGRAMS", programs)
+    seed = Q * 7 + H + programs
+    case = make_resolve_case(
+        Q=Q, K=2048, H=H, block_size=64, seed=seed, max_rows=max_rows, p_dup=0.3, p_neg=0.05,
+        reuse=0.5, hot_fill=0.9, p_pad_req=0.2, p_pad_row=0.1, extra_out_rows=1,
+        extra_req_rows=1,
+    )  # fmt: skip
+    _steps(case, steps=3, seed=seed, max_rows_per_request=max_rows)
+
+
 def test_resolve_small_random_many() -> None:
     for seed in range(40):
         g = torch.Generator().manual_seed(seed)
