@@ -162,6 +162,73 @@ def _store_sorted_swaps(
 
 
 @triton.jit
+def _padding_rows_and_row_list(
+    q, write_padding, row_req_ptr, R, state_ptr, Q, out_ptr, s_out_r, s_out_c, valid_ptr, s_v,
+    K, rows_ptr, KP: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+):  # fmt: skip
+    """With ``write_padding``, write rows ``q, q + Q, ...`` of padding (or out-of-range)
+    requests as ``-1``; then list request ``q``'s rows in row order at ``rows_ptr`` (programs
+    that list the same request write the same values) and return their count."""
+    if write_padding:
+        cols = tl.arange(0, KP)
+        for r in range(q, R, Q):
+            rq = tl.load(row_req_ptr + r)
+            in_range = (rq >= 0) & (rq < Q)
+            st = tl.load(state_ptr + tl.where(in_range, rq, 0))
+            dead = (~in_range) | (st < 0)
+            r64 = tl.cast(r, tl.int64)
+            tl.store(
+                out_ptr + r64 * s_out_r + cols * s_out_c,
+                tl.full([KP], -1, tl.int32),
+                mask=(cols < K) & dead,
+            )
+            if HAS_VALID:
+                tl.store(valid_ptr + r64 * s_v, 0, mask=dead)
+    n_rows = 0
+    br = tl.arange(0, BR)
+    for r0 in range(0, R, BR):
+        offs = r0 + br
+        rq = tl.load(row_req_ptr + offs, mask=offs < R, other=-1)
+        mine = rq == q
+        rank = n_rows + tl.cumsum(mine.to(tl.int32), 0) - 1
+        tl.store(rows_ptr + rank, offs, mask=mine & (rank < ROWS))
+        n_rows += tl.sum(mine.to(tl.int32), 0)
+    return tl.minimum(n_rows, ROWS)
+
+
+@triton.jit
+def _decode_entries(
+    e, rows_ptr, n_rows, topk_ptr, stk_r, stk_c, src_bt_row, s_src_b, res_bt_row, s_res_b,
+    out_ptr, s_out_r, s_out_c, K, bs, KP: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    """A request's entries ``e`` (row ``e // KP`` of its row list, column ``e % KP``):
+    ``(row, col, valid, needs, g)`` with ``g`` the host row; entries that need no hot slot
+    (resident, or ``-1``) get their physical row or ``-1`` written at once."""
+    ri = e // KP
+    col = e % KP
+    row_ok = ri < n_rows
+    row = tl.load(rows_ptr + ri, mask=row_ok, other=0).to(tl.int64)
+    emask = row_ok & (col < K)
+    pv = tl.load(topk_ptr + row * stk_r + col * stk_c, mask=emask, other=-1).to(tl.int64)
+    valid = pv >= 0
+    pc = tl.maximum(pv, 0)
+    blk = pc // bs
+    off = pc % bs
+    sblk = tl.load(src_bt_row + blk * s_src_b, mask=valid, other=0)
+    g = (sblk.to(tl.int64) * bs + off).to(tl.int32)
+    addr = out_ptr + row * s_out_r + col * s_out_c
+    if HAS_RES:
+        rblk = tl.load(res_bt_row + blk * s_res_b, mask=valid, other=0).to(tl.int64)
+        needs = valid & (rblk == 0)
+        tl.store(addr, tl.where(valid, rblk * bs + off, -1), mask=emask & ~needs)
+    else:
+        needs = valid
+        tl.store(addr, -1, mask=emask & ~needs)
+    return row, col, valid, needs, g
+
+
+@triton.jit
 def _resolve_kernel(
     topk_ptr, stk_r, stk_c,
     row_req_ptr, R,
@@ -191,22 +258,12 @@ def _resolve_kernel(
     CS: tl.constexpr = NCELL + N  # cells per request
     q = tl.program_id(0)
     q64 = q.to(tl.int64)
-
-    # Rows whose request is padding (or out of range) are written here, spread over programs.
-    cols = tl.arange(0, KP)
-    for r in range(q, R, Q):
-        rq = tl.load(row_req_ptr + r)
-        in_range = (rq >= 0) & (rq < Q)
-        st = tl.load(state_ptr + tl.where(in_range, rq, 0))
-        dead = (~in_range) | (st < 0)
-        r64 = tl.cast(r, tl.int64)
-        tl.store(
-            out_ptr + r64 * s_out_r + cols * s_out_c,
-            tl.full([KP], -1, tl.int32),
-            mask=(cols < K) & dead,
-        )
-        if HAS_VALID:
-            tl.store(valid_ptr + r64 * s_v, 0, mask=dead)
+    rows = sc_rows_ptr + q64 * ROWS
+    # Rows of padding requests (spread over programs) and this request's rows, in row order.
+    n_rows = _padding_rows_and_row_list(
+        q, True, row_req_ptr, R, state_ptr, Q, out_ptr, s_out_r, s_out_c, valid_ptr, s_v, K,
+        rows, KP, ROWS, BR, HAS_VALID,
+    )  # fmt: skip
 
     s = tl.load(state_ptr + q)
     if s < 0:
@@ -220,49 +277,23 @@ def _resolve_kernel(
         first = first_ptr + q64 * CS
         base_h = q64 * H
         base_n = q64 * N
-        # ---- 1. empty bucket cells; this request's rows, in row order ----------------
+        # ---- 1. empty bucket cells --------------------------------------------------
         bc = tl.arange(0, BC)
         for c0 in tl.static_range(0, NCELL, BC):
             tl.store(tab + c0 + bc, tl.full([BC], -1, tl.int32))
-        n_rows = 0
-        br = tl.arange(0, BR)
-        for r0 in range(0, R, BR):
-            offs = r0 + br
-            rq = tl.load(row_req_ptr + offs, mask=offs < R, other=-1)
-            mine = rq == q
-            rank = n_rows + tl.cumsum(mine.to(tl.int32), 0) - 1
-            tl.store(sc_rows_ptr + q64 * ROWS + rank, offs, mask=mine & (rank < ROWS))
-            n_rows += tl.sum(mine.to(tl.int32), 0)
-        tl.debug_barrier()
+        tl.debug_barrier()  # (the row list is written too)
 
         # ---- 2. entries (flat, entry order); resident and -1 entries written at once ---
         e = tl.arange(0, N)
-        ri = e // KP
-        col = e % KP
-        row_ok = ri < n_rows
-        row = tl.load(sc_rows_ptr + q64 * ROWS + ri, mask=row_ok, other=0).to(tl.int64)
-        emask = row_ok & (col < K)
-        p = tl.load(topk_ptr + row * stk_r + col * stk_c, mask=emask, other=-1).to(tl.int64)
-        valid = p >= 0
-        pc = tl.maximum(p, 0)
-        blk = pc // bs
-        off = pc % bs
-        sblk = tl.load(src_bt_ptr + q64 * s_src_q + blk * s_src_b, mask=valid, other=0)
-        g = (sblk.to(tl.int64) * bs + off).to(tl.int32)
-        out_direct = tl.full([N], -1, tl.int64)
-        if HAS_RES:
-            rblk = tl.load(res_bt_ptr + q64 * s_res_q + blk * s_res_b, mask=valid, other=0)
-            rblk = rblk.to(tl.int64)
-            out_direct = tl.where(valid & (rblk != 0), rblk * bs + off, out_direct)
-            needs = valid & (rblk == 0)
-        else:
-            needs = valid
+        row, col, valid, needs, g = _decode_entries(
+            e, rows, n_rows, topk_ptr, stk_r, stk_c, src_bt_ptr + q64 * s_src_q, s_src_b,
+            res_bt_ptr + q64 * s_res_q, s_res_b, out_ptr, s_out_r, s_out_c, K, bs, KP, HAS_RES,
+        )  # fmt: skip
         out_addr = out_ptr + row * s_out_r + col * s_out_c
-        tl.store(out_addr, out_direct, mask=emask & ~needs)
         if HAS_VALID:
             vrow = tl.sum(tl.reshape(valid.to(tl.int32), [ROWS, KP]), 1)
             rr = tl.arange(0, ROWS)
-            vr = tl.load(sc_rows_ptr + q64 * ROWS + rr, mask=rr < n_rows, other=0).to(tl.int64)
+            vr = tl.load(rows + rr, mask=rr < n_rows, other=0).to(tl.int64)
             tl.store(valid_ptr + vr * s_v, vrow, mask=rr < n_rows)
 
         # ---- 3. one cell per distinct host row: round r claims way r of its bucket -----
@@ -453,22 +484,11 @@ def _resolve_sort_kernel(
     SENT: tl.constexpr = _SENTINEL
     q = tl.program_id(0)
     q64 = q.to(tl.int64)
-
-    # Rows whose request is padding (or out of range) are written here, spread over programs.
-    cols = tl.arange(0, KP)
-    for r in range(q, R, Q):
-        rq = tl.load(row_req_ptr + r)
-        in_range = (rq >= 0) & (rq < Q)
-        st = tl.load(state_ptr + tl.where(in_range, rq, 0))
-        dead = (~in_range) | (st < 0)
-        r64 = tl.cast(r, tl.int64)
-        tl.store(
-            out_ptr + r64 * s_out_r + cols * s_out_c,
-            tl.full([KP], -1, tl.int32),
-            mask=(cols < K) & dead,
-        )
-        if HAS_VALID:
-            tl.store(valid_ptr + r64 * s_v, 0, mask=dead)
+    # Rows of padding requests (spread over programs) and this request's rows, in row order.
+    n_rows = _padding_rows_and_row_list(
+        q, True, row_req_ptr, R, state_ptr, Q, out_ptr, s_out_r, s_out_c, valid_ptr, s_v, K,
+        sc_rows_ptr + q64 * ROWS, KP, ROWS, BR, HAS_VALID,
+    )  # fmt: skip
 
     s = tl.load(state_ptr + q)
     if s < 0:
@@ -478,17 +498,7 @@ def _resolve_sort_kernel(
             tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, 0)
     else:
         s64 = s.to(tl.int64)
-        # ---- 1. this request's rows, in row order -------------------------------------
-        n_rows = 0
-        br = tl.arange(0, BR)
-        for r0 in range(0, R, BR):
-            offs = r0 + br
-            rq = tl.load(row_req_ptr + offs, mask=offs < R, other=-1)
-            mine = rq == q
-            rank = n_rows + tl.cumsum(mine.to(tl.int32), 0) - 1
-            tl.store(sc_rows_ptr + q64 * ROWS + rank, offs, mask=mine & (rank < ROWS))
-            n_rows += tl.sum(mine.to(tl.int32), 0)
-        tl.debug_barrier()
+        tl.debug_barrier()  # the row list is written
 
         ri = tl.arange(0, ROWS)[:, None]
         col = tl.arange(0, KP)[None, :]

@@ -29,48 +29,18 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse.runtime.ops.triton_kernels import _bucket, _next_pow2
+from hisparse.runtime.ops.triton_kernels import (
+    _bucket,
+    _decode_entries,
+    _next_pow2,
+    _padding_rows_and_row_list,
+)
 
 Tensor = torch.Tensor
 
 #: The rank tile of the swap-list order.
 SPLIT_RANK_TILE = 64
 _WAYS = 4
-
-
-@triton.jit
-def _dead_rows_and_rows(
-    q, p, row_req_ptr, R, state_ptr, Q, out_ptr, s_out_r, s_out_c, valid_ptr, s_v, K,
-    rows_ptr, KP: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr,
-    HAS_VALID: tl.constexpr,
-):  # fmt: skip
-    """Program ``(q, 0)`` writes the rows of padding requests; every program lists request
-    ``q``'s rows in row order (equal values from every program) and returns their count."""
-    if p == 0:
-        cols = tl.arange(0, KP)
-        for r in range(q, R, Q):
-            rq = tl.load(row_req_ptr + r)
-            in_range = (rq >= 0) & (rq < Q)
-            st = tl.load(state_ptr + tl.where(in_range, rq, 0))
-            dead = (~in_range) | (st < 0)
-            r64 = tl.cast(r, tl.int64)
-            tl.store(
-                out_ptr + r64 * s_out_r + cols * s_out_c,
-                tl.full([KP], -1, tl.int32),
-                mask=(cols < K) & dead,
-            )
-            if HAS_VALID:
-                tl.store(valid_ptr + r64 * s_v, 0, mask=dead)
-    n_rows = 0
-    br = tl.arange(0, BR)
-    for r0 in range(0, R, BR):
-        offs = r0 + br
-        rq = tl.load(row_req_ptr + offs, mask=offs < R, other=-1)
-        mine = rq == q
-        rank = n_rows + tl.cumsum(mine.to(tl.int32), 0) - 1
-        tl.store(rows_ptr + rank, offs, mask=mine & (rank < ROWS))
-        n_rows += tl.sum(mine.to(tl.int32), 0)
-    return tl.minimum(n_rows, ROWS)
 
 
 @triton.jit
@@ -91,8 +61,8 @@ def _split_entries_kernel(
     p = tl.program_id(1)
     q64 = q.to(tl.int64)
     rows = rows_ptr + q64 * ROWS
-    n_rows = _dead_rows_and_rows(
-        q, p, row_req_ptr, R, state_ptr, Q, out_ptr, s_out_r, s_out_c, valid_ptr, s_v, K,
+    n_rows = _padding_rows_and_row_list(
+        q, p == 0, row_req_ptr, R, state_ptr, Q, out_ptr, s_out_r, s_out_c, valid_ptr, s_v, K,
         rows, KP, ROWS, BR, HAS_VALID,
     )  # fmt: skip
     s = tl.load(state_ptr + q)
@@ -117,27 +87,10 @@ def _split_entries_kernel(
                 )
                 tl.store(valid_ptr + rw * s_v, tl.sum((t >= 0).to(tl.int32), 1), mask=rm)
         e = p * C + tl.arange(0, C)
-        ri = e // KP
-        col = e % KP
-        row_ok = ri < n_rows
-        row = tl.load(rows + ri, mask=row_ok, other=0).to(tl.int64)
-        emask = row_ok & (col < K)
-        pv = tl.load(topk_ptr + row * stk_r + col * stk_c, mask=emask, other=-1).to(tl.int64)
-        valid = pv >= 0
-        pc = tl.maximum(pv, 0)
-        blk = pc // bs
-        off = pc % bs
-        sblk = tl.load(src_bt_ptr + q64 * s_src_q + blk * s_src_b, mask=valid, other=0)
-        g = (sblk.to(tl.int64) * bs + off).to(tl.int32)
-        out_direct = tl.full([C], -1, tl.int64)
-        if HAS_RES:
-            rblk = tl.load(res_bt_ptr + q64 * s_res_q + blk * s_res_b, mask=valid, other=0)
-            rblk = rblk.to(tl.int64)
-            out_direct = tl.where(valid & (rblk != 0), rblk * bs + off, out_direct)
-            needs = valid & (rblk == 0)
-        else:
-            needs = valid
-        tl.store(out_ptr + row * s_out_r + col * s_out_c, out_direct, mask=emask & ~needs)
+        _row, _col, _valid, needs, g = _decode_entries(
+            e, rows, n_rows, topk_ptr, stk_r, stk_c, src_bt_ptr + q64 * s_src_q, s_src_b,
+            res_bt_ptr + q64 * s_res_q, s_res_b, out_ptr, s_out_r, s_out_c, K, bs, KP, HAS_RES,
+        )  # fmt: skip
 
         # Cells: way r of the bucket in round r, then the overflow cells in order. Cells go
         # from empty to a row once, so every entry of a row walks the same cells and meets
