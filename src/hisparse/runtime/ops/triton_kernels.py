@@ -71,7 +71,8 @@ RESOLVE_IMPL = os.environ.get("HISPARSE_RESOLVE_IMPL") or "bucket"
 #: programs (0: 16 up to 32 requests, else 8), where a batch-1 step otherwise leaves it to one
 #: SM. "split" forces it. H200, hot 4096, top_k 2048, CUDA-graph µs (one program / split 8 /
 #: split 16): batch 1, 20% miss 37.0 / 19.0 / 16.9; batch 8, 20% 35.3 / 20.7 / 19.1;
-#: batch 29, 20% 42.3 / 25.3 / 24.7; batch 64, 5% 36.4 / 31.0 / 33.1.
+#: batch 29, 20% 42.3 / 25.3 / 24.7; batch 64, 5% 36.4 / 31.0 / 33.1; above 64 the split is
+#: slower (batch 128, 20%: 42.9 vs 57.9 with 8 programs; batch 256, hot 8192: 116.1 vs 123.9).
 #: Only requests of at least ``RESOLVE_SPLIT_MIN_ENTRIES`` entries (rows x top_k, each padded to
 #: a power of two) split: smaller ones (GQA's top_k 256, the interpreter's test sizes) were not
 #: timed split.
