@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from plotting import pyplot, ratio_bars, save
+from plotting import no_matplotlib, pyplot, ratio_bars, save
 
 
 def pairs(runs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
@@ -35,7 +35,7 @@ def pairs(runs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], dict[st
 def plot(runs: list[dict[str, Any]], path: Path) -> str:
     plt = pyplot()
     if plt is None:
-        return f"no plot: matplotlib is not installed; skipped {path}"
+        return no_matplotlib(path)
     rows = pairs(runs)
     fig, axes = plt.subplots(1, 2, figsize=(4 + 2.2 * len(rows), 4.2))
     panels = (("peak_running", "peak running requests"), ("peak_decode_tok_s", "decode tok/s"))

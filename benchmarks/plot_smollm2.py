@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from plotting import pyplot, ratio_bars, save
+from plotting import no_matplotlib, pyplot, ratio_bars, save
 
 
 def bars(results: list[dict[str, Any]]) -> list[tuple[str, float, float]]:
@@ -35,7 +35,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> str:
     """Write the PNG; returns a line saying what was written (or why not)."""
     plt = pyplot()
     if plt is None:
-        return f"no plot: matplotlib is not installed; skipped {path}"
+        return no_matplotlib(path)
     rows = bars(results)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows)), 4.2))
     ratio_bars(

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from plotting import pyplot, save
+from plotting import no_matplotlib, pyplot, save
 
 NAMES = {"hisparse": "HiSparse", "gpu": "all-GPU"}
 
@@ -22,7 +22,7 @@ NAMES = {"hisparse": "HiSparse", "gpu": "all-GPU"}
 def plot(run: dict[str, Any], path: Path) -> str:
     plt = pyplot()
     if plt is None:
-        return f"no plot: matplotlib is not installed; skipped {path}"
+        return no_matplotlib(path)
     results = [r for r in run["results"] if r.get("step_log")]
     if not results:
         raise SystemExit("no step_log in this JSON (written by hisparse bench since session 4)")

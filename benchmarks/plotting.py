@@ -21,6 +21,11 @@ def pyplot() -> Any | None:
     return plt
 
 
+def no_matplotlib(path: Path) -> str:
+    """What a plot function returns instead of a plot when matplotlib is missing."""
+    return f"no plot: matplotlib is not installed; skipped {path}"
+
+
 def ratio_bars(
     ax: Any,
     labels: list[str],

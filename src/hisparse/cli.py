@@ -9,7 +9,6 @@ the host pool; see `hisparse.cli_generate`.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Sequence
 
@@ -19,7 +18,12 @@ from rich.table import Table
 from hisparse.cli_bench import add_bench_parser
 from hisparse.cli_generate import add_generate_parser
 from hisparse.cli_make_tiny import add_make_tiny_parser
-from hisparse.config import ROW_ALIGNMENT_BYTES, HiSparseConfig, HiSparseConfigError
+from hisparse.config import (
+    ROW_ALIGNMENT_BYTES,
+    HiSparseConfig,
+    HiSparseConfigError,
+    check_gib,
+)
 from hisparse.kv.layout import (
     KVLayout,
     format_gib,
@@ -114,10 +118,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             f"--context-len={context_len} must be between 1 and --max-model-len="
             f"{args.max_model_len}."
         )
-    if not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0):
-        raise HiSparseConfigError(
-            f"--gpu-memory-gib={args.gpu_memory_gib} must be a positive, finite number of GiB."
-        )
+    check_gib("--gpu-memory-gib", args.gpu_memory_gib)
     model = load_model_cache_shape(args.model, block_size=args.block_size, kv_format=args.kv_format)
     _check_row_alignment(model, args)
     config = HiSparseConfig(

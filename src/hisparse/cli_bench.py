@@ -30,7 +30,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from hisparse.config import HiSparseConfigError
+from hisparse.config import HiSparseConfigError, check_gib
 
 PLACEMENT_NAMES = {"hisparse": "HiSparse", "gpu": "all-GPU"}
 
@@ -163,10 +163,7 @@ def parse_args_checked(args: argparse.Namespace) -> dict[str, Any]:
         raise HiSparseConfigError(
             f"--output-len={args.output_len} must be >= 2 (time per output token needs two)"
         )
-    if not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0):
-        raise HiSparseConfigError(
-            f"--gpu-memory-gib={args.gpu_memory_gib} must be a positive, finite number of GiB"
-        )
+    check_gib("--gpu-memory-gib", args.gpu_memory_gib)
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None:
             _check_output_path(flag, Path(path))

@@ -20,6 +20,13 @@ class HiSparseConfigError(ValueError):
     """A configuration value HiSparse cannot run with; the message says what to change."""
 
 
+def check_gib(name: str, value: float) -> None:
+    """Refuse a memory size that is not a positive, finite number of GiB (``name``: the
+    option or argument as the user wrote it)."""
+    if not (math.isfinite(value) and value > 0):
+        raise HiSparseConfigError(f"{name}={value} must be a positive, finite number of GiB.")
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

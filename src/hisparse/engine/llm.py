@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-import math
 import operator
 import os
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hisparse.config import HiSparseConfig
+from hisparse.config import HiSparseConfig, check_gib
 from hisparse.engine.kv_manager import KVCacheManager
 from hisparse.engine.model_runner import ModelRunner, ReplaySettings, engine_specs
 from hisparse.engine.request import Request, RequestOutput, Status
@@ -165,10 +164,7 @@ class LLM:
         self.max_model_len = max_model_len or model_max_len
         if gpu_memory_gib is None:
             gpu_memory_gib = _default_kv_gib(self.device)
-        if not (math.isfinite(gpu_memory_gib) and gpu_memory_gib > 0):
-            raise ValueError(
-                f"gpu_memory_gib={gpu_memory_gib} must be a positive, finite number of GiB."
-            )
+        check_gib("gpu_memory_gib", gpu_memory_gib)
         specs = engine_specs(self.model, row_format, self.config.block_size)
         self.kv = KVCacheManager(
             specs,
