@@ -437,7 +437,8 @@ class ModelRunner:
                 )
             else:
                 sample_rows = [last_rows[r] - 1 for r, f in enumerate(finishing) if f]
-                logits = self.model.logits(hidden[torch.tensor(sample_rows, device=dev)])
+                rows_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+                logits = self.model.logits(hidden[rows_t])
             tokens = None
         if warm and kv.offload and self.warm_topk:
             self._warm_start([batch[r][0] for r in warm], warm, host_bt, tables)
