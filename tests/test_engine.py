@@ -264,7 +264,7 @@ def test_padded_decode_lossless_at_minimum_hot_buffer_and_under_preemption(check
     tight = _run(
         checkpoint,
         "hisparse",
-        blocks=80,
+        blocks=84,
         top_k=4,
         params=long,
         prompts=prompts,

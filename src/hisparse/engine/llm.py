@@ -24,7 +24,7 @@ from hisparse.engine.kv_manager import KVCacheManager
 from hisparse.engine.model_runner import ModelRunner, ReplaySettings, engine_specs
 from hisparse.engine.request import Request, RequestOutput, Status
 from hisparse.engine.sampling import SamplingParams, sample
-from hisparse.engine.scheduler import Scheduler
+from hisparse.engine.scheduler import SCHEDULE_POLICIES, ScheduledStep, Scheduler
 from hisparse.models.loader import load_dsa_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,6 +89,9 @@ class LLM:
             a part of the step cannot be captured (`capture_blockers`: a PyTorch reference
             backend, the quest indexer) the default runs that step without graphs and warns;
             ``True`` is then an error.
+        schedule: ``"mixed"`` (default): every step runs the decoding requests' next tokens
+            first and fills the rest of ``max_num_batched_tokens`` with prompt chunks;
+            ``"prefill-first"``: prompt chunks run alone while any prompt is unfinished.
     """
 
     def __init__(
@@ -110,7 +113,10 @@ class LLM:
         timing: bool = False,
         seed: int = 0,
         cuda_graphs: bool | None = None,
+        schedule: str = "mixed",
     ) -> None:
+        if schedule not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule={schedule!r}: use one of {SCHEDULE_POLICIES}.")
         if kv_placement not in PLACEMENTS:
             raise ValueError(f"kv_placement={kv_placement!r}: use one of {PLACEMENTS}.")
         if max_num_batched_tokens < 1:
@@ -193,7 +199,10 @@ class LLM:
             self.kv.close()  # the process's one host pool: a later LLM() must get it
             raise
         self.scheduler = Scheduler(
-            self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            self.kv,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            policy=schedule,
         )
         self._ids = itertools.count()
         self.step_stats: list[dict[str, float]] = []
@@ -300,54 +309,15 @@ class LLM:
         stalls = 0
         first_stat = len(self.step_stats)
         while sched.has_work:
-            step = sched.schedule()
-            if step is None:
+            parts = sched.schedule()
+            if not parts:
                 stalls += 1
                 if stalls > len(requests) + 2:
                     raise RuntimeError("scheduler stalled: nothing fits and nothing runs")
                 continue
             stalls = 0
-            t0 = time.perf_counter()
-            result = self.runner.run(step.batch, decode=step.decode, finishing=step.finishing)
-            if result.token_ids is not None:
-                tokens = result.token_ids
-            else:
-                assert result.logits is not None
-                tokens = sample(
-                    result.logits,
-                    [r.params for r in result.sample_reqs],
-                    [r.generator for r in result.sample_reqs],
-                )
-            now = time.perf_counter()
-            for req, n in step.batch:
-                req.num_computed += n
-            for req, tok in zip(result.sample_reqs, tokens, strict=True):
-                if tok is None:
-                    req.metrics.finished = now
-                    sched.fail_running(
-                        req, "sampling failed: this request's logits are not finite numbers"
-                    )
-                    continue
-                self._append(req, tok, now)
-            if not step.decode:
-                for (req, _), fin in zip(step.batch, step.finishing, strict=True):
-                    if fin and not req.finished:
-                        req.status = Status.DECODING
-            for (req, _), fin in zip(step.batch, step.finishing, strict=True):
-                if not req.finished and (step.decode or fin):
-                    # the rows are on the host: keep only the tail pages resident
-                    dropped = self.kv.trim_resident(req.req_id, req.num_computed)
-                    self.runner.write_back(dropped, req)
-                    self.kv.release_resident(req.req_id, dropped)
-            self.step_stats.append(
-                dict(
-                    decode=float(step.decode),
-                    tokens=sum(n for _, n in step.batch),
-                    running=len(step.batch) if step.decode else len(sched.running),
-                    seconds=now - t0,
-                    end=now,
-                )
-            )
+            for part in parts:
+                self._run_part(part)
             new_done = sum(r.finished for r in requests)
             if bar is not None and new_done > done:
                 bar.update(new_done - done)
@@ -362,6 +332,56 @@ class LLM:
                 row.update(next(decode_stats, {}))
         if bar is not None:
             bar.close()
+
+    def _run_part(self, step: ScheduledStep) -> None:
+        """One forward (the decode or the prefill part of an engine step) and what follows
+        it: sampled tokens, stops, status, and the resident pages a request no longer needs."""
+        sched = self.scheduler
+        t0 = time.perf_counter()
+        result = self.runner.run(step.batch, decode=step.decode, finishing=step.finishing)
+        if result.token_ids is not None:
+            tokens = result.token_ids
+        else:
+            assert result.logits is not None or not result.sample_reqs
+            tokens = (
+                sample(
+                    result.logits,
+                    [r.params for r in result.sample_reqs],
+                    [r.generator for r in result.sample_reqs],
+                )
+                if result.sample_reqs
+                else []
+            )
+        now = time.perf_counter()
+        for req, n in step.batch:
+            req.num_computed += n
+        for req, tok in zip(result.sample_reqs, tokens, strict=True):
+            if tok is None:
+                req.metrics.finished = now
+                sched.fail_running(
+                    req, "sampling failed: this request's logits are not finite numbers"
+                )
+                continue
+            self._append(req, tok, now)
+        if not step.decode:
+            for (req, _), fin in zip(step.batch, step.finishing, strict=True):
+                if fin and not req.finished:
+                    req.status = Status.DECODING
+        for (req, _), fin in zip(step.batch, step.finishing, strict=True):
+            if not req.finished and (step.decode or fin):
+                # the rows are on the host: keep only the tail pages resident
+                dropped = self.kv.trim_resident(req.req_id, req.num_computed)
+                self.runner.write_back(dropped, req)
+                self.kv.release_resident(req.req_id, dropped)
+        self.step_stats.append(
+            dict(
+                decode=float(step.decode),
+                tokens=sum(n for _, n in step.batch),
+                running=len(step.batch) if step.decode else len(sched.running),
+                seconds=now - t0,
+                end=now,
+            )
+        )
 
     def _append(self, req: Request, token: int, now: float) -> None:
         req.output_token_ids.append(token)

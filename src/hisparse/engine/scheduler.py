@@ -1,8 +1,11 @@
 """Continuous batching with chunked prefill, admission that counts future tokens, and
 preemption with recompute.
 
-Each engine step is either a prefill step (chunks of admitted prompts up to a token budget)
-or a decode step (one token for every decoding request). New requests join between steps.
+Each engine step spends a token budget (``max_num_batched_tokens``): first one token for every
+decoding request, then chunks of admitted prompts in admission order (the usual chunked-prefill
+policy, so a long prompt never stalls the running requests' tokens). The two parts run as two
+forwards of one step: the decode part keeps its fixed-shape (CUDA-graph) path. New requests
+join between steps.
 Admission reserves host blocks for the prompt *and* every token the request may still
 generate, so the host pool never overflows: a full pool means waiting. The GPU pool is checked
 for the whole prompt's pages; when a decode step cannot grow, the most recently admitted
@@ -19,6 +22,10 @@ from dataclasses import dataclass
 from hisparse.engine.kv_manager import KVCacheManager, KVCapacityError
 from hisparse.engine.request import Request, Status
 
+#: ``mixed``: decodes first, prefill chunks in the budget left; ``prefill-first``: prompt
+#: chunks alone while any prompt is unfinished (decodes wait)
+SCHEDULE_POLICIES = ("mixed", "prefill-first")
+
 
 @dataclass
 class ScheduledStep:
@@ -30,8 +37,16 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(
-        self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "mixed",
     ) -> None:
+        if policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule={policy!r}: use one of {SCHEDULE_POLICIES}.")
+        self.policy = policy
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -97,9 +112,38 @@ class Scheduler:
             req.status = Status.PREFILLING
             self.running.append(req)
 
-    def schedule(self) -> ScheduledStep | None:
+    def schedule(self) -> list[ScheduledStep]:
+        """The next engine step: its decode part (one token for every decoding request that
+        can grow) and its prefill part (chunks of admitted prompts, in admission order, in the
+        token budget the decodes leave). ``mixed`` (the default) schedules decodes first, so
+        a long prompt arriving does not stall the others' tokens; ``prefill-first`` runs
+        prefill chunks alone while any prompt is unfinished. Empty: nothing could run this
+        time (a request was preempted or failed to make room)."""
         self._admit()
-        budget = self.max_num_batched_tokens
+        if self.policy == "prefill-first":
+            prefill = self._prefill_part(self.max_num_batched_tokens)
+            if prefill is not None:
+                return [prefill]
+        decode, stuck = self._decode_part()
+        budget = self.max_num_batched_tokens - (len(decode.batch) if decode else 0)
+        prefill = self._prefill_part(budget) if self.policy == "mixed" else None
+        parts = [p for p in (decode, prefill) if p is not None]
+        if not parts and self.running:
+            if stuck:
+                # Every decoding request is stuck and none can be recomputed: end the newest
+                # so the others can grow (waiting would never end).
+                self.fail_running(
+                    stuck[-1],
+                    "the GPU KV pool cannot hold this request's next page beside the others, "
+                    "and none of them fits the pool again if recomputed; raise gpu_memory_gib "
+                    "or lower max_num_seqs.",
+                )
+            else:
+                # Prompts that cannot grow and nothing decoding: free the newest to progress.
+                self.preempt(self.running[-1])
+        return parts
+
+    def _prefill_part(self, budget: int) -> ScheduledStep | None:
         batch: list[tuple[Request, int]] = []
         finishing: list[bool] = []
         for req in self.running:
@@ -114,17 +158,20 @@ class Scheduler:
             batch.append((req, n))
             finishing.append(n == remaining)
             budget -= n
-        if batch:
-            return ScheduledStep(decode=False, batch=batch, finishing=finishing)
-        decoding = [r for r in self.running if r.status is Status.DECODING]
-        batch = []
-        stuck: list[Request] = []  # could not grow, nobody to preempt: wait this step
-        for req in list(decoding):
+        return ScheduledStep(decode=False, batch=batch, finishing=finishing) if batch else None
+
+    def _decode_part(self) -> tuple[ScheduledStep | None, list[Request]]:
+        """The decode part, and the decoding requests that could not grow and had nobody to
+        preempt (they wait this step)."""
+        batch: list[tuple[Request, int]] = []
+        stuck: list[Request] = []
+        for req in [r for r in self.running if r.status is Status.DECODING]:
             if req.status is not Status.DECODING:
                 continue  # preempted below for an earlier request
             while True:
                 try:
                     self.kv.grow(req.req_id, req.num_computed + 1, keep_all_resident=False)
+                    batch.append((req, 1))
                     break
                 except KVCapacityError:
                     if len(self.running) == 1:
@@ -138,23 +185,9 @@ class Scheduler:
                     batch = [(r, n) for r, n in batch if r is not victim]
                     if victim is req:
                         break
-            if req.status is Status.DECODING and req not in stuck:
-                batch.append((req, 1))
         if not batch:
-            if stuck:
-                # Every decoding request is stuck and none can be recomputed: end the newest
-                # so the others can grow (waiting would never end).
-                self.fail_running(
-                    stuck[-1],
-                    "the GPU KV pool cannot hold this request's next page beside the others, "
-                    "and none of them fits the pool again if recomputed; raise gpu_memory_gib "
-                    "or lower max_num_seqs.",
-                )
-            elif self.running:
-                # Prompts that cannot grow and nothing decoding: free the newest to progress.
-                self.preempt(self.running[-1])
-            return None
-        return ScheduledStep(decode=True, batch=batch, finishing=[False] * len(batch))
+            return None, stuck
+        return ScheduledStep(decode=True, batch=batch, finishing=[False] * len(batch)), stuck
 
     def _victim(self, req: Request) -> Request | None:
         """The request to preempt so ``req`` can grow: the most recently admitted one (``req``

@@ -1,0 +1,80 @@
+"""Prompts longer than one prefill step, end to end on the CPU (tiny DSA checkpoints and the
+bundled SmolLM2): a prompt prefilled in chunks gives the greedy tokens of the same prompt in
+one step, in both placements (HiSparse == all-GPU), and a short request batched beside a long
+one gets the tokens it gets alone, whichever schedule runs the two (decodes mixed with prompt
+chunks, or prompt chunks first)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse import HiSparseConfig
+from hisparse.engine.llm import LLM
+from hisparse.engine.sampling import SamplingParams
+
+pytest.importorskip("transformers")
+
+from hisparse.models.tiny import make_tiny
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
+def checkpoint(request, tmp_path_factory):
+    return make_tiny(request.param, tmp_path_factory.mktemp(request.param), seed=0)
+
+
+def _llm(path, placement, *, chunk, max_model_len=4096, **kw):
+    return LLM(
+        path,
+        kv_placement=placement,
+        kv_format="bf16",
+        max_model_len=max_model_len,
+        max_num_batched_tokens=chunk,
+        gpu_memory_gib=0.05,
+        hisparse=HiSparseConfig(host_pool_gib=0.05, block_size=16),
+        **kw,
+    )
+
+
+def _generate(path, placement, prompts, *, chunk, params=GREEDY, **kw):
+    with _llm(path, placement, chunk=chunk, **kw) as llm:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        steps = [(row["decode"], row["tokens"]) for row in llm.step_stats]
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    return [o.token_ids for o in outs], steps
+
+
+def _prompt(n: int, seed: int = 3) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 512, (n,), generator=g).tolist()
+
+
+def test_a_3000_token_prompt_in_chunks_equals_one_step(checkpoint):
+    prompt = [_prompt(3000)]
+    one, steps = _generate(checkpoint, "gpu", prompt, chunk=4096)
+    assert steps[0] == (0.0, 3000)  # the whole prompt in one forward
+    for chunk in (512, 2048):
+        for placement in ("gpu", "hisparse"):
+            got, steps = _generate(checkpoint, placement, prompt, chunk=chunk)
+            prefill = [n for decode, n in steps if not decode]
+            assert prefill == [chunk] * (3000 // chunk) + [3000 % chunk], prefill
+            assert got == one, (chunk, placement)
+
+
+@pytest.mark.parametrize("schedule", ["mixed", "prefill-first"])
+def test_a_short_request_beside_a_long_one_gets_its_tokens_alone(checkpoint, schedule):
+    short, long = _prompt(40, seed=5), _prompt(2500, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    alone, _ = _generate(checkpoint, "gpu", [short], chunk=512, params=params)
+    for placement in ("gpu", "hisparse"):
+        both, steps = _generate(
+            checkpoint, placement, [short, long], chunk=512, params=params, schedule=schedule
+        )
+        assert both[0] == alone[0], (placement, schedule)
+        # the short request decodes while the long prompt is still being chunked (mixed),
+        # or only after it (prefill-first)
+        first_decode = next(i for i, (d, _) in enumerate(steps) if d)
+        last_prefill = max(i for i, (d, _) in enumerate(steps) if not d)
+        assert (first_decode < last_prefill) == (schedule == "mixed"), steps
