@@ -248,6 +248,7 @@ def summarize(
     steps = llm.step_stats[first_stat:]
     dec = [s for s in steps if s["decode"]]
     dec_s = sum(s["seconds"] for s in dec)
+    pre = [s for s in steps if not s["decode"]]
     dec_tokens = sum(s["tokens"] for s in dec)
     hits = sum(o.metrics.hits for o in outs)
     misses = sum(o.metrics.misses for o in outs)
@@ -273,6 +274,8 @@ def summarize(
         decode_step_ms_p50=_percentile([1e3 * s["seconds"] for s in dec], 0.5),
         decode_step_ms_p95=_percentile([1e3 * s["seconds"] for s in dec], 0.95),
         wall_seconds=wall,
+        prefill_seconds=None if synthetic else sum(s["seconds"] for s in pre),
+        prefill_tokens=sum(s["tokens"] for s in pre),
         ttft_p50=None if synthetic else _percentile(ttft, 0.5),
         ttft_p95=None if synthetic else _percentile(ttft, 0.95),
         tpot_p50=_percentile(tpot, 0.5),
@@ -383,6 +386,28 @@ def run_cell(
     return row
 
 
+def _prefill_rate(
+    llm: Any, row: dict[str, Any], args: argparse.Namespace, cfg: dict[str, Any], rates: dict
+) -> dict[str, Any]:
+    """Prompt tokens per second of the prefill steps and their FLOPs over the bf16 GEMM rate
+    measured on the model's own shapes (`hisparse.bench_prefill`), once per engine."""
+    from hisparse.bench_prefill import measured_gemm_rate, prefill_flops
+
+    secs = row["prefill_seconds"]
+    if not secs:
+        return {}
+    if "gemm" not in rates:
+        rates["gemm"] = measured_gemm_rate(llm.model, min(cfg["batched"], args.input_len))
+    flops = row["requests"] * prefill_flops(llm.model, args.input_len, llm.config.top_k)
+    rate = rates["gemm"]
+    return dict(
+        prefill_tok_s=row["prefill_tokens"] / secs,
+        prefill_tflop_s=flops / secs / 1e12,
+        gemm_tflop_s=None if rate is None else rate / 1e12,
+        prefill_mfu=None if rate is None else flops / secs / rate,
+    )
+
+
 # -- the command -----------------------------------------------------------------------------
 
 
@@ -415,6 +440,7 @@ def run_bench(args: argparse.Namespace) -> int:
         for placement in cfg["placements"]:
             progress.update(task, description=f"{PLACEMENT_NAMES[placement]}: loading")
             llm = _make_llm(args, cfg, placement)
+            rates: dict[str, float | None] = {}
             try:
                 for n in cfg["concurrency"]:
                     progress.update(task, description=f"{PLACEMENT_NAMES[placement]} x{n}")
@@ -436,6 +462,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
                     row = run_cell(llm, args, n, args.seed, tick)
                     row.update(placement=placement, concurrency=n)
+                    if not synthetic:
+                        row.update(_prefill_rate(llm, row, args, cfg, rates))
                     results.append(row)
                     progress.update(task, completed=base + n)
             finally:
@@ -487,6 +515,8 @@ def results_table(results: list[dict[str, Any]], synthetic: bool) -> Table:
         "H2D GB/s",
         "resolve/gather ms",
     ]
+    if not synthetic:
+        cols += ["prefill tok/s", "prefill TFLOP/s (GEMM)", "MFU"]
     for c in cols:
         t.add_column(c, justify="left" if c == "placement" else "right")
     for r in results:
@@ -495,6 +525,15 @@ def results_table(results: list[dict[str, Any]], synthetic: bool) -> Table:
             f"{r['resolve_ms_per_step']:.2f}/{r['gather_ms_per_step']:.2f}"
             if "resolve_ms_per_step" in r
             else "-"
+        )
+        prefill = (
+            []
+            if synthetic
+            else [
+                _fmt(r.get("prefill_tok_s"), 1, 0),
+                f"{_fmt(r.get('prefill_tflop_s'))} ({_fmt(r.get('gemm_tflop_s'))})",
+                "-" if r.get("prefill_mfu") is None else f"{100 * r['prefill_mfu']:.0f}%",
+            ]
         )
         t.add_row(
             PLACEMENT_NAMES[r["placement"]],
@@ -510,6 +549,7 @@ def results_table(results: list[dict[str, Any]], synthetic: bool) -> Table:
             f"{r['bytes_swapped'] / 1e9:.3f}",
             f"{r['h2d_gb_s']:.2f}",
             timing,
+            *prefill,
         )
     return t
 
