@@ -195,6 +195,38 @@ def test_resolve_each_kernel(
     _run_both(case, steps=3, seed=seed)
 
 
+def shift_host_rows(case, rows: int):  # type: ignore[no-untyped-def]
+    """The same case with every host row ``rows`` higher: source blocks and the hot rows
+    that came from them (the unrelated ones, at 10M and up, stay where they are)."""
+    bs = case.block_size
+    assert rows % bs == 0
+    case.source_block_table += rows // bs
+    held = (case.hot_index >= 0) & (case.hot_index < 10_000_000)
+    case.hot_index = torch.where(held, case.hot_index + rows, case.hot_index)
+    return case
+
+
+@pytest.mark.parametrize(
+    ("impl", "window"), [("bucket", 0), ("bucket", 4), ("sort", 0), ("split", 0)]
+)
+def test_resolve_host_rows_just_below_2_31(
+    impl: str, window: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host rows up to 2^31 - 1 (a 1 TiB host pool of 656-byte rows holds 1.7e9): hashing,
+    swap-list order (window sort and rank tiles) and the int32 lists all keep them exact."""
+    monkeypatch.setattr(tk, "RESOLVE_SPLIT_MAX_Q", 0)
+    monkeypatch.setattr(tk, "RESOLVE_SPLIT_PROGRAMS", 4)
+    monkeypatch.setattr(tk, "RESOLVE_IMPL", impl)
+    monkeypatch.setattr(tk, "RESOLVE_SORT_WINDOW", window)
+    case = make_resolve_case(
+        Q=3, K=8, H=32, block_size=4, seed=90, max_rows=2, p_dup=0.2, hot_fill=0.7, reuse=0.5
+    )
+    top = int(case.source_block_table.max() + 1) * 4  # rows past the case's highest one
+    case = shift_host_rows(case, (2**31 - top) // 4 * 4)
+    assert int(case.source_block_table.max() + 1) * 4 > 2**31 - 8
+    _run_both(case, steps=3, seed=90)
+
+
 @pytest.mark.parametrize("window", [300, -4])
 def test_resolve_sort_window_must_be_a_power_of_two(
     window: int, monkeypatch: pytest.MonkeyPatch
