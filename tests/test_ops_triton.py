@@ -27,6 +27,7 @@ from hisparse.runtime.ops.triton_testing import (
     compare,
     make_resolve_case,
     next_step_topk,
+    shift_host_rows,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -193,17 +194,6 @@ def test_resolve_each_kernel(
         reuse=0.5 if seed % 2 else 0.0,
     )  # fmt: skip
     _run_both(case, steps=3, seed=seed)
-
-
-def shift_host_rows(case, rows: int):  # type: ignore[no-untyped-def]
-    """The same case with every host row ``rows`` higher: source blocks and the hot rows
-    that came from them (the unrelated ones, at 10M and up, stay where they are)."""
-    bs = case.block_size
-    assert rows % bs == 0
-    case.source_block_table += rows // bs
-    held = (case.hot_index >= 0) & (case.hot_index < 10_000_000)
-    case.hot_index = torch.where(held, case.hot_index + rows, case.hot_index)
-    return case
 
 
 @pytest.mark.parametrize(
