@@ -55,14 +55,18 @@ def _indices(t: int, k: int, rows: int, g: torch.Generator) -> torch.Tensor:
 
 
 def _run(
-    fmt: str, t: int, h: int, k: int, dtype: torch.dtype, seed: int, **kw
-) -> tuple[torch.Tensor, torch.Tensor]:
+    fmt: str, t: int, h: int, k: int, dtype: torch.dtype, seed: int, *, head_major: bool = False,
+    **kw,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``head_major``: q as the model's einsum returns it (a ``[H, T, C]`` buffer's view)."""
     g = torch.Generator().manual_seed(seed)
     nb, bs = 5, 8
     kv = _pool(fmt, nb, bs, g)
     idx = _indices(t, k, nb * bs, g)
     ql = torch.randn(t, h, C, generator=g).to(dtype)
     qr = torch.randn(t, h, R, generator=g).to(dtype)
+    if head_major:
+        ql, qr = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (ql, qr))
     ref_o, ref_l = sparse_mla_decode_reference(ql, qr, kv, idx, SCALE, fmt)
     out, lse = smt.sparse_mla_decode_triton(ql, qr, kv, idx, SCALE, fmt, **kw)
     assert out.dtype == dtype and lse.dtype == torch.float32
@@ -143,7 +147,8 @@ def test_tokens_past_the_grid_limit_run_in_slices(
 ) -> None:
     """More tokens than grid axis 1 takes (CUDA: 65535; lowered to 2 here) run as launches
     over token slices, partials and combine included: every element written (NaN-poisoned
-    allocations), bit-equal to one launch over all tokens, and the reference's (in `_run`)."""
+    allocations), bit-equal to one launch over all tokens, and the reference's (in `_run`);
+    q head-major there, as the model's einsum gives it (slices of a strided view)."""
     cfg = smt.DecodeConfig(4, 8, kernel=kernel)
     args = ("fp8_ds_mla", 5, 3, 24, torch.float32, 130 + splits)
     whole = _run(*args, num_splits=splits, config=cfg)
@@ -152,7 +157,7 @@ def test_tokens_past_the_grid_limit_run_in_slices(
     monkeypatch.setattr(triton_split, "MAX_GRID_YZ", 2)
     monkeypatch.setattr(smt, "grid_slices", lambda n: launches.append(real(n)) or launches[-1])
     _poison_empty(monkeypatch)
-    out, lse = _run(*args, num_splits=splits, config=cfg)
+    out, lse = _run(*args, num_splits=splits, config=cfg, head_major=True)
     assert launches == [[(0, 2), (2, 4), (4, 5)]]
     assert torch.equal(out, whole[0]) and torch.equal(lse, whole[1])
 

@@ -58,14 +58,17 @@ def _indices(t: int, k: int, rows: int, g: torch.Generator) -> torch.Tensor:
     return idx
 
 
-def _run(rows: str, t: int, h: int, k: int, dtype: torch.dtype, seed: int, d: int = D,
-         **kw) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _run(rows: str, t: int, h: int, k: int, dtype: torch.dtype, seed: int, d: int = D, *,
+         head_major: bool = False, **kw) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``head_major``: q a view of an ``[H, T, D]`` buffer (any q strides are allowed)."""
     g = torch.Generator().manual_seed(seed)
     fmt = GqaRowFormat(G, d, rows)
     nb, bs = 6, 8
     kv = _pool(fmt, nb, bs, g)
     idx = _indices(t, k, nb * bs, g)
     q = torch.randn(t, h, d, generator=g).to(dtype)
+    if head_major:
+        q = q.transpose(0, 1).contiguous().transpose(0, 1)
     scale = d**-0.5
     ref_o, ref_l = sparse_gqa_reference(q, kv, idx, scale, fmt)
     out, lse = sgt.sparse_gqa_decode_triton(q, kv, idx, scale, fmt, **kw)
@@ -132,7 +135,8 @@ def test_tokens_past_the_grid_limit_run_in_slices(
 ) -> None:
     """More tokens than grid axis 1 takes (CUDA: 65535; lowered to 2 here) run as launches
     over token slices, partials and combine included: every element written (NaN-poisoned
-    allocations), bit-equal to one launch over all tokens, and the reference's (in `_run`)."""
+    allocations), bit-equal to one launch over all tokens, and the reference's (in `_run`);
+    q head-major there (slices of a strided view)."""
     args = ("bf16", 5, 9, 24, torch.float32, 140 + splits)
     cfg = sgt.GqaDecodeConfig(8)
     whole = _run(*args, num_splits=splits, config=cfg)
@@ -141,7 +145,7 @@ def test_tokens_past_the_grid_limit_run_in_slices(
     monkeypatch.setattr(triton_split, "MAX_GRID_YZ", 2)
     monkeypatch.setattr(sgt, "grid_slices", lambda n: launches.append(real(n)) or launches[-1])
     _poison_empty(monkeypatch)
-    out, lse = _run(*args, num_splits=splits, config=cfg)
+    out, lse = _run(*args, num_splits=splits, config=cfg, head_major=True)
     assert launches == [[(0, 2), (2, 4), (4, 5)]]
     assert torch.equal(out, whole[0]) and torch.equal(lse, whole[1])
 

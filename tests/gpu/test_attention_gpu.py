@@ -194,7 +194,8 @@ def test_large_prefill_chunk_past_grid_and_int32_limits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """70,000 query tokens (two launches over token slices), at 128 heads ``t * h * 512`` =
-    4.6e9 elements (past 2^32: int64 token offsets), rows past byte 2^32 of a 4.5 GiB pool.
+    4.6e9 elements (past 2^32: int64 token and head offsets, q head-major as the model's
+    einsum gives it), rows past byte 2^32 of a 4.5 GiB pool.
     Every output element written (NaN-poisoned allocations); 64 sampled tokens, the slice
     borders among them, against the reference at `_check`'s tolerances; fully masked tokens
     in both slices give 0 / -inf."""
@@ -206,7 +207,8 @@ def test_large_prefill_chunk_past_grid_and_int32_limits(
     masked, few = [1, border, t - 1], border + 1
     idx[masked] = -1
     idx[few, 7:] = -1  # a token with few rows
-    ql = torch.randn(t, h, C, generator=g, device=DEV, dtype=torch.bfloat16)
+    # q_latent head-major, as the model's einsum returns it: head offsets past 2^31 too.
+    ql = torch.randn(h, t, C, generator=g, device=DEV, dtype=torch.bfloat16).transpose(0, 1)
     qr = torch.randn(t, h, R, generator=g, device=DEV, dtype=torch.bfloat16)
     with monkeypatch.context() as m:
         _poison_empty(m)

@@ -238,7 +238,8 @@ def test_large_prefill_chunk_past_grid_and_int32_limits(monkeypatch: pytest.Monk
     masked, few = [1, border, t - 1], border + 1
     idx[masked] = -1
     idx[few, 7:] = -1  # a token with few rows
-    q = torch.randn(t, h, d, generator=g, device=DEV, dtype=torch.bfloat16)
+    # q head-major (any strides are allowed): head offsets past 2^31 too.
+    q = torch.randn(h, t, d, generator=g, device=DEV, dtype=torch.bfloat16).transpose(0, 1)
     with monkeypatch.context() as m:
         _poison_empty(m)
         out, lse = sgt.sparse_gqa_decode_triton(q, kv, idx, d**-0.5, fmt)

@@ -182,7 +182,7 @@ def _gqa_logits_kernel(
         for g in tl.static_range(G):
             heads = g * group + j
             qf = tl.load(
-                q_ptr + r.to(tl.int64) * s_q_r + heads[:, None] * s_q_h + d[None, :],
+                q_ptr + r.to(tl.int64) * s_q_r + heads.to(tl.int64)[:, None] * s_q_h + d[None, :],
                 mask=jm[:, None],
                 other=0.0,
             ).to(tl.float32)
@@ -416,6 +416,8 @@ def gqa_indexer_topk_decode_triton(
     assert chunk is not None and block_s is not None
     if chunk % tc.block_n:
         raise ValueError(f"chunk {chunk} is not a multiple of block_n {tc.block_n}")
+    if h * longest >= 2**31:  # the kernels' offsets within one request's logits are int32
+        raise ValueError(f"Triton GQA indexer: {h} heads x {longest} positions >= 2^31")
     while triton.cdiv(longest, chunk) > triton_split.MAX_GRID_YZ:  # chunks are grid axis 1
         chunk *= 2  # still a multiple of block_n
     nch = triton.cdiv(longest, chunk)

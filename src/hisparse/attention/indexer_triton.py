@@ -183,13 +183,14 @@ def _indexer_scores_kernel(
 
     heads = tl.arange(0, HP)
     hmask = heads < num_heads
+    h64 = heads.to(tl.int64)  # any q / weight strides (head-major ones too)
     d = tl.arange(0, D)
     q = tl.load(
-        q_ptr + t * s_q_t + heads[:, None] * s_q_h + d[None, :], mask=hmask[:, None], other=0.0
+        q_ptr + t * s_q_t + h64[:, None] * s_q_h + d[None, :], mask=hmask[:, None], other=0.0
     ).to(DOT)
-    w = tl.load(w_ptr + t * s_w_t + heads * s_w_h, mask=hmask, other=0.0)
+    w = tl.load(w_ptr + t * s_w_t + h64 * s_w_h, mask=hmask, other=0.0)
     if IS_FP8:
-        w = w * tl.load(qs_ptr + t * s_qs_t + heads * s_qs_h, mask=hmask, other=0.0)
+        w = w * tl.load(qs_ptr + t * s_qs_t + h64 * s_qs_h, mask=hmask, other=0.0)
         w = w * softmax_scale
     q_t = tl.trans(q)  # [D, HP]
     table_row = table_ptr + tl.maximum(req, 0).to(tl.int64) * s_tab_r

@@ -120,7 +120,7 @@ def _sparse_gqa_decode_kernel(
     qmask = qi < group
     heads = g * group + qi
     d = tl.arange(0, D)
-    qp = q_ptr + t * s_q_t + heads[:, None] * s_q_h + d[None, :]
+    qp = q_ptr + t * s_q_t + heads.to(tl.int64)[:, None] * s_q_h + d[None, :]  # any q strides
     q = tl.load(qp, mask=qmask[:, None], other=0.0).to(DOT)
 
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)

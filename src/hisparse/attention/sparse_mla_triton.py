@@ -182,14 +182,15 @@ def _sparse_mla_decode_kernel(
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
+    hq = heads.to(tl.int64)[:, None]  # q may be head-major (an einsum's output): int64
     d = tl.arange(0, TILE)
     r = tl.arange(0, R)
-    ql = q_lat_ptr + t * s_ql_t + heads[:, None] * s_ql_h + d[None, :]
+    ql = q_lat_ptr + t * s_ql_t + hq * s_ql_h + d[None, :]
     q0 = tl.load(ql, mask=hmask[:, None], other=0.0).to(DOT)
     q1 = tl.load(ql + TILE, mask=hmask[:, None], other=0.0).to(DOT)
     q2 = tl.load(ql + 2 * TILE, mask=hmask[:, None], other=0.0).to(DOT)
     q3 = tl.load(ql + 3 * TILE, mask=hmask[:, None], other=0.0).to(DOT)
-    qrp = q_rope_ptr + t * s_qr_t + heads[:, None] * s_qr_h + r[None, :]
+    qrp = q_rope_ptr + t * s_qr_t + hq * s_qr_h + r[None, :]
     qr = tl.load(qrp, mask=hmask[:, None], other=0.0).to(DOT)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -334,15 +335,16 @@ def _sparse_mla_wide_kernel(
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
+    hq = heads.to(tl.int64)[:, None]  # q may be head-major (an einsum's output): int64
     c = tl.arange(0, C)
     r = tl.arange(0, R)
     q = tl.load(
-        q_lat_ptr + t * s_ql_t + heads[:, None] * s_ql_h + c[None, :],
+        q_lat_ptr + t * s_ql_t + hq * s_ql_h + c[None, :],
         mask=hmask[:, None],
         other=0.0,
     ).to(DOT)
     qr = tl.load(
-        q_rope_ptr + t * s_qr_t + heads[:, None] * s_qr_h + r[None, :],
+        q_rope_ptr + t * s_qr_t + hq * s_qr_h + r[None, :],
         mask=hmask[:, None],
         other=0.0,
     ).to(DOT)
