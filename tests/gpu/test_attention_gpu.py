@@ -1,7 +1,8 @@
 """Triton sparse MLA decode on CUDA at real sizes (H=128, K=2048) against the reference.
 
 Runs on the GPU machine only (``pytest tests/gpu``; CI ignores this folder). The reference
-runs on the same GPU in fp32 from the same bytes.
+runs on the same GPU in fp32 from the same bytes. ``-k large``: a prefill chunk past CUDA's
+grid and int32 limits (the reference on sampled tokens).
 
 Tolerances (bf16 queries, bf16 output): the kernel feeds bf16 operands to the tensor cores
 (q and the rows are bf16-exact; the probabilities ``p``, times the fp8 tile scale, are

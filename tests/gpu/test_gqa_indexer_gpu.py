@@ -4,7 +4,8 @@
 batch 1 and 64; contexts 556, 2048 and 8192, and the CUDA-graph bound (``longest`` = the
 table's capacity, 8192, with 556-token requests). Runs on the GPU machine only (``pytest
 tests/gpu``; CI ignores it). The torch path (``HISPARSE_GQA_INDEXER=reference``) runs on the same
-GPU from the same bytes, fp32 without TF32.
+GPU from the same bytes, fp32 without TF32. ``-k large``: 256 requests at a 128K capacity
+(request blocks) and an 8.4M-position capacity (past grid axis 1).
 
 Tolerance: the kernel's dot products are exact (e4m3 keys and bf16 query parts on the tensor
 cores) and accumulate in fp32; its exp is the hardware approximation. Masses therefore differ

@@ -3,7 +3,8 @@
 64 indexer heads x 128 dims, ``index_topk`` 2048, block size 64, contexts 4K..128K, batch
 1..64 decode tokens and a 512-token prefill chunk; both page formats (fp8: 132-byte rows,
 exact: fp32 rows). Runs on the GPU machine only (``pytest tests/gpu``; CI ignores it). The
-reference runs on the same GPU in fp32 (TF32 off) from the same bytes.
+reference runs on the same GPU in fp32 (TF32 off) from the same bytes. ``-k large``: an
+8192-token prefill at 128K keys scored in row blocks, and an 8.4M-position table.
 
 Tolerance: the kernel's products are exact (fp8 mode: e4m3 values fed to the tensor cores as
 bf16; exact mode: fp32 FMA) and accumulate in fp32, so scores differ from the reference by

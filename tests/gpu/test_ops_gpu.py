@@ -1,7 +1,8 @@
 """Triton data-plane ops on CUDA at real sizes equal the reference exactly; graph replay works.
 
 Runs on the GPU machine only (``pytest tests/gpu``; CI ignores this folder). The host side of
-every gather is a pinned CPU tensor read zero-copy by the kernel.
+every gather is a pinned CPU tensor read zero-copy by the kernel. ``-k large``: host rows
+near 2^31 and gathers from rows past byte 2^32 of a pinned 5 GiB buffer.
 """
 
 from __future__ import annotations

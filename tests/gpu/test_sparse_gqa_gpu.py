@@ -3,7 +3,8 @@ through it.
 
 Runs on the GPU machine only (``pytest tests/gpu``; CI ignores this folder). Sizes: 9 query
 heads, 3 KV heads, head dim 64, top_k 256..2048, batch 1..64. The reference runs on the same
-GPU in fp32 from the same bytes.
+GPU in fp32 from the same bytes. ``-k large``: a Llama-8B-like shape at 600,000 tokens (past
+CUDA's grid and int32 limits; the reference on sampled tokens).
 
 Tolerances. bf16 rows and queries: the kernel feeds bf16 operands to the tensor cores (q and
 the rows exactly; the probabilities ``p`` rounded to bf16, 2^-9 relative each) and accumulates
