@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from hisparse.attention import sparse_mla_decode
+from hisparse.attention import sparse_mla_decode, triton_split
 from hisparse.attention import sparse_mla_triton as smt
 from hisparse.attention.sparse_mla_reference import sparse_mla_decode_reference
 from hisparse.kv.row_formats import pack_mla_rows
@@ -54,13 +54,19 @@ def _indices(t: int, k: int, rows: int, g: torch.Generator) -> torch.Tensor:
     return idx
 
 
-def _run(fmt: str, t: int, h: int, k: int, dtype: torch.dtype, seed: int, **kw) -> None:
+def _run(
+    fmt: str, t: int, h: int, k: int, dtype: torch.dtype, seed: int, *, head_major: bool = False,
+    **kw,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``head_major``: q as the model's einsum returns it (a ``[H, T, C]`` buffer's view)."""
     g = torch.Generator().manual_seed(seed)
     nb, bs = 5, 8
     kv = _pool(fmt, nb, bs, g)
     idx = _indices(t, k, nb * bs, g)
     ql = torch.randn(t, h, C, generator=g).to(dtype)
     qr = torch.randn(t, h, R, generator=g).to(dtype)
+    if head_major:
+        ql, qr = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (ql, qr))
     ref_o, ref_l = sparse_mla_decode_reference(ql, qr, kv, idx, SCALE, fmt)
     out, lse = smt.sparse_mla_decode_triton(ql, qr, kv, idx, SCALE, fmt, **kw)
     assert out.dtype == dtype and lse.dtype == torch.float32
@@ -71,6 +77,18 @@ def _run(fmt: str, t: int, h: int, k: int, dtype: torch.dtype, seed: int, **kw) 
     if t > 1:
         assert torch.equal(out[t - 1], torch.zeros_like(out[t - 1]))
         assert torch.isneginf(lse[t - 1]).all()
+    return out, lse
+
+
+def _poison_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.empty`` returns NaN-filled floats: an element no kernel writes fails a check."""
+    real_empty = torch.empty
+
+    def poisoned(*a, **kw):  # type: ignore[no-untyped-def]
+        x = real_empty(*a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", poisoned)
 
 
 @pytest.mark.parametrize("kernel", ["wide", "tiled"])
@@ -115,17 +133,33 @@ def test_more_splits_than_tiles_gives_empty_splits() -> None:
 def test_poisoned_outputs_are_overwritten(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every element of out / lse is written, also through the combine step (NaN-filled
     allocations: an unwritten element would fail the comparison)."""
-    real_empty = torch.empty
-
-    def poisoned(*a, **kw):  # type: ignore[no-untyped-def]
-        x = real_empty(*a, **kw)
-        return x.fill_(float("nan")) if x.is_floating_point() else x
-
-    monkeypatch.setattr(torch, "empty", poisoned)
+    _poison_empty(monkeypatch)
     for splits in (1, 2):
         _run("bf16", 3, 4, 16, torch.float32, 90 + splits, num_splits=splits)
     cfg = smt.DecodeConfig(4, 8, kernel="tiled")
     _run("fp8_ds_mla", 3, 4, 16, torch.float32, 95, num_splits=2, config=cfg)
+
+
+@pytest.mark.parametrize("kernel", ["wide", "tiled"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_tokens_past_the_grid_limit_run_in_slices(
+    kernel: str, splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More tokens than grid axis 1 takes (CUDA: 65535; lowered to 2 here) run as launches
+    over token slices, partials and combine included: every element written (NaN-poisoned
+    allocations), bit-equal to one launch over all tokens, and the reference's (in `_run`);
+    q head-major there, as the model's einsum gives it (slices of a strided view)."""
+    cfg = smt.DecodeConfig(4, 8, kernel=kernel)
+    args = ("fp8_ds_mla", 5, 3, 24, torch.float32, 130 + splits)
+    whole = _run(*args, num_splits=splits, config=cfg)
+    launches: list[list[tuple[int, int]]] = []
+    real = triton_split.grid_slices
+    monkeypatch.setattr(triton_split, "MAX_GRID_YZ", 2)
+    monkeypatch.setattr(smt, "grid_slices", lambda n: launches.append(real(n)) or launches[-1])
+    _poison_empty(monkeypatch)
+    out, lse = _run(*args, num_splits=splits, config=cfg, head_major=True)
+    assert launches == [[(0, 2), (2, 4), (4, 5)]]
+    assert torch.equal(out, whole[0]) and torch.equal(lse, whole[1])
 
 
 def test_split_heuristic() -> None:

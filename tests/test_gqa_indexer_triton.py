@@ -27,6 +27,7 @@ pytest.importorskip("triton")
 
 from hisparse.attention import gqa_indexer_reference as gr
 from hisparse.attention import gqa_indexer_triton as git
+from hisparse.attention import triton_split
 from hisparse.attention.sparse_mla_triton import interpreting
 
 pytestmark = pytest.mark.skipif(
@@ -141,3 +142,52 @@ def test_dispatch_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == [1]
     ref = git.reference_scores(case, CFG, SCALE)
     assert git.selection_errors(via, torch_path, case, CFG, ref, RTOL, ATOL) == []
+
+
+class _Grids:
+    """Stands in for a Triton kernel: records each launch's grid, then launches it."""
+
+    def __init__(self, kernel) -> None:  # type: ignore[no-untyped-def]
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+def test_scratch_past_the_bound_runs_in_request_blocks(
+    scratch: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scratch past `SCRATCH_BLOCK_BYTES` (1 GiB; lowered to two requests' worth here): the
+    requests run in blocks of about equal size over one scratch allocation, every output
+    element written, equal to one launch pair over the whole batch."""
+    lengths = [70, 20, 45, 100, 33]
+    case = git.random_decode_case(lengths, head_dim=16, block_size=8, capacity=136, seed=6)
+    cfg = git.GqaIndexerTritonConfig(block_n=16, chunk=32)
+    whole = git.gqa_indexer_topk_decode_triton(*case.args(), CFG, SCALE, TOP_K, config=cfg)
+    h, longest = case.q.shape[1], case.longest
+    per_req = 4 * (h + 1) * longest + 8 * (-(-longest // 32)) * h
+    monkeypatch.setattr(git, "SCRATCH_BLOCK_BYTES", 2 * per_req)
+    spy = _Grids(git._gqa_select_kernel)
+    monkeypatch.setattr(git, "_gqa_select_kernel", spy)
+    out = torch.full((len(lengths), TOP_K), -7, dtype=torch.int32)
+    got = git.gqa_indexer_topk_decode_triton(*case.args(), CFG, SCALE, TOP_K, config=cfg, out=out)
+    assert spy.grids == [(2,), (2,), (1,)]
+    assert scratch[-1][0].shape[0] == 2, "one scratch allocation of one block"
+    assert not bool((got == -7).any()), "an output element was not written"
+    assert torch.equal(got, whole)
+    want = gr.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)  # CPU: torch path
+    ref = git.reference_scores(case, CFG, SCALE)
+    assert git.selection_errors(got, want, case, CFG, ref, RTOL, ATOL) == []
+
+
+def test_more_chunks_than_the_grid_takes(scratch: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More key chunks than grid axis 1 takes (CUDA: 65535; lowered to 2 here): the chunks
+    grow until the grid fits (the select kernel merges that many chunk statistics)."""
+    monkeypatch.setattr(triton_split, "MAX_GRID_YZ", 2)
+    spy = _Grids(git._gqa_logits_kernel)
+    monkeypatch.setattr(git, "_gqa_logits_kernel", spy)
+    case = git.random_decode_case([70, 20, 130], head_dim=16, block_size=8, capacity=136, seed=7)
+    cfg = git.GqaIndexerTritonConfig(block_n=16, chunk=32)
+    assert int(_run(case, TOP_K, scratch, config=cfg)) == 2
+    assert spy.grids == [(3, 2)]  # 136 positions: 128-key chunks

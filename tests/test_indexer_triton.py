@@ -27,6 +27,7 @@ pytest.importorskip("triton")
 
 from hisparse.attention import indexer_reference as ir
 from hisparse.attention import indexer_triton as it
+from hisparse.attention import triton_split
 from hisparse.attention.sparse_mla_triton import interpreting
 
 pytestmark = pytest.mark.skipif(
@@ -147,6 +148,80 @@ def test_poisoned_outputs_are_overwritten(monkeypatch: pytest.MonkeyPatch) -> No
         case = _case(kind, [50, 7], [3, 1], seed=40, extra_blocks=2, pad_tokens=1)
         scores = _check(case, 16, config=SMALL, chunk=32)
         assert not torch.isnan(scores).any()
+
+
+class _Grids:
+    """Stands in for a Triton kernel: records each launch's grid, then launches it."""
+
+    def __init__(self, kernel) -> None:  # type: ignore[no-untyped-def]
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+def _poison_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.empty`` returns NaN floats and ``-7777`` int32 / int64: unwritten elements
+    show."""
+    real_empty = torch.empty
+
+    def poisoned(*a, **kw):  # type: ignore[no-untyped-def]
+        x = real_empty(*a, **kw)
+        if x.is_floating_point():
+            return x.fill_(float("nan"))
+        return x.fill_(-7777) if x.dtype in (torch.int32, torch.int64) else x
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "exact"])
+def test_prefill_scored_in_row_blocks(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scores past `SCORE_BLOCK_BYTES` (1 GiB; lowered to 3 rows here) run in row blocks of
+    about equal size, each scoring only its tokens: every output element written (poisoned
+    allocations), the picks of one un-blocked call, the reference's check passed. The
+    reference, blocked the same way on its per-head logits, keeps its own result too."""
+    case = _case(kind, [70, 40], [9, 2], seed=80 + (kind == "exact"), pad_tokens=1)
+    top_k = 16
+    whole = it.indexer_topk_paged_triton(*case.args(), top_k, case.softmax_scale, config=SMALL)
+    ref_args = (*case.args(), case.seq_lens, top_k, case.softmax_scale)
+    ref_whole = ir.indexer_topk_paged_reference(*ref_args)
+    cols = it.score_cols(case.pages, case.fmt, case.block_table, None)
+    monkeypatch.setattr(ir, "SCORE_BLOCK_BYTES", 3 * 4 * cols + 5)
+    spy = _Grids(it._indexer_scores_kernel)
+    monkeypatch.setattr(it, "_indexer_scores_kernel", spy)
+    _poison_empty(monkeypatch)
+    got = it.indexer_topk_paged_triton(*case.args(), top_k, case.softmax_scale, config=SMALL)
+    assert [g[0] for g in spy.grids] == [3, 3, 3, 3]  # 12 tokens (one of them padding)
+    assert len({g[1] for g in spy.grids}) == 1, "every block has the whole call's key chunks"
+    assert torch.equal(got, whole)
+    ref = it.reference_scores(case, cols)
+    tol = it.score_tolerance(ref, RTOL, ATOL)
+    assert it.selection_errors(got, ref, case.limits, top_k, tol) == []
+    assert torch.equal(ir.indexer_topk_paged_reference(*ref_args), ref_whole)
+
+
+def test_row_blocks_cover_the_rows_evenly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ir, "SCORE_BLOCK_BYTES", 100)
+    assert ir.score_row_blocks(0, 10) == []
+    assert ir.score_row_blocks(10, 10) == [(0, 10)]
+    assert ir.score_row_blocks(11, 10) == [(0, 6), (6, 11)]
+    assert ir.score_row_blocks(3, 1000) == [(0, 1), (1, 2), (2, 3)]  # a row over the bound
+
+
+def test_more_key_chunks_than_the_grid_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More key chunks than grid axis 1 takes (CUDA: 65535; lowered to 3 here): the chunks
+    grow until the grid fits; every score written, equal to the short-chunk launch."""
+    case = _case("fp8", [90, 20], [2, 1], seed=85, extra_blocks=10)  # 176 score columns
+    whole = it.indexer_scores_paged_triton(*case.args(), case.softmax_scale, config=SMALL,
+                                           chunk=32)  # fmt: skip
+    monkeypatch.setattr(triton_split, "MAX_GRID_YZ", 3)
+    spy = _Grids(it._indexer_scores_kernel)
+    monkeypatch.setattr(it, "_indexer_scores_kernel", spy)
+    _poison_empty(monkeypatch)
+    got = it.indexer_scores_paged_triton(*case.args(), case.softmax_scale, config=SMALL, chunk=32)
+    assert whole.shape[1] > 3 * 32 and spy.grids == [(3, 3)]  # 64-key chunks
+    assert torch.equal(got, whole)
 
 
 def test_selection_checker_catches_wrong_picks() -> None:

@@ -27,6 +27,7 @@ from hisparse.runtime.ops.triton_testing import (
     compare,
     make_resolve_case,
     next_step_topk,
+    shift_host_rows,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -193,6 +194,27 @@ def test_resolve_each_kernel(
         reuse=0.5 if seed % 2 else 0.0,
     )  # fmt: skip
     _run_both(case, steps=3, seed=seed)
+
+
+@pytest.mark.parametrize(
+    ("impl", "window"), [("bucket", 0), ("bucket", 4), ("sort", 0), ("split", 0)]
+)
+def test_resolve_host_rows_just_below_2_31(
+    impl: str, window: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host rows up to 2^31 - 1 (a 1 TiB host pool of 656-byte rows holds 1.7e9): hashing,
+    swap-list order (window sort and rank tiles) and the int32 lists all keep them exact."""
+    monkeypatch.setattr(tk, "RESOLVE_SPLIT_MAX_Q", 0)
+    monkeypatch.setattr(tk, "RESOLVE_SPLIT_PROGRAMS", 4)
+    monkeypatch.setattr(tk, "RESOLVE_IMPL", impl)
+    monkeypatch.setattr(tk, "RESOLVE_SORT_WINDOW", window)
+    case = make_resolve_case(
+        Q=3, K=8, H=32, block_size=4, seed=90, max_rows=2, p_dup=0.2, hot_fill=0.7, reuse=0.5
+    )
+    top = int(case.source_block_table.max() + 1) * 4  # rows past the case's highest one
+    case = shift_host_rows(case, (2**31 - top) // 4 * 4)
+    assert int(case.source_block_table.max() + 1) * 4 > 2**31 - 8
+    _run_both(case, steps=3, seed=90)
 
 
 @pytest.mark.parametrize("window", [300, -4])

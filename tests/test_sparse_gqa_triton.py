@@ -25,6 +25,7 @@ pytest.importorskip("triton")
 
 from hisparse.attention import sparse_gqa_triton as sgt
 from hisparse.attention import sparse_mla_triton as smt
+from hisparse.attention import triton_split
 from hisparse.attention.sparse_gqa_reference import (
     GqaRowFormat,
     sparse_gqa_decode,
@@ -57,14 +58,17 @@ def _indices(t: int, k: int, rows: int, g: torch.Generator) -> torch.Tensor:
     return idx
 
 
-def _run(rows: str, t: int, h: int, k: int, dtype: torch.dtype, seed: int, d: int = D,
-         **kw) -> None:  # fmt: skip
+def _run(rows: str, t: int, h: int, k: int, dtype: torch.dtype, seed: int, d: int = D, *,
+         head_major: bool = False, **kw) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``head_major``: q a view of an ``[H, T, D]`` buffer (any q strides are allowed)."""
     g = torch.Generator().manual_seed(seed)
     fmt = GqaRowFormat(G, d, rows)
     nb, bs = 6, 8
     kv = _pool(fmt, nb, bs, g)
     idx = _indices(t, k, nb * bs, g)
     q = torch.randn(t, h, d, generator=g).to(dtype)
+    if head_major:
+        q = q.transpose(0, 1).contiguous().transpose(0, 1)
     scale = d**-0.5
     ref_o, ref_l = sparse_gqa_reference(q, kv, idx, scale, fmt)
     out, lse = sgt.sparse_gqa_decode_triton(q, kv, idx, scale, fmt, **kw)
@@ -76,6 +80,7 @@ def _run(rows: str, t: int, h: int, k: int, dtype: torch.dtype, seed: int, d: in
     if t > 1:
         assert torch.equal(out[t - 1], torch.zeros_like(out[t - 1]))
         assert torch.isneginf(lse[t - 1]).all()
+    return out, lse
 
 
 @pytest.mark.parametrize("rows", ["bf16", "fp32"])
@@ -107,6 +112,14 @@ def test_more_splits_than_tiles_gives_empty_splits() -> None:
 def test_poisoned_outputs_are_overwritten(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every element of out / lse is written, also through the combine step (NaN-filled
     allocations: an unwritten element would fail the comparison)."""
+    _poison_empty(monkeypatch)
+    for splits in (1, 2):
+        _run("bf16", 3, 9, 24, torch.float32, 90 + splits, num_splits=splits,
+             config=sgt.GqaDecodeConfig(8))  # fmt: skip
+
+
+def _poison_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.empty`` returns NaN-filled floats: an element no kernel writes fails a check."""
     real_empty = torch.empty
 
     def poisoned(*a, **kw):  # type: ignore[no-untyped-def]
@@ -114,9 +127,27 @@ def test_poisoned_outputs_are_overwritten(monkeypatch: pytest.MonkeyPatch) -> No
         return x.fill_(float("nan")) if x.is_floating_point() else x
 
     monkeypatch.setattr(torch, "empty", poisoned)
-    for splits in (1, 2):
-        _run("bf16", 3, 9, 24, torch.float32, 90 + splits, num_splits=splits,
-             config=sgt.GqaDecodeConfig(8))  # fmt: skip
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_tokens_past_the_grid_limit_run_in_slices(
+    splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More tokens than grid axis 1 takes (CUDA: 65535; lowered to 2 here) run as launches
+    over token slices, partials and combine included: every element written (NaN-poisoned
+    allocations), bit-equal to one launch over all tokens, and the reference's (in `_run`);
+    q head-major there (slices of a strided view)."""
+    args = ("bf16", 5, 9, 24, torch.float32, 140 + splits)
+    cfg = sgt.GqaDecodeConfig(8)
+    whole = _run(*args, num_splits=splits, config=cfg)
+    launches: list[list[tuple[int, int]]] = []
+    real = triton_split.grid_slices
+    monkeypatch.setattr(triton_split, "MAX_GRID_YZ", 2)
+    monkeypatch.setattr(sgt, "grid_slices", lambda n: launches.append(real(n)) or launches[-1])
+    _poison_empty(monkeypatch)
+    out, lse = _run(*args, num_splits=splits, config=cfg, head_major=True)
+    assert launches == [[(0, 2), (2, 4), (4, 5)]]
+    assert torch.equal(out, whole[0]) and torch.equal(lse, whole[1])
 
 
 def test_fp16_rows_and_queries() -> None:

@@ -1,7 +1,8 @@
 """Triton sparse MLA decode on CUDA at real sizes (H=128, K=2048) against the reference.
 
 Runs on the GPU machine only (``pytest tests/gpu``; CI ignores this folder). The reference
-runs on the same GPU in fp32 from the same bytes.
+runs on the same GPU in fp32 from the same bytes. ``-k large``: a prefill chunk past CUDA's
+grid and int32 limits (the reference on sampled tokens).
 
 Tolerances (bf16 queries, bf16 output): the kernel feeds bf16 operands to the tensor cores
 (q and the rows are bf16-exact; the probabilities ``p``, times the fp8 tile scale, are
@@ -28,10 +29,10 @@ import torch
 if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from hisparse.attention import sparse_mla_decode
+from hisparse.attention import sparse_mla_decode, triton_split
 from hisparse.attention import sparse_mla_triton as smt
 from hisparse.attention.sparse_mla_reference import sparse_mla_decode_reference
-from hisparse.kv.row_formats import pack_mla_rows
+from hisparse.kv.row_formats import mla_row_bytes, pack_mla_rows
 
 DEV = torch.device("cuda")
 C, R, H, K = 512, 64, 128, 2048
@@ -142,3 +143,95 @@ def test_dispatch_picks_triton_and_graph_capture(monkeypatch: pytest.MonkeyPatch
     torch.cuda.synchronize()
     ref2, _ = sparse_mla_decode_reference(ql, qr, kv, idx, SCALE, "bf16")
     torch.testing.assert_close(g_out.float(), ref2.float(), atol=2e-3, rtol=1.6e-2)
+
+
+def _poison_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.empty`` returns NaN-filled floats: an element no kernel writes fails a check."""
+    real_empty = torch.empty
+
+    def poisoned(*a, **kw):  # type: ignore[no-untyped-def]
+        x = real_empty(*a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+#: Query tokens of the large prefill chunk (more than grid axis 1 takes: 65535), the pool it
+#: reads and the byte offset past which most of its rows lie.
+LARGE_T, LARGE_POOL_GIB, HIGH_BYTE = 70_000, 4.5, 2**32
+
+
+def _spread_pool(fmt: str, pool_gib: float, n_rows: int, seed: int):  # type: ignore[no-untyped-def]
+    """A ``[nb, 64, row_bytes]`` pool of ``pool_gib`` GiB of which only ``n_rows`` random rows
+    are written (64 below byte `HIGH_BYTE`, the rest and the pool's last row above it;
+    nothing else is read): the pool and the written row ids."""
+    rb = mla_row_bytes(fmt, C, R)
+    nb = int(pool_gib * 2**30) // (64 * rb)
+    total = nb * 64
+    high = HIGH_BYTE // rb + 1
+    assert total > high + n_rows
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    low_rows = torch.randperm(high, generator=g, device=DEV)[:64]
+    high_rows = high + torch.randperm(total - high - 1, generator=g, device=DEV)[: n_rows - 65]
+    last = torch.tensor([total - 1], device=DEV)
+    rows = torch.cat([low_rows, high_rows, last])
+    kv = torch.empty(nb, 64, rb, dtype=torch.uint8, device=DEV)
+    lat = torch.randn(n_rows, C, generator=g, device=DEV)
+    rope = torch.randn(n_rows, R, generator=g, device=DEV)
+    kv.view(-1, rb)[rows] = pack_mla_rows(fmt, lat, rope)
+    return kv, rows.int()
+
+
+@pytest.mark.parametrize(
+    ("fmt", "h", "cfg", "splits"),
+    [
+        ("fp8_ds_mla", 128, None, None),  # default wide kernel, one split: out written directly
+        ("bf16", 16, smt.DecodeConfig(16, 32, 4, 2, kernel="tiled"), 2),  # partials + combine
+    ],
+    ids=["fp8-wide-h128", "bf16-tiled-h16-splits2"],
+)
+def test_large_prefill_chunk_past_grid_and_int32_limits(
+    fmt: str, h: int, cfg: smt.DecodeConfig | None, splits: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """70,000 query tokens (two launches over token slices), at 128 heads ``t * h * 512`` =
+    4.6e9 elements (past 2^32: int64 token and head offsets, q head-major as the model's
+    einsum gives it), rows past byte 2^32 of a 4.5 GiB pool.
+    Every output element written (NaN-poisoned allocations); 64 sampled tokens, the slice
+    borders among them, against the reference at `_check`'s tolerances; fully masked tokens
+    in both slices give 0 / -inf."""
+    t, border = LARGE_T, triton_split.MAX_GRID_YZ  # the second launch starts at border
+    kv, rows = _spread_pool(fmt, LARGE_POOL_GIB, 32768, seed=71 + h)
+    g = torch.Generator(device=DEV).manual_seed(72 + h)
+    idx = rows[torch.randint(0, rows.numel(), (t, K), generator=g, device=DEV)]
+    idx[torch.rand(t, K, generator=g, device=DEV) < 0.02] = -1
+    masked, few = [1, border, t - 1], border + 1
+    idx[masked] = -1
+    idx[few, 7:] = -1  # a token with few rows
+    # q_latent head-major, as the model's einsum returns it: head offsets past 2^31 too.
+    ql = torch.randn(h, t, C, generator=g, device=DEV, dtype=torch.bfloat16).transpose(0, 1)
+    qr = torch.randn(t, h, R, generator=g, device=DEV, dtype=torch.bfloat16)
+    with monkeypatch.context() as m:
+        _poison_empty(m)
+        out, lse = smt.sparse_mla_decode_triton(
+            ql, qr, kv, idx, SCALE, fmt, config=cfg, num_splits=splits
+        )
+        torch.cuda.synchronize()
+    assert all(bool(torch.isfinite(part).all()) for part in out.split(8192))
+    assert not bool(torch.isnan(lse).any())
+    for i in masked:
+        assert not bool(out[i].any()) and bool(torch.isneginf(lse[i]).all())
+    picks = torch.randint(0, t, (56,), generator=torch.Generator().manual_seed(h)).tolist()
+    borders = {border - 2, border - 1, border + 1, border + 2}
+    sample = sorted({0, 2, t - 2, *borders, *picks} - set(masked))
+    s = torch.tensor(sample, device=DEV)
+    ref_o, ref_l = sparse_mla_decode_reference(ql[s], qr[s], kv, idx[s], SCALE, fmt)
+    rounded = fmt == "fp8_ds_mla" and (cfg or smt.default_config(t, h)).rounds_fp8_scale
+    many = s != few
+    got_o, got_l = out[s].float(), lse[s]
+    atol = 1e-2 if rounded else 2e-3
+    torch.testing.assert_close(got_o[many], ref_o[many].float(), atol=atol, rtol=1.6e-2)
+    torch.testing.assert_close(got_o[~many], ref_o[~many].float(), atol=2e-2, rtol=1.6e-2)
+    rel = (got_o - ref_o.float()).norm() / ref_o.float().norm()
+    assert rel < 1e-2, rel
+    torch.testing.assert_close(got_l, ref_l, atol=1.5e-2 if rounded else 1e-3, rtol=1e-5)

@@ -4,7 +4,8 @@
 batch 1 and 64; contexts 556, 2048 and 8192, and the CUDA-graph bound (``longest`` = the
 table's capacity, 8192, with 556-token requests). Runs on the GPU machine only (``pytest
 tests/gpu``; CI ignores it). The torch path (``HISPARSE_GQA_INDEXER=reference``) runs on the same
-GPU from the same bytes, fp32 without TF32.
+GPU from the same bytes, fp32 without TF32. ``-k large``: 256 requests at a 128K capacity
+(request blocks) and an 8.4M-position capacity (past grid axis 1).
 
 Tolerance: the kernel's dot products are exact (e4m3 keys and bf16 query parts on the tensor
 cores) and accumulate in fp32; its exp is the hardware approximation. Masses therefore differ
@@ -14,6 +15,8 @@ by far more).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -146,3 +149,60 @@ def test_cuda_graph_replay_equals_eager() -> None:
         torch.cuda.synchronize()
         assert int((eager >= 0).sum()) > 0
         assert torch.equal(static_out, eager)
+
+
+class _Grids:
+    """Stands in for a Triton kernel: records each launch's grid, then launches it."""
+
+    def __init__(self, kernel) -> None:  # type: ignore[no-untyped-def]
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+def _check_blocked(case: git.DecodeCase, monkeypatch: pytest.MonkeyPatch, want_case=None):  # type: ignore[no-untyped-def]
+    """`_check` without the mass comparison (with request blocks the scratch holds the last
+    block only): every output written, the torch path's selection (on ``want_case``, the
+    same requests, if given), the launch grids returned."""
+    logits, select = _Grids(git._gqa_logits_kernel), _Grids(git._gqa_select_kernel)
+    out = torch.full((case.q.shape[0], TOP_K), -7, dtype=torch.int32, device=DEV)
+    with monkeypatch.context() as m, git.poisoned_scratch():
+        m.setattr(git, "_gqa_logits_kernel", logits)
+        m.setattr(git, "_gqa_select_kernel", select)
+        got = git.gqa_indexer_topk_decode_triton(*case.args(), CFG, SCALE, TOP_K, out=out)
+        torch.cuda.synchronize()
+    assert not bool((got == -7).any()), "an output element was not written"
+    want = _torch_path(want_case or case, monkeypatch)
+    ref = git.reference_scores(case, CFG, SCALE)
+    assert git.selection_errors(got, want, case, CFG, ref, RTOL, ATOL) == []
+    return logits.grids, select.grids
+
+
+def test_large_batch_at_128k_capacity_runs_in_request_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """256 requests under a 128K capacity bound (CUDA graphs: ``longest`` is the capacity):
+    1.3 GB of scratch, past `SCRATCH_BLOCK_BYTES` (1 GiB), so two blocks of 128 requests;
+    one request holds the whole 128K context (tile-by-tile selection)."""
+    lens = _lengths(256, 8192, seed=91)
+    lens[3] = 131072
+    case = git.random_decode_case(
+        lens, heads=H, kv_heads=G, head_dim=D, block_size=BS, capacity=131072, key_scale=3.0,
+        q_dtype=torch.bfloat16, seed=91, device=DEV,
+    )  # fmt: skip
+    _, select = _check_blocked(case, monkeypatch)
+    assert select == [(128,), (128,)]
+
+
+def test_large_capacity_past_the_grid_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capacity of 8.4M positions: more than 65535 chunks of the default 64 keys on grid
+    axis 1, so the chunks grow; the selection is the torch path's at the real length."""
+    cap = 65536 * 128 + 4096
+    case = git.random_decode_case(
+        [8192, 5000], heads=H, kv_heads=G, head_dim=D, block_size=BS, capacity=cap,
+        key_scale=3.0, q_dtype=torch.bfloat16, seed=92, device=DEV,
+    )  # fmt: skip
+    logits, _ = _check_blocked(case, monkeypatch, dataclasses.replace(case, longest=8192))
+    assert len(logits) == 1 and logits[0][1] <= 65535

@@ -3,7 +3,8 @@
 64 indexer heads x 128 dims, ``index_topk`` 2048, block size 64, contexts 4K..128K, batch
 1..64 decode tokens and a 512-token prefill chunk; both page formats (fp8: 132-byte rows,
 exact: fp32 rows). Runs on the GPU machine only (``pytest tests/gpu``; CI ignores it). The
-reference runs on the same GPU in fp32 (TF32 off) from the same bytes.
+reference runs on the same GPU in fp32 (TF32 off) from the same bytes. ``-k large``: an
+8192-token prefill at 128K keys scored in row blocks, and an 8.4M-position table.
 
 Tolerance: the kernel's products are exact (fp8 mode: e4m3 values fed to the tensor cores as
 bf16; exact mode: fp32 FMA) and accumulate in fp32, so scores differ from the reference by
@@ -13,6 +14,8 @@ by O(1)); `selection_errors` defines top-k equality against that tolerance (see 
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -156,3 +159,80 @@ def test_cuda_graph_replay_matches_eager() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, call())
+
+
+def _poison_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.empty`` returns NaN floats and ``-7777`` int32 / int64: unwritten elements
+    show."""
+    real_empty = torch.empty
+
+    def poisoned(*a, **kw):  # type: ignore[no-untyped-def]
+        x = real_empty(*a, **kw)
+        if x.is_floating_point():
+            return x.fill_(float("nan"))
+        return x.fill_(-7777) if x.dtype in (torch.int32, torch.int64) else x
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def _lift_pages(case: it.PagedIndexerCase, above: int) -> it.PagedIndexerCase:
+    """The case's pages moved to the top of a pool whose first ``above`` bytes are never read
+    (the block table renumbered): every key read lies past byte ``above``."""
+    nb, pb = case.pages.shape
+    skip = -(-above // pb)
+    pool = torch.full((skip + nb, pb), 0xFF, dtype=torch.uint8, device=DEV)  # NaN keys
+    pool[skip:] = case.pages
+    return dataclasses.replace(case, pages=pool, block_table=case.block_table + skip)
+
+
+#: The large prefill chunk: its last 8192 query tokens at a 128K context (``[T, S]`` scores
+#: of 4 GiB: four row blocks under the default 1 GiB bound), pages past byte 2^32.
+LARGE_T, LARGE_S, HIGH_BYTE = 8192, 131072, 2**32
+
+
+def test_large_prefill_chunk_scored_in_row_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The blocked top-k (poisoned allocations) equals the top-k of the whole ``[T, S]``
+    scores, holds at most about one block of scores at a time (peak allocation), and 16
+    sampled tokens, block borders among them, pass the reference's score and selection
+    checks."""
+    case = _lift_pages(_case("fp8", [LARGE_S], [LARGE_T], seed=21), HIGH_BYTE)
+    cols = LARGE_S  # max_len, as the dispatcher passes it (the table has one block more)
+    blocks = ir.score_row_blocks(LARGE_T, 4 * cols)
+    assert len(blocks) > 1
+    scores = it.indexer_scores_paged_triton(*case.args(), case.softmax_scale, max_len=cols)
+    want = it.topk_from_scores(scores, K)
+    picks = torch.randint(0, LARGE_T, (8,), generator=torch.Generator().manual_seed(21))
+    borders = [0, LARGE_T - 1] + [b for lo, hi in blocks[1:] for b in (lo - 1, lo)]
+    s = torch.tensor(sorted({*borders, *picks.tolist()}), device=DEV)
+    sampled = scores[s]
+    del scores
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with monkeypatch.context() as m:
+        _poison_empty(m)
+        got = it.indexer_topk_paged_triton(*case.args(), K, case.softmax_scale, max_len=cols)
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base  # un-blocked: 4 GiB of scores alone
+    assert peak < 1.5 * ir.SCORE_BLOCK_BYTES, f"peak {peak / 2**30:.2f} GiB"
+    assert torch.equal(got, want)
+    sub = dataclasses.replace(
+        case, q=case.q[s], q_scale=case.q_scale[s], weights=case.weights[s],
+        req_index=case.req_index[s], positions=case.positions[s],
+    )  # fmt: skip
+    ref = it.reference_scores(sub, cols)
+    tol = it.score_tolerance(ref, RTOL, ATOL)
+    assert torch.equal(torch.isneginf(sampled), torch.isneginf(ref))
+    err = (sampled - ref).abs().masked_fill(~torch.isfinite(ref), 0)
+    assert float((err / tol).max()) <= 1.0
+    assert it.selection_errors(got[s], ref, sub.limits, K, tol) == []
+
+
+def test_large_table_past_the_grid_limit() -> None:
+    """A block table of 8.4M positions: more than 65535 key chunks of 128 on grid axis 1,
+    so the chunks grow; scores and top-k still match the reference (pages past byte 2^31)."""
+    case = _case("fp8", [8192, 3000], seed=22, extra_blocks=131072)
+    case = _lift_pages(case, 2**31)
+    cols = case.block_table.shape[1] * BS
+    assert -(-cols // 128) > 65535
+    _check(case, chunk=128)

@@ -1,7 +1,8 @@
 """Triton data-plane ops on CUDA at real sizes equal the reference exactly; graph replay works.
 
 Runs on the GPU machine only (``pytest tests/gpu``; CI ignores this folder). The host side of
-every gather is a pinned CPU tensor read zero-copy by the kernel.
+every gather is a pinned CPU tensor read zero-copy by the kernel. ``-k large``: host rows
+near 2^31 and gathers from rows past byte 2^32 of a pinned 5 GiB buffer.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hisparse.runtime.ops.triton_testing import (
     compare,
     make_resolve_case,
     next_step_topk,
+    shift_host_rows,
 )
 
 DEV = torch.device("cuda")
@@ -266,3 +268,119 @@ def test_gather_compact_group_in_cuda_graph_equal_eager() -> None:
         assert not compare(e_case.state_and_outputs(), g_case.state_and_outputs())
         assert torch.equal(e_pool, g_pool)
         assert int(e_case.swap_count.sum()) > 0
+
+
+@pytest.mark.parametrize(
+    ("impl", "Q", "H", "max_rows"), [("bucket", 64, 4096, 1), ("split", 8, 8192, 4)]
+)
+def test_large_host_rows_resolve_near_2_31(
+    impl: str, Q: int, H: int, max_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host rows just below 2^31 (a 1 TiB host pool of 656-byte rows holds 1.7e9) at real
+    sizes: the int32 host rows, their hash and the swap-list order stay exact."""
+    monkeypatch.setattr(tk, "RESOLVE_IMPL", impl)
+    case = make_resolve_case(
+        Q=Q, K=2048, H=H, block_size=64, seed=61 + Q, max_rows=max_rows, p_dup=0.05,
+        reuse=0.9, hot_fill=0.9,
+    )  # fmt: skip
+    top = (int(case.source_block_table.max()) + 1) * 64
+    case = shift_host_rows(case, (2**31 - top) // 64 * 64)
+    assert (int(case.source_block_table.max()) + 1) * 64 > 2**31 - 64
+    _steps(case, steps=3, seed=61 + Q, max_rows_per_request=max_rows)
+
+
+#: Bytes of the pinned host buffer the large gathers read from: rows past byte `HIGH_BYTE`.
+LARGE_HOST_BYTES, HIGH_BYTE = 5 << 30, 2**32
+
+
+@pytest.fixture(scope="module")
+def large_host() -> torch.Tensor:
+    """A pinned uint8 buffer of `LARGE_HOST_BYTES` (contents arbitrary: each test writes
+    random bytes into the rows it reads, so a read at a wrong offset shows)."""
+    return torch.empty(LARGE_HOST_BYTES, dtype=torch.uint8, pin_memory=True)
+
+
+def _high_rows(n: int, num_rows: int, row_bytes: int, g: torch.Generator) -> torch.Tensor:
+    """``n`` host rows of ``num_rows``: 1/64 below byte `HIGH_BYTE`, the rest above it, the
+    last row among them, shuffled (int64, CPU)."""
+    above = HIGH_BYTE // row_bytes + 1
+    assert num_rows > above
+    low = torch.randint(0, above, (n // 64,), generator=g)
+    high = torch.randint(above, num_rows, (n - n // 64 - 1,), generator=g)
+    rows = torch.cat([low, high, torch.tensor([num_rows - 1])])
+    return rows[torch.randperm(n, generator=g)]
+
+
+def _fill_rows(view: torch.Tensor, rows: torch.Tensor, g: torch.Generator) -> None:
+    """Random bytes into rows ``rows`` of a ``[blocks, block_size, row_bytes]`` host view."""
+    flat = view.reshape(-1, view.shape[2])
+    assert flat.data_ptr() == view.data_ptr()  # a view, not a copy
+    flat[rows] = torch.randint(0, 256, (rows.numel(), view.shape[2]), dtype=torch.uint8,
+                               generator=g)  # fmt: skip
+
+
+def _host_view(buf: torch.Tensor, row_bytes: int, bs: int = 64) -> torch.Tensor:
+    block = bs * row_bytes
+    return buf[: buf.numel() // block * block].view(-1, bs, row_bytes)
+
+
+def test_large_host_offsets_gather_compact(large_host: torch.Tensor) -> None:
+    """Rows past byte 2^32 of a pinned 5 GiB host buffer (int64 byte offsets in the kernel)
+    land where the reference puts them; counts of 0, 1, partial and full lists."""
+    rb, bs, Q, H = 656, 64, 8, 2048
+    g = torch.Generator().manual_seed(101)
+    host = _host_view(large_host, rb)
+    src = _high_rows(Q * H, host.shape[0] * bs, rb, g)
+    _fill_rows(host, src, g)
+    nbd = Q * H // bs + 8
+    dst = torch.randperm(nbd * bs, generator=g)[: Q * H]
+    count = torch.tensor([H, H - 5, 0, 1, H, 1000, 17, H], dtype=torch.int32)
+    swap = (src.view(Q, H).int().to(DEV), dst.view(Q, H).int().to(DEV), count.to(DEV))
+    dev_a = torch.randint(0, 256, (nbd, bs, rb), dtype=torch.uint8, device=DEV)
+    dev_b, before = dev_a.clone(), dev_a.clone()
+    ref.gather_compact(host, dev_a, *swap)
+    tk.gather_compact(host, dev_b, *swap)
+    torch.cuda.synchronize()
+    assert torch.equal(dev_a, dev_b) and not torch.equal(dev_a, before)
+
+
+def test_large_host_offsets_gather_plan(large_host: torch.Tensor) -> None:
+    """`gather_plan` from the pinned buffer's rows past byte 2^32, with and without a mask."""
+    rb, bs, n = 656, 64, 20000
+    g = torch.Generator().manual_seed(102)
+    host = _host_view(large_host, rb)
+    src_rows = _high_rows(n, host.shape[0] * bs, rb, g)
+    _fill_rows(host, src_rows, g)
+    for with_mask in (True, False):
+        dst_rows = torch.randperm(400 * bs, generator=g)[:n]
+        mask = (torch.rand(n, generator=g) < 0.7).to(DEV) if with_mask else None
+        s_rows = src_rows.clone()
+        if not with_mask:
+            s_rows[torch.rand(n, generator=g) < 0.2] = -1
+        dst_a = torch.randint(0, 256, (400, bs, rb), dtype=torch.uint8, device=DEV)
+        dst_b, before = dst_a.clone(), dst_a.clone()
+        args = (s_rows.to(DEV), dst_rows.to(DEV), mask)
+        ref.gather_plan(host, dst_a, *args)
+        tk.gather_plan(host, dst_b, *args)
+        torch.cuda.synchronize()
+        assert torch.equal(dst_a, dst_b) and not torch.equal(dst_a, before)
+
+
+def test_large_host_offsets_gather_compact_group(large_host: torch.Tensor) -> None:
+    """One span read per token for 4 layers from the pinned buffer's spans past byte 2^32."""
+    G, rb, bs, Q, H = 4, 656, 64, 8, 2048
+    g = torch.Generator().manual_seed(103)
+    span = _host_view(large_host, G * rb)
+    src = _high_rows(Q * H, span.shape[0] * bs, G * rb, g)
+    _fill_rows(span, src, g)
+    nbd = Q * H // bs + 8
+    dst = torch.randperm(nbd * bs, generator=g)[: Q * H]
+    count = torch.tensor([H, 0, 1, H - 3, H, 500, H, 64], dtype=torch.int32)
+    swap = (src.view(Q, H).int().to(DEV), dst.view(Q, H).int().to(DEV), count.to(DEV))
+    pool = torch.randint(0, 256, (nbd, G, bs, rb), dtype=torch.uint8, device=DEV)
+    a, b = pool.clone(), pool.clone()
+    order = [G - 1 - j for j in range(G)]
+    ref.gather_compact_group(span, [a[:, o] for o in order], *swap)
+    tk.gather_compact_group(span, [b[:, o] for o in order], *swap)
+    torch.cuda.synchronize()
+    assert torch.equal(a, b) and not torch.equal(a, pool)

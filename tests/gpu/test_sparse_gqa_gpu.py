@@ -3,7 +3,8 @@ through it.
 
 Runs on the GPU machine only (``pytest tests/gpu``; CI ignores this folder). Sizes: 9 query
 heads, 3 KV heads, head dim 64, top_k 256..2048, batch 1..64. The reference runs on the same
-GPU in fp32 from the same bytes.
+GPU in fp32 from the same bytes. ``-k large``: a Llama-8B-like shape at 600,000 tokens (past
+CUDA's grid and int32 limits; the reference on sampled tokens).
 
 Tolerances. bf16 rows and queries: the kernel feeds bf16 operands to the tensor cores (q and
 the rows exactly; the probabilities ``p`` rounded to bf16, 2^-9 relative each) and accumulates
@@ -28,6 +29,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from hisparse.attention import sparse_gqa_triton as sgt
+from hisparse.attention import triton_split
 from hisparse.attention.sparse_gqa_reference import (
     GqaRowFormat,
     sparse_gqa_decode,
@@ -191,3 +193,70 @@ def test_smollm2_decode_through_the_kernel_is_lossless(
             assert sum(o.metrics.misses for o in outs) > 0
     assert calls, "decode never reached the Triton kernel"
     assert tokens["hisparse"] == tokens["gpu"]
+
+
+def _poison_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.empty`` returns NaN-filled floats: an element no kernel writes fails a check."""
+    real_empty = torch.empty
+
+    def poisoned(*a, **kw):  # type: ignore[no-untyped-def]
+        x = real_empty(*a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+#: The large prefill chunk: a Llama-8B-like GQA shape (32 query heads, 8 KV heads, head dim
+#: 128) at 600,000 tokens (past grid axis 1's 65535, and ``t * H * D`` past 2^31 elements),
+#: top_k 128, rows in a 4.5 GiB pool, most past byte `HIGH_BYTE`.
+LARGE_T, LARGE_H, LARGE_G, LARGE_D, LARGE_K = 600_000, 32, 8, 128, 128
+LARGE_POOL_GIB, HIGH_BYTE = 4.5, 2**32
+
+
+def test_large_prefill_chunk_past_grid_and_int32_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every output element written (NaN-poisoned allocations); 64 sampled tokens, launch
+    borders among them, against the reference at `_check`'s bf16 tolerances; fully masked
+    tokens in the first and a later launch give 0 / -inf."""
+    t, h, d, k = LARGE_T, LARGE_H, LARGE_D, LARGE_K
+    fmt = GqaRowFormat(LARGE_G, d, "bf16")
+    rb = fmt.row_bytes
+    nb = int(LARGE_POOL_GIB * 2**30) // (64 * rb)
+    high = HIGH_BYTE // rb + 1
+    n_rows = 16384
+    assert nb * 64 > high + n_rows
+    g = torch.Generator(device=DEV).manual_seed(81)
+    rows = torch.cat([
+        torch.randperm(high, generator=g, device=DEV)[:64],
+        high + torch.randperm(nb * 64 - high, generator=g, device=DEV)[: n_rows - 64],
+    ])  # fmt: skip
+    kv = torch.empty(nb, 64, rb, dtype=torch.uint8, device=DEV)
+    kk = torch.randn(n_rows, LARGE_G, d, generator=g, device=DEV) * 3
+    vv = torch.randn(n_rows, LARGE_G, d, generator=g, device=DEV)
+    kv.view(-1, rb)[rows] = fmt.pack(kk, vv)
+    idx = rows.int()[torch.randint(0, n_rows, (t, k), generator=g, device=DEV)]
+    idx[torch.rand(t, k, generator=g, device=DEV) < 0.02] = -1
+    border = triton_split.MAX_GRID_YZ  # where the second launch starts
+    masked, few = [1, border, t - 1], border + 1
+    idx[masked] = -1
+    idx[few, 7:] = -1  # a token with few rows
+    # q head-major (any strides are allowed): head offsets past 2^31 too.
+    q = torch.randn(h, t, d, generator=g, device=DEV, dtype=torch.bfloat16).transpose(0, 1)
+    with monkeypatch.context() as m:
+        _poison_empty(m)
+        out, lse = sgt.sparse_gqa_decode_triton(q, kv, idx, d**-0.5, fmt)
+        torch.cuda.synchronize()
+    assert all(bool(torch.isfinite(part).all()) for part in out.split(65536))
+    assert not bool(torch.isnan(lse).any())
+    for i in masked:
+        assert not bool(out[i].any()) and bool(torch.isneginf(lse[i]).all())
+    picks = torch.randint(0, t, (56,), generator=torch.Generator().manual_seed(82)).tolist()
+    borders = {border - 2, border - 1, border + 1, 2 * border - 1, 2 * border, t - 2}
+    s = torch.tensor(sorted({0, 2, *borders, *picks} - set(masked)), device=DEV)
+    ref_o, ref_l = sparse_gqa_reference(q[s], kv, idx[s], d**-0.5, fmt)
+    many = s != few
+    got_o = out[s].float()
+    torch.testing.assert_close(got_o[many], ref_o[many].float(), atol=2e-3, rtol=1.6e-2)
+    torch.testing.assert_close(got_o[~many], ref_o[~many].float(), atol=2e-2, rtol=1.6e-2)
+    rel = (got_o - ref_o.float()).norm() / ref_o.float().norm()
+    assert rel < 1e-2, rel
+    torch.testing.assert_close(lse[s], ref_l, atol=1e-3, rtol=1e-5)

@@ -33,7 +33,9 @@ positions[r] + 1)`` keys (the reference's causal mask with ``positions[r] = leng
 what a decode step passes), so ``longest`` may be the block table's capacity (CUDA graphs):
 it sizes the scratch buffers only. Any context length works; contexts whose candidates exceed
 ``BLOCK_S`` (4096 by default) take the tile-by-tile binary search (slower, same result). No
-host read, no allocation that depends on device values: CUDA-graph capturable.
+host read, no allocation that depends on device values: CUDA-graph capturable. Scratch past
+`SCRATCH_BLOCK_BYTES` splits the batch into blocks of requests run one after the other, and
+more than 65535 chunks (grid axis 1) get longer chunks.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hisparse.attention import triton_split
 from hisparse.attention.gqa_indexer_reference import (
     GqaIndexerConfig,
     GqaIndexerFormat,
@@ -60,6 +63,10 @@ Tensor = torch.Tensor
 _MIN_GROUP = 16
 #: Most query heads per KV head one program holds.
 MAX_GROUP = 64
+#: Most bytes of fp32 scratch (logits ``[R, H, longest]``, masses ``[R, longest]``, chunk
+#: statistics) one launch pair holds: a large batch at a long context, or at a long
+#: capacity bound under CUDA graphs, runs in blocks of requests. Tests lower it.
+SCRATCH_BLOCK_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -175,7 +182,7 @@ def _gqa_logits_kernel(
         for g in tl.static_range(G):
             heads = g * group + j
             qf = tl.load(
-                q_ptr + r.to(tl.int64) * s_q_r + heads[:, None] * s_q_h + d[None, :],
+                q_ptr + r.to(tl.int64) * s_q_r + heads.to(tl.int64)[:, None] * s_q_h + d[None, :],
                 mask=jm[:, None],
                 other=0.0,
             ).to(tl.float32)
@@ -409,13 +416,22 @@ def gqa_indexer_topk_decode_triton(
     assert chunk is not None and block_s is not None
     if chunk % tc.block_n:
         raise ValueError(f"chunk {chunk} is not a multiple of block_n {tc.block_n}")
+    if h * longest >= 2**31:  # the kernels' offsets within one request's logits are int32
+        raise ValueError(f"Triton GQA indexer: {h} heads x {longest} positions >= 2^31")
+    while triton.cdiv(longest, chunk) > triton_split.MAX_GRID_YZ:  # chunks are grid axis 1
+        chunk *= 2  # still a multiple of block_n
     nch = triton.cdiv(longest, chunk)
+    # Requests per launch pair: the scratch of one block stays under SCRATCH_BLOCK_BYTES
+    # (blocks of about equal size share one allocation; the chunking is the whole call's).
+    per_req = 4 * (h + 1) * longest + 8 * nch * h
+    step = max(1, SCRATCH_BLOCK_BYTES // per_req)
+    step = triton.cdiv(r, triton.cdiv(r, step))
 
     q = q if q.stride(-1) == 1 else q.contiguous()
     if tables.stride(-1) != 1:
         tables = tables.contiguous()
     keys = pages.view(torch.float8_e4m3fn)
-    logits, stats, scores = _scratch(r, h, longest, nch, device)
+    logits, stats, scores = _scratch(step, h, longest, nch, device)
 
     interp = interpreting() or device.type != "cuda"
     if interp:  # the interpreter's bf16 dot is wrong: fp32 throughout
@@ -424,23 +440,26 @@ def gqa_indexer_topk_decode_triton(
         dot, precision = tl.bfloat16, "tf32"  # precision is read for fp32 operands only
         parts = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}[q.dtype]
     top_k = int(cfg.top_k)
-    _gqa_logits_kernel[(r, nch)](
-        q, keys, tables, positions, lengths, logits, stats,
-        float(scale), top_k, cfg.sink_tokens, cfg.recent_window, bs, h, group,
-        q.stride(0), q.stride(1), keys.stride(0), tables.stride(0),
-        logits.stride(0), logits.stride(1), stats.stride(0), stats.stride(1),
-        G=g, D=d, GP=max(_MIN_GROUP, triton.next_power_of_2(group)), CHUNK=chunk,
-        BLOCK_N=tc.block_n, Q_PARTS=parts, DOT=dot, PRECISION=precision,
-        num_warps=tc.warps_logits,
-    )  # fmt: skip
-    _gqa_select_kernel[(r,)](
-        logits, stats, scores, positions, lengths, out,
-        top_k, min(top_k, longest), width, cfg.sink_tokens, cfg.recent_window, h,
-        logits.stride(0), logits.stride(1), stats.stride(0), stats.stride(1),
-        scores.stride(0), out.stride(0),
-        CHUNK=chunk, HP=max(16, triton.next_power_of_2(h)), BLOCK_M=tc.block_m,
-        BLOCK_S=block_s, BLOCK_W=tc.block_w, num_warps=tc.warps_select,
-    )  # fmt: skip
+    for lo in range(0, r, step):
+        hi = min(r, lo + step)
+        pos, lens = positions[lo:hi], lengths[lo:hi]
+        _gqa_logits_kernel[(hi - lo, nch)](
+            q[lo:hi], keys, tables[lo:hi], pos, lens, logits, stats,
+            float(scale), top_k, cfg.sink_tokens, cfg.recent_window, bs, h, group,
+            q.stride(0), q.stride(1), keys.stride(0), tables.stride(0),
+            logits.stride(0), logits.stride(1), stats.stride(0), stats.stride(1),
+            G=g, D=d, GP=max(_MIN_GROUP, triton.next_power_of_2(group)), CHUNK=chunk,
+            BLOCK_N=tc.block_n, Q_PARTS=parts, DOT=dot, PRECISION=precision,
+            num_warps=tc.warps_logits,
+        )  # fmt: skip
+        _gqa_select_kernel[(hi - lo,)](
+            logits, stats, scores, pos, lens, out[lo:hi],
+            top_k, min(top_k, longest), width, cfg.sink_tokens, cfg.recent_window, h,
+            logits.stride(0), logits.stride(1), stats.stride(0), stats.stride(1),
+            scores.stride(0), out.stride(0),
+            CHUNK=chunk, HP=max(16, triton.next_power_of_2(h)), BLOCK_M=tc.block_m,
+            BLOCK_S=block_s, BLOCK_W=tc.block_w, num_warps=tc.warps_select,
+        )  # fmt: skip
     return out
 
 

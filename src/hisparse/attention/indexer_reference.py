@@ -27,6 +27,21 @@ from hisparse.kv.row_formats import IndexerCacheFormat, quantize_fp8_tiles, read
 
 #: DeepSeek's act_quant floors a tile's absolute maximum at this value.
 FP8_INDEXER_MIN_AMAX = 1e-4
+#: Most bytes of fp32 scores that one block of query tokens holds at once in a top-k call
+#: (the Triton path's ``[rows, S]`` score buffer, the reference's ``[rows, H, S]`` per-head
+#: logits): a prefill chunk at a long context is scored block by block (`score_row_blocks`)
+#: instead of materialising ``[T, S]`` (64K tokens x 128K keys: 32 GiB). Tests lower it.
+SCORE_BLOCK_BYTES = 1 << 30
+
+
+def score_row_blocks(num_rows: int, bytes_per_row: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` ranges of about equal size covering rows ``0 .. num_rows - 1`` in
+    order, each at most `SCORE_BLOCK_BYTES` of ``bytes_per_row`` (but at least one row)."""
+    if num_rows <= 0:
+        return []
+    most = max(1, SCORE_BLOCK_BYTES // max(1, bytes_per_row))
+    size = -(-num_rows // -(-num_rows // most))
+    return [(lo, min(num_rows, lo + size)) for lo in range(0, num_rows, size)]
 
 
 def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
@@ -133,27 +148,34 @@ def indexer_topk_paged_reference(
     ``block_table [R, max_blocks]``, ``req_index [N]`` (``< 0``: padding, all ``-1``),
     ``positions [N]`` (token ``t`` may pick keys ``0 .. positions[t]``), ``seq_lens [R]`` keys
     each request holds. Returns ``int32 [N, top_k]``, ``-1`` padded, best first.
+
+    A request's tokens are scored in blocks of at most `SCORE_BLOCK_BYTES` of per-head
+    logits (each token's scores and top-k depend on that token alone).
     """
     n = q.shape[0]
     bs = pages.shape[1] // fmt.row_bytes
     out = torch.full((n, top_k), -1, dtype=torch.int32, device=q.device)
     for r in range(seq_lens.shape[0]):
-        tok = torch.nonzero(req_index == r).flatten()
-        if tok.numel() == 0:
+        tok_r = torch.nonzero(req_index == r).flatten()
+        if tok_r.numel() == 0:
             continue
         length = int(seq_lens[r])
         pos = torch.arange(length, device=q.device)
         rows = block_table[r, pos // bs].long() * bs + pos % bs
         keys, k_scales = read_indexer_keys(pages, fmt, rows)
-        if fmt.kind == "fp8":
-            if q_scale is None or k_scales is None:
-                raise ValueError("fp8 indexer scoring needs q_scale and fp8 key pages")
-            scores = indexer_scores_fp8(
-                q[tok], q_scale[tok], weights[tok], keys, k_scales, softmax_scale
-            )
-        else:
-            scores = indexer_scores_exact(q[tok], weights[tok], keys, softmax_scale)
-        out[tok] = indexer_topk(scores, positions[tok] + 1, top_k)
+        if fmt.kind == "fp8" and (q_scale is None or k_scales is None):
+            raise ValueError("fp8 indexer scoring needs q_scale and fp8 key pages")
+        for lo, hi in score_row_blocks(tok_r.numel(), 4 * q.shape[1] * length):
+            tok = tok_r[lo:hi]
+            if fmt.kind == "fp8":
+                assert q_scale is not None and k_scales is not None
+                scores = indexer_scores_fp8(
+                    q[tok], q_scale[tok], weights[tok], keys, k_scales, softmax_scale
+                )
+            else:
+                scores = indexer_scores_exact(q[tok], weights[tok], keys, softmax_scale)
+            out[tok] = indexer_topk(scores, positions[tok] + 1, top_k)
+            del scores  # before the next block's
     return out
 
 
@@ -184,7 +206,9 @@ def indexer_topk_paged(
     need ``TRITON_INTERPRET=1``). Inputs the kernel does not handle fall back to the
     reference. The kernel scores keys up to ``max_len`` when the caller knows it on the host;
     else, outside CUDA-graph capture, up to the longest request of the batch (one host read of
-    ``seq_lens``), and under capture the whole block table.
+    ``seq_lens``), and under capture the whole block table. Both backends score the query
+    tokens in row blocks of at most `SCORE_BLOCK_BYTES` (`score_row_blocks`), so a long
+    prefill chunk never holds its whole ``[T, S]`` scores at once; the result is the same.
     """
     if indexer_backend(q.device) == "triton":
         try:

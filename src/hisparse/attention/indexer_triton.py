@@ -19,6 +19,10 @@ Two stages:
 2. ``torch.topk`` over each row, ``-inf`` picks turned into ``-1``: the reference's own
    selection code, run on the same scores up to float summation order.
 
+A top-k call runs both stages per block of query tokens whose scores stay under
+`indexer_reference.SCORE_BLOCK_BYTES` (a 64K-token prefill chunk at 128K keys would otherwise
+hold 32 GiB of scores); more than 65535 key chunks (grid axis 1) get longer chunks.
+
 Why ``torch.topk`` rather than a Triton select: it is the reference's selection (ties and
 order behave alike), it needs no host synchronisation and no data-dependent shape (a decode
 step calling it can be captured in a CUDA graph), and it reads ``4 B`` of scores per key
@@ -47,6 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hisparse.attention import indexer_reference as _ref
+from hisparse.attention import triton_split
 from hisparse.attention.sparse_mla_triton import interpreting
 from hisparse.attention.triton_split import num_sms
 from hisparse.kv.row_formats import IndexerCacheFormat
@@ -177,13 +183,14 @@ def _indexer_scores_kernel(
 
     heads = tl.arange(0, HP)
     hmask = heads < num_heads
+    h64 = heads.to(tl.int64)  # any q / weight strides (head-major ones too)
     d = tl.arange(0, D)
     q = tl.load(
-        q_ptr + t * s_q_t + heads[:, None] * s_q_h + d[None, :], mask=hmask[:, None], other=0.0
+        q_ptr + t * s_q_t + h64[:, None] * s_q_h + d[None, :], mask=hmask[:, None], other=0.0
     ).to(DOT)
-    w = tl.load(w_ptr + t * s_w_t + heads * s_w_h, mask=hmask, other=0.0)
+    w = tl.load(w_ptr + t * s_w_t + h64 * s_w_h, mask=hmask, other=0.0)
     if IS_FP8:
-        w = w * tl.load(qs_ptr + t * s_qs_t + heads * s_qs_h, mask=hmask, other=0.0)
+        w = w * tl.load(qs_ptr + t * s_qs_t + h64 * s_qs_h, mask=hmask, other=0.0)
         w = w * softmax_scale
     q_t = tl.trans(q)  # [D, HP]
     table_row = table_ptr + tl.maximum(req, 0).to(tl.int64) * s_tab_r
@@ -284,9 +291,7 @@ def indexer_scores_paged_triton(
             f"{tuple(req_index.shape)}, positions {tuple(positions.shape)}"
         )
     bs = pages.shape[1] // fmt.row_bytes
-    cols = block_table.shape[1] * bs
-    if max_len is not None:
-        cols = min(cols, max_len)
+    cols = score_cols(pages, fmt, block_table, max_len)
     device = q.device
     out = torch.empty(t, cols, dtype=torch.float32, device=device)
     if t == 0 or cols == 0:
@@ -295,6 +300,8 @@ def indexer_scores_paged_triton(
     chunk = chunk or chunk_for(t, cols, cfg.block_n, device)
     if chunk % cfg.block_n:
         raise ValueError(f"chunk {chunk} is not a multiple of block_n {cfg.block_n}")
+    while triton.cdiv(cols, chunk) > triton_split.MAX_GRID_YZ:  # chunks are grid axis 1
+        chunk *= 2  # (still a multiple of block_n; a key's score does not depend on it)
 
     is_fp8 = fmt.kind == "fp8"
     ksc_view = pages.view(torch.float32)
@@ -333,11 +340,22 @@ def indexer_scores_paged_triton(
     return out
 
 
-def topk_from_scores(scores: Tensor, top_k: int) -> Tensor:
-    """``int32 [T, top_k]`` best positions of each row, ``-inf`` picks and padding ``-1``."""
+def score_cols(
+    pages: Tensor, fmt: IndexerCacheFormat, block_table: Tensor, max_len: int | None
+) -> int:
+    """Score columns ``S`` of a call: the block table's positions, at most ``max_len``."""
+    cols = block_table.shape[1] * (pages.shape[1] // fmt.row_bytes)
+    return cols if max_len is None else min(cols, max_len)
+
+
+def topk_from_scores(scores: Tensor, top_k: int, out: Tensor | None = None) -> Tensor:
+    """``int32 [T, top_k]`` best positions of each row, ``-inf`` picks and padding ``-1``;
+    written into ``out`` (every element) when given."""
     t, s = scores.shape
     kk = min(top_k, s)
-    out = torch.full((t, top_k), -1, dtype=torch.int32, device=scores.device)
+    if out is None:
+        out = torch.empty((t, top_k), dtype=torch.int32, device=scores.device)
+    out[:, kk:] = -1
     if kk == 0 or t == 0:
         return out
     vals, idx = scores.topk(kk, dim=-1)
@@ -362,12 +380,37 @@ def indexer_topk_paged_triton(
     chunk: int | None = None,
 ) -> Tensor:
     """Contract of `indexer_topk_paged_reference` (``seq_lens`` is not needed: the causal
-    limit ``positions + 1`` bounds every token's keys)."""
-    scores = indexer_scores_paged_triton(
-        q, q_scale, weights, pages, fmt, block_table, req_index, positions, softmax_scale,
-        max_len=max_len, config=config, chunk=chunk,
-    )  # fmt: skip
-    return topk_from_scores(scores, top_k)
+    limit ``positions + 1`` bounds every token's keys).
+
+    The tokens are scored in row blocks of at most `indexer_reference.SCORE_BLOCK_BYTES` of
+    scores (`score_row_blocks`; shapes only, so still capturable), each block's top-k written
+    into one output: the picks of one un-blocked call, since every block runs with the key
+    chunk of the whole call and a row's scores and top-k depend on that row alone (up to
+    ``torch.topk``'s order among exactly equal scores, which no call specifies).
+    """
+    t = q.shape[0]
+    cols = score_cols(pages, fmt, block_table, max_len)
+    blocks = _ref.score_row_blocks(t, 4 * cols)
+    if len(blocks) <= 1:
+        scores = indexer_scores_paged_triton(
+            q, q_scale, weights, pages, fmt, block_table, req_index, positions, softmax_scale,
+            max_len=max_len, config=config, chunk=chunk,
+        )  # fmt: skip
+        return topk_from_scores(scores, top_k)
+    cfg = config or default_config(fmt.kind)
+    chunk = chunk or chunk_for(t, cols, cfg.block_n, q.device)
+    out = torch.empty((t, top_k), dtype=torch.int32, device=q.device)
+    for lo, hi in blocks:  # one block's scores alive at a time
+        topk_from_scores(
+            indexer_scores_paged_triton(
+                q[lo:hi], None if q_scale is None else q_scale[lo:hi], weights[lo:hi], pages,
+                fmt, block_table, req_index[lo:hi], positions[lo:hi], softmax_scale,
+                max_len=max_len, config=config, chunk=chunk,
+            ),
+            top_k,
+            out=out[lo:hi],
+        )  # fmt: skip
+    return out
 
 
 def indexer_bytes(contexts: list[int], fmt: IndexerCacheFormat) -> int:
@@ -559,6 +602,7 @@ __all__ = [
     "indexer_topk_paged_triton",
     "random_indexer_case",
     "reference_scores",
+    "score_cols",
     "score_tolerance",
     "selection_errors",
     "supports",

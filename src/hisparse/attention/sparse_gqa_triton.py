@@ -11,6 +11,8 @@ Work is split over the top-k (flash-decoding), as in `sparse_mla_triton`: progra
 token, split)`` runs an online softmax (fp32, base 2) over its slice of the indices; with more
 than one split it writes an fp32 partial (normalised output and log-sum-exp) and the shared
 combine kernel merges them. Small batches get many splits, so batch 1 still fills the GPU.
+More than 65535 tokens (CUDA's grid axis 1 limit) go out as several launches over slices of
+the tokens (`triton_split.grid_slices`).
 
 Numerics: dots accumulate in fp32. Their operands are the rows' dtype when queries and rows
 are both 16-bit (bf16 / fp16: the rows are exact, ``q`` is already in that dtype, the
@@ -32,7 +34,12 @@ import triton.language as tl
 
 from hisparse.attention.sparse_gqa_reference import GqaRowFormat
 from hisparse.attention.sparse_mla_triton import interpreting
-from hisparse.attention.triton_split import combine_splits, num_sms, split_buffers
+from hisparse.attention.triton_split import (
+    combine_splits,
+    grid_slices,
+    num_sms,
+    split_buffers,
+)
 
 Tensor = torch.Tensor
 
@@ -113,7 +120,7 @@ def _sparse_gqa_decode_kernel(
     qmask = qi < group
     heads = g * group + qi
     d = tl.arange(0, D)
-    qp = q_ptr + t * s_q_t + heads[:, None] * s_q_h + d[None, :]
+    qp = q_ptr + t * s_q_t + heads.to(tl.int64)[:, None] * s_q_h + d[None, :]  # any q strides
     q = tl.load(qp, mask=qmask[:, None], other=0.0).to(DOT)
 
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
@@ -215,14 +222,15 @@ def sparse_gqa_decode_triton(
     interp = interpreting() or device.type != "cuda"
     dot, precision = _dot_dtype(q, row_format, interp)
     block_q = max(_MIN_BLOCK_Q, triton.next_power_of_2(group))
-    _sparse_gqa_decode_kernel[(g, t, splits)](
-        q, kv, indices, o_buf, l_buf,
-        scale * _LOG2E, group, k, kv.shape[1], split_len,
-        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), indices.stride(0),
-        so[0], so[1], so[2], sl[0], sl[1], sl[2],
-        KV_WIDTH=row_format.kv_width, D=d, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
-        DOT=dot, PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    for lo, hi in grid_slices(t):  # tokens are grid axis 1: at most 65535 per launch
+        _sparse_gqa_decode_kernel[(g, hi - lo, splits)](
+            q[lo:hi], kv, indices[lo:hi], o_buf[lo:hi], l_buf[lo:hi],
+            scale * _LOG2E, group, k, kv.shape[1], split_len,
+            q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), indices.stride(0),
+            so[0], so[1], so[2], sl[0], sl[1], sl[2],
+            KV_WIDTH=row_format.kv_width, D=d, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
+            DOT=dot, PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
     if splits > 1:
         combine_splits(o_buf, l_buf, out, lse)
     return out, lse

@@ -8,7 +8,9 @@ into registers/shared memory and reuses it for all of those heads (``[BLOCK_H, 5
 Work is split over the top-k (flash-decoding): program ``(head block, token, split)`` runs an
 online softmax over its slice of the indices and, when there is more than one split, writes
 an fp32 partial (normalised output and its log-sum-exp); a second kernel combines the splits.
-With one split the first kernel writes the final output directly (no partial traffic).
+With one split the first kernel writes the final output directly (no partial traffic). A
+prefill chunk of more than 65535 tokens (CUDA's grid axis 1 limit) runs as several launches
+over slices of its tokens (`triton_split.grid_slices`); token offsets are int64 in the kernel.
 
 Two kernels share that grid. The default, `_sparse_mla_wide_kernel`, stages whole
 ``[BLOCK_N, 512]`` latent tiles (64 heads x 64 rows, 8 warps, 2 stages: 221 KB of shared
@@ -47,7 +49,12 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse.attention.triton_split import combine_splits, num_sms, split_buffers
+from hisparse.attention.triton_split import (
+    combine_splits,
+    grid_slices,
+    num_sms,
+    split_buffers,
+)
 from hisparse.kv.row_formats import MlaFormat, mla_format_name, mla_row_bytes
 
 Tensor = torch.Tensor
@@ -175,14 +182,15 @@ def _sparse_mla_decode_kernel(
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
+    hq = heads.to(tl.int64)[:, None]  # q may be head-major (an einsum's output): int64
     d = tl.arange(0, TILE)
     r = tl.arange(0, R)
-    ql = q_lat_ptr + t * s_ql_t + heads[:, None] * s_ql_h + d[None, :]
+    ql = q_lat_ptr + t * s_ql_t + hq * s_ql_h + d[None, :]
     q0 = tl.load(ql, mask=hmask[:, None], other=0.0).to(DOT)
     q1 = tl.load(ql + TILE, mask=hmask[:, None], other=0.0).to(DOT)
     q2 = tl.load(ql + 2 * TILE, mask=hmask[:, None], other=0.0).to(DOT)
     q3 = tl.load(ql + 3 * TILE, mask=hmask[:, None], other=0.0).to(DOT)
-    qrp = q_rope_ptr + t * s_qr_t + heads[:, None] * s_qr_h + r[None, :]
+    qrp = q_rope_ptr + t * s_qr_t + hq * s_qr_h + r[None, :]
     qr = tl.load(qrp, mask=hmask[:, None], other=0.0).to(DOT)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -327,15 +335,16 @@ def _sparse_mla_wide_kernel(
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
+    hq = heads.to(tl.int64)[:, None]  # q may be head-major (an einsum's output): int64
     c = tl.arange(0, C)
     r = tl.arange(0, R)
     q = tl.load(
-        q_lat_ptr + t * s_ql_t + heads[:, None] * s_ql_h + c[None, :],
+        q_lat_ptr + t * s_ql_t + hq * s_ql_h + c[None, :],
         mask=hmask[:, None],
         other=0.0,
     ).to(DOT)
     qr = tl.load(
-        q_rope_ptr + t * s_qr_t + heads[:, None] * s_qr_h + r[None, :],
+        q_rope_ptr + t * s_qr_t + hq * s_qr_h + r[None, :],
         mask=hmask[:, None],
         other=0.0,
     ).to(DOT)
@@ -485,28 +494,29 @@ def sparse_mla_decode_triton(
         return out, lse
 
     interp = interpreting() or device.type != "cuda"
-    grid = (triton.cdiv(h, cfg.block_h), t, splits)
-    common = (
-        q_latent, q_rope, lat_view, scale_view, rope_view, indices, o_buf, l_buf,
-        scale * _LOG2E, h, k, kv_cache.shape[1], split_len,
-        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-        lat_view.stride(0), lat_view.stride(1), scale_view.stride(0), scale_view.stride(1),
-        rope_view.stride(0), rope_view.stride(1), indices.stride(0),
-        so[0], so[1], so[2], sl[0], sl[1], sl[2],
-    )  # fmt: skip
     dot = dict(DOT=tl.float32 if interp else tl.bfloat16, PRECISION="ieee" if interp else "tf32")
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.kernel == "wide":
-        last_compiled[0] = _sparse_mla_wide_kernel[grid](
-            *common, IS_FP8=is_fp8, SC_OFF=sc_off, RP_OFF=rp_off, C=LATENT_DIM, TILE=_TILE,
-            R=ROPE_DIM, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, **dot, **launch,
+    for lo, hi in grid_slices(t):  # tokens are grid axis 1: at most 65535 per launch
+        grid = (triton.cdiv(h, cfg.block_h), hi - lo, splits)
+        common = (
+            q_latent[lo:hi], q_rope[lo:hi], lat_view, scale_view, rope_view, indices[lo:hi],
+            o_buf[lo:hi], l_buf[lo:hi], scale * _LOG2E, h, k, kv_cache.shape[1], split_len,
+            q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+            lat_view.stride(0), lat_view.stride(1), scale_view.stride(0), scale_view.stride(1),
+            rope_view.stride(0), rope_view.stride(1), indices.stride(0),
+            so[0], so[1], so[2], sl[0], sl[1], sl[2],
         )  # fmt: skip
-    else:
-        last_compiled[0] = _sparse_mla_decode_kernel[grid](
-            *common, IS_FP8=is_fp8, SCALE_ON_K=cfg.scale_on_k and is_fp8,
-            SC_OFF=sc_off, RP_OFF=rp_off, TILE=_TILE, R=ROPE_DIM,
-            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, **dot, **launch,
-        )  # fmt: skip
+        if cfg.kernel == "wide":
+            last_compiled[0] = _sparse_mla_wide_kernel[grid](
+                *common, IS_FP8=is_fp8, SC_OFF=sc_off, RP_OFF=rp_off, C=LATENT_DIM, TILE=_TILE,
+                R=ROPE_DIM, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, **dot, **launch,
+            )  # fmt: skip
+        else:
+            last_compiled[0] = _sparse_mla_decode_kernel[grid](
+                *common, IS_FP8=is_fp8, SCALE_ON_K=cfg.scale_on_k and is_fp8,
+                SC_OFF=sc_off, RP_OFF=rp_off, TILE=_TILE, R=ROPE_DIM,
+                BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, **dot, **launch,
+            )  # fmt: skip
     if splits > 1:
         combine_splits(o_buf, l_buf, out, lse)
     return out, lse

@@ -3,6 +3,10 @@
 A token's top-k rows may be split over several programs (flash-decoding) when one program per
 (token, head block) would leave SMs idle; each split writes a partial output and its log-sum-exp,
 and `combine_splits` merges them. The SM count sizes those splits (and the indexer's chunks).
+
+CUDA caps grid axes 1 and 2 at 65535 programs (axis 0 at 2^31 - 1). A launch whose axis 1
+counts query tokens (a prefill chunk may hold far more) goes out in slices of at most
+`MAX_GRID_YZ` tokens (`grid_slices`); the combine kernel puts tokens on axis 0.
 """
 
 from __future__ import annotations
@@ -12,6 +16,17 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+#: Most programs on grid axis 1 or 2 of one launch (CUDA's limit; tests lower it so the
+#: sliced launches run at interpreter sizes).
+MAX_GRID_YZ = 65535
+
+
+def grid_slices(n: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` ranges covering ``0 .. n - 1`` in order, each at most `MAX_GRID_YZ`
+    long: one launch per range where ``n`` would be a grid's axis 1 or 2."""
+    step = MAX_GRID_YZ
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
 
 @functools.cache
@@ -40,9 +55,10 @@ def _combine_kernel(
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """Merge the splits of one (token, head): weights ``exp(lse_s - max)``."""
-    h = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1).to(tl.int64)
+    """Merge the splits of one (token, head): weights ``exp(lse_s - max)``. Tokens are grid
+    axis 0 (unbounded), heads axis 1."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
     sidx = tl.arange(0, BLOCK_S)
     smask = sidx < num_splits
     lses = tl.load(plse_ptr + t * s_pl_t + h * s_pl_h + sidx, mask=smask, other=float("-inf"))
@@ -89,7 +105,7 @@ def combine_splits(
     each normalised over its split) and ``part_lse [T, H, S]``; a (token, head) whose splits
     all saw no row gets out 0 and lse -inf."""
     t, h, splits, d = parts.shape
-    _combine_kernel[(h, t)](
+    _combine_kernel[(t, h)](
         parts, part_lse, out, lse, splits,
         parts.stride(0), parts.stride(1), parts.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),

@@ -12,6 +12,8 @@ import torch
 
 Tensor = torch.Tensor
 POISON = -7777  # written into outputs first: an unwritten element shows up as this
+#: Hot rows `random_hot_state` adds that no request picks start here (never hit).
+UNRELATED_ROWS = 10_000_000
 
 
 @dataclass
@@ -100,7 +102,8 @@ def random_hot_state(
             pool = row_pool[s]
             cand = pool[torch.randperm(pool.numel(), generator=g)[: n_occ // 2]]
         # Unrelated rows far above every block table's rows: never hit, always distinct.
-        junk = 10_000_000 + s * 4 * H + torch.randperm(4 * H, generator=g)[: n_occ - cand.numel()]
+        fresh = torch.randperm(4 * H, generator=g)[: n_occ - cand.numel()]
+        junk = UNRELATED_ROWS + s * 4 * H + fresh
         hot_index[s, slots] = torch.cat([cand, junk]).to(torch.int32)
     return hot_index, lru
 
@@ -205,6 +208,19 @@ def make_resolve_case(
         else None,
         meta={"cand_pos": cand_pos, "n_pos": n_pos},
     )
+    return case
+
+
+def shift_host_rows(case: ResolveCase, rows: int) -> ResolveCase:
+    """``case`` with every host row ``rows`` higher (a multiple of the block size): source
+    blocks and the hot rows taken from them; the unrelated hot rows stay where they are.
+    Puts host rows near 2^31 (the int32 limit of the lists) without a host pool."""
+    bs = case.block_size
+    if rows % bs or rows < 0:
+        raise ValueError(f"shift {rows} is not a non-negative multiple of block size {bs}")
+    case.source_block_table = case.source_block_table + rows // bs
+    held = (case.hot_index >= 0) & (case.hot_index < UNRELATED_ROWS)
+    case.hot_index = torch.where(held, case.hot_index + rows, case.hot_index)
     return case
 
 
