@@ -1,0 +1,84 @@
+"""Where a real prefill's time goes, HiSparse against all-GPU placement (CUDA).
+
+For each placement: one warm-up prefill (kernel compilation), then one prompt of ``--input-len``
+tokens (one new token) under ``torch.profiler``. Prints the wall time and the GPU kernels by
+total time for both placements side by side, so the difference between the two is visible
+kernel by kernel; the full tables go to ``--out``.
+
+    PYTHONPATH=src python3 benchmarks/profile_prefill.py --model /tmp/v32 --input-len 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from hisparse import LLM, HiSparseConfig, SamplingParams
+
+
+def kernel_times(prof: profile) -> dict[str, float]:
+    """Total device milliseconds per kernel name."""
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if t and e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.key] = out.get(e.key, 0.0) + t / 1e3
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--input-len", type=int, default=16384)
+    p.add_argument("--max-batched-tokens", type=int, default=16384)
+    p.add_argument("--top", type=int, default=18)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    g = torch.Generator().manual_seed(0)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    results = {}
+    for placement in ("gpu", "hisparse"):
+        with LLM(
+            args.model,
+            kv_placement=placement,
+            max_model_len=args.input_len + 8,
+            max_num_seqs=1,
+            max_num_batched_tokens=args.max_batched_tokens,
+            gpu_memory_gib=8,
+            hisparse=HiSparseConfig(host_pool_gib=4),
+        ) as llm:
+            vocab = llm.model.config.vocab_size
+            prompts = [torch.randint(0, vocab, (args.input_len,), generator=g).tolist()]
+            llm.generate(prompt_token_ids=prompts, sampling_params=one)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            llm.generate(prompt_token_ids=prompts, sampling_params=one)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                llm.generate(prompt_token_ids=prompts, sampling_params=one)
+                torch.cuda.synchronize()
+        results[placement] = (wall, kernel_times(prof))
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60)
+            (args.out / f"profile_prefill_{placement}.txt").write_text(table)
+    (gw, gk), (hw, hk) = results["gpu"], results["hisparse"]
+    print(f"wall (unprofiled): all-GPU {gw:.3f} s, HiSparse {hw:.3f} s ({hw / gw:.2f}x)")
+    print(f"GPU kernel time:   all-GPU {sum(gk.values()):.1f} ms, HiSparse {sum(hk.values()):.1f}")
+    names = sorted(set(gk) | set(hk), key=lambda k: -max(gk.get(k, 0), hk.get(k, 0)))
+    print(f"{'kernel':<70} {'all-GPU ms':>11} {'HiSparse ms':>12}")
+    for k in names[: args.top]:
+        print(f"{k[:70]:<70} {gk.get(k, 0.0):>11.2f} {hk.get(k, 0.0):>12.2f}")
+    diff = sorted(names, key=lambda k: -(hk.get(k, 0) - gk.get(k, 0)))[:8]
+    print("largest HiSparse excess:")
+    for k in diff:
+        print(f"  {k[:70]:<70} {hk.get(k, 0.0) - gk.get(k, 0.0):+.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
