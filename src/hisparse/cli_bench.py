@@ -105,6 +105,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="prefill tokens per step (default: 16384 synthetic, 2048 model)",
     )
+    bench.add_argument(
+        "--schedule",
+        choices=("mixed", "prefill-first"),
+        default="mixed",
+        help="mixed: decodes first, prompt chunks in the budget left; prefill-first: prompt "
+        "chunks alone while any prompt is unfinished (default: %(default)s)",
+    )
     bench.add_argument("--device", default=None)
     bench.add_argument("--dtype", default="auto")
     bench.add_argument("--seed", type=int, default=0)
@@ -329,6 +336,7 @@ def _make_llm(args: argparse.Namespace, cfg: dict[str, Any], placement: str) -> 
         synthetic_prefill=args.prefill == "synthetic",
         timing=args.timing,
         seed=args.seed,
+        schedule=args.schedule,
     )
 
 
