@@ -469,3 +469,14 @@ def test_index_group_must_be_consecutive():
     ]
     with pytest.raises(HiSparseConfigError, match=r"index_leader='layers\.1\.attn'"):
         _plan(specs, max_len=4096)
+
+
+def test_host_pool_past_int32_rows_is_refused():
+    """Rows are int32 in every kernel: a host pool with 2**31 rows or more is refused with
+    the largest size that works, which then plans."""
+    specs = _tiny_specs([True])
+    row = sum(s.row_bytes for s in specs if s.kind is CacheKind.SPARSE_MLA)
+    with pytest.raises(HiSparseConfigError, match=r"int32.*host_pool_gib <= ") as err:
+        _plan(specs, host_gib=2**31 * row / GIB, block_size=4, max_len=64)
+    fit = float(str(err.value).rsplit("<= ", 1)[1].rstrip("."))
+    assert _plan(specs, host_gib=fit, block_size=4, max_len=64).host_num_blocks * 4 < 2**31

@@ -440,10 +440,22 @@ def _index_groups(sparse: list[LayerCacheSpec]) -> list[IndexGroup]:
     return result
 
 
+#: Physical rows (block * block_size + offset) are int32 in every data-plane op.
+MAX_ROWS = 2**31
+
+
 def _check_host_pool(
     config: ResolvedHiSparseConfig, block_bytes: int, num_blocks: int, max_model_len: int
 ) -> None:
     need = config.min_host_blocks(max_model_len)
+    rows = num_blocks * config.block_size
+    if rows >= MAX_ROWS:
+        fit = (MAX_ROWS - 1) // config.block_size * block_bytes
+        raise HiSparseConfigError(
+            f"the host pool of {format_gib(config.host_pool_bytes)} holds {rows:,} token rows; "
+            f"the kernels address rows as int32 (fewer than {MAX_ROWS:,}). Set host_pool_gib "
+            f"<= {math.floor(10 * fit / 2**30) / 10}."
+        )
     if num_blocks < need:
         raise HiSparseConfigError(
             f"the host pool of {format_gib(config.host_pool_bytes)} holds {num_blocks} blocks "
