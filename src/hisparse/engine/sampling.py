@@ -5,7 +5,7 @@ first (on the device, only on the rows that ask for them), then one batched argm
 greedy rows, one batched temperature / top-k / top-p / softmax for the sampled rows and one
 copy of their probabilities to the host, where each row draws with its own generator. A step
 reads the device back a fixed number of times, whatever its number of requests; logprobs,
-when asked for, add one more read for all rows that want them.
+when asked for, add three small reads for all the rows that want them together.
 """
 
 from __future__ import annotations
