@@ -191,7 +191,6 @@ def profile_run(
         return res
 
     runner.run = run
-    first = len(llm.step_stats)
     t0 = time.perf_counter()
     try:
         with prof:
@@ -200,7 +199,7 @@ def profile_run(
         runner.run = orig
     wall = time.perf_counter() - t0
     assert all(o.ok for o in outs), [o.error for o in outs]
-    stats = [s for s in llm.step_stats[first:] if s["decode"]]
+    stats = [s for s in llm.last_run_stats if s["decode"]]
     timed = [s for i, s in enumerate(stats) if i >= args.skip + 1 + args.active + 1]
     timed = [s for s in timed if int(s["running"]) == batch] or timed
     ms = [1e3 * s["seconds"] for s in timed]

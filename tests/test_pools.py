@@ -7,14 +7,17 @@ from hisparse.kv.block_pool import NULL_BLOCK, BlockPool, BlockPoolExhausted
 from hisparse.kv.host_pool import HostPool, HostPoolError, check_host_memory
 
 
-def test_null_block_never_allocated_and_freed_blocks_reused_last():
+def test_null_block_never_allocated_and_freed_blocks_reused_first():
     pool = BlockPool(4)
     a = pool.allocate(3)
-    assert NULL_BLOCK not in a and sorted(a) == [1, 2, 3]
+    assert NULL_BLOCK not in a and a == [1, 2, 3]
     with pytest.raises(BlockPoolExhausted, match="1 blocks wanted, 0 free of 3"):
         pool.allocate(1)
     pool.free([a[0]])
     assert pool.allocate(1) == [a[0]]
+    pool.free([a[1]])
+    pool.free([a[2]])
+    assert pool.allocate(1) == [a[2]]  # the most recently freed first: memory stays warm
 
 
 def test_refcounts_keep_shared_blocks_alive():
@@ -34,7 +37,7 @@ def test_free_many_keeps_order_and_earlier_releases_on_a_bad_id():
     a = pool.allocate(7)
     pool.incref([a[2]])
     assert pool.free(a[:4]) == [a[0], a[1], a[3]]  # a[2] still shared
-    assert pool.allocate(3) == [a[0], a[1], a[3]]  # freed to the back, in call order
+    assert pool.allocate(3) == [a[0], a[1], a[3]]  # reused first, in the order freed
     with pytest.raises(ValueError, match="freed twice"):
         pool.free([a[4], a[5], a[5], a[6]])
     assert pool.num_free == 2 and pool.ref_count(a[6]) == 1  # a[4], a[5] freed; a[6] not

@@ -61,8 +61,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.handler(args)
     except (HiSparseConfigError, ValueError, OSError) as err:
-        print(f"hisparse {args.command}: error: {err}", file=sys.stderr)
+        print(f"hisparse {args.command}: error: {flag_message(err, args)}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def flag_message(err: Exception, args: argparse.Namespace) -> str:
+    """The error in the flag's terms where it is about a value a flag gave (the API checks
+    name the field: ``SamplingParams.max_tokens``; the subcommand maps fields to flags in
+    its ``flags`` default)."""
+    field = getattr(err, "field", None)
+    flag = getattr(args, "flags", {}).get(field)
+    if flag is None or getattr(err, "requirement", None) is None:
+        return str(err)
+    text = f"{flag} {err.value}: must be {err.requirement}"  # type: ignore[attr-defined]
+    example = getattr(err, "example", None)
+    return text + (f", e.g. {flag} {example}." if example is not None else ".")
 
 
 # -- plan -------------------------------------------------------------------------------------
@@ -108,7 +121,15 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="request length for the capacity figures (default: --max-model-len)",
     )
-    plan.set_defaults(handler=_run_plan)
+    plan.set_defaults(
+        handler=_run_plan,
+        flags={
+            "HiSparseConfig.top_k": "--top-k",
+            "HiSparseConfig.device_buffer_size": "--device-buffer-size",
+            "HiSparseConfig.host_pool_gib": "--host-pool-gib",
+            "HiSparseConfig.block_size": "--block-size",
+        },
+    )
 
 
 def _run_plan(args: argparse.Namespace) -> int:

@@ -82,7 +82,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--host-pool-gib",
         type=float,
         default=None,
-        help="HiSparse host pool (default: enough for the largest concurrency)",
+        help="HiSparse host pool (default: enough for the largest concurrency at "
+        "--max-model-len, at most half the host memory available)",
     )
     bench.add_argument(
         "--max-model-len",
@@ -127,7 +128,23 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--json", type=Path, default=None, help="write results here")
     bench.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
-    bench.set_defaults(handler=run_bench)
+    bench.set_defaults(
+        handler=run_bench,
+        flags={
+            "HiSparseConfig.top_k": "--top-k",
+            "HiSparseConfig.device_buffer_size": "--hot-buffer",
+            "HiSparseConfig.host_pool_gib": "--host-pool-gib",
+            "HiSparseConfig.block_size": "--block-size",
+            "LLM.kv_format": "--kv-format",
+            "LLM.dtype": "--dtype",
+            "LLM.device": "--device",
+            "LLM.seed": "--seed",
+            "LLM.gpu_memory_gib": "--gpu-memory-gib",
+            "LLM.max_model_len": "--max-model-len",
+            "LLM.max_num_batched_tokens": "--max-batched-tokens",
+            "LLM.max_num_seqs": "--concurrency",
+        },
+    )
 
 
 # -- arguments -------------------------------------------------------------------------------
@@ -221,17 +238,6 @@ def _check_output_path(flag: str, path: Path) -> None:
         )
 
 
-def _default_host_gib(model: Path, kv_format: str, tokens: int) -> float:
-    """Host pool for ``tokens`` tokens of every sparse layer, plus per-request slack."""
-    from hisparse.kv.row_formats import mla_row_bytes
-
-    cfg = json.loads((model / "config.json").read_text())
-    fmt = "fp8_ds_mla" if kv_format == "auto" else kv_format
-    row = mla_row_bytes(fmt, cfg["kv_lora_rank"], cfg["qk_rope_head_dim"])  # type: ignore[arg-type]
-    total = tokens * row * cfg["num_hidden_layers"]
-    return max(1.1 * total / 2**30 + 0.05, 0.01)
-
-
 # -- one run ---------------------------------------------------------------------------------
 
 
@@ -245,14 +251,13 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 def summarize(
-    llm: Any,
+    steps: list[dict[str, float]],
     outs: list[Any],
-    first_stat: int,
     wall: float,
     synthetic: bool,
 ) -> dict[str, Any]:
-    """One table row from a finished `generate`: throughput, latency, swap counters."""
-    steps = llm.step_stats[first_stat:]
+    """One table row from a finished `generate` (its outputs and ``LLM.last_run_stats``):
+    throughput, latency, swap counters."""
     dec = [s for s in steps if s["decode"]]
     dec_s = sum(s["seconds"] for s in dec)
     pre = [s for s in steps if not s["decode"]]
@@ -308,17 +313,10 @@ def _make_llm(args: argparse.Namespace, cfg: dict[str, Any], placement: str) -> 
     from hisparse.config import HiSparseConfig
     from hisparse.engine.llm import LLM
 
-    host = args.host_pool_gib
-    if host is None:
-        host = _default_host_gib(
-            Path(args.model),
-            args.kv_format,
-            max(cfg["concurrency"]) * (cfg["max_len"] + args.block_size),
-        )
     hs = HiSparseConfig(
         top_k=args.top_k,
         device_buffer_size=args.hot_buffer,
-        host_pool_gib=host,
+        host_pool_gib=args.host_pool_gib,  # None: the engine's default, sized to the run
         block_size=args.block_size,
     )
     return LLM(
@@ -386,13 +384,12 @@ def run_cell(
     llm.scheduler.max_num_seqs = n
     prompts = _prompts(n, args.input_len, llm.model.config.vocab_size, seed)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    first = len(llm.step_stats)
     t0 = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, on_finish=on_finish)
-    row = summarize(llm, outs, first, time.perf_counter() - t0, args.prefill == "synthetic")
+    steps = llm.last_run_stats  # every step of this call (step_stats keeps only the latest)
+    row = summarize(steps, outs, time.perf_counter() - t0, args.prefill == "synthetic")
     row["token_ids"] = [o.token_ids for o in outs]
     # the step-by-step schedule: tokens are comparable across placements only under the same one
-    steps = llm.step_stats[first:]
     row["schedule"] = [(bool(s["decode"]), int(s["tokens"]), int(s["running"])) for s in steps]
     # every step's kind, batch and time, for reading where a whole run's time went
     row["step_log"] = [

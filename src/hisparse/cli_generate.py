@@ -4,7 +4,8 @@ With no ``--prompt`` it runs the built-in demo: a chat question about a passage 
 language reference that ships with every Python (``pydoc_data``), long enough that each
 layer's GPU hot buffer holds fewer rows than the context, so decode steps really swap rows in
 from host memory. It ends with one summary line: speed, hit rate, and KV bytes kept on the
-host against those on the GPU.
+host against those on the GPU. Ctrl-C prints the answer so far and "interrupted" (exit
+status 130).
 """
 
 from __future__ import annotations
@@ -20,6 +21,22 @@ from hisparse.config import HiSparseConfig, cdiv
 #: Demo settings: top_k 128 -> a 256-row hot buffer per layer, under the ~600-token context.
 DEMO_TOP_K = 128
 DEMO_QUESTION = "Summarize this passage in one sentence."
+#: Exit status after Ctrl-C (128 + SIGINT, as shells report it).
+EXIT_INTERRUPTED = 130
+#: The API field each flag sets, for error messages in the flag's terms.
+FLAGS = {
+    "SamplingParams.max_tokens": "--max-tokens",
+    "SamplingParams.temperature": "--temperature",
+    "SamplingParams.seed": "--seed",
+    "HiSparseConfig.top_k": "--top-k",
+    "HiSparseConfig.device_buffer_size": "--device-buffer-size",
+    "HiSparseConfig.host_pool_gib": "--host-pool-gib",
+    "LLM.gpu_memory_gib": "--gpu-memory-gib",
+    "LLM.max_model_len": "--max-model-len",
+    "LLM.kv_placement": "--kv-placement",
+    "LLM.device": "--device",
+    "LLM.model": "--model",
+}
 
 
 def demo_prompt() -> str:
@@ -55,29 +72,49 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="hot rows per request and layer (default (max_query_len+1)*top_k)",
     )
-    gen.add_argument("--host-pool-gib", type=float, default=1.0)
+    gen.add_argument(
+        "--host-pool-gib", type=float, default=None, help="default: what the request needs"
+    )
     gen.add_argument("--gpu-memory-gib", type=float, default=None)
     gen.add_argument("--max-model-len", type=int, default=4096)
     gen.add_argument("--kv-placement", choices=("hisparse", "gpu"), default="hisparse")
     gen.add_argument("--device", default=None)
-    gen.set_defaults(handler=run_generate)
+    gen.set_defaults(handler=run_generate, flags=FLAGS)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from hisparse.engine.llm import LLM
     from hisparse.engine.sampling import SamplingParams
 
     if args.seed is not None and args.temperature == 0:
         # greedy decoding draws no random numbers (SamplingParams.greedy)
         print("note: --seed has no effect with --temperature 0 (greedy decoding)", file=sys.stderr)
-    console = Console()
     demo = args.prompt is None
     top_k = args.top_k if args.top_k is not None else (DEMO_TOP_K if demo else None)
+    # every flag checked before the model loads
     config = HiSparseConfig(
         top_k=top_k,
         device_buffer_size=args.device_buffer_size,
         host_pool_gib=args.host_pool_gib,
     )
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+    )
+    console = Console()
+    try:
+        return _generate(args, console, config, params, demo)
+    except KeyboardInterrupt as err:
+        partial = getattr(err, "outputs", None)  # `GenerationInterrupted` from generate()
+        if partial:
+            console.print(f"[bold]Answer (so far):[/] {partial[0].text.strip()}")
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _generate(
+    args: argparse.Namespace, console: Console, config: HiSparseConfig, params: object, demo: bool
+) -> int:
+    from hisparse.engine.llm import LLM
+
     t0 = time.perf_counter()
     with console.status("loading the model"):
         llm = LLM(
@@ -90,31 +127,28 @@ def run_generate(args: argparse.Namespace) -> int:
             max_num_seqs=1,
         )
     load_s = time.perf_counter() - t0
-    try:
+    with llm:
         text = demo_prompt() if demo else args.prompt
         if llm.tokenizer is None:
             raise ValueError("this model has no tokenizer; use the Python API with token ids")
-        if args.no_chat or not hasattr(llm.tokenizer, "encode_chat"):
+        if args.no_chat or llm.chat_template is None:
             ids = llm.tokenizer.encode(text)
             ids = list(getattr(ids, "ids", ids))
         else:
-            ids = llm.tokenizer.encode_chat([{"role": "user", "content": text}])
-        params = SamplingParams(
-            temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
-        )
+            chat = llm.chat_template.render([{"role": "user", "content": text}])
+            ids = llm.tokenizer.encode(chat, add_special_tokens=False)
+            ids = list(getattr(ids, "ids", ids))
         if demo:
             console.print(
                 f"[bold]Prompt[/] ({len(ids)} tokens): a passage of the Python "
                 f"reference (pydoc_data 'for'), then: {DEMO_QUESTION}"
             )
         with console.status("generating"):
-            (out,) = llm.generate(prompt_token_ids=[ids], sampling_params=params)
+            (out,) = llm.generate(prompt_token_ids=ids, sampling_params=params)
         if out.error:
             raise ValueError(out.error)
         console.print(f"[bold]Answer:[/] {out.text.strip()}")
         console.print(summary_line(llm, out, load_s))
-    finally:
-        llm.close()
     return 0
 
 

@@ -7,24 +7,25 @@ bad value fails at start with a message that names the field and a value that wo
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from hisparse.validation import HiSparseConfigError as HiSparseConfigError  # re-exported
+from hisparse.validation import HiSparseTypeError as HiSparseTypeError
+from hisparse.validation import check_bool, check_int
+from hisparse.validation import check_gib as _check_gib
 
 #: The LRU order is stored as int16 slot numbers, so a hot buffer holds at most this many rows.
 MAX_DEVICE_BUFFER_SIZE = 32768
+#: Most tokens per block (block ids times block_size address rows as int32).
+MAX_BLOCK_SIZE = 4096
 #: Rows are copied with 16-byte accesses.
 ROW_ALIGNMENT_BYTES = 16
-
-
-class HiSparseConfigError(ValueError):
-    """A configuration value HiSparse cannot run with; the message says what to change."""
 
 
 def check_gib(name: str, value: float) -> None:
     """Refuse a memory size that is not a positive, finite number of GiB (``name``: the
     option or argument as the user wrote it)."""
-    if not (math.isfinite(value) and value > 0):
-        raise HiSparseConfigError(f"{name}={value} must be a positive, finite number of GiB.")
+    _check_gib(name, value)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -39,7 +40,9 @@ class HiSparseConfig:
         top_k: rows each query token attends to (the model's ``index_topk`` when ``None``).
         device_buffer_size: hot rows per request and layer on the GPU; default
             ``(max_query_len + 1) * top_k``.
-        host_pool_gib: size of the pinned host pool that holds every KV row.
+        host_pool_gib: size of the pinned host pool that holds every KV row; ``None``
+            (default): what ``max_num_seqs`` requests of ``max_model_len`` tokens of the model
+            need, capped at half the host memory available (`LLM`).
         block_size: tokens per KV block (host and GPU alike).
         eager_host_mirror: copy each decode step's new rows to the host in the same step
             (otherwise rows are written back when their resident page is spilled).
@@ -48,10 +51,21 @@ class HiSparseConfig:
 
     top_k: int | None = None
     device_buffer_size: int | None = None
-    host_pool_gib: float = 16.0
+    host_pool_gib: float | None = None
     block_size: int = 64
     eager_host_mirror: bool = True
     max_query_len: int = 1
+
+    def __post_init__(self) -> None:
+        """Types and ranges of each field (`hisparse.validation`); `resolve` checks how they
+        fit together and with the model."""
+        f = "HiSparseConfig."
+        check_int(f + "top_k", self.top_k, minimum=1, example=2048, optional=True)
+        check_int(f + "device_buffer_size", self.device_buffer_size, minimum=1, optional=True)
+        _check_gib(f + "host_pool_gib", self.host_pool_gib, optional=True, example=64)
+        check_int(f + "block_size", self.block_size, minimum=1, maximum=MAX_BLOCK_SIZE, example=64)
+        check_bool(f + "eager_host_mirror", self.eager_host_mirror)
+        check_int(f + "max_query_len", self.max_query_len, minimum=1, example=1)
 
     def resolve(self, model_top_k: int | None = None) -> ResolvedHiSparseConfig:
         """Fill in defaults and check every limit; raises `HiSparseConfigError`."""
@@ -61,9 +75,7 @@ class HiSparseConfig:
                 "HiSparseConfig.top_k is not set and the model declares no index_topk; "
                 "set top_k, e.g. top_k=2048."
             )
-        _require_positive_int("top_k", top_k, example=2048)
-        _require_positive_int("block_size", self.block_size, example=64)
-        _require_positive_int("max_query_len", self.max_query_len, example=1)
+        check_int("HiSparseConfig.top_k", top_k, minimum=1, example=2048)
         minimum = self.max_query_len * top_k
         if self.device_buffer_size is None:
             buffer = (self.max_query_len + 1) * top_k
@@ -71,7 +83,6 @@ class HiSparseConfig:
                 buffer = max(minimum, MAX_DEVICE_BUFFER_SIZE)
         else:
             buffer = self.device_buffer_size
-            _require_positive_int("device_buffer_size", buffer, example=2 * top_k)
         if buffer < minimum:
             raise HiSparseConfigError(
                 f"HiSparseConfig.device_buffer_size={buffer} is smaller than "
@@ -89,19 +100,10 @@ class HiSparseConfig:
                     else f" (which also needs max_query_len * top_k <= {MAX_DEVICE_BUFFER_SIZE})."
                 )
             )
-        if not (
-            isinstance(self.host_pool_gib, int | float)
-            and math.isfinite(self.host_pool_gib)
-            and self.host_pool_gib > 0
-        ):
-            raise HiSparseConfigError(
-                f"HiSparseConfig.host_pool_gib={self.host_pool_gib!r} must be a positive number "
-                "of GiB, e.g. host_pool_gib=64."
-            )
         return ResolvedHiSparseConfig(
             top_k=top_k,
             device_buffer_size=buffer,
-            host_pool_bytes=int(self.host_pool_gib * 2**30),
+            host_pool_bytes=None if self.host_pool_gib is None else int(self.host_pool_gib * 2**30),
             block_size=self.block_size,
             eager_host_mirror=self.eager_host_mirror,
             max_query_len=self.max_query_len,
@@ -114,7 +116,8 @@ class ResolvedHiSparseConfig:
 
     top_k: int
     device_buffer_size: int
-    host_pool_bytes: int
+    #: ``None``: not chosen yet (`LLM` sizes it to the model before planning the layout)
+    host_pool_bytes: int | None
     block_size: int
     eager_host_mirror: bool
     max_query_len: int
@@ -135,10 +138,3 @@ class ResolvedHiSparseConfig:
     def min_host_blocks(self, max_model_len: int) -> int:
         """One request at max_model_len, plus the null block and a copy-on-write tail."""
         return cdiv(max_model_len, self.block_size) + 2
-
-
-def _require_positive_int(field: str, value: object, *, example: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise HiSparseConfigError(
-            f"HiSparseConfig.{field}={value!r} must be a positive integer, e.g. {field}={example}."
-        )

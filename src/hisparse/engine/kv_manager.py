@@ -74,13 +74,20 @@ class KVCacheManager:
             max_model_len,
             placement,  # type: ignore[arg-type]
         )
-        lay = self.layout
+        self.host_pool: HostPool | None = None
+        try:
+            self._allocate(max_num_seqs, device)
+        except BaseException:
+            self.close()  # the process's one host pool: a later engine must get it
+            raise
+
+    def _allocate(self, max_num_seqs: int, device: torch.device) -> None:
+        lay, config = self.layout, self.config
         self.gpu_raw = torch.empty(lay.gpu_pool_bytes, dtype=torch.uint8, device=device)
         # Poisoned (0xFF: NaN in every float format) so a read of a row nothing wrote shows
         # up as NaN in tests instead of passing as a plausible zero.
         self.gpu_raw.fill_(255)
         self.gpu_blocks = BlockPool(lay.gpu_num_blocks, "GPU block pool")
-        self.host_pool: HostPool | None = None
         self.host_blocks: BlockPool | None = None
         if self.offload:
             self.host_pool = HostPool(lay.host_pool_bytes, pin=device.type == "cuda")
@@ -282,9 +289,15 @@ class KVCacheManager:
             self.free_slots.append(b.slot)
 
     def close(self) -> None:
+        """Release the host pool and the device tensors now (idempotent). Views of them held
+        elsewhere (the runner's) keep device memory alive until they are dropped too."""
         if self.host_pool is not None:
             self.host_pool.close()
             self.host_pool = None
+        for name in ("gpu_raw", "table_stack", "host_table", "indexer_table"):
+            setattr(self, name, None)
+        self.resident_tables, self.hot_block_tables = [], []
+        self.requests = {}
 
     # --- block tables --------------------------------------------------------------------
     @staticmethod

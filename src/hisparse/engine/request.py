@@ -1,4 +1,5 @@
-"""A request's life in the engine: tokens, status, metrics, and what `generate` returns."""
+"""A request's life in the engine: tokens, status, metrics, and what `generate` returns
+(vLLM's shape: a `RequestOutput` per prompt holding a `CompletionOutput` per completion)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hisparse.engine.sampling import SamplingParams
+from hisparse.engine.sampling import PenaltyState, SamplingParams
 
 
 class Status(enum.Enum):
@@ -59,10 +60,23 @@ class Request:
     text: str = ""
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     generator: torch.Generator | None = None
+    #: which of the prompt's ``n`` completions this is
+    index: int = 0
+    #: per output token ``{token_id: logprob}`` (``params.logprobs`` set), else None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    #: the stop string or stop token id that ended the request (None: EOS, length, error)
+    stop_reason: str | int | None = None
+    #: the penalties' device state (`hisparse.engine.sampling.PenaltyState`)
+    sampler_state: PenaltyState | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            self.generator = torch.Generator().manual_seed(
+                completion_seed(self.params.seed, self.index)
+            )
+        if self.params.logprobs is not None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -84,25 +98,91 @@ class Request:
 
     @property
     def max_total_tokens(self) -> int:
-        return len(self.prompt_token_ids) + self.params.max_tokens
+        """Prompt plus the most new tokens (unbounded without ``max_tokens``: the
+        engine's ``max_model_len`` caps it)."""
+        most = self.params.max_tokens
+        return len(self.prompt_token_ids) + (most if most is not None else 1 << 62)
 
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
 
+def completion_seed(seed: int, index: int) -> int:
+    """The seed of completion ``index`` of a request seeded ``seed``: ``seed`` itself for the
+    first (``n=1`` draws what it always drew), a 64-bit mix of both for the others."""
+    if index == 0:
+        return seed
+    x = (seed + index * 0x9E3779B97F4A7C15) & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return x ^ (x >> 31)
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt (vLLM's ``CompletionOutput``; ``error`` and ``metrics``
+    are hisparse's additions)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    #: ``"stop"`` (EOS, a stop string or stop token), ``"length"``, ``"error"``, ``"abort"``
+    finish_reason: str | None
+    #: per token ``{token_id: logprob}`` when ``SamplingParams.logprobs`` was set
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    stop_reason: str | int | None = None
+    #: why this completion failed (``finish_reason == "error"``)
+    error: str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @classmethod
+    def of(cls, req: Request) -> CompletionOutput:
+        return cls(
+            index=req.index,
+            text=req.text,
+            token_ids=list(req.output_token_ids),
+            finish_reason=req.finish_reason,
+            logprobs=req.logprobs,
+            cumulative_logprob=req.cumulative_logprob,
+            stop_reason=req.stop_reason,
+            error=req.error,
+            metrics=req.metrics,
+        )
+
+
 @dataclass
 class RequestOutput:
-    """What `LLM.generate` returns for one prompt (in input order)."""
+    """What `LLM.generate` returns for one prompt (in input order), shaped like vLLM's.
 
-    req_id: str
+    ``text``, ``token_ids`` and ``finish_reason`` read the first completion (the usual
+    ``n=1`` case); ``error`` is the first error among the completions, ``ok`` that there is
+    none. ``metrics`` are the first completion's (each has its own in
+    ``outputs[i].metrics``)."""
+
+    request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    error: str | None
-    metrics: RequestMetrics
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def error(self) -> str | None:
+        return next((o.error for o in self.outputs if o.error is not None), None)
 
     @property
     def ok(self) -> bool:

@@ -1,70 +1,195 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, seeded)."""
+"""Sampling parameters (vLLM's names and semantics) and the batched sampler.
+
+The sampler works on one step's logits ``[B, V]``: ``min_tokens`` masking and the penalties
+first (on the device, only on the rows that ask for them), then one batched argmax for the
+greedy rows, one batched temperature / top-k / top-p / softmax for the sampled rows and one
+copy of their probabilities to the host, where each row draws with its own generator. A step
+reads the device back a fixed number of times, whatever its number of requests; logprobs,
+when asked for, add three small reads for all the rows that want them together.
+"""
 
 from __future__ import annotations
 
-import math
-import operator
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from hisparse.validation import _fail, check_bool, check_float, check_int, is_integer
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each new token and when to stop.
+    """How to pick each new token and when to stop (the fields and semantics of vLLM's
+    ``SamplingParams`` that hisparse implements).
 
-    ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1`` switch those filters off.
-    ``seed`` makes a request's random choices reproducible whatever else runs beside it.
-    Generation stops at ``max_tokens`` new tokens, at an end-of-sequence token (unless
-    ``ignore_eos``), at one of ``stop_token_ids``, or when the text ends with one of ``stop``
-    (the stop string is cut from the returned text).
+    Every field is checked when the object is made: a wrong type raises a `TypeError`, a
+    value out of range a `ValueError`, each naming the field and what would work.
+
+    Args:
+        temperature: ``0`` is greedy; otherwise logits are divided by it before sampling.
+        top_p: keep the smallest set of most likely tokens whose probability reaches it
+            (``1`` = off), in ``(0, 1]``.
+        top_k: keep the ``top_k`` most likely tokens (``0`` or ``-1`` = off).
+        max_tokens: most new tokens (``None``: up to ``max_model_len``).
+        stop: strings that end the generation; the text is cut before the stop string.
+        stop_token_ids: token ids that end the generation (the token stays in ``token_ids``).
+        seed: makes this request's random draws reproducible whatever runs beside it; with
+            ``n > 1`` completion ``i`` draws from a generator seeded from ``(seed, i)``.
+        ignore_eos: go on past the model's end-of-sequence tokens.
+        n: completions of the prompt (each is prefilled separately: no prefix sharing yet).
+        min_tokens: the end-of-sequence tokens and ``stop_token_ids`` cannot be sampled, and
+            ``stop`` strings are not looked for, before this many new tokens.
+        logprobs: with a number ``k``, each new token gets a dict ``{token_id: logprob}`` of
+            the sampled token and the ``k`` most likely ones, log-probabilities of the
+            model's raw distribution (before penalties, temperature, top-k and top-p, as
+            vLLM's default ``raw_logprobs``). ``None``: no logprobs.
+        repetition_penalty: tokens seen in the prompt or the output have a positive logit
+            divided by it and a negative one multiplied by it (``1`` = off), ``> 0``.
+        presence_penalty: subtracted from the logit of every token already in the output,
+            in ``[-2, 2]``.
+        frequency_penalty: subtracted from a token's logit once per time it is already in
+            the output, in ``[-2, 2]``.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_tokens: int = 16
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    max_tokens: int | None = 16
+    stop: str | Sequence[str] | None = ()
+    stop_token_ids: Sequence[int] | None = ()
     seed: int | None = None
     ignore_eos: bool = False
+    n: int = 1
+    min_tokens: int = 0
+    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "top_k", _integer("top_k", self.top_k))
-        object.__setattr__(self, "max_tokens", _integer("max_tokens", self.max_tokens))
-        if self.seed is not None:
-            object.__setattr__(self, "seed", _integer("seed", self.seed))
-        ids = tuple(_integer("stop_token_ids", t) for t in self.stop_token_ids)
-        object.__setattr__(self, "stop_token_ids", ids)
-        if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise ValueError(f"seed={self.seed} must be in [0, 2**64).")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(
-                f"temperature={self.temperature} must be finite and >= 0 (0 = greedy)."
-            )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1].")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off).")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1.")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty (an empty one matches at once).")
+        f = "SamplingParams."
+        top_k = check_int(f + "top_k", self.top_k, minimum=-1, example=50, what=" (0, -1: off)")
+        checked = dict(
+            temperature=check_float(
+                f + "temperature", self.temperature, minimum=0, example=0.7, what=" (0: greedy)"
+            ),
+            top_p=check_float(f + "top_p", self.top_p, minimum=0, open_min=True, maximum=1),
+            top_k=max(top_k or 0, 0),
+            max_tokens=check_int(
+                f + "max_tokens", self.max_tokens, minimum=1, example=16, optional=True
+            ),
+            stop=_stop_strings(self.stop),
+            stop_token_ids=_stop_ids(self.stop_token_ids),
+            seed=check_int(f + "seed", self.seed, minimum=0, maximum=2**64 - 1, optional=True),
+            ignore_eos=check_bool(f + "ignore_eos", self.ignore_eos),
+            n=check_int(f + "n", self.n, minimum=1, example=1),
+            min_tokens=check_int(f + "min_tokens", self.min_tokens, minimum=0),
+            logprobs=check_int(f + "logprobs", self.logprobs, minimum=0, example=5, optional=True),
+            repetition_penalty=check_float(
+                f + "repetition_penalty",
+                self.repetition_penalty,
+                minimum=0,
+                open_min=True,
+                example=1.1,
+                what=" (1: off)",
+            ),
+            presence_penalty=check_float(
+                f + "presence_penalty", self.presence_penalty, minimum=-2, maximum=2
+            ),
+            frequency_penalty=check_float(
+                f + "frequency_penalty", self.frequency_penalty, minimum=-2, maximum=2
+            ),
+        )
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail(f + "min_tokens", self.min_tokens, f"<= max_tokens={self.max_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """Any of the repetition, presence or frequency penalties is on."""
+        return (
+            self.repetition_penalty != 1
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+        )
 
-def _integer(name: str, value: object) -> int:
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise ValueError(f"{name}={value!r} must be an integer.") from None
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    field = "SamplingParams.stop"
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    if isinstance(stop, bytes | Mapping) or not isinstance(stop, Sequence | Set):
+        _fail(field, stop, "a string or a list of strings", type_error=True)
+    out = tuple(stop)
+    for s in out:
+        if not isinstance(s, str):
+            _fail(
+                field, stop, "a string or a list of strings (stop tokens by id go in "
+                f"stop_token_ids); it holds {s!r}, a {type(s).__name__}", type_error=True,
+            )  # fmt: skip
+        if not s:
+            _fail(field, stop, "non-empty strings (an empty one would match at once)")
+    return out
+
+
+def _stop_ids(ids: Any) -> tuple[int, ...]:
+    field = "SamplingParams.stop_token_ids"
+    if ids is None:
+        return ()
+    if isinstance(ids, str | bytes | Mapping) or not isinstance(ids, Sequence | Set):
+        _fail(field, ids, "a list of token ids (non-negative integers)", type_error=True)
+    out = []
+    for t in ids:
+        if not is_integer(t):
+            _fail(field, ids, f"a list of integers; it holds {t!r}", type_error=True)
+        out.append(check_int(field, t, minimum=0))
+    return tuple(out)
+
+
+# -- the sampler -------------------------------------------------------------------------------
+
+
+class PenaltyState:
+    """One request's token counts on the device (the penalties' input): output tokens by
+    id, and (for the repetition penalty) which ids its prompt holds. Made on the first step
+    that needs it and brought up to date with the new output tokens each step."""
+
+    def __init__(self, prompt: Sequence[int], vocab: int, device: torch.device, rep: bool):
+        self.device = device
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.prompt_mask: torch.Tensor | None = None
+        if rep:
+            self.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+            ids = torch.tensor([t for t in prompt if 0 <= t < vocab], dtype=torch.long)
+            self.prompt_mask[ids.to(device)] = True
+        self.counted = 0
+
+
+@dataclass
+class Sampled:
+    """One step's sampling: a token per row (``None``: that row's logits give no
+    distribution, so only its request fails) and, for rows that asked, the logprobs dict."""
+
+    tokens: list[int | None]
+    logprobs: list[dict[int, float] | None]
+
+
+@dataclass
+class _Row:
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    sampler_state: PenaltyState | None = None
 
 
 def sample(
@@ -72,37 +197,155 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> list[int | None]:
-    """One token per row of ``logits [B, V]`` (computed in fp32); ``None`` for a sampled row
-    whose logits give no distribution (not finite), so only that request fails.
+    """One token per row of ``logits [B, V]`` for rows without history (no penalties
+    apply to an empty output); see `sample_rows`."""
+    rows = [_Row(p, g) for p, g in zip(params, generators, strict=True)]
+    return sample_rows(logits, rows).tokens
 
-    Greedy rows are decided by one batched argmax and one device-to-host copy, so a decode
-    step of many requests syncs with the device once, not once per request. Sampled rows are
-    shifted by their maximum before the temperature divides them: any temperature > 0 stays
-    finite (a tiny one approaches greedy)."""
-    out: list[int | None] = [0] * len(params)
-    logits = logits.float()
+
+def sample_rows(
+    logits: torch.Tensor, rows: Sequence[Any], eos_token_ids: Set[int] = frozenset()
+) -> Sampled:
+    """Sample one token for each row of ``logits [B, V]`` (computed in fp32).
+
+    ``rows[i]`` has ``params``, ``generator``, ``prompt_token_ids``, ``output_token_ids``
+    and ``sampler_state`` (a `Request`; the state is kept there between steps).
+
+    A greedy row without penalties or ``min_tokens`` masking is the argmax of its logits,
+    bit for bit as before penalties existed. Sampled rows are shifted by their maximum
+    before the temperature divides them: any temperature > 0 stays finite (a tiny one
+    approaches greedy)."""
+    params = [r.params for r in rows]
+    B = len(rows)
+    tokens: list[int | None] = [0] * B
+    if B == 0:
+        return Sampled(tokens, [])
+    raw = logits.float()
+    x = process_logits(raw, rows, eos_token_ids)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
-        rows = logits if len(greedy) == len(params) else logits[greedy]
-        for i, tok in zip(greedy, torch.argmax(rows, dim=-1).tolist(), strict=True):
-            out[i] = int(tok)
-    for i, (row, p, gen) in enumerate(zip(logits, params, generators, strict=True)):
-        if p.greedy:
-            continue
-        x = (row - row.max()) / p.temperature
-        if p.top_k:
-            kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
-            x = torch.where(x < kth, torch.full_like(x, float("-inf")), x)
-        probs = torch.softmax(x, dim=-1)
-        if p.top_p < 1:
-            sorted_p, order = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sorted_p, 0)
-            drop = cum - sorted_p > p.top_p  # keep the smallest prefix reaching top_p
-            sorted_p[drop] = 0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+        chosen = x if len(greedy) == B else x[greedy]
+        for i, tok in zip(greedy, torch.argmax(chosen, dim=-1).tolist(), strict=True):
+            tokens[i] = int(tok)
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if drawn:
+        probs = _probabilities(x if len(drawn) == B else x[drawn], [params[i] for i in drawn])
         probs = probs.cpu()
-        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
-            out[i] = None
-            continue
-        out[i] = int(torch.multinomial(probs, 1, generator=gen))
+        for j, i in enumerate(drawn):
+            row = probs[j]
+            if not bool(torch.isfinite(row).all()) or not float(row.sum()) > 0:
+                tokens[i] = None
+                continue
+            tokens[i] = int(torch.multinomial(row, 1, generator=rows[i].generator))
+    return Sampled(tokens, _logprobs(raw, params, tokens))
+
+
+def process_logits(
+    raw: torch.Tensor, rows: Sequence[Any], eos_token_ids: Set[int] = frozenset()
+) -> torch.Tensor:
+    """``raw [B, V]`` fp32 logits after ``min_tokens`` masking and the penalties: ``raw``
+    itself when no row asks for either, else a copy changed only in the rows that do."""
+    params = [r.params for r in rows]
+    dev, V = raw.device, raw.shape[-1]
+    pen = [i for i, p in enumerate(params) if p.penalized]
+    masked_rows: list[int] = []
+    masked_ids: list[int] = []
+    for i, (r, p) in enumerate(zip(rows, params, strict=True)):
+        if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
+            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            ids = sorted(t for t in ids if 0 <= t < V)
+            masked_rows += [i] * len(ids)
+            masked_ids += ids
+    if not pen and not masked_rows:
+        return raw
+    x = raw.clone()
+    if pen:
+        _apply_penalties(x, [rows[i] for i in pen], pen)
+    if masked_rows:
+        where = torch.tensor([masked_rows, masked_ids], dtype=torch.long).to(dev)
+        x[where[0], where[1]] = float("-inf")
+    return x
+
+
+def _probabilities(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, softmax and top-p, batched over the sampled rows ``x``."""
+    dev, V = x.device, x.shape[-1]
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(dev)
+    x = (x - x.max(dim=-1, keepdim=True).values) / temps[:, None]
+    ks = [min(p.top_k, V) for p in params]
+    if any(ks):
+        top = torch.topk(x, max(ks), dim=-1).values
+        k_t = torch.tensor(ks, dtype=torch.long).to(dev)
+        kth = top.gather(1, (k_t - 1).clamp_min(0)[:, None])
+        kth = torch.where(k_t[:, None] > 0, kth, float("-inf"))
+        x = torch.where(x < kth, float("-inf"), x)
+    probs = torch.softmax(x, dim=-1)
+    if any(p.top_p < 1 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev)[:, None]
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        drop = (cum - sorted_p > top_p) & (top_p < 1)  # keep the smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0))
+    return probs
+
+
+def _apply_penalties(x: torch.Tensor, rows: list[Any], index: list[int]) -> None:
+    """vLLM's repetition (prompt + output), frequency and presence (output) penalties on
+    rows ``index`` of ``x``, in place; one host-to-device copy of the new output tokens."""
+    dev, V = x.device, x.shape[-1]
+    states = []
+    for r in rows:
+        st = r.sampler_state
+        if st is None or st.device != dev or st.counts.shape[0] != V:
+            rep = r.params.repetition_penalty != 1
+            st = r.sampler_state = PenaltyState(r.prompt_token_ids, V, dev, rep)
+        states.append(st)
+    new = [list(r.output_token_ids[st.counted :]) for r, st in zip(rows, states, strict=True)]
+    flat = [t for ts in new for t in ts]
+    if flat:
+        ids = torch.tensor(flat, dtype=torch.long).to(dev)
+        at = 0
+        for st, ts in zip(states, new, strict=True):
+            if ts:
+                st.counts.index_add_(0, ids[at : at + len(ts)], torch.ones(len(ts), device=dev))
+                at += len(ts)
+    for r, st in zip(rows, states, strict=True):
+        st.counted = len(r.output_token_ids)
+    counts = torch.stack([st.counts for st in states])
+    p = [r.params for r in rows]
+    sub = x[index]
+    if any(q.repetition_penalty != 1 for q in p):
+        rep = torch.tensor([q.repetition_penalty for q in p], dtype=torch.float32).to(dev)[:, None]
+        no_prompt = torch.zeros(V, dtype=torch.bool, device=dev)
+        seen = torch.stack([no_prompt if s.prompt_mask is None else s.prompt_mask for s in states])
+        seen = seen | (counts > 0)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    coef = torch.tensor(
+        [[q.frequency_penalty for q in p], [q.presence_penalty for q in p]], dtype=torch.float32
+    ).to(dev)
+    sub = sub - coef[0][:, None] * counts - coef[1][:, None] * (counts > 0).float()
+    x[index] = sub
+
+
+def _logprobs(
+    raw: torch.Tensor, params: list[SamplingParams], tokens: list[int | None]
+) -> list[dict[int, float] | None]:
+    """``{token: logprob}`` of the sampled token and the ``logprobs`` most likely ones, for
+    the rows that asked (one read of the device for all of them)."""
+    out: list[dict[int, float] | None] = [None] * len(params)
+    want = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] is not None]
+    if not want:
+        return out
+    dev, V = raw.device, raw.shape[-1]
+    lp = torch.log_softmax(raw[want], dim=-1)
+    picked = torch.tensor([tokens[i] for i in want], dtype=torch.long).to(dev)
+    chosen = lp.gather(1, picked[:, None])[:, 0].tolist()
+    k = min(max(params[i].logprobs or 0 for i in want), V)
+    top_v, top_i = torch.topk(lp, k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for j, i in enumerate(want):
+        d = {int(tokens[i]): float(chosen[j])}  # type: ignore[arg-type]
+        for t, v in zip(top_i[j][: params[i].logprobs], top_v[j], strict=False):
+            d.setdefault(int(t), float(v))
+        out[i] = d
     return out

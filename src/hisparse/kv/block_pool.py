@@ -1,13 +1,15 @@
 """Reference-counted block allocator shared by the host pool and the GPU block pool.
 
 Block id 0 is the null block in both id spaces: a block table entry of 0 means "no page", so
-it is never handed out. Freed blocks go to the back of the free list, so a just-freed block is
-reused as late as possible (a stale copy of it would show up quickly in tests, not hide).
+it is never handed out. The free list is a stack: the most recently freed blocks are handed out
+first (in the order they were freed), so repeated requests keep reusing the same memory. The
+host pool is allocated lazily by the OS: reusing freed blocks last walked a large pool's
+untouched pages one call after another (resident memory grew with every `generate`).
+A fresh pool hands out blocks in ascending order.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 
 NULL_BLOCK = 0
@@ -24,7 +26,8 @@ class BlockPool:
         self.name = name
         self.num_blocks = num_blocks
         self._ref = [0] * num_blocks
-        self._free: deque[int] = deque(range(1, num_blocks))
+        #: free blocks, the next one to hand out last
+        self._free: list[int] = list(range(num_blocks - 1, 0, -1))
 
     @property
     def num_free(self) -> int:
@@ -42,7 +45,8 @@ class BlockPool:
             raise BlockPoolExhausted(
                 f"{self.name}: {n} blocks wanted, {len(self._free)} free of {self.num_usable}."
             )
-        ids = [self._free.popleft() for _ in range(n)]
+        ids = self._free[len(self._free) - n :][::-1] if n else []
+        del self._free[len(self._free) - n :]
         for b in ids:
             self._ref[b] = 1
         return ids
@@ -69,7 +73,7 @@ class BlockPool:
                 if r == 1:
                     released.append(b)
         finally:  # blocks released before a bad id stay released (as one by one)
-            self._free.extend(released)
+            self._free.extend(reversed(released))  # handed out again in the order freed
         return released
 
     def ref_count(self, block: int) -> int:

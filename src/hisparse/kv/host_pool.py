@@ -4,27 +4,46 @@ On CUDA the backing is ordinary host memory registered with ``cudaHostRegister``
 its size (portable + mapped), so the GPU reads it directly over PCIe (UVA zero-copy) and the
 registration is released deterministically by `HostPool.close`, not by the garbage collector.
 A CPU run gets plain memory: the reference ops read it the same way.
+
+The process-wide slot that enforces "one pool" holds the live pool by weak reference: a pool
+nobody holds any more (its `LLM` dropped without ``close()``) is released by its finalizer
+(`HostPool.__del__`), and a new pool first collects such garbage once before refusing, so a
+dropped engine never blocks the next one, and two registrations never coexist.
 """
 
 from __future__ import annotations
 
-import contextlib
+import gc
 import os
 import threading
+import weakref
 
 import torch
+
+from hisparse.validation import HiSparseConfigError
 
 #: Refuse a host pool above this fraction of the memory currently available.
 MAX_AVAILABLE_FRACTION = 0.95
 _CUDA_HOST_REGISTER_PORTABLE = 0x01
 _CUDA_HOST_REGISTER_MAPPED = 0x02
 
-_live_lock = threading.Lock()
-_live_pool: HostPool | None = None
+#: Reentrant: a pool's finalizer (``close``) may run from a collection inside the lock.
+_live_lock = threading.RLock()
+_live_ref: weakref.ref[HostPool] | None = None
 
 
 class HostPoolError(RuntimeError):
     """The host pool cannot be created as configured; the message says what to change."""
+
+
+class HostPoolSizeError(HiSparseConfigError, HostPoolError):
+    """A host pool larger than the memory available (also a ValueError: a setting to change)."""
+
+
+def live_pool() -> HostPool | None:
+    """The process's open host pool, if any."""
+    pool = _live_ref() if _live_ref is not None else None
+    return pool if pool is not None and pool._backing is not None else None
 
 
 def available_host_bytes() -> int:
@@ -43,10 +62,12 @@ def check_host_memory(size: int, available: int | None = None) -> None:
     available = available_host_bytes() if available is None else available
     limit = int(available * MAX_AVAILABLE_FRACTION)
     if size > limit:
-        raise HostPoolError(
+        raise HostPoolSizeError(
             f"HiSparse host pool of {size / 2**30:.2f} GiB exceeds 95% of the "
             f"{available / 2**30:.2f} GiB of host memory available; set host_pool_gib <= "
-            f"{limit / 2**30:.2f}."
+            f"{limit / 2**30:.2f}.",
+            field="HiSparseConfig.host_pool_gib",
+            value=size / 2**30,
         )
 
 
@@ -54,22 +75,27 @@ class HostPool:
     """One pinned (CUDA) or plain (CPU) host backing of ``size`` bytes, one per process."""
 
     def __init__(self, size: int, *, pin: bool | None = None) -> None:
-        global _live_pool
+        global _live_ref
+        self._backing: torch.Tensor | None = None
+        self._registered = False
         if size <= 0:
             raise HostPoolError(f"HiSparse host pool size must be positive, got {size} bytes.")
-        check_host_memory(size)
         self.size = size
         self.pinned = torch.cuda.is_available() if pin is None else pin
         if self.pinned and not torch.cuda.is_available():
             raise HostPoolError("a pinned host pool needs CUDA; use pin=False on a CPU run.")
+        if live_pool() is not None:
+            # a pool only garbage holds (an engine dropped inside a reference cycle) is
+            # released by the collection; a pool something still holds stays and is refused
+            gc.collect()
+        check_host_memory(size)
         with _live_lock:
-            if _live_pool is not None:
+            if live_pool() is not None:
                 raise HostPoolError(
                     "a HiSparse host pool already exists in this process; close() it first "
                     "(one pinned backing per process keeps registration exact and bounded)."
                 )
-            self._backing: torch.Tensor | None = torch.empty(size, dtype=torch.uint8)
-            self._registered = False
+            self._backing = torch.empty(size, dtype=torch.uint8)
             if self.pinned:
                 err = torch.cuda.cudart().cudaHostRegister(
                     self._backing.data_ptr(),
@@ -80,7 +106,7 @@ class HostPool:
                     self._backing = None
                     raise HostPoolError(f"cudaHostRegister of {size} bytes failed: {err}.")
                 self._registered = True
-            _live_pool = self
+            _live_ref = weakref.ref(self)
 
     @property
     def backing(self) -> torch.Tensor:
@@ -90,17 +116,17 @@ class HostPool:
 
     def close(self) -> None:
         """Unregister and drop the backing now (idempotent)."""
-        global _live_pool
+        global _live_ref
         with _live_lock:
-            if self._backing is None:
+            if getattr(self, "_backing", None) is None:
                 return
             if self._registered:
                 torch.cuda.synchronize()
                 torch.cuda.cudart().cudaHostUnregister(self._backing.data_ptr())
                 self._registered = False
             self._backing = None
-            if _live_pool is self:
-                _live_pool = None
+            if _live_ref is not None and _live_ref() in (self, None):
+                _live_ref = None
 
     def __enter__(self) -> HostPool:
         return self
@@ -109,8 +135,11 @@ class HostPool:
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # not contextlib.suppress: at interpreter exit the module's globals may be gone
+        try:  # noqa: SIM105
             self.close()
+        except Exception:
+            pass
 
 
 def is_host_pool_memory(tensor: torch.Tensor) -> bool:
@@ -119,7 +148,7 @@ def is_host_pool_memory(tensor: torch.Tensor) -> bool:
     torch's ``is_pinned`` may not recognise ranges registered with ``cudaHostRegister``; the
     pool knows its own range.
     """
-    pool = _live_pool
+    pool = live_pool()
     if pool is not None and pool._backing is not None and pool._registered:
         start = pool._backing.data_ptr()
         ptr = tensor.untyped_storage().data_ptr()

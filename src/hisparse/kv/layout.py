@@ -471,7 +471,8 @@ def _check_gpu_pool(layout: KVLayout, budget: int) -> None:
         raise HiSparseConfigError(
             f"the GPU KV budget of {format_gib(budget)} ({budget:,} B) is smaller than two "
             f"blocks of {per_block:,} B (block 0 is the null block), so it holds no usable "
-            f"block. Give the KV cache >= {ceil_gib(2 * per_block)} of GPU memory."
+            f"block. Give the KV cache >= {ceil_gib(2 * per_block)} of GPU memory "
+            "(gpu_memory_gib)."
         )
     per_request = layout.gpu_blocks_per_request(layout.max_model_len)
     need = per_request + NULL_BLOCKS
@@ -481,8 +482,8 @@ def _check_gpu_pool(layout: KVLayout, budget: int) -> None:
             f"the GPU KV budget of {format_gib(budget)} holds {layout.gpu_num_blocks} blocks "
             f"of {per_block:,} B, but one max_model_len={layout.max_model_len} request needs "
             f"{per_request} blocks plus the null block ({ceil_gib(need * per_block)}). Give the "
-            f"KV cache >= {ceil_gib(need * per_block)} of GPU memory, or lower max_model_len"
-            f"{hint}."
+            f"KV cache >= {ceil_gib(need * per_block)} of GPU memory (gpu_memory_gib), or lower "
+            f"max_model_len{hint}."
         )
 
 

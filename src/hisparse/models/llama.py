@@ -709,8 +709,8 @@ class LlamaForCausalLM(nn.Module):
         if x.device.type == "cpu":  # the same rotation in fewer ops per layer
             cos, sin = full_width_rope(cos, sin)
         plan = StepPlan.of(step)
-        if self._decode_one_cpu_applies(x, plan):
-            return self._decode_one_cpu(x, cos, sin, step, cache, plan)
+        if self._decode_one_cpu_applies(x, plan) and cache.row_format.torch_dtype == torch.float32:
+            return self._decode_one_cpu(x, cos, sin, step, cache, plan)  # writes fp32 rows
         for layer in self.model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             attn = layer.self_attn

@@ -171,10 +171,43 @@ class GgufTokenizer:
         return [] if self.eos_token_id is None else [self.eos_token_id]
 
     # --- chat --------------------------------------------------------------------------------
+    @property
+    def template(self) -> ChatTemplate | None:
+        """The compiled chat template, or None when the file has none."""
+        return self._template if self.chat_template else None
+
     @cached_property
-    def _template(self) -> Any:
+    def _template(self) -> ChatTemplate:
         if not self.chat_template:
             raise GgufError("this GGUF file has no tokenizer.chat_template")
+        return ChatTemplate(self.chat_template, self.bos_token or "", self.eos_token or "")
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """The prompt text for ``messages`` (``[{"role": ..., "content": ...}]``)."""
+        return self._template.render(
+            messages, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of the rendered chat prompt (the template writes any BOS itself)."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+
+class ChatTemplate:
+    """A Hugging Face chat template (jinja), rendered the way transformers renders it:
+    sandboxed, ``trim_blocks`` / ``lstrip_blocks``, ``raise_exception``, ``tojson``,
+    ``strftime_now``; ``bos_token`` / ``eos_token`` given to the template."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
         import jinja2
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -194,30 +227,54 @@ class GgufTokenizer:
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = strftime_now
-        return env.from_string(self.chat_template)
+        self.source = source
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self._template = env.from_string(source)
 
-    def apply_chat_template(
+    def render(
         self,
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
         **kwargs: Any,
     ) -> str:
-        """The prompt text for ``messages`` (``[{"role": ..., "content": ...}]``)."""
         return self._template.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
             **kwargs,
         )
 
-    def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
-    ) -> list[int]:
-        """Token ids of the rendered chat prompt (the template writes any BOS itself)."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        return self.encode(text, add_special_tokens=False)
+
+def load_chat_template(folder: str | Path) -> ChatTemplate | None:
+    """The chat template of a checkpoint folder: ``chat_template.jinja``, or
+    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named templates:
+    the ``default`` one); ``None`` when it has none."""
+    folder = Path(folder)
+    config: dict[str, Any] = {}
+    cfg_file = folder / "tokenizer_config.json"
+    if cfg_file.is_file():
+        config = json.loads(cfg_file.read_text())
+    source: Any = None
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        source = jinja_file.read_text()
+    else:
+        source = config.get("chat_template")
+        if isinstance(source, list):
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+    if not isinstance(source, str) or not source:
+        return None
+
+    def token(key: str) -> str:
+        value = config.get(key)
+        if isinstance(value, dict):  # an AddedToken written out
+            value = value.get("content")
+        return value if isinstance(value, str) else ""
+
+    return ChatTemplate(source, token("bos_token"), token("eos_token"))
 
 
 def _opt_int(v: Any) -> int | None:
