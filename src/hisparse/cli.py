@@ -18,6 +18,7 @@ from rich.table import Table
 from hisparse.cli_bench import add_bench_parser
 from hisparse.cli_generate import add_generate_parser
 from hisparse.cli_make_tiny import add_make_tiny_parser
+from hisparse.cli_serve import add_serve_parser
 from hisparse.config import (
     ROW_ALIGNMENT_BYTES,
     HiSparseConfig,
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(sub)
     add_generate_parser(sub)
     add_bench_parser(sub)
+    add_serve_parser(sub)
     add_make_tiny_parser(sub)
     return parser
 

@@ -353,6 +353,17 @@ class LLM:
         self._check_open("chat")
         convs, _ = check_conversations(messages)
         check_bool("LLM.chat.add_generation_prompt", add_generation_prompt)
+        items = []
+        for i, conv in enumerate(convs):
+            where = "messages" if len(convs) == 1 else f"messages[{i}]"
+            text, ids = self._render_chat(conv, add_generation_prompt, where)
+            items.append((text, ids, None))
+        return self._generate(items, sampling_params, progress, None)
+
+    def _render_chat(
+        self, conv: list[dict[str, Any]], add_generation_prompt: bool, where: str
+    ) -> tuple[str, list[int]]:
+        """One checked conversation through the chat template: (text, token ids)."""
         if self.chat_template is None or self.tokenizer is None:
             raise ValueError(
                 "this model has no chat template (a GGUF file's tokenizer.chat_template, or "
@@ -361,18 +372,81 @@ class LLM:
             )
         import jinja2
 
-        items = []
-        for i, conv in enumerate(convs):
-            try:
-                text = self.chat_template.render(conv, add_generation_prompt=add_generation_prompt)
-            except jinja2.TemplateError as err:
-                where = "messages" if len(convs) == 1 else f"messages[{i}]"
-                raise ValueError(
-                    f"{where}: the model's chat template refused them: {err}"
-                ) from None
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            items.append((text, list(getattr(ids, "ids", ids)), None))
-        return self._generate(items, sampling_params, progress, None)
+        try:
+            text = self.chat_template.render(conv, add_generation_prompt=add_generation_prompt)
+        except jinja2.TemplateError as err:
+            raise ValueError(f"{where}: the model's chat template refused them: {err}") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return text, list(getattr(ids, "ids", ids))
+
+    # --- online use: requests added at any time, one step at a time (the server) ---------
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids (no chat template)."""
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer.json; send token ids instead")
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return list(getattr(ids, "ids", ids))
+
+    def chat_token_ids(self, messages: Any) -> list[int]:
+        """One conversation's prompt through the model's chat template, ready to generate."""
+        (conv,), _ = check_conversations([messages])
+        return self._render_chat(conv, True, "messages")[1]
+
+    def add_request(
+        self,
+        prompt_token_ids: Any,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        prompt: str | None = None,
+    ) -> list[Request]:
+        """Queue one prompt's ``params.n`` completions for `step` to run. Bad input raises
+        (`ValueError` / `TypeError` naming it) and queues nothing."""
+        self._check_open("add_request")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params={params!r} must be a SamplingParams")
+        ids = self._token_ids(prompt if prompt_token_ids is None else None, prompt_token_ids)
+        if isinstance(ids, str):
+            raise ValueError(ids)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        reqs = [
+            Request(
+                req_id=rid if params.n == 1 else f"{rid}.{j}",
+                prompt_token_ids=ids,
+                params=params,
+                prompt=prompt,
+                index=j,
+            )
+            for j in range(params.n)
+        ]
+        for req in reqs:
+            self.scheduler.add(req)
+        return reqs
+
+    def step(self) -> list[Request]:
+        """Run one engine step (its decode and prefill parts); the requests it changed: new
+        tokens, finished, or failed (a prompt the GPU pool can never hold)."""
+        self._check_open("step")
+        sched = self.scheduler
+        changed: dict[int, Request] = {}
+        for part in sched.schedule():
+            self.step_stats.append(self._run_part(part))
+            changed.update((id(r), r) for r, _ in part.batch)
+        changed.update((id(r), r) for r in sched.failed)
+        sched.failed.clear()
+        return list(changed.values())
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a queued or running request and free its blocks; False if it is not here."""
+        sched = self.scheduler
+        for req in [*sched.running, *sched.waiting]:
+            if req.req_id == request_id:
+                sched.abort(req)
+                return True
+        return False
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
 
     def _generate(
         self,

@@ -45,7 +45,7 @@ class RequestMetrics:
         return None if len(t) < 2 else (t[-1] - t[0]) / (len(t) - 1)
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: the scheduler's lists compare by identity
 class Request:
     req_id: str
     prompt_token_ids: list[int]

@@ -1,0 +1,1 @@
+"""`hisparse serve`: an OpenAI-compatible HTTP server over one engine loop."""

@@ -1,0 +1,124 @@
+"""The server's Prometheus metrics (``/metrics``), updated by the engine loop after each step.
+
+Names follow vLLM's where one exists (``vllm:`` becomes ``hisparse:``): running and waiting
+requests, preemptions, prompt and generation tokens, time to first token and inter-token
+latency; and HiSparse's own: hot-buffer hits and misses, rows and bytes swapped in from the
+host pool, host and GPU pool blocks in use. The swap counters live on the device; the loop
+reads them at most every ``flush_every`` seconds or when a request finishes (one copy each).
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from hisparse.engine.request import Request
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, *, flush_every: float = 1.0) -> None:
+        self.registry = CollectorRegistry()
+        r, label = self.registry, ["model_name"]
+        self.running = Gauge("hisparse:num_requests_running", "Requests running", label, registry=r)
+        self.waiting = Gauge("hisparse:num_requests_waiting", "Requests waiting", label, registry=r)
+        self.preemptions = Counter(
+            "hisparse:num_preemptions", "Requests preempted (recomputed later)", label, registry=r
+        )
+        self.aborted = Counter("hisparse:request_aborted", "Requests aborted", label, registry=r)
+        self.finished = Counter(
+            "hisparse:request_success", "Requests finished", [*label, "finished_reason"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "hisparse:prompt_tokens", "Prompt tokens of finished requests", label, registry=r
+        )
+        self.generation_tokens = Counter(
+            "hisparse:generation_tokens", "Tokens generated", label, registry=r
+        )
+        self.ttft = Histogram(
+            "hisparse:time_to_first_token_seconds",
+            "Time to first token",
+            label,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "hisparse:inter_token_latency_seconds",
+            "Time between two tokens of a request",
+            label,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.hits = Counter("hisparse:cache_hits", "Hot-buffer hits (rows)", label, registry=r)
+        self.misses = Counter(
+            "hisparse:cache_misses", "Hot-buffer misses (rows swapped in)", label, registry=r
+        )
+        self.h2d_bytes = Counter(
+            "hisparse:host_to_device_bytes",
+            "KV bytes swapped in from the host pool",
+            label,
+            registry=r,
+        )
+        self.host_used = Gauge(
+            "hisparse:host_pool_blocks_used", "Host pool blocks in use", label, registry=r
+        )
+        self.host_total = Gauge(
+            "hisparse:host_pool_blocks_total", "Host pool blocks", label, registry=r
+        )
+        self.gpu_used = Gauge(
+            "hisparse:gpu_pool_blocks_used", "GPU pool blocks in use", label, registry=r
+        )
+        self.gpu_total = Gauge(
+            "hisparse:gpu_pool_blocks_total", "GPU pool blocks", label, registry=r
+        )
+        self.model = model_name
+        self.flush_every = flush_every
+        self._last_flush = time.monotonic()
+        self._seen_tokens: dict[int, int] = {}
+
+    def _l(self, metric):
+        return metric.labels(model_name=self.model)
+
+    def after_step(self, llm, changed: list[Request], aborted: int = 0) -> None:
+        """Update everything from the engine's state after one step (engine thread)."""
+        sched, kv = llm.scheduler, llm.kv
+        self._l(self.running).set(len(sched.running))
+        self._l(self.waiting).set(len(sched.waiting))
+        if aborted:
+            self._l(self.aborted).inc(aborted)
+        any_done = False
+        for req in changed:
+            key = id(req)
+            seen = self._seen_tokens.get(key, 0)
+            times = req.metrics.token_times
+            new = len(req.output_token_ids) - seen
+            if new > 0:
+                self._l(self.generation_tokens).inc(new)
+                if seen == 0 and req.metrics.ttft is not None:
+                    self._l(self.ttft).observe(req.metrics.ttft)
+                for a, b in zip(times[max(seen - 1, 0) : -1], times[max(seen, 1) :], strict=True):
+                    self._l(self.itl).observe(b - a)
+            if req.finished:
+                any_done = True
+                self._seen_tokens.pop(key, None)
+                self.finished.labels(self.model, req.finish_reason or "unknown").inc()
+                self._l(self.prompt_tokens).inc(len(req.prompt_token_ids))
+                if req.metrics.preemptions:
+                    self._l(self.preemptions).inc(req.metrics.preemptions)
+            else:
+                self._seen_tokens[key] = len(req.output_token_ids)
+        self._l(self.gpu_total).set(kv.gpu_blocks.num_usable)
+        self._l(self.gpu_used).set(kv.gpu_blocks.num_usable - kv.gpu_blocks.num_free)
+        if kv.host_blocks is not None:
+            self._l(self.host_total).set(kv.host_blocks.num_usable)
+            self._l(self.host_used).set(kv.host_blocks.num_usable - kv.host_blocks.num_free)
+        now = time.monotonic()
+        if any_done or now - self._last_flush >= self.flush_every:
+            self._last_flush = now
+            for row in llm.runner.flush_metrics():
+                self._l(self.hits).inc(row.get("hits", 0))
+                self._l(self.misses).inc(row.get("misses", 0))
+                self._l(self.h2d_bytes).inc(row.get("bytes_swapped", 0))

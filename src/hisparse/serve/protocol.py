@@ -1,0 +1,129 @@
+"""The OpenAI request bodies the server accepts (pydantic), mapped onto `SamplingParams`.
+
+Field names and defaults follow OpenAI's API; ``top_k``, ``min_tokens``, ``repetition_penalty``,
+``ignore_eos`` and ``stop_token_ids`` are accepted as extra fields, as vLLM does. Unknown
+fields are ignored (as OpenAI clients send fields a server may not know).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hisparse.engine.sampling import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """`SamplingParams` of this body (its checks name the field: a ValueError/TypeError
+        becomes a 400 answer)."""
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            max_tokens=max_tokens,
+            stop=self.stop or (),
+            stop_token_ids=self.stop_token_ids or (),
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            n=self.n,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+        )
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or token ids (OpenAI accepts a batch in a list)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The message's text (OpenAI's list-of-parts form: its text parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(
+                    "messages[].content: only text parts ({'type': 'text', 'text': ...}) are "
+                    "supported"
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def limit(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else (self.max_tokens)
+        )
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
