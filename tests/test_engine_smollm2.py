@@ -94,10 +94,9 @@ def test_smollm2_5000_token_prompt_in_chunks_equals_one_step():
             chunks = (5000, 2048) if placement == "gpu" else (512,)
             for chunk in chunks:
                 llm.scheduler.max_num_batched_tokens = chunk
-                first = len(llm.step_stats)
                 (out,) = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
                 assert out.ok, out.error
-                prefill = [s["tokens"] for s in llm.step_stats[first:] if not s["decode"]]
+                prefill = [s["tokens"] for s in llm.last_run_stats if not s["decode"]]
                 assert prefill == [chunk] * (5000 // chunk) + ([5000 % chunk] * (5000 % chunk > 0))
                 runs[placement, chunk] = out.token_ids
     one = runs["gpu", 5000]
