@@ -230,8 +230,8 @@ def test_llm_arguments(checkpoint, data):
     assert live_pool() is None
 
 
-# (a bare int is no bad prompt here: a list of ints is one prompt, so [5] would be valid)
 GOOD_PROMPT = st.lists(st.integers(0, 511), min_size=1, max_size=30)
+# (a bare int is no bad prompt here: a list of ints is one prompt, so [5] would be valid)
 BAD_PROMPT = st.sampled_from(
     [[], [512], [-1], [3, 10**20], ["7"], [1.0], [True], [None], None, "text", list(range(128)),
      list(range(200)), [[1, 2]], {"ids": [1]}]
