@@ -108,6 +108,7 @@ def build_checkpoint(args: argparse.Namespace, where: Path) -> Path:
 
 def make_llm(args: argparse.Namespace, ckpt: Path, placement: str, max_batch: int) -> Any:
     from hisparse import HiSparseConfig
+    from hisparse.bench.hooks import BenchHooks
     from hisparse.engine.llm import LLM
     from hisparse.kv.row_formats import mla_row_bytes
 
@@ -130,8 +131,10 @@ def make_llm(args: argparse.Namespace, ckpt: Path, placement: str, max_batch: in
         device=args.device,
         kv_format=args.kv_format,
         max_num_batched_tokens=max_batch * max_len,  # every prompt in one prefill step
-        topk_replay=args.overlap if args.overlap > 0 else None,
-        synthetic_prefill=not args.real_prefill,
+        step_hooks=BenchHooks(
+            topk_overlap=args.overlap if args.overlap > 0 else None,
+            synthetic_prefill=not args.real_prefill,
+        ),
         cuda_graphs=True,
     )
 

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from api_helpers import TINY_LLM, prompts, tiny_llm
 from hisparse import LLM, HiSparseConfig, SamplingParams
+from hisparse.engine.hooks import StepHooks
 from hisparse.engine.llm import KV_FORMATS
 from hisparse.engine.sampling import _Row, sample_rows
 from hisparse.kv.host_pool import live_pool
@@ -179,10 +180,7 @@ LLM_VALUES = {
     "kv_format": [*KV_FORMATS, "fp16"],
     "indexer": ["fp8", "exact", "quest"],
     "max_num_batched_tokens": [1, 7, 2**62, 0],
-    "topk_replay": [None, 0.0, 0.5, 1.0, 1.5],
-    "synthetic_prefill": [False, True],
-    "timing": [False, True],
-    "seed": [0, 2**63 - 1, 2**63],
+    "step_hooks": [None, StepHooks(), 3],
     "cuda_graphs": [None, False, True],
     "schedule": ["mixed", "prefill-first", "fifo"],
 }

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from hisparse import HiSparseConfig
+from hisparse.bench.hooks import BenchHooks
+from hisparse.bench.replay import replay_step
 from hisparse.cli import main
 from hisparse.engine.llm import LLM
-from hisparse.engine.replay import replay_step
 from hisparse.engine.sampling import SamplingParams
 
 pytest.importorskip("transformers")
@@ -49,17 +50,16 @@ def _run(path, placement, *, overlap=0.8, synthetic=True, seed=0, batched=2048):
         max_model_len=160,
         max_num_seqs=3,
         gpu_memory_gib=0.02,
-        topk_replay=overlap,
-        synthetic_prefill=synthetic,
-        seed=seed,
-        timing=True,
+        step_hooks=BenchHooks(
+            topk_overlap=overlap, synthetic_prefill=synthetic, seed=seed, timing=True
+        ),
         max_num_batched_tokens=batched,
     )
-    assert llm.runner.replay is not None
-    llm.runner.replay.log = []
+    assert llm.runner.hooks.replay is not None
+    llm.runner.hooks.replay.log = []
     with llm:
         outs = llm.generate(prompt_token_ids=_prompts(), sampling_params=PARAMS)
-        log = llm.runner.replay.log
+        log = llm.runner.hooks.replay.log
         stats = [s for s in llm.step_stats if s["decode"]]
     assert all(o.ok for o in outs), [o.error for o in outs]
     return outs, log, stats
@@ -255,8 +255,8 @@ def test_zero_or_negative_token_limit_is_a_usage_error(tmp_path, capsys, flag, v
     ],
 )
 def test_token_limits_default_when_omitted(tmp_path, extra, max_len, batched):
+    from hisparse.bench.cli import parse_args_checked
     from hisparse.cli import build_parser
-    from hisparse.cli_bench import parse_args_checked
 
     (tmp_path / "config.json").write_text("{}")
     cfg = parse_args_checked(build_parser().parse_args(_minimal_bench_argv(tmp_path, *extra)))
@@ -297,7 +297,7 @@ def test_missing_model(tmp_path, capsys):
 
 
 def test_same_tokens_compared_only_under_the_same_schedule():
-    from hisparse.cli_bench import ratio_rows
+    from hisparse.bench.cli import ratio_rows
 
     def row(placement, tokens, schedule):
         return dict(placement=placement, concurrency=2, peak_running=2, decode_tok_s=1.0,
@@ -321,7 +321,7 @@ def test_warmup_batches_cover_every_graph_size_a_run_can_meet():
     gets a warm-up cell, so no capture or kernel compile falls inside the timed run."""
     from types import SimpleNamespace
 
-    from hisparse.cli_bench import warmup_batches
+    from hisparse.bench.cli import warmup_batches
     from hisparse.engine.cuda_graphs import DecodeGraphs
 
     graphs = DecodeGraphs(36, torch.device("cpu"), capture=False)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hisparse import HiSparseConfig
+from hisparse.bench.hooks import BenchHooks
 from hisparse.config import HiSparseConfigError
 from hisparse.engine.llm import LLM
 from hisparse.engine.sampling import SamplingParams
@@ -290,14 +291,13 @@ def test_padded_decode_replays_the_same_selections(checkpoint, synthetic):
             max_model_len=96,
             max_num_seqs=4,
             gpu_memory_gib=0.02,
-            topk_replay=0.8,
-            synthetic_prefill=synthetic,
+            step_hooks=BenchHooks(topk_overlap=0.8, synthetic_prefill=synthetic),
             hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4, device_buffer_size=32),
             **kw,
         ) as llm:
-            llm.runner.replay.log = []
+            llm.runner.hooks.replay.log = []
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-            log = sorted((k, n, ld, s.tolist()) for ld, k, n, s in llm.runner.replay.log)
+            log = sorted((k, n, ld, s.tolist()) for ld, k, n, s in llm.runner.hooks.replay.log)
         runs[name] = (_tokens(outs), log, sum(o.metrics.misses for o in outs))
     assert runs["padded"] == runs["eager"]
     assert runs["padded"][2] > 0

@@ -183,9 +183,9 @@ def test_bad_engine_and_sampling_arguments(checkpoint):
 
 def test_a_failed_construction_gives_the_host_pool_back(checkpoint):
     """The process has one pinned host pool; an LLM() that fails after taking it (here: a
-    replay overlap outside [0, 1]) must not keep it from the next LLM()."""
-    with pytest.raises(ValueError):
-        _llm(checkpoint, topk_replay=2.0)
+    step_hooks argument of the wrong type) must not keep it from the next LLM()."""
+    with pytest.raises(TypeError):
+        _llm(checkpoint, step_hooks=2.0)
     with _llm(checkpoint) as llm:
         (out,) = llm.generate(prompt_token_ids=_prompts((20,)), sampling_params=LONG)
         assert out.ok

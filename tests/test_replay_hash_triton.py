@@ -18,9 +18,9 @@ pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction
 
-from hisparse.engine import replay_triton
-from hisparse.engine.replay import hash_rows, row_bases
-from hisparse.engine.replay_triton import replay_hash_triton
+from hisparse.bench import replay_triton
+from hisparse.bench.replay import hash_rows, row_bases
+from hisparse.bench.replay_triton import replay_hash_triton
 
 pytestmark = pytest.mark.skipif(
     not isinstance(replay_triton._replay_hash_kernel, InterpretedFunction),

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
-from hisparse.cli_bench import add_bench_parser
+from hisparse.bench.cli import add_bench_parser
 from hisparse.cli_generate import add_generate_parser
 from hisparse.cli_make_tiny import add_make_tiny_parser
 from hisparse.cli_serve import add_serve_parser

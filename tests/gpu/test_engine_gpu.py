@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hisparse import HiSparseConfig
+from hisparse.bench.hooks import BenchHooks
 from hisparse.engine.llm import LLM
 from hisparse.engine.sampling import SamplingParams
 
@@ -74,13 +75,11 @@ def test_topk_replay_is_lossless_on_cuda(checkpoint, synthetic):
             kv_format="bf16",
             max_model_len=192,
             gpu_memory_gib=0.05,
-            topk_replay=0.8,
-            synthetic_prefill=synthetic,
-            timing=True,
+            step_hooks=BenchHooks(topk_overlap=0.8, synthetic_prefill=synthetic, timing=True),
         ) as llm:
-            llm.runner.replay.log = []
+            llm.runner.hooks.replay.log = []
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-            log = llm.runner.replay.log
+            log = llm.runner.hooks.replay.log
             logs[placement] = sorted((k, n, ld, s.tolist()) for ld, k, n, s in log)
             dec = [s for s in llm.step_stats if s["decode"]]
         assert all(o.ok for o in outs), [o.error for o in outs]
@@ -196,14 +195,14 @@ def test_cuda_graphs_replay_the_same_selections(checkpoint):
     for placement in ("gpu", "hisparse"):
         for graphs in (True, False):
             kw = dict(kv_placement=placement, device="cuda", dtype="float32", kv_format="bf16",
-                      max_model_len=192, max_num_seqs=4, gpu_memory_gib=0.05, topk_replay=0.8,
-                      synthetic_prefill=True, cuda_graphs=graphs,
+                      max_model_len=192, max_num_seqs=4, gpu_memory_gib=0.05, cuda_graphs=graphs,
+                      step_hooks=BenchHooks(topk_overlap=0.8, synthetic_prefill=True),
                       hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4,
                                               device_buffer_size=32))  # fmt: skip
             with LLM(checkpoint, **kw) as llm:
-                llm.runner.replay.log = []
+                llm.runner.hooks.replay.log = []
                 outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-                log = sorted((k, n, ld, s.tolist()) for ld, k, n, s in llm.runner.replay.log)
+                log = sorted((k, n, ld, s.tolist()) for ld, k, n, s in llm.runner.hooks.replay.log)
                 if graphs:
                     assert llm.runner.graphs.graphs
             runs[placement, graphs] = ([o.token_ids for o in outs], log)

@@ -26,8 +26,9 @@ from typing import Any
 import torch
 
 from hisparse.config import ROW_ALIGNMENT_BYTES, HiSparseConfig, cdiv, check_gib
+from hisparse.engine.hooks import StepHooks
 from hisparse.engine.kv_manager import KVCacheManager
-from hisparse.engine.model_runner import ModelRunner, ReplaySettings, engine_specs
+from hisparse.engine.model_runner import ModelRunner, engine_specs
 from hisparse.engine.request import CompletionOutput, Request, RequestOutput, Status
 from hisparse.engine.sampling import SamplingParams, sample_rows
 from hisparse.engine.scheduler import SCHEDULE_POLICIES, ScheduledStep, Scheduler
@@ -41,7 +42,6 @@ from hisparse.validation import (
     check_choice,
     check_conversations,
     check_dtype,
-    check_float,
     check_int,
     is_token_list,
     prompt_token_ids,
@@ -126,18 +126,11 @@ class LLM:
             cannot store is refused here, naming one that works.
         indexer: ``"fp8"`` (DeepSeek's quantized scoring, 132 B keys) or ``"exact"``; GQA
             models also take ``"quest"`` and ``"lowrank"``.
-        topk_replay: benchmark only: replace every decode top-k by replayed selections with
-            this step-to-step overlap (`hisparse.engine.replay`); both placements alike.
-        synthetic_prefill: benchmark only: fill prompts' KV rows and indexer keys with
-            pseudo-random valid rows instead of running the prefill (DSA models only; time to
-            first token is then meaningless; without ``topk_replay`` no prefill selection
-            warms the hot buffers, so the first decode step misses every row).
-        timing: record resolve / gather time of every decode step (CUDA events, read at the
-            end of `generate`) into ``step_stats`` (the last 10,000 engine steps;
-            ``last_run_stats`` holds every step of the latest `generate`). The events cannot
-            live in a CUDA graph: with timing, decode runs the graphs' fixed-shape step
-            eagerly (in both placements).
-        seed: seed of the replayed selections and synthetic rows.
+        step_hooks: benchmark only: a `hisparse.engine.hooks.StepHooks` that changes steps
+            in both placements alike (`hisparse.bench.hooks.BenchHooks`: top-k replay,
+            synthetic prefill, swap-in timing). Every engine step's statistics go to
+            ``step_stats`` (the last 10,000) and ``last_run_stats`` (every step of the
+            latest `generate`).
         cuda_graphs: decode batches padded to a captured size (1, 2, 4, ..., max_num_seqs)
             and replayed as CUDA graphs, swap-in (resolve + gathers) inside the graph,
             sampling outside. Default: on for CUDA, off (the plain eager step) on the CPU;
@@ -164,10 +157,7 @@ class LLM:
         kv_format: str = "auto",
         indexer: str = "fp8",
         max_num_batched_tokens: int = 2048,
-        topk_replay: float | None = None,
-        synthetic_prefill: bool = False,
-        timing: bool = False,
-        seed: int = 0,
+        step_hooks: StepHooks | None = None,
         cuda_graphs: bool | None = None,
         schedule: str = "mixed",
     ) -> None:
@@ -188,10 +178,8 @@ class LLM:
         check_choice(f + "kv_format", kv_format, KV_FORMATS)
         check_choice(f + "indexer", indexer, INDEXERS)
         check_int(f + "max_num_batched_tokens", max_num_batched_tokens, minimum=1, example=2048)
-        check_float(f + "topk_replay", topk_replay, minimum=0, maximum=1, optional=True)
-        check_bool(f + "synthetic_prefill", synthetic_prefill)
-        check_bool(f + "timing", timing)
-        check_int(f + "seed", seed, minimum=0, maximum=2**63 - 1)
+        if step_hooks is not None and not isinstance(step_hooks, StepHooks):
+            _fail(f + "step_hooks", step_hooks, "a StepHooks (or None)", type_error=True)
         check_bool(f + "cuda_graphs", cuda_graphs, optional=True)
         model_dtype = check_dtype(f + "dtype", dtype)
         self.device = _checked_device(device)
@@ -202,8 +190,9 @@ class LLM:
         gguf = path.suffix == ".gguf"
         if gguf:
             check_choice(f + "kv_format", kv_format, GQA_KV_FORMATS)
-            if synthetic_prefill:
-                _fail(f + "synthetic_prefill", True, "False for a GQA model (DSA models only)")
+            if step_hooks is not None and step_hooks.synthetic_prefill:
+                _fail(f + "step_hooks", step_hooks, "no synthetic prefill for a GQA model "
+                      "(DSA models only)")  # fmt: skip
         else:
             check_choice(f + "indexer", indexer, DSA_INDEXERS)
         try:
@@ -242,9 +231,7 @@ class LLM:
                 row_format=row_format,
                 max_num_seqs=max_num_seqs,
                 device=self.device,
-                replay=None if topk_replay is None else ReplaySettings(topk_replay, seed),
-                synthetic_prefill=synthetic_prefill,
-                timing=timing,
+                hooks=step_hooks,
                 decode_path=_decode_path(cuda_graphs, self.device, indexer),
             )
         except BaseException:

@@ -23,11 +23,9 @@ import torch
 
 from hisparse.config import ResolvedHiSparseConfig
 from hisparse.engine.cuda_graphs import DecodeGraphs
+from hisparse.engine.hooks import StepHooks, StepRequests
 from hisparse.engine.kv_manager import KVCacheManager
-from hisparse.engine.replay import TopKReplay
 from hisparse.engine.request import Request
-from hisparse.engine.swap_timer import SwapTimer
-from hisparse.engine.synthetic import SyntheticPrefill, first_token
 from hisparse.kv.row_formats import mla_row_bytes
 from hisparse.kv.specs import CacheKind, LayerCacheSpec, RowFormat
 from hisparse.models.deepseek_v32 import DsaForCausalLM
@@ -83,18 +81,10 @@ class StepResult:
     token_ids: list[int] | None = None
 
 
-@dataclass
-class ReplaySettings:
-    """Benchmark-only top-k replay (see `hisparse.engine.replay`)."""
-
-    overlap: float
-    seed: int = 0
-
-
 class _PrefillLayerCache:
     """A prefill step's view of one layer: resident rows only; records the leader's
-    last-token top-k of requests that finish their prompt (for the warm start). With top-k
-    replay, those last-token rows take the replayed first selection instead."""
+    last-token top-k of requests that finish their prompt (for the warm start), which the
+    step hooks may replace (`StepHooks.warm_topk`)."""
 
     def __init__(self, runner: ModelRunner, handle: CacheHandle) -> None:
         self.runner, self.handle = runner, handle
@@ -108,7 +98,7 @@ class _PrefillLayerCache:
     def swap_in(self, logical_topk: torch.Tensor) -> torch.Tensor:
         runner, rt = self.runner, self.handle.runtime
         if rt.is_leader and runner.warm_rows is not None:
-            warm = runner.replayed_warm_topk(rt.name)
+            warm = runner.hooked_warm_topk(rt.name)
             if warm is not None:
                 logical_topk = logical_topk.clone()
                 logical_topk[runner.warm_rows] = warm[:, : logical_topk.shape[1]]
@@ -117,9 +107,8 @@ class _PrefillLayerCache:
 
 
 class _DecodeLayerCache:
-    """A decode step's view of one layer: the runtime's handle, with the leader's logical
-    top-k replaced by the replayed selection when replay is on, and swap-in timed when
-    timing is on."""
+    """A decode step's view of one layer when the runner has step hooks: the runtime's
+    handle, with the leader's logical top-k passed through `StepHooks.decode_topk`."""
 
     def __init__(self, runner: ModelRunner, handle: CacheHandle) -> None:
         self.runner, self.handle = runner, handle
@@ -132,8 +121,8 @@ class _DecodeLayerCache:
 
     def swap_in(self, logical_topk: torch.Tensor) -> torch.Tensor:
         rt = self.handle.runtime
-        if rt.is_leader and self.runner.replay is not None:
-            logical_topk = self.runner.replayed_decode_topk(rt.name, logical_topk)
+        if rt.is_leader:
+            logical_topk = self.runner.hooked_decode_topk(rt.name, logical_topk)
         return self.handle.swap_in(logical_topk)  # type: ignore[return-value]
 
 
@@ -169,7 +158,7 @@ class _StepCache:
         handle = self.runner.handles[layer]
         if not self.decode:
             return _PrefillLayerCache(self.runner, handle)
-        if self.runner.replay is None:
+        if self.runner.hooks is None:
             return handle
         return _DecodeLayerCache(self.runner, handle)
 
@@ -183,11 +172,9 @@ DECODE_PATHS = ("eager", "padded", "graphs")
 
 
 class ModelRunner:
-    """Runs engine steps; optional benchmark modes: top-k replay (``replay``), synthetic
-    prefill (``synthetic_prefill``) and swap-in timing (``timing``), all applied to both
-    placements alike. ``decode_path`` picks the decode step (`DECODE_PATHS`); swap-in timing
-    records CUDA events the graphs cannot hold, so with ``timing`` ``graphs`` runs padded
-    (without capture) in both placements."""
+    """Runs engine steps. ``decode_path`` picks the decode step (`DECODE_PATHS`);
+    ``hooks`` (`hisparse.engine.hooks.StepHooks`) let a benchmark change a step; hooks that
+    are not ``capturable`` make ``graphs`` run the same fixed-shape step without capture."""
 
     def __init__(
         self,
@@ -199,9 +186,7 @@ class ModelRunner:
         row_format: object,
         max_num_seqs: int,
         device: torch.device,
-        replay: ReplaySettings | None = None,
-        synthetic_prefill: bool = False,
-        timing: bool = False,
+        hooks: StepHooks | None = None,
         decode_path: str = "eager",
     ) -> None:
         if decode_path not in DECODE_PATHS:
@@ -259,25 +244,7 @@ class ModelRunner:
             dtype=torch.int64,
             device=device,
         )
-        self.replay: TopKReplay | None = None
-        self.replay_seed = replay.seed if replay is not None else 0
-        if replay is not None:
-            self.replay = TopKReplay(
-                top_k=config.top_k,
-                overlap=replay.overlap,
-                seed=replay.seed,
-                num_leaders=len(self.leaders),
-                max_slots=max_num_seqs + 1,  # + the slot padded decode rows write to
-                device=device,
-            )
-        self.synthetic = (
-            SyntheticPrefill(model, row_format, self.replay_seed) if synthetic_prefill else None
-        )
-        self.timer: SwapTimer | None = None
-        if timing and kv.offload:
-            self.timer = SwapTimer(device)
-            for h in self.leaders:
-                self.timer.wrap(h.runtime.group)
+        self.hooks = hooks
         self._zero_table = torch.zeros(
             (max_num_seqs, kv.max_blocks), dtype=torch.int32, device=device
         )
@@ -290,42 +257,39 @@ class ModelRunner:
         self.decode_path = decode_path
         self.graphs: DecodeGraphs | None = None
         if decode_path != "eager":
-            # swap-in timing events cannot live in a graph: with timing, both placements run
-            # the fixed-shape step eagerly, so their times stay comparable
-            capture = decode_path == "graphs" and not timing
+            # hooks that cannot live in a graph (timing events) run the fixed-shape step
+            # eagerly in both placements, so their times stay comparable
+            capture = decode_path == "graphs" and (hooks is None or hooks.capturable)
             self.graphs = DecodeGraphs(max_num_seqs, device, capture=capture)
+        if hooks is not None:
+            hooks.bind(self)
 
     def reset_slot(self, slot: int) -> None:
         for leader in self.leaders:
             leader.runtime.group.reset_slot(slot)
-        if self.replay is not None:
-            self.replay.reset_slot(slot)
+        if self.hooks is not None:
+            self.hooks.reset_slot(slot)
 
     @staticmethod
     def request_key(req: Request) -> int:
         """Stable key of a request for replay and synthetic data (same in both placements)."""
         return zlib.crc32(req.req_id.encode()) & 0x7FFFFFFF
 
-    # --- replay hooks (called by the step caches) -----------------------------------------
-    def replayed_decode_topk(self, leader_name: str, logical_topk: torch.Tensor) -> torch.Tensor:
-        assert self.replay is not None
-        sel = self.replay.select(
-            self.leader_index[leader_name], self._slots, self._lens, self._keys, self._max_len
-        )
-        return sel[:, : logical_topk.shape[1]] if sel.shape[1] != logical_topk.shape[1] else sel
+    # --- step hooks (called by the step caches) ------------------------------------------
+    def _step_requests(self) -> StepRequests:
+        return StepRequests(self._slots, self._lens, self._keys, self._max_len)
 
-    def replayed_warm_topk(self, leader_name: str) -> torch.Tensor | None:
-        """Replayed first selection of the requests finishing their prompt (warm rows)."""
-        if self.replay is None or self._warm_idx is None:
+    def hooked_decode_topk(self, leader_name: str, logical_topk: torch.Tensor) -> torch.Tensor:
+        assert self.hooks is not None
+        leader = self.leader_index[leader_name]
+        return self.hooks.decode_topk(leader, logical_topk, self._step_requests())
+
+    def hooked_warm_topk(self, leader_name: str) -> torch.Tensor | None:
+        """The hooks' warm-start selection of the requests finishing their prompt."""
+        if self.hooks is None or self._warm_idx is None:
             return None
-        w = self._warm_idx
-        return self.replay.select(
-            self.leader_index[leader_name],
-            self._slots[w],
-            self._lens[w],
-            self._keys[w],
-            self._max_len,
-        )
+        reqs = self._step_requests().pick(self._warm_idx)
+        return self.hooks.warm_topk(self.leader_index[leader_name], reqs)
 
     # ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -347,7 +311,8 @@ class ModelRunner:
         counts = [n for _, n in batch]
         slots_l = [kv.requests[req.req_id].slot for req, _ in batch]
         keys_l = [self.request_key(req) for req, _ in batch]
-        synthetic = self.synthetic is not None and not decode
+        hooks = self.hooks
+        synthetic = hooks is not None and hooks.synthetic_prefill and not decode
         ids: list[int] = []
         if not synthetic:
             for req, n in batch:
@@ -397,8 +362,8 @@ class ModelRunner:
 
         last_rows = list(itertools.accumulate(counts))
         warm = [r for r, f in enumerate(finishing) if f] if not decode and kv.offload else []
-        if not decode and self.replay is not None:
-            # replay's first selection for every finishing request (both placements alike)
+        if not decode and hooks is not None and hooks.replaces_topk:
+            # the hooks' first selection for every finishing request (both placements alike)
             warm = [r for r, f in enumerate(finishing) if f]
         self._warm_idx = torch.tensor(warm, device=dev) if warm else None
         self.warm_rows = (
@@ -407,28 +372,24 @@ class ModelRunner:
         self.warm_topk = {}
         sample_reqs = [req for (req, _), f in zip(batch, finishing, strict=True) if f or decode]
         if synthetic:
-            assert self.synthetic is not None
-            self.synthetic.write(
-                self.handles, self.indexer_pages, rows_of(idx_table), key_d[rix], pos
-            )
+            assert hooks is not None
+            hooks.write_prefill(self, rows_of(idx_table), key_d[rix], pos)
             if warm:
                 for leader in self.leaders:
                     name = leader.runtime.name
-                    topk = self.replayed_warm_topk(name)
+                    topk = self.hooked_warm_topk(name)
                     if topk is not None:
                         self.warm_topk[name] = topk
             vocab = self.model.config.vocab_size  # type: ignore[union-attr]
-            tokens = [
-                first_token(self.replay_seed, self.request_key(r), vocab) for r in sample_reqs
-            ]
+            tokens = hooks.first_tokens([self.request_key(r) for r in sample_reqs], vocab)
             logits = None
         else:
             cache = _StepCache(self, decode, rows_of(idx_table), idx_table)
-            if self.timer is not None:
-                self.timer.active = decode
+            if hooks is not None:
+                hooks.begin_step(decode)
             hidden = self.model(packed[4 * R :], step, cache)
-            if self.timer is not None:
-                self.timer.end_step(decode)
+            if hooks is not None:
+                hooks.end_step(decode)
             if decode:
                 logits = self.model.logits(
                     hidden[torch.tensor(last_rows, device=dev) - 1]
@@ -454,40 +415,29 @@ class ModelRunner:
         assert graphs is not None
         kv = self.kv
         n = len(reqs)
+        slots = [kv.requests[req.req_id].slot for req in reqs]
+        keys = [self.request_key(req) for req in reqs]
         b = graphs.load(
             [req.token_slice(req.num_computed, 1)[0] for req in reqs],
             [req.num_computed for req in reqs],
-            [kv.requests[req.req_id].slot for req in reqs],
-            [self.request_key(req) for req in reqs],
+            slots,
+            keys,
         )
-        log = self.replay.log if self.replay is not None else None
-        if self.replay is not None:
-            self.replay.log = None  # padded rows are not selections; logged below
-        try:
-            if self.timer is not None:
-                self.timer.active = True
+        hooks = self.hooks
+        if hooks is None:
             logits, counts = graphs.run(b, self._static_step)
-            if self.timer is not None:
-                self.timer.end_step(True)
-        finally:
-            if self.replay is not None:
-                self.replay.log = log
-        if log is not None:
-            self._log_replayed(reqs)
+        else:
+            hooks.before_padded_decode()
+            try:
+                hooks.begin_step(True)
+                logits, counts = graphs.run(b, self._static_step)
+                hooks.end_step(True)
+            finally:
+                lens = [req.num_computed + 1 for req in reqs]
+                hooks.after_padded_decode(self, slots, keys, lens)
         self.warm_rows, self.warm_topk = None, {}
         self._pending.append((reqs, counts[:n].clone()))
         return StepResult(logits=logits[:n], sample_reqs=reqs)
-
-    def _log_replayed(self, reqs: list[Request]) -> None:
-        """The selections this step replayed, as `TopKReplay.select` logs them."""
-        assert self.replay is not None and self.replay.log is not None
-        slots = [self.kv.requests[r.req_id].slot for r in reqs]
-        for leader in range(len(self.leaders)):
-            sel = self.replay.prev[leader, slots].cpu()
-            for r, req in enumerate(reqs):
-                self.replay.log.append(
-                    (leader, self.request_key(req), req.num_computed + 1, sel[r])
-                )
 
     def _static_step(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode of the ``b`` rows in ``graphs.inputs`` (padding: slot ``-1``) to logits
@@ -587,7 +537,7 @@ class ModelRunner:
         if not self._pending:
             return []
         all_counts = torch.cat([c for _, c in self._pending]).cpu().tolist()
-        timings = self.timer.collect() if self.timer is not None else []
+        timings = self.hooks.step_timings() if self.hooks is not None else []
         steps: list[dict[str, float]] = []
         i = 0
         for k, (reqs, _) in enumerate(self._pending):

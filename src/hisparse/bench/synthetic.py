@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from hisparse.attention.indexer_reference import quantize_indexer_fp8
-from hisparse.engine.replay import hash_rows, mix31, mix31_int
+from hisparse.bench.replay import hash_rows, mix31, mix31_int
 from hisparse.kv.row_formats import pack_mla_rows, write_indexer_keys, write_rows_where
 
 _M31 = 0x7FFFFFFF

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse.engine.replay import salt_of
+from hisparse.bench.replay import salt_of
 
 
 @triton.jit

@@ -138,11 +138,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
             "LLM.kv_format": "--kv-format",
             "LLM.dtype": "--dtype",
             "LLM.device": "--device",
-            "LLM.seed": "--seed",
             "LLM.gpu_memory_gib": "--gpu-memory-gib",
             "LLM.max_model_len": "--max-model-len",
             "LLM.max_num_batched_tokens": "--max-batched-tokens",
             "LLM.max_num_seqs": "--concurrency",
+            "BenchHooks.seed": "--seed",
+            "BenchHooks.topk_overlap": "--topk-overlap",
         },
     )
 
@@ -310,6 +311,7 @@ def summarize(
 
 
 def _make_llm(args: argparse.Namespace, cfg: dict[str, Any], placement: str) -> Any:
+    from hisparse.bench.hooks import BenchHooks
     from hisparse.config import HiSparseConfig
     from hisparse.engine.llm import LLM
 
@@ -330,10 +332,12 @@ def _make_llm(args: argparse.Namespace, cfg: dict[str, Any], placement: str) -> 
         device=args.device,
         kv_format=args.kv_format,
         max_num_batched_tokens=cfg["batched"],
-        topk_replay=cfg["overlap"],
-        synthetic_prefill=args.prefill == "synthetic",
-        timing=args.timing,
-        seed=args.seed,
+        step_hooks=BenchHooks(
+            topk_overlap=cfg["overlap"],
+            synthetic_prefill=args.prefill == "synthetic",
+            timing=args.timing,
+            seed=args.seed,
+        ),
         schedule=args.schedule,
     )
 
@@ -402,8 +406,8 @@ def _prefill_rate(
     llm: Any, row: dict[str, Any], args: argparse.Namespace, cfg: dict[str, Any], rates: dict
 ) -> dict[str, Any]:
     """Prompt tokens per second of the prefill steps and their FLOPs over the bf16 GEMM rate
-    measured on the model's own shapes (`hisparse.bench_prefill`), once per engine."""
-    from hisparse.bench_prefill import measured_gemm_rate, prefill_flops
+    measured on the model's own shapes (`hisparse.bench.prefill_rate`), once per engine."""
+    from hisparse.bench.prefill_rate import measured_gemm_rate, prefill_flops
 
     secs = row["prefill_seconds"]
     if not secs:

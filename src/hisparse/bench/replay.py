@@ -74,7 +74,7 @@ def replay_hash(
     if cols.device.type == "cuda":
         # imported here: importing Triton early (before TRITON_INTERPRET is set) would change
         # how other modules' kernels run under the CPU interpreter
-        from hisparse.engine.replay_triton import replay_hash_triton
+        from hisparse.bench.replay_triton import replay_hash_triton
 
         return replay_hash_triton(seed, salt, keys, lens, cols)
     return hash_rows(row_bases(seed, salt, keys, lens), cols)
