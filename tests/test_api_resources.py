@@ -140,8 +140,8 @@ def test_step_stats_are_bounded(checkpoint, monkeypatch):
 
 
 def test_default_host_pool_is_sized_to_the_model_and_requests(checkpoint):
-    from hisparse.engine.llm import _default_host_pool_bytes
-    from hisparse.engine.model_runner import engine_specs
+    from hisparse.engine.setup import default_host_pool_bytes as _default_host_pool_bytes
+    from hisparse.models.registry import engine_specs
 
     with tiny_llm(checkpoint, hisparse=HiSparseConfig(block_size=4)) as llm:
         layout = llm.kv.layout

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 from api_helpers import TINY_LLM, prompts, tiny_llm
 from hisparse import LLM, HiSparseConfig, SamplingParams
 from hisparse.engine.hooks import StepHooks
-from hisparse.engine.llm import KV_FORMATS
 from hisparse.engine.sampling import _Row, sample_rows
 from hisparse.kv.host_pool import live_pool
+from hisparse.models.registry import KV_FORMATS
 
 pytest.importorskip("transformers")
 

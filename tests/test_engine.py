@@ -349,7 +349,8 @@ def test_decode_path_falls_back_where_a_step_cannot_be_captured(monkeypatch):
     PyTorch reference backend) makes the default run the same step uncaptured, with a
     warning, and makes an explicit cuda_graphs=True an error that says what to pass."""
     pytest.importorskip("triton")
-    from hisparse.engine.llm import _decode_path, capture_blockers
+    from hisparse.engine.setup import capture_blockers
+    from hisparse.engine.setup import decode_path as _decode_path
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.delenv("HISPARSE_OPS", raising=False)

@@ -15,55 +15,55 @@ import contextlib
 import dataclasses
 import gc
 import itertools
-import os
 import time
-import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hisparse.config import ROW_ALIGNMENT_BYTES, HiSparseConfig, cdiv, check_gib
+from hisparse.config import HiSparseConfig, check_gib
 from hisparse.engine.hooks import StepHooks
+from hisparse.engine.inputs import outputs_of, params_per_prompt, text_inputs, token_inputs
 from hisparse.engine.kv_manager import KVCacheManager
-from hisparse.engine.model_runner import ModelRunner, engine_specs
-from hisparse.engine.request import CompletionOutput, Request, RequestOutput, Status
+from hisparse.engine.model_runner import ModelRunner
+from hisparse.engine.request import Request, RequestOutput, Status
 from hisparse.engine.sampling import SamplingParams, sample_rows
-from hisparse.engine.scheduler import SCHEDULE_POLICIES, ScheduledStep, Scheduler
-from hisparse.kv.host_pool import MAX_AVAILABLE_FRACTION, available_host_bytes
-from hisparse.kv.specs import CacheKind
-from hisparse.models.loader import load_dsa_model
+from hisparse.engine.scheduler import SCHEDULE_POLICIES, ScheduledStep, Scheduler, StopChecker
+from hisparse.engine.setup import (
+    check_device_memory,
+    checked_device,
+    decode_path,
+    default_host_pool_bytes,
+    default_kv_gib,
+)
+from hisparse.models.registry import (
+    DSA_INDEXERS,
+    GQA_KV_FORMATS,
+    INDEXERS,
+    KV_FORMATS,
+    engine_specs,
+    is_gguf,
+    load_model,
+    resolve_model,
+)
 from hisparse.validation import (
-    HiSparseConfigError,
     _fail,
     check_bool,
     check_choice,
     check_conversations,
     check_dtype,
     check_int,
-    is_token_list,
     prompt_token_ids,
 )
 
 PLACEMENTS = ("hisparse", "gpu")
-#: ``kv_format`` values: ``auto`` picks per checkpoint and device (`LLM`)
-KV_FORMATS = ("auto", "fp8_ds_mla", "bf16", "fp32")
-GQA_KV_FORMATS = ("auto", "bf16", "fp32")
-#: ``indexer`` values: DSA models take the first two, GQA models all four
-INDEXERS = ("fp8", "exact", "quest", "lowrank")
-DSA_INDEXERS = ("fp8", "exact")
 #: Most requests running at once (the engine keeps per-slot state for every one).
 MAX_NUM_SEQS = 4096
 #: Engine steps kept in `LLM.step_stats` (older ones are dropped; `last_run_stats` keeps
 #: every step of the latest `generate`).
 STEP_STATS_KEPT = 10_000
-#: The default host pool takes at most this fraction of the host memory available.
-DEFAULT_HOST_POOL_FRACTION = 0.5
-#: top_k of GQA models, which declare none: the smallest budget that kept needle retrieval equal
-#: to dense in docs/quality.md (2K, 4K and 8K contexts).
-DEFAULT_GQA_TOP_K = 256
 
 
 class GenerationInterrupted(KeyboardInterrupt):
@@ -74,30 +74,6 @@ class GenerationInterrupted(KeyboardInterrupt):
     def __init__(self, outputs: list[RequestOutput]) -> None:
         super().__init__("generation interrupted")
         self.outputs = outputs
-
-
-def indexer_method(indexer: str) -> str:
-    """DSA indexer modes map onto the GQA scorer: fp8 keys for either."""
-    return "fp8" if indexer in ("fp8", "exact") else indexer
-
-
-def _resolve_model(model: str | Path) -> Path:
-    """A checkpoint directory (config.json), a ``.gguf`` file, or ``smollm2``."""
-    if not isinstance(model, str | os.PathLike):
-        _fail("LLM.model", model, "a checkpoint folder, a .gguf file or 'smollm2'", type_error=True)
-    text = os.fspath(model)
-    if text.lower() in ("smollm2", "smollm2-135m-instruct") or text.endswith(".gguf"):
-        from hisparse.models.smollm2 import resolve_model_path
-
-        return resolve_model_path(model)
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model {text!r}: no config.json there. Pass a checkpoint directory "
-            "(config.json + *.safetensors) of a deepseek_v32 / glm_moe_dsa model, a .gguf "
-            "file of a Llama model, or 'smollm2' (the bundled SmolLM2-135M-Instruct)."
-        )
-    return path
 
 
 class LLM:
@@ -182,12 +158,12 @@ class LLM:
             _fail(f + "step_hooks", step_hooks, "a StepHooks (or None)", type_error=True)
         check_bool(f + "cuda_graphs", cuda_graphs, optional=True)
         model_dtype = check_dtype(f + "dtype", dtype)
-        self.device = _checked_device(device)
+        self.device = checked_device(device)
         torch_dtype = model_dtype or (
             torch.bfloat16 if self.device.type == "cuda" else torch.float32
         )
-        path = _resolve_model(model)
-        gguf = path.suffix == ".gguf"
+        path = resolve_model(model)
+        gguf = is_gguf(path)
         if gguf:
             check_choice(f + "kv_format", kv_format, GQA_KV_FORMATS)
             if step_hooks is not None and step_hooks.synthetic_prefill:
@@ -197,7 +173,11 @@ class LLM:
             check_choice(f + "indexer", indexer, DSA_INDEXERS)
         try:
             hs = hisparse or HiSparseConfig()
-            row_format, model_max_len = self._load(path, gguf, hs, torch_dtype, indexer, kv_format)
+            loaded = load_model(path, hs, torch_dtype, self.device, indexer, kv_format)
+            self.model, self.config = loaded.model, loaded.config
+            self.tokenizer, self.chat_template = loaded.tokenizer, loaded.chat_template
+            self.eos_token_ids = loaded.eos_token_ids
+            row_format, model_max_len = loaded.row_format, loaded.max_len
             if max_model_len is not None and max_model_len > model_max_len:
                 _fail(
                     f + "max_model_len", max_model_len,
@@ -206,13 +186,11 @@ class LLM:
                 )  # fmt: skip
             self.max_model_len = max_model_len or model_max_len
             if gpu_memory_gib is None:
-                gpu_memory_gib = _default_kv_gib(self.device)
-            _check_device_memory(self.device, gpu_memory_gib)
+                gpu_memory_gib = default_kv_gib(self.device)
+            check_device_memory(self.device, gpu_memory_gib)
             specs = engine_specs(self.model, row_format, self.config.block_size)
             if kv_placement == "hisparse" and self.config.host_pool_bytes is None:
-                size = _default_host_pool_bytes(
-                    specs, self.config, self.max_model_len, max_num_seqs
-                )
+                size = default_host_pool_bytes(specs, self.config, self.max_model_len, max_num_seqs)
                 self.config = dataclasses.replace(self.config, host_pool_bytes=size)
             self.kv = KVCacheManager(
                 specs,
@@ -232,7 +210,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 device=self.device,
                 hooks=step_hooks,
-                decode_path=_decode_path(cuda_graphs, self.device, indexer),
+                decode_path=decode_path(cuda_graphs, self.device, indexer),
             )
         except BaseException:
             self._release()  # the host pool, the device pools, the model: nothing kept
@@ -242,57 +220,13 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             policy=schedule,
+            stops=StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len),
         )
         self._ids = itertools.count()
         #: the last `STEP_STATS_KEPT` engine steps (all `generate` calls)
         self.step_stats: deque[dict[str, float]] = deque(maxlen=STEP_STATS_KEPT)
         #: every engine step of the latest `generate`
         self.last_run_stats: list[dict[str, float]] = []
-
-    def _load(
-        self,
-        path: Path,
-        gguf: bool,
-        hs: HiSparseConfig,
-        torch_dtype: torch.dtype,
-        indexer: str,
-        kv_format: str,
-    ) -> tuple[object, int]:
-        """Model, tokenizer, chat template, EOS ids and resolved config; returns the KV row
-        format and the model's context limit."""
-        if gguf:
-            # A GQA model (SmolLM2 by default): training-free indexer, K+V rows.
-            from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig
-            from hisparse.models.gguf_loader import load_llama_gguf
-            from hisparse.models.tokenizer import GgufTokenizer
-
-            self.config = hs.resolve(model_top_k=DEFAULT_GQA_TOP_K)
-            self.model = load_llama_gguf(
-                path,
-                dtype=torch_dtype,
-                device=self.device,
-                indexer=GqaIndexerConfig(top_k=self.config.top_k, method=indexer_method(indexer)),
-            )
-            self.tokenizer = GgufTokenizer.from_gguf(path)
-            self.chat_template = self.tokenizer.template
-            self.eos_token_ids = set(self.tokenizer.stop_token_ids)
-            kv_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(kv_format, torch_dtype)
-            return self.model.config.row_format(kv_dtype), self.model.config.max_position_embeddings
-        from hisparse.models.tokenizer import load_chat_template
-
-        self.model = load_dsa_model(
-            path, dtype=torch_dtype, device=self.device, indexer_mode=indexer
-        )
-        mcfg = self.model.config
-        self.config = hs.resolve(model_top_k=mcfg.index_topk)
-        if self.config.top_k != mcfg.index_topk:
-            # The sparse-attention budget applies to both placements alike.
-            _set_index_topk(self.model, self.config.top_k)
-        self.tokenizer = _load_tokenizer(path)
-        self.chat_template = load_chat_template(path)
-        self.eos_token_ids = _eos_ids(path, mcfg)
-        row_format = _dsa_row_format(mcfg, kv_format, torch_dtype, self.device)
-        return row_format, mcfg.max_position_embeddings
 
     # ------------------------------------------------------------------------------------
     def generate(
@@ -320,7 +254,7 @@ class LLM:
         self._check_open("generate")
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts or prompt_token_ids")
-        items = _text_inputs(prompts) if prompts is not None else _token_inputs(prompt_token_ids)
+        items = text_inputs(prompts) if prompts is not None else token_inputs(prompt_token_ids)
         return self._generate(items, sampling_params, progress, on_finish)
 
     def chat(
@@ -443,7 +377,7 @@ class LLM:
         on_finish: Callable[[int, int], None] | None,
     ) -> list[RequestOutput]:
         """``items``: per prompt (text, token ids, error); text without ids is tokenized."""
-        params = _params_per_prompt(sampling_params, len(items))
+        params = params_per_prompt(sampling_params, len(items))
         check_bool("progress", progress)
         groups: list[tuple[str, str | None, list[Request]]] = []
         for (text, ids, error), p in zip(items, params, strict=True):
@@ -482,9 +416,9 @@ class LLM:
                 if not req.finished:
                     self.scheduler.abort(req)
             if isinstance(err, KeyboardInterrupt) and not isinstance(err, GenerationInterrupted):
-                raise GenerationInterrupted(_outputs(groups)) from err
+                raise GenerationInterrupted(outputs_of(groups)) from err
             raise
-        return _outputs(groups)
+        return outputs_of(groups)
 
     def _token_ids(self, text: str | None, ids: Any) -> list[int] | str:
         """A prompt's token ids (``text`` tokenized when no ids are given), or the error that
@@ -553,26 +487,8 @@ class LLM:
         else:
             tokens, logprobs = [], []
         now = time.perf_counter()
-        for req, n in step.batch:
-            req.num_computed += n
-        for req, tok, lp in zip(result.sample_reqs, tokens, logprobs, strict=True):
-            if tok is None:
-                req.metrics.finished = now
-                sched.fail_running(
-                    req, "sampling failed: this request's logits are not finite numbers"
-                )
-                continue
-            self._append(req, tok, lp, now)
-        if not step.decode:
-            for (req, _), fin in zip(step.batch, step.finishing, strict=True):
-                if fin and not req.finished:
-                    req.status = Status.DECODING
-        for (req, _), fin in zip(step.batch, step.finishing, strict=True):
-            if not req.finished and (step.decode or fin):
-                # the rows are on the host: keep only the tail pages resident
-                dropped = self.kv.trim_resident(req.req_id, req.num_computed)
-                self.runner.write_back(dropped, req)
-                self.kv.release_resident(req.req_id, dropped)
+        self.scheduler.update(step, result.sample_reqs, tokens, logprobs, now,
+                              write_back=self.runner.write_back)  # fmt: skip
         return dict(
             decode=float(step.decode),
             tokens=sum(n for _, n in step.batch),
@@ -580,43 +496,6 @@ class LLM:
             seconds=now - t0,
             end=now,
         )
-
-    def _append(
-        self, req: Request, token: int, logprobs: dict[int, float] | None, now: float
-    ) -> None:
-        req.output_token_ids.append(token)
-        if req.logprobs is not None and logprobs is not None:
-            req.logprobs.append(logprobs)
-            req.cumulative_logprob = (req.cumulative_logprob or 0.0) + logprobs.get(token, 0.0)
-        if req.metrics.first_token is None:
-            req.metrics.first_token = now
-        req.metrics.token_times.append(now)
-        before = len(req.text)
-        if self.tokenizer is not None:
-            req.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        p = req.params
-        reason = None
-        if len(req.output_token_ids) >= p.min_tokens:  # no stop before min_tokens
-            if token in p.stop_token_ids:
-                reason, req.stop_reason = "stop", token
-            elif not p.ignore_eos and token in self.eos_token_ids:
-                reason = "stop"
-            elif p.stop:
-                # the new text and what a stop string may share with the text before it
-                start = max(before - max(len(s) for s in p.stop) + 1, 0)
-                hits = [(i, s) for s in p.stop if (i := req.text.find(s, start)) >= 0]
-                if hits:
-                    cut, req.stop_reason = min(hits)
-                    req.text = req.text[:cut]
-                    reason = "stop"
-        if reason is None and (
-            (p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens)
-            or req.num_tokens >= self.max_model_len
-        ):
-            reason = "length"
-        if reason is not None:
-            req.metrics.finished = now
-            self.scheduler.finish(req, reason)
 
     # --- resources -----------------------------------------------------------------------
     def close(self) -> None:
@@ -658,163 +537,6 @@ class LLM:
         self.close()
 
 
-def _outputs(groups: list[tuple[str, str | None, list[Request]]]) -> list[RequestOutput]:
-    return [
-        RequestOutput(
-            request_id=rid,
-            prompt=text,
-            prompt_token_ids=list(reqs[0].prompt_token_ids),
-            outputs=[CompletionOutput.of(r) for r in reqs],
-            finished=all(r.finished for r in reqs),
-            metrics=reqs[0].metrics,
-        )
-        for rid, text, reqs in groups
-    ]
-
-
-def _text_inputs(prompts: Any) -> list[tuple[str | None, Any, str | None]]:
-    """(text, token ids, error) per prompt of ``generate(prompts=...)``."""
-    if isinstance(prompts, str | Mapping):
-        prompts = [prompts]
-    if isinstance(prompts, bytes) or not isinstance(prompts, Sequence):
-        _fail(
-            "prompts", prompts, "a string, a list of strings or of {'prompt': ...} / "
-            "{'prompt_token_ids': [...]} dicts", type_error=True,
-        )  # fmt: skip
-    out: list[tuple[str | None, Any, str | None]] = []
-    for p in prompts:
-        if isinstance(p, str):
-            out.append((p, None, None))
-        elif isinstance(p, Mapping) and isinstance(p.get("prompt"), str):
-            out.append((p["prompt"], None, None))
-        elif isinstance(p, Mapping) and "prompt_token_ids" in p:
-            out.append((None, p["prompt_token_ids"], None))
-        else:
-            out.append((None, None, (
-                f"a prompt must be a string, or a dict with 'prompt' (a string) or "
-                f"'prompt_token_ids'; got {type(p).__name__}"
-            )))  # fmt: skip
-    return out
-
-
-def _token_inputs(prompt_token_ids: Any) -> list[tuple[str | None, Any, str | None]]:
-    """(text, token ids, error) per prompt of ``generate(prompt_token_ids=...)``: a flat
-    list of ids is one prompt."""
-    if is_token_list(prompt_token_ids):
-        return [(None, prompt_token_ids, None)]
-    if isinstance(prompt_token_ids, torch.Tensor) and prompt_token_ids.dim() == 2:
-        return [(None, row, None) for row in prompt_token_ids]
-    if isinstance(prompt_token_ids, str | bytes) or not isinstance(prompt_token_ids, Sequence):
-        _fail(
-            "prompt_token_ids", prompt_token_ids,
-            "a list of token ids (one prompt) or a list of such lists", type_error=True,
-        )  # fmt: skip
-    return [(None, ids, None) for ids in prompt_token_ids]
-
-
-def _params_per_prompt(params: Any, n: int) -> list[SamplingParams]:
-    if params is None:
-        params = SamplingParams()
-    if isinstance(params, SamplingParams):
-        return [params] * n
-    if isinstance(params, str | bytes | Mapping) or not isinstance(params, Sequence):
-        _fail(
-            "sampling_params", params, "a SamplingParams, a list of them or None",
-            type_error=True,
-        )  # fmt: skip
-    params = list(params)
-    for i, p in enumerate(params):
-        if not isinstance(p, SamplingParams):
-            _fail(f"sampling_params[{i}]", p, "a SamplingParams", type_error=True)
-    if len(params) != n:
-        raise ValueError(f"{len(params)} sampling params for {n} prompts: give one, or one each")
-    return params
-
-
-def _dsa_row_format(mcfg: Any, kv_format: str, dtype: torch.dtype, device: torch.device) -> str:
-    """The MLA row format for ``kv_format`` on this checkpoint, or a `HiSparseConfigError`
-    naming one that works: rows move with 16-byte accesses (and fp8_ds_mla needs whole
-    128-value tiles)."""
-    from hisparse.kv.row_formats import MLA_TILE, mla_row_bytes
-
-    rank, rope = mcfg.kv_lora_rank, mcfg.qk_rope_head_dim
-
-    def row(fmt: str) -> int | None:
-        if fmt == "fp8_ds_mla" and rank % MLA_TILE:
-            return None
-        size = mla_row_bytes(fmt, rank, rope)
-        return size if size % ROW_ALIGNMENT_BYTES == 0 else None
-
-    if kv_format == "auto":
-        fallback = "fp32" if dtype == torch.float32 and device.type == "cpu" else "bf16"
-        for fmt in ("fp8_ds_mla", fallback, "bf16", "fp32"):
-            if row(fmt) is not None:
-                return fmt
-    elif row(kv_format) is not None:
-        return kv_format
-    working = [fmt for fmt in ("fp8_ds_mla", "bf16", "fp32") if row(fmt) is not None]
-    why = (
-        f"needs kv_lora_rank to be a multiple of {MLA_TILE}"
-        if kv_format == "fp8_ds_mla" and rank % MLA_TILE
-        else f"gives rows of {mla_row_bytes(kv_format, rank, rope)} bytes"
-        if kv_format != "auto"
-        else "finds no format"
-    )
-    fix = (
-        f"use kv_format={working[0]!r}"
-        if working
-        else f"no MLA row format of kv_lora_rank {rank} + rope {rope} is 16-byte aligned"
-    )
-    raise HiSparseConfigError(
-        f"LLM.kv_format={kv_format!r} {why} for this checkpoint (kv_lora_rank {rank}, "
-        f"qk_rope_head_dim {rope}); HiSparse copies rows with {ROW_ALIGNMENT_BYTES}-byte "
-        f"accesses; {fix}.",
-        field="LLM.kv_format",
-        value=kv_format,
-    )
-
-
-def _default_host_pool_bytes(
-    specs: list[Any],
-    config: Any,
-    max_model_len: int,
-    max_num_seqs: int,
-    available: int | None = None,
-) -> int:
-    """What ``max_num_seqs`` requests of ``max_model_len`` tokens hold on the host (their
-    pages, a copy-on-write tail each, the null block), capped at half the host memory
-    ``available`` (default: now), and at least one such request."""
-    bs = config.block_size
-    block = sum(s.row_bytes for s in specs if s.kind is CacheKind.SPARSE_MLA) * bs
-    per_request = cdiv(max_model_len, bs) + 1
-    want = (max_num_seqs * per_request + 1) * block
-    available = available_host_bytes() if available is None else available
-    floor = config.min_host_blocks(max_model_len) * block
-    if floor > MAX_AVAILABLE_FRACTION * available:
-        raise HiSparseConfigError(
-            f"one request of max_model_len={max_model_len} needs a host pool of "
-            f"{floor / 2**30:.2f} GiB, more than the {available / 2**30:.2f} GiB of host "
-            "memory available; lower max_model_len.",
-            field="LLM.max_model_len",
-            value=max_model_len,
-        )
-    return max(min(want, int(DEFAULT_HOST_POOL_FRACTION * available)), floor)
-
-
-def _check_device_memory(device: torch.device, gib: float) -> None:
-    """The KV budget must fit the device's free memory (host memory on a CPU run)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-    else:
-        free = available_host_bytes()
-    if gib * 2**30 > MAX_AVAILABLE_FRACTION * free:
-        _fail(
-            "LLM.gpu_memory_gib", gib,
-            f"at most {MAX_AVAILABLE_FRACTION * free / 2**30:.2f} GiB "
-            f"({MAX_AVAILABLE_FRACTION:.0%} of the {free / 2**30:.2f} GiB free on {device})",
-        )  # fmt: skip
-
-
 @contextlib.contextmanager
 def _young_objects_only(device: torch.device) -> Iterator[None]:
     """On the CPU: the objects that exist when a call starts (model, caches, everything
@@ -831,102 +553,6 @@ def _young_objects_only(device: torch.device) -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-
-
-def capture_blockers(device: torch.device, indexer: str) -> list[str]:
-    """Why a decode step on ``device`` could not be captured as a CUDA graph: the parts that
-    would read device values on the host (the PyTorch references, the quest indexer)."""
-    from hisparse.runtime.ops import cpu_ops, ops_for, reference
-
-    out = []
-    if ops_for(device) in (reference, cpu_ops):
-        out.append("the data-plane ops are not the Triton kernels (HISPARSE_OPS, or no Triton)")
-    for var in ("HISPARSE_INDEXER", "HISPARSE_ATTENTION"):
-        if os.environ.get(var) == "reference":
-            out.append(f"{var}=reference")
-    if indexer == "quest":
-        out.append("indexer='quest' reads page bounds on the host")
-    return out
-
-
-def _decode_path(cuda_graphs: bool | None, device: torch.device, indexer: str = "fp8") -> str:
-    """`ModelRunner` decode path for the ``cuda_graphs`` argument on ``device``: CUDA graphs by
-    default on CUDA, unless a part of the step cannot be captured (then the same fixed-shape
-    step runs eagerly, with a warning; asking for graphs explicitly is then an error)."""
-    if cuda_graphs is False or (cuda_graphs is None and device.type != "cuda"):
-        return "eager"
-    if device.type != "cuda":
-        return "padded"  # cuda_graphs=True on the CPU: the graphs' step, run eagerly
-    blockers = capture_blockers(device, indexer)
-    if not blockers:
-        return "graphs"
-    why = "; ".join(blockers)
-    if cuda_graphs is True:
-        raise ValueError(
-            f"cuda_graphs=True: the decode step cannot be captured ({why}); pass "
-            "cuda_graphs=False, or leave it unset to run the same step without graphs."
-        )
-    warnings.warn(f"decode runs without CUDA graphs: {why}", stacklevel=3)
-    return "padded"
-
-
-def _set_index_topk(model: torch.nn.Module, top_k: int) -> None:
-    for module in model.modules():
-        if module.__class__.__name__ == "Indexer":
-            module.topk = top_k  # type: ignore[assignment]
-
-
-def _checked_device(device: Any) -> torch.device:
-    """``device`` (default: CUDA when there is one, else the CPU), or a clear error."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not isinstance(device, str | torch.device):
-        _fail("LLM.device", device, "'cpu', 'cuda[:N]', a torch.device or None", type_error=True)
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise HiSparseConfigError(
-            f"LLM.device={device!r} is not a device: use 'cpu' or 'cuda[:N]'.",
-            field="LLM.device",
-            value=device,
-            requirement="'cpu' or 'cuda[:N]'",
-        ) from e
-    if dev.type not in ("cpu", "cuda"):
-        _fail("LLM.device", device, "a 'cpu' or 'cuda[:N]' device (hisparse runs on those)")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            _fail("LLM.device", device, "'cpu': this PyTorch sees no CUDA device")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            _fail("LLM.device", device, f"one of the {torch.cuda.device_count()} CUDA devices")
-    return dev
-
-
-def _default_kv_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return 0.85 * free / 2**30
-    return 1.0
-
-
-def _load_tokenizer(path: Path):
-    file = path / "tokenizer.json"
-    if not file.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(file))
-
-
-def _eos_ids(path: Path, mcfg: object) -> set[int]:
-    eos = getattr(mcfg, "eos_token_id", None)
-    if eos is None:
-        import json
-
-        cfg = json.loads((path / "config.json").read_text())
-        eos = cfg.get("eos_token_id")
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, list) else {int(eos)}
 
 
 def _progress(total: int, enabled: bool):

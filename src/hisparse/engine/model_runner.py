@@ -26,48 +26,12 @@ from hisparse.engine.cuda_graphs import DecodeGraphs
 from hisparse.engine.hooks import StepHooks, StepRequests
 from hisparse.engine.kv_manager import KVCacheManager
 from hisparse.engine.request import Request
-from hisparse.kv.row_formats import mla_row_bytes
-from hisparse.kv.specs import CacheKind, LayerCacheSpec, RowFormat
-from hisparse.models.deepseek_v32 import DsaForCausalLM
+from hisparse.kv.specs import CacheKind, LayerCacheSpec
 from hisparse.models.kv_access import DsaStep
 from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.cache_handle import CacheHandle
 from hisparse.runtime.runtime import SparseLayerRuntime
 from hisparse.runtime.streams import CopyStream
-
-_ROW_FORMAT_ENUM = {"fp8_ds_mla": RowFormat.FP8_DS_MLA, "bf16": RowFormat.BF16_MLA}
-
-
-def engine_specs(
-    model: torch.nn.Module, row_format: object, block_size: int
-) -> list[LayerCacheSpec]:
-    """Cache specs of ``model`` with the row sizes it really writes.
-
-    DSA models: MLA rows (any row format, fp32 included) and an indexer cache on every full
-    indexer layer; IndexShare followers name their leader. GQA models (Llama): K+V rows and
-    a compact key cache on every layer (index groups of one).
-    """
-    specs: list[LayerCacheSpec] = []
-    idx_row = model.indexer_format.row_bytes  # type: ignore[union-attr]
-    if isinstance(model, DsaForCausalLM):
-        cfg = model.config
-        row = mla_row_bytes(row_format, cfg.kv_lora_rank, cfg.qk_rope_head_dim)  # type: ignore[arg-type]
-        fmt = _ROW_FORMAT_ENUM.get(str(row_format))
-        full_layers = list(cfg.indexer_full)
-    else:
-        row = row_format.row_bytes  # type: ignore[attr-defined]
-        fmt = RowFormat.GQA
-        full_layers = [True] * model.config.num_hidden_layers  # type: ignore[union-attr]
-    leader = ""
-    for i, full in enumerate(full_layers):
-        name = f"layers.{i}.attn"
-        leader = name if full else leader
-        specs.append(LayerCacheSpec(name, CacheKind.SPARSE_MLA, row, block_size, fmt, leader))
-        if full:
-            specs.append(
-                LayerCacheSpec(f"layers.{i}.indexer", CacheKind.INDEXER, idx_row, block_size)
-            )
-    return specs
 
 
 @dataclass

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from hisparse.engine.kv_manager import KVCacheManager, KVCapacityError
 from hisparse.engine.request import Request, Status
@@ -43,10 +45,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         policy: str = "mixed",
+        stops: StopChecker | None = None,
     ) -> None:
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule={policy!r}: use one of {SCHEDULE_POLICIES}.")
         self.policy = policy
+        self.stops = stops or StopChecker(None, set(), 1 << 62)
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -217,7 +221,91 @@ class Scheduler:
             self.running.remove(req)
         self.kv.free(req.req_id)
 
+    # --- after a step ran ---------------------------------------------------------------
+    def update(
+        self,
+        step: ScheduledStep,
+        sampled: list[Request],
+        tokens: list[int | None],
+        logprobs: list[dict[int, float] | None],
+        now: float,
+        *,
+        write_back: Callable[[list, Request], None],
+    ) -> None:
+        """What a forward of ``step`` changed: computed tokens, the sampled token of each
+        request in ``sampled`` (``None``: its logits were not finite, it fails alone), stops,
+        prompts that start decoding, and the resident pages a request no longer needs (written
+        back to the host by ``write_back`` where the mirror is lazy, then freed)."""
+        for req, n in step.batch:
+            req.num_computed += n
+        for req, tok, lp in zip(sampled, tokens, logprobs, strict=True):
+            if tok is None:
+                req.metrics.finished = now
+                self.fail_running(
+                    req, "sampling failed: this request's logits are not finite numbers"
+                )
+                continue
+            reason = self.stops.append(req, tok, lp, now)
+            if reason is not None:
+                req.metrics.finished = now
+                self.finish(req, reason)
+        for (req, _), fin in zip(step.batch, step.finishing, strict=True):
+            if req.finished or not (step.decode or fin):
+                continue
+            req.status = Status.DECODING
+            # the rows are on the host: keep only the tail pages resident
+            dropped = self.kv.trim_resident(req.req_id, req.num_computed)
+            write_back(dropped, req)
+            self.kv.release_resident(req.req_id, dropped)
+
     def finish(self, req: Request, reason: str) -> None:
         req.status = Status.FINISHED
         req.finish_reason = reason
         self._release(req)
+
+
+class StopChecker:
+    """Appends a sampled token to its request and decides whether the request ends: a stop
+    token id, an end-of-sequence token (unless ``ignore_eos``), a stop string in the text
+    (cut before it), ``max_tokens`` or ``max_model_len``; nothing stops before
+    ``min_tokens``. Keeps ``req.text`` decoded (when there is a tokenizer)."""
+
+    def __init__(self, tokenizer: Any, eos_token_ids: set[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def append(
+        self, req: Request, token: int, logprobs: dict[int, float] | None, now: float
+    ) -> str | None:
+        """Append ``token``; the finish reason (``"stop"``, ``"length"``) or ``None``."""
+        req.output_token_ids.append(token)
+        if req.logprobs is not None and logprobs is not None:
+            req.logprobs.append(logprobs)
+            req.cumulative_logprob = (req.cumulative_logprob or 0.0) + logprobs.get(token, 0.0)
+        if req.metrics.first_token is None:
+            req.metrics.first_token = now
+        req.metrics.token_times.append(now)
+        before = len(req.text)
+        if self.tokenizer is not None:
+            req.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        p = req.params
+        if len(req.output_token_ids) >= p.min_tokens:  # no stop before min_tokens
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return "stop"
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if p.stop:
+                # the new text and what a stop string may share with the text before it
+                start = max(before - max(len(s) for s in p.stop) + 1, 0)
+                hits = [(i, s) for s in p.stop if (i := req.text.find(s, start)) >= 0]
+                if hits:
+                    cut, req.stop_reason = min(hits)
+                    req.text = req.text[:cut]
+                    return "stop"
+        if (p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens) or (
+            req.num_tokens >= self.max_model_len
+        ):
+            return "length"
+        return None

@@ -1,0 +1,132 @@
+"""From `LLM`'s arguments to the engine's devices, pool sizes and decode path.
+
+The device must exist; the KV budget must fit its free memory; the default host pool holds
+``max_num_seqs`` requests of ``max_model_len`` (capped by the host memory there is); decode
+runs as CUDA graphs on CUDA unless a part of the step cannot be captured.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from hisparse.config import HiSparseConfigError, cdiv
+from hisparse.kv.host_pool import MAX_AVAILABLE_FRACTION, available_host_bytes
+from hisparse.kv.specs import CacheKind
+from hisparse.validation import _fail
+
+#: The default host pool takes at most this fraction of the host memory available.
+DEFAULT_HOST_POOL_FRACTION = 0.5
+
+
+def default_host_pool_bytes(
+    specs: list[Any],
+    config: Any,
+    max_model_len: int,
+    max_num_seqs: int,
+    available: int | None = None,
+) -> int:
+    """What ``max_num_seqs`` requests of ``max_model_len`` tokens hold on the host (their
+    pages, a copy-on-write tail each, the null block), capped at half the host memory
+    ``available`` (default: now), and at least one such request."""
+    bs = config.block_size
+    block = sum(s.row_bytes for s in specs if s.kind is CacheKind.SPARSE_MLA) * bs
+    per_request = cdiv(max_model_len, bs) + 1
+    want = (max_num_seqs * per_request + 1) * block
+    available = available_host_bytes() if available is None else available
+    floor = config.min_host_blocks(max_model_len) * block
+    if floor > MAX_AVAILABLE_FRACTION * available:
+        raise HiSparseConfigError(
+            f"one request of max_model_len={max_model_len} needs a host pool of "
+            f"{floor / 2**30:.2f} GiB, more than the {available / 2**30:.2f} GiB of host "
+            "memory available; lower max_model_len.",
+            field="LLM.max_model_len",
+            value=max_model_len,
+        )
+    return max(min(want, int(DEFAULT_HOST_POOL_FRACTION * available)), floor)
+
+
+def check_device_memory(device: torch.device, gib: float) -> None:
+    """The KV budget must fit the device's free memory (host memory on a CPU run)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = available_host_bytes()
+    if gib * 2**30 > MAX_AVAILABLE_FRACTION * free:
+        _fail(
+            "LLM.gpu_memory_gib", gib,
+            f"at most {MAX_AVAILABLE_FRACTION * free / 2**30:.2f} GiB "
+            f"({MAX_AVAILABLE_FRACTION:.0%} of the {free / 2**30:.2f} GiB free on {device})",
+        )  # fmt: skip
+
+
+def capture_blockers(device: torch.device, indexer: str) -> list[str]:
+    """Why a decode step on ``device`` could not be captured as a CUDA graph: the parts that
+    would read device values on the host (the PyTorch references, the quest indexer)."""
+    from hisparse.runtime.ops import cpu_ops, ops_for, reference
+
+    out = []
+    if ops_for(device) in (reference, cpu_ops):
+        out.append("the data-plane ops are not the Triton kernels (HISPARSE_OPS, or no Triton)")
+    for var in ("HISPARSE_INDEXER", "HISPARSE_ATTENTION"):
+        if os.environ.get(var) == "reference":
+            out.append(f"{var}=reference")
+    if indexer == "quest":
+        out.append("indexer='quest' reads page bounds on the host")
+    return out
+
+
+def decode_path(cuda_graphs: bool | None, device: torch.device, indexer: str = "fp8") -> str:
+    """`ModelRunner` decode path for the ``cuda_graphs`` argument on ``device``: CUDA graphs by
+    default on CUDA, unless a part of the step cannot be captured (then the same fixed-shape
+    step runs eagerly, with a warning; asking for graphs explicitly is then an error)."""
+    if cuda_graphs is False or (cuda_graphs is None and device.type != "cuda"):
+        return "eager"
+    if device.type != "cuda":
+        return "padded"  # cuda_graphs=True on the CPU: the graphs' step, run eagerly
+    blockers = capture_blockers(device, indexer)
+    if not blockers:
+        return "graphs"
+    why = "; ".join(blockers)
+    if cuda_graphs is True:
+        raise ValueError(
+            f"cuda_graphs=True: the decode step cannot be captured ({why}); pass "
+            "cuda_graphs=False, or leave it unset to run the same step without graphs."
+        )
+    warnings.warn(f"decode runs without CUDA graphs: {why}", stacklevel=3)
+    return "padded"
+
+
+def checked_device(device: Any) -> torch.device:
+    """``device`` (default: CUDA when there is one, else the CPU), or a clear error."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, str | torch.device):
+        _fail("LLM.device", device, "'cpu', 'cuda[:N]', a torch.device or None", type_error=True)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise HiSparseConfigError(
+            f"LLM.device={device!r} is not a device: use 'cpu' or 'cuda[:N]'.",
+            field="LLM.device",
+            value=device,
+            requirement="'cpu' or 'cuda[:N]'",
+        ) from e
+    if dev.type not in ("cpu", "cuda"):
+        _fail("LLM.device", device, "a 'cpu' or 'cuda[:N]' device (hisparse runs on those)")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            _fail("LLM.device", device, "'cpu': this PyTorch sees no CUDA device")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            _fail("LLM.device", device, f"one of the {torch.cuda.device_count()} CUDA devices")
+    return dev
+
+
+def default_kv_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return 0.85 * free / 2**30
+    return 1.0

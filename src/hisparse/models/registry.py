@@ -1,0 +1,238 @@
+"""The model registry: which model family a checkpoint is, how it loads, what it caches.
+
+Two families: DSA checkpoints (`deepseek_v32`, `glm_moe_dsa`: a folder with config.json and
+safetensors; MLA rows, an indexer cache on every full indexer layer) and Llama GQA models from
+a GGUF file (SmolLM2 bundled; K+V rows and a compact key cache per layer). The engine
+(`hisparse.LLM`) loads through `load_model` and sizes its pools from `engine_specs`; the
+planner (`hisparse plan`) reads the same shapes without loading weights
+(`hisparse.kv.cache_shapes`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hisparse.config import (
+    ROW_ALIGNMENT_BYTES,
+    HiSparseConfig,
+    HiSparseConfigError,
+    ResolvedHiSparseConfig,
+)
+from hisparse.kv.row_formats import MLA_TILE, mla_row_bytes
+from hisparse.kv.specs import CacheKind, LayerCacheSpec, RowFormat
+from hisparse.models.deepseek_v32 import DsaForCausalLM
+from hisparse.validation import _fail
+
+#: ``kv_format`` values: ``auto`` picks per checkpoint and device (`LLM`)
+KV_FORMATS = ("auto", "fp8_ds_mla", "bf16", "fp32")
+
+
+GQA_KV_FORMATS = ("auto", "bf16", "fp32")
+
+
+#: ``indexer`` values: DSA models take the first two, GQA models all four
+INDEXERS = ("fp8", "exact", "quest", "lowrank")
+
+
+DSA_INDEXERS = ("fp8", "exact")
+
+
+#: top_k of GQA models, which declare none: the smallest budget that kept needle retrieval equal
+#: to dense in docs/quality.md (2K, 4K and 8K contexts).
+DEFAULT_GQA_TOP_K = 256
+
+
+def indexer_method(indexer: str) -> str:
+    """DSA indexer modes map onto the GQA scorer: fp8 keys for either."""
+    return "fp8" if indexer in ("fp8", "exact") else indexer
+
+
+def resolve_model(model: str | Path) -> Path:
+    """A checkpoint directory (config.json), a ``.gguf`` file, or ``smollm2``."""
+    if not isinstance(model, str | os.PathLike):
+        _fail("LLM.model", model, "a checkpoint folder, a .gguf file or 'smollm2'", type_error=True)
+    text = os.fspath(model)
+    if text.lower() in ("smollm2", "smollm2-135m-instruct") or text.endswith(".gguf"):
+        from hisparse.models.smollm2 import resolve_model_path
+
+        return resolve_model_path(model)
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {text!r}: no config.json there. Pass a checkpoint directory "
+            "(config.json + *.safetensors) of a deepseek_v32 / glm_moe_dsa model, a .gguf "
+            "file of a Llama model, or 'smollm2' (the bundled SmolLM2-135M-Instruct)."
+        )
+    return path
+
+
+def dsa_row_format(mcfg: Any, kv_format: str, dtype: torch.dtype, device: torch.device) -> str:
+    """The MLA row format for ``kv_format`` on this checkpoint, or a `HiSparseConfigError`
+    naming one that works: rows move with 16-byte accesses (and fp8_ds_mla needs whole
+    128-value tiles)."""
+
+    rank, rope = mcfg.kv_lora_rank, mcfg.qk_rope_head_dim
+
+    def row(fmt: str) -> int | None:
+        if fmt == "fp8_ds_mla" and rank % MLA_TILE:
+            return None
+        size = mla_row_bytes(fmt, rank, rope)
+        return size if size % ROW_ALIGNMENT_BYTES == 0 else None
+
+    if kv_format == "auto":
+        fallback = "fp32" if dtype == torch.float32 and device.type == "cpu" else "bf16"
+        for fmt in ("fp8_ds_mla", fallback, "bf16", "fp32"):
+            if row(fmt) is not None:
+                return fmt
+    elif row(kv_format) is not None:
+        return kv_format
+    working = [fmt for fmt in ("fp8_ds_mla", "bf16", "fp32") if row(fmt) is not None]
+    why = (
+        f"needs kv_lora_rank to be a multiple of {MLA_TILE}"
+        if kv_format == "fp8_ds_mla" and rank % MLA_TILE
+        else f"gives rows of {mla_row_bytes(kv_format, rank, rope)} bytes"
+        if kv_format != "auto"
+        else "finds no format"
+    )
+    fix = (
+        f"use kv_format={working[0]!r}"
+        if working
+        else f"no MLA row format of kv_lora_rank {rank} + rope {rope} is 16-byte aligned"
+    )
+    raise HiSparseConfigError(
+        f"LLM.kv_format={kv_format!r} {why} for this checkpoint (kv_lora_rank {rank}, "
+        f"qk_rope_head_dim {rope}); HiSparse copies rows with {ROW_ALIGNMENT_BYTES}-byte "
+        f"accesses; {fix}.",
+        field="LLM.kv_format",
+        value=kv_format,
+    )
+
+
+def set_index_topk(model: torch.nn.Module, top_k: int) -> None:
+    for module in model.modules():
+        if module.__class__.__name__ == "Indexer":
+            module.topk = top_k  # type: ignore[assignment]
+
+
+def load_tokenizer(path: Path):
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(file))
+
+
+def eos_ids(path: Path, mcfg: object) -> set[int]:
+    eos = getattr(mcfg, "eos_token_id", None)
+    if eos is None:
+        import json
+
+        cfg = json.loads((path / "config.json").read_text())
+        eos = cfg.get("eos_token_id")
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}
+
+
+@dataclass
+class LoadedModel:
+    """A loaded checkpoint and what the engine needs to know of it."""
+
+    model: torch.nn.Module
+    #: the HiSparse settings resolved against the model (its top_k default)
+    config: ResolvedHiSparseConfig
+    tokenizer: Any
+    chat_template: Any
+    eos_token_ids: set[int]
+    #: the KV row format: a DSA format name, or a GQA `row_format` object
+    row_format: object
+    #: the model's context limit (max_position_embeddings)
+    max_len: int
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix == ".gguf"
+
+
+def load_model(
+    path: Path,
+    hs: HiSparseConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    indexer: str,
+    kv_format: str,
+) -> LoadedModel:
+    """Load the checkpoint at ``path`` (`resolve_model`) for the engine."""
+    if is_gguf(path):
+        # A GQA model (SmolLM2 by default): training-free indexer, K+V rows.
+        from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig
+        from hisparse.models.gguf_loader import load_llama_gguf
+        from hisparse.models.tokenizer import GgufTokenizer
+
+        config = hs.resolve(model_top_k=DEFAULT_GQA_TOP_K)
+        model = load_llama_gguf(
+            path,
+            dtype=dtype,
+            device=device,
+            indexer=GqaIndexerConfig(top_k=config.top_k, method=indexer_method(indexer)),
+        )
+        tokenizer = GgufTokenizer.from_gguf(path)
+        kv_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(kv_format, dtype)
+        return LoadedModel(
+            model, config, tokenizer, tokenizer.template, set(tokenizer.stop_token_ids),
+            model.config.row_format(kv_dtype), model.config.max_position_embeddings,
+        )  # fmt: skip
+    from hisparse.models.loader import load_dsa_model
+    from hisparse.models.tokenizer import load_chat_template
+
+    model = load_dsa_model(path, dtype=dtype, device=device, indexer_mode=indexer)
+    mcfg = model.config
+    config = hs.resolve(model_top_k=mcfg.index_topk)
+    if config.top_k != mcfg.index_topk:
+        # The sparse-attention budget applies to both placements alike.
+        set_index_topk(model, config.top_k)
+    return LoadedModel(
+        model, config, load_tokenizer(path), load_chat_template(path), eos_ids(path, mcfg),
+        dsa_row_format(mcfg, kv_format, dtype, device), mcfg.max_position_embeddings,
+    )  # fmt: skip
+
+
+_ROW_FORMAT_ENUM = {"fp8_ds_mla": RowFormat.FP8_DS_MLA, "bf16": RowFormat.BF16_MLA}
+
+
+def engine_specs(
+    model: torch.nn.Module, row_format: object, block_size: int
+) -> list[LayerCacheSpec]:
+    """Cache specs of ``model`` with the row sizes it really writes.
+
+    DSA models: MLA rows (any row format, fp32 included) and an indexer cache on every full
+    indexer layer; IndexShare followers name their leader. GQA models (Llama): K+V rows and
+    a compact key cache on every layer (index groups of one).
+    """
+    specs: list[LayerCacheSpec] = []
+    idx_row = model.indexer_format.row_bytes  # type: ignore[union-attr]
+    if isinstance(model, DsaForCausalLM):
+        cfg = model.config
+        row = mla_row_bytes(row_format, cfg.kv_lora_rank, cfg.qk_rope_head_dim)  # type: ignore[arg-type]
+        fmt = _ROW_FORMAT_ENUM.get(str(row_format))
+        full_layers = list(cfg.indexer_full)
+    else:
+        row = row_format.row_bytes  # type: ignore[attr-defined]
+        fmt = RowFormat.GQA
+        full_layers = [True] * model.config.num_hidden_layers  # type: ignore[union-attr]
+    leader = ""
+    for i, full in enumerate(full_layers):
+        name = f"layers.{i}.attn"
+        leader = name if full else leader
+        specs.append(LayerCacheSpec(name, CacheKind.SPARSE_MLA, row, block_size, fmt, leader))
+        if full:
+            specs.append(
+                LayerCacheSpec(f"layers.{i}.indexer", CacheKind.INDEXER, idx_row, block_size)
+            )
+    return specs
