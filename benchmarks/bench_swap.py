@@ -178,7 +178,7 @@ def graph_resolve_us(Q: int, H: int, miss: float, reps: int = 50) -> dict:
 #: Knobs of the Triton module each ablation variant sets (the rest stay at their defaults).
 _KNOBS = (
     "RESOLVE_IMPL", "RESOLVE_WARPS", "RESOLVE_BH", "RESOLVE_LOG_BUCKETS", "RESOLVE_RANK_TILE",
-    "RESOLVE_SORT_ABOVE", "RESOLVE_SORT_WINDOW", "RESOLVE_SPLIT_MAX_Q", "RESOLVE_SPLIT_PROGRAMS",
+    "RESOLVE_SORT_WINDOW", "RESOLVE_SPLIT_MAX_Q", "RESOLVE_SPLIT_PROGRAMS",
 )  # fmt: skip
 
 
@@ -194,9 +194,7 @@ def ablate_resolve(
     above ``RESOLVE_SPLIT_MAX_Q`` requests) at its default settings; the ``bucket-`` ones change
     one knob: warps, hot-slot chunk, bucket count, the swap-list rank tile, how the swap list is
     ordered (``tl.sort`` of a 512-key window when the misses fit, the default; rank tiles only;
-    a 1024-key window; one sort of all entries, always or above 256 misses; ``pairs``
-    variants turn the window off, so they time the rank tiles);
-    ``sort`` is the previous kernel (bitonic ``tl.sort`` of (host row, entry) int64 keys);
+    a 1024-key window; ``pairs`` variants turn the window off, so they time the rank tiles);
     ``split`` spreads each request over 16 programs up to 32 requests, else 8 (``-pN``: N), in
     five launches (`triton_resolve_split`); the others keep one program per request.
     ``on_timed`` receives the timings before the (slower) oracle checks start.
@@ -211,7 +209,6 @@ def ablate_resolve(
         ("split-p4", {**split, "RESOLVE_SPLIT_PROGRAMS": 4}),
         ("split-p16", {**split, "RESOLVE_SPLIT_PROGRAMS": 16}),
         ("split-p32", {**split, "RESOLVE_SPLIT_PROGRAMS": 32}),
-        ("sort", {"RESOLVE_IMPL": "sort"}),
         ("bucket-w16", {"RESOLVE_WARPS": 16}),
         ("bucket-w4", {"RESOLVE_WARPS": 4}),
         ("bucket-w32", {"RESOLVE_WARPS": 32}),
@@ -220,9 +217,6 @@ def ablate_resolve(
         ("bucket-pairs-tile128", {**pairs, "RESOLVE_RANK_TILE": 128}),
         ("bucket-pairs-tile128-w16", {**pairs, "RESOLVE_RANK_TILE": 128, "RESOLVE_WARPS": 16}),
         ("bucket-pairs-tile256-w16", {**pairs, "RESOLVE_RANK_TILE": 256, "RESOLVE_WARPS": 16}),
-        ("bucket-swapsort", {**pairs, "RESOLVE_SORT_ABOVE": -1}),
-        ("bucket-swapsort256", {**pairs, "RESOLVE_SORT_ABOVE": 256}),
-        ("bucket-swapsort-w16", {**pairs, "RESOLVE_SORT_ABOVE": -1, "RESOLVE_WARPS": 16}),
         ("bucket-window1024", {"RESOLVE_SORT_WINDOW": 1024}),
         ("bucket-bh1024", {"RESOLVE_BH": 1024}),
         ("bucket-4x-buckets", {"RESOLVE_LOG_BUCKETS": 13}),

@@ -153,20 +153,16 @@ def test_resolve_wanted_fills_whole_hot_buffer() -> None:
 
 
 @pytest.mark.parametrize(
-    ("impl", "log_buckets", "bh", "rank_tile", "sort_above", "window"),
+    ("impl", "log_buckets", "bh", "rank_tile", "window"),
     [
-        ("bucket", 0, 8, 2, None, 0),  # one bucket: almost every row overflows; H in 4 chunks
-        ("bucket", 1, 16, 4, None, 0),
-        ("bucket", 2, 4096, 2, None, 0),
-        ("bucket", None, 4096, 128, None, 0),
-        ("bucket", None, 4096, 4, 3, 0),  # swap list by tl.sort above 3 misses, else rank tiles
-        ("bucket", None, 4096, 4, -1, 0),  # always by tl.sort
-        ("bucket", None, 4096, 4, None, 4),  # up to 4 misses: a window sort; else rank tiles
-        ("bucket", None, 4096, 4, 8, 4),  # window sort, rank tiles, full sort above 8
-        ("sort", None, 4096, 128, None, 0),
-        ("split", None, 4096, 4, None, 0),  # several programs per request, five launches
-        ("split", 0, 8, 2, None, 0),  # one bucket: overflow cells claimed across programs
-        ("split", 1, 16, 4, None, 0),
+        ("bucket", 0, 8, 2, 0),  # one bucket: almost every row overflows; H in 4 chunks
+        ("bucket", 1, 16, 4, 0),
+        ("bucket", 2, 4096, 2, 0),
+        ("bucket", None, 4096, 128, 0),
+        ("bucket", None, 4096, 4, 4),  # up to 4 misses: a window sort; else rank tiles
+        ("split", None, 4096, 4, 0),  # several programs per request, five launches
+        ("split", 0, 8, 2, 0),  # one bucket: overflow cells claimed across programs
+        ("split", 1, 16, 4, 0),
     ],
 )
 @pytest.mark.parametrize("seed", range(3))
@@ -175,19 +171,17 @@ def test_resolve_each_kernel(
     log_buckets: int | None,
     bh: int,
     rank_tile: int,
-    sort_above: int | None,
     window: int,
     seed: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Overflowing buckets, hot-slot chunks and swap-rank tiles (and the old sort kernel)."""
+    """Overflowing buckets, hot-slot chunks, swap-rank tiles and the swap-list window sort."""
     monkeypatch.setattr(tk, "RESOLVE_SPLIT_MAX_Q", 0)  # "bucket": one program, any batch
     monkeypatch.setattr(tk, "RESOLVE_SPLIT_PROGRAMS", 4)  # "split": 2-4 entries per program
     monkeypatch.setattr(tk, "RESOLVE_IMPL", impl)
     monkeypatch.setattr(tk, "RESOLVE_LOG_BUCKETS", log_buckets)
     monkeypatch.setattr(tk, "RESOLVE_BH", bh)
     monkeypatch.setattr(tk, "RESOLVE_RANK_TILE", rank_tile)
-    monkeypatch.setattr(tk, "RESOLVE_SORT_ABOVE", sort_above)
     monkeypatch.setattr(tk, "RESOLVE_SORT_WINDOW", window)
     case = make_resolve_case(
         Q=3, K=8, H=32, block_size=4, seed=50 + seed, max_rows=2, p_dup=0.2, hot_fill=0.7,
@@ -196,9 +190,7 @@ def test_resolve_each_kernel(
     _run_both(case, steps=3, seed=seed)
 
 
-@pytest.mark.parametrize(
-    ("impl", "window"), [("bucket", 0), ("bucket", 4), ("sort", 0), ("split", 0)]
-)
+@pytest.mark.parametrize(("impl", "window"), [("bucket", 0), ("bucket", 4), ("split", 0)])
 def test_resolve_host_rows_just_below_2_31(
     impl: str, window: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -290,7 +282,7 @@ def test_resolve_more_rows_than_slots_keeps_a_valid_state(
 
 @pytest.mark.parametrize(
     ("knob", "value", "match"),
-    [("RESOLVE_IMPL", "buckets", "bucket, split or sort"), ("RESOLVE_SPLIT_PROGRAMS", 6, "power")],
+    [("RESOLVE_IMPL", "sort", "bucket or split"), ("RESOLVE_SPLIT_PROGRAMS", 6, "power")],
 )
 def test_resolve_bad_knob_is_refused(
     knob: str, value: object, match: str, monkeypatch: pytest.MonkeyPatch

@@ -57,13 +57,9 @@ import triton.language as tl
 
 Tensor = torch.Tensor
 
-_SENTINEL = tl.constexpr(1 << 40)  # above any host row: entries not needing the hot buffer
-
-#: resolve_residency implementation: "bucket" (default), "split" or "sort" (the previous
-#: kernel; ``HISPARSE_RESOLVE_IMPL`` sets it for whole-engine A/B runs). H200,
-#: batch 64, hot 4096, top_k 2048: bucket 35.6-42.6 µs at 5% miss vs sort 78.7; at 100% miss
-#: bucket 163 µs (after its rank tiles stopped reducing per tile: 487 before) vs sort 79.
-#: Benchmarks and tests switch these.
+#: resolve_residency implementation: "bucket" (default: the one-program kernel, or the split
+#: below ``RESOLVE_SPLIT_MAX_Q`` requests) or "split" (always the split);
+#: ``HISPARSE_RESOLVE_IMPL`` sets it for whole-engine A/B runs. Benchmarks and tests switch these.
 RESOLVE_IMPL = os.environ.get("HISPARSE_RESOLVE_IMPL") or "bucket"
 #: Batches of up to this many requests, with a hot buffer of at least ``top_k`` slots (the
 #: HiSparse placement; all-GPU's resident-only resolve keeps one program), resolve with
@@ -90,13 +86,6 @@ RESOLVE_LOG_BUCKETS: int | None = None
 #: 45.6 -> 37.4 µs at batch 1, 51.4 -> 42.6 at batch 29; 5% miss: 36.4 vs 36.8 (a window of
 #: 1024: 42.0 / 46.8; rank tiles of 128: 54.2 / 59.7; one sort of all entries: 57.7 at 5%).
 RESOLVE_SORT_WINDOW = int(os.environ.get("HISPARSE_RESOLVE_SORT_WINDOW") or 512)
-#: Beyond the window, order the swap list with one ``tl.sort`` of the whole entry vector when a
-#: request has more than this many misses (``None``: never; the rank tiles do it). A/B only.
-RESOLVE_SORT_ABOVE: int | None = (
-    int(os.environ["HISPARSE_RESOLVE_SORT_ABOVE"])
-    if os.environ.get("HISPARSE_RESOLVE_SORT_ABOVE")
-    else None
-)  # the variable switches it for whole-engine A/B runs
 
 
 def interpreting() -> bool:
@@ -248,8 +237,7 @@ def _resolve_kernel(
     sc_rows_ptr, tab_ptr, first_ptr, hit_ptr, evict_ptr, newlru_ptr, mg_ptr, ms_ptr,
     K, H, bs,
     ROWS: tl.constexpr, KP: tl.constexpr, LOGB: tl.constexpr, BH: tl.constexpr,
-    BR: tl.constexpr, BC: tl.constexpr, S: tl.constexpr, SORT_ABOVE: tl.constexpr,
-    SORT_WINDOW: tl.constexpr,
+    BR: tl.constexpr, BC: tl.constexpr, S: tl.constexpr, SORT_WINDOW: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_VALID: tl.constexpr, HAS_HM: tl.constexpr,
 ):  # fmt: skip
     """resolve_residency, one program per request, with a bucket table (module docstring)."""
@@ -427,15 +415,6 @@ def _resolve_kernel(
                     SORT_WINDOW,
                 )  # fmt: skip
                 n_sw = 0
-        if SORT_ABOVE < N:  # noqa: SIM102 (constexpr: compiled only when selected)
-            if (n_sw > SORT_ABOVE) & (n_sw > 0):
-                # Many misses: one sort of every entry's key (the miss heads' come first).
-                _store_sorted_swaps(
-                    g, slot_m, fm, n_sw, e, hot_bt_ptr + s64 * s_hbt_s, s_hbt_b,
-                    swap_src_ptr + q64 * s_ss_q, s_ss_h, swap_dst_ptr + q64 * s_sd_q, s_sd_h, bs,
-                    N,
-                )  # fmt: skip
-                n_sw = 0  # the rank tiles below have nothing left to do
         si = tl.arange(0, S)
         for i0 in range(0, n_sw, S):
             i = i0 + si
@@ -457,178 +436,6 @@ def _resolve_kernel(
                 hb_i.to(tl.int64) * bs + slot_i % bs,
                 mask=im,
             )
-
-
-@triton.jit
-def _resolve_sort_kernel(
-    topk_ptr, stk_r, stk_c,
-    row_req_ptr, R,
-    state_ptr, Q,
-    src_bt_ptr, s_src_q, s_src_b,
-    res_bt_ptr, s_res_q, s_res_b,
-    hot_bt_ptr, s_hbt_s, s_hbt_b,
-    hot_index_ptr, s_hi_s, s_hi_h,
-    lru_ptr, s_lru_s, s_lru_h,
-    out_ptr, s_out_r, s_out_c,
-    swap_src_ptr, s_ss_q, s_ss_h,
-    swap_dst_ptr, s_sd_q, s_sd_h,
-    swap_count_ptr, s_sc,
-    valid_ptr, s_v,
-    hm_ptr, s_hm_q, s_hm_c,
-    sc_rows_ptr, sc_sorted_ptr, sc_uniq_ptr, sc_slot_u_ptr, sc_flag_ptr,
-    sc_slot_hit_ptr, sc_evict_ptr, sc_newlru_ptr,
-    K, H, bs,
-    ROWS: tl.constexpr, KP: tl.constexpr, LOGN: tl.constexpr, BH: tl.constexpr,
-    BR: tl.constexpr, HAS_RES: tl.constexpr, HAS_VALID: tl.constexpr, HAS_HM: tl.constexpr,
-):  # fmt: skip
-    N: tl.constexpr = ROWS * KP
-    SENT: tl.constexpr = _SENTINEL
-    q = tl.program_id(0)
-    q64 = q.to(tl.int64)
-    # Rows of padding requests (spread over programs) and this request's rows, in row order.
-    n_rows = _padding_rows_and_row_list(
-        q, True, row_req_ptr, R, state_ptr, Q, out_ptr, s_out_r, s_out_c, valid_ptr, s_v, K,
-        sc_rows_ptr + q64 * ROWS, KP, ROWS, BR, HAS_VALID,
-    )  # fmt: skip
-
-    s = tl.load(state_ptr + q)
-    if s < 0:
-        tl.store(swap_count_ptr + q64 * s_sc, 0)
-        if HAS_HM:
-            tl.store(hm_ptr + q64 * s_hm_q, 0)
-            tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, 0)
-    else:
-        s64 = s.to(tl.int64)
-        tl.debug_barrier()  # the row list is written
-
-        ri = tl.arange(0, ROWS)[:, None]
-        col = tl.arange(0, KP)[None, :]
-        row_ok = ri < n_rows
-        row = tl.load(sc_rows_ptr + q64 * ROWS + ri, mask=row_ok, other=0).to(tl.int64)
-        emask = row_ok & (col < K)
-        p = tl.load(topk_ptr + row * stk_r + col * stk_c, mask=emask, other=-1).to(tl.int64)
-        valid = p >= 0
-        pc = tl.maximum(p, 0)
-        blk = pc // bs
-        off = pc % bs
-        sblk = tl.load(src_bt_ptr + q64 * s_src_q + blk * s_src_b, mask=valid, other=0)
-        g = sblk.to(tl.int64) * bs + off
-        out_direct = tl.full([ROWS, KP], -1, tl.int64)
-        if HAS_RES:
-            rblk = tl.load(res_bt_ptr + q64 * s_res_q + blk * s_res_b, mask=valid, other=0)
-            rblk = rblk.to(tl.int64)
-            resident = valid & (rblk != 0)
-            out_direct = tl.where(resident, rblk * bs + off, out_direct)
-            needs = valid & (rblk == 0)
-        else:
-            needs = valid
-        out_addr = out_ptr + row * s_out_r + col * s_out_c
-        tl.store(out_addr, out_direct, mask=emask & ~needs)
-        if HAS_VALID:
-            tl.store(
-                valid_ptr + tl.reshape(row, [ROWS]) * s_v,
-                tl.sum(valid.to(tl.int32), 1),
-                mask=tl.arange(0, ROWS) < n_rows,
-            )
-
-        # ---- 2. sort by (host row, position); run heads are the wanted set ------------
-        pos = ri * KP + col
-        key = tl.where(needs, g, SENT) * N + pos
-        keys = tl.sort(tl.reshape(key, [N]))
-        gs = keys >> LOGN
-        ps = (keys & (N - 1)).to(tl.int32)
-        idx = tl.arange(0, N)
-        live = gs != SENT
-        base_n = q64 * N
-        tl.store(sc_sorted_ptr + base_n + idx, gs)
-        tl.debug_barrier()
-        prev = tl.load(sc_sorted_ptr + base_n + idx - 1, mask=idx > 0, other=-1)
-        head = live & (gs != prev)
-        uid = tl.cumsum(head.to(tl.int32), 0) - 1
-        n_unique = tl.sum(head.to(tl.int32), 0)
-        tl.store(sc_uniq_ptr + base_n + uid, gs, mask=head)
-        tl.store(sc_uniq_ptr + base_n + idx, tl.full([N], SENT, tl.int64), mask=idx >= n_unique)
-        tl.store(sc_slot_u_ptr + base_n + idx, tl.full([N], -1, tl.int32))
-        tl.debug_barrier()
-
-        # ---- 3. hits: each hot slot looks its row up among the unique rows ------------
-        base_h = q64 * H
-        n_hit = 0
-        bh = tl.arange(0, BH)
-        for h0 in range(0, H, BH):
-            h = h0 + bh
-            hm = h < H
-            v = tl.load(hot_index_ptr + s64 * s_hi_s + h * s_hi_h, mask=hm, other=-1)
-            v = v.to(tl.int64)
-            lo = tl.zeros([BH], tl.int32)
-            for k in tl.static_range(LOGN):
-                mid = tl.load(sc_uniq_ptr + base_n + lo + ((N >> (k + 1)) - 1))
-                lo = tl.where(mid < v, lo + (N >> (k + 1)), lo)
-            found = tl.load(sc_uniq_ptr + base_n + lo)
-            hit = hm & (v >= 0) & (found == v)
-            tl.store(sc_slot_u_ptr + base_n + lo, h, mask=hit)
-            tl.store(sc_slot_hit_ptr + base_h + h, hit.to(tl.int8), mask=hm)
-            n_hit += tl.sum(hit.to(tl.int32), 0)
-        n_miss = n_unique - n_hit
-        n_evict = H - n_hit
-        tl.debug_barrier()
-
-        # ---- 4. new LRU order in closed form; evictable slot of each miss rank ---------
-        ce = 0
-        ch = 0
-        for j0 in range(0, H, BH):
-            j = j0 + bh
-            jm = j < H
-            sl = tl.load(lru_ptr + s64 * s_lru_s + j * s_lru_h, mask=jm, other=0).to(tl.int32)
-            was_hit = tl.load(sc_slot_hit_ptr + base_h + sl, mask=jm, other=0) != 0
-            ev = jm & ~was_hit
-            hh = jm & was_hit
-            e = ce + tl.cumsum(ev.to(tl.int32), 0) - 1
-            kh = ch + tl.cumsum(hh.to(tl.int32), 0) - 1
-            newpos = tl.where(
-                hh, n_evict + kh, tl.where(e >= n_miss, e - n_miss, n_evict - n_miss + e)
-            )
-            ok = jm & (newpos >= 0) & (newpos < H)
-            tl.store(sc_newlru_ptr + base_h + newpos, sl, mask=ok)
-            tl.store(sc_evict_ptr + base_h + e, sl, mask=ev & (e < n_miss))
-            ce += tl.sum(ev.to(tl.int32), 0)
-            ch += tl.sum(hh.to(tl.int32), 0)
-
-        # ---- 5. misses: wanted-order rank -> slot; swap list; every entry's row -------
-        slot_u = tl.load(sc_slot_u_ptr + base_n + uid, mask=head, other=0)
-        miss_head = head & (slot_u < 0)
-        tl.store(sc_flag_ptr + base_n + ps, miss_head.to(tl.int32))  # ps is a permutation
-        tl.debug_barrier()
-        for j0 in range(0, H, BH):
-            j = j0 + bh
-            jm = j < H
-            nl = tl.load(sc_newlru_ptr + base_h + j, mask=jm)
-            tl.store(lru_ptr + s64 * s_lru_s + j * s_lru_h, nl, mask=jm)
-        flag = tl.load(sc_flag_ptr + base_n + idx)
-        mrank = tl.cumsum(flag, 0) - 1
-        fm = (flag != 0) & (mrank < H)
-        slot_m = tl.load(sc_evict_ptr + base_h + mrank, mask=fm, other=0)
-        tl.store(sc_flag_ptr + base_n + idx, slot_m, mask=fm)
-        tl.debug_barrier()
-        slot_new = tl.load(sc_flag_ptr + base_n + ps, mask=miss_head, other=0)
-        tl.store(sc_slot_u_ptr + base_n + uid, slot_new, mask=miss_head)
-        tl.store(hot_index_ptr + s64 * s_hi_s + slot_new * s_hi_h, gs, mask=miss_head)
-        hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_new // bs) * s_hbt_b, mask=miss_head)
-        phys_m = hb.to(tl.int64) * bs + slot_new % bs
-        widx = tl.cumsum(miss_head.to(tl.int32), 0) - 1
-        tl.store(swap_src_ptr + q64 * s_ss_q + widx * s_ss_h, gs, mask=miss_head)
-        tl.store(swap_dst_ptr + q64 * s_sd_q + widx * s_sd_h, phys_m, mask=miss_head)
-        tl.store(swap_count_ptr + q64 * s_sc, n_miss)
-        if HAS_HM:
-            tl.store(hm_ptr + q64 * s_hm_q, n_hit)
-            tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, n_miss)
-        tl.debug_barrier()
-        slot_all = tl.load(sc_slot_u_ptr + base_n + uid, mask=live, other=0)
-        hb = tl.load(hot_bt_ptr + s64 * s_hbt_s + (slot_all // bs) * s_hbt_b, mask=live)
-        phys = hb.to(tl.int64) * bs + slot_all % bs
-        erow = tl.load(sc_rows_ptr + q64 * ROWS + ps // KP, mask=live, other=0).to(tl.int64)
-        ecol = ps % KP
-        tl.store(out_ptr + erow * s_out_r + ecol * s_out_c, phys, mask=live)
 
 
 def resolve_residency(
@@ -661,9 +468,9 @@ def resolve_residency(
             f"RESOLVE_SORT_WINDOW={RESOLVE_SORT_WINDOW} (HISPARSE_RESOLVE_SORT_WINDOW): "
             "use 0 (off) or a power of two such as 512"
         )
-    if RESOLVE_IMPL not in ("bucket", "split", "sort"):
+    if RESOLVE_IMPL not in ("bucket", "split"):
         raise ValueError(
-            f"RESOLVE_IMPL={RESOLVE_IMPL!r} (HISPARSE_RESOLVE_IMPL): use bucket, split or sort"
+            f"RESOLVE_IMPL={RESOLVE_IMPL!r} (HISPARSE_RESOLVE_IMPL): use bucket or split"
         )
     p = RESOLVE_SPLIT_PROGRAMS
     if p < 0 or p & (p - 1):
@@ -718,9 +525,6 @@ def resolve_residency(
         HAS_VALID=valid_counts is not None,
         HAS_HM=hit_miss is not None,
     )
-    if RESOLVE_IMPL == "sort":
-        _resolve_sort(common, flags, Q, n, rows, kp, logn, H, br, K, block_size, dev)
-        return
     # Buckets: 2 per entry by default (4 ways each: a bucket overflows with ~1e-4 odds).
     logb = RESOLVE_LOG_BUCKETS if RESOLVE_LOG_BUCKETS is not None else logn + 1
     if RESOLVE_IMPL == "split" or (
@@ -749,38 +553,9 @@ def resolve_residency(
         sc_rows, tab, first, i8, evict, i16, mg, ms,
         K, H, block_size,
         ROWS=rows, KP=kp, LOGB=logb, BH=bh, BR=br, BC=min(ncell, 4096), S=RESOLVE_RANK_TILE,
-        SORT_ABOVE=n if RESOLVE_SORT_ABOVE is None else RESOLVE_SORT_ABOVE,
         SORT_WINDOW=window if window >= 2 else 0,
         **flags,
         num_warps=RESOLVE_WARPS or (8 if max(n, bh) <= 4096 else 16),
-    )  # fmt: skip
-
-
-def _resolve_sort(common, flags, Q, n, rows, kp, logn, H, br, K, block_size, dev) -> None:  # type: ignore[no-untyped-def]
-    """The previous sort-based kernel: slower at few misses (78.7 vs 35.6 µs, batch 64, 5%
-    miss, H200), faster when every entry misses (79 vs 163 µs); selectable for A/B runs."""
-    bh = min(_next_pow2(H), 4096)
-    i64 = torch.empty(2 * Q * n, dtype=torch.int64, device=dev)
-    i32 = torch.empty(Q * (rows + 2 * n + 2 * H), dtype=torch.int32, device=dev)
-    i8 = torch.empty(Q * H, dtype=torch.int8, device=dev)
-    sc_sorted, sc_uniq = i64[: Q * n], i64[Q * n :]
-    o = 0
-    sc_rows = i32[o : o + Q * rows]
-    o += Q * rows
-    sc_slot_u = i32[o : o + Q * n]
-    o += Q * n
-    sc_flag = i32[o : o + Q * n]
-    o += Q * n
-    sc_evict = i32[o : o + Q * H]
-    o += Q * H
-    sc_newlru = i32[o : o + Q * H]
-    _resolve_sort_kernel[(Q,)](
-        *common,
-        sc_rows, sc_sorted, sc_uniq, sc_slot_u, sc_flag, i8, sc_evict, sc_newlru,
-        K, H, block_size,
-        ROWS=rows, KP=kp, LOGN=logn, BH=bh, BR=br,
-        **flags,
-        num_warps=4 if n <= 1024 else (8 if n <= 4096 else 16),
     )  # fmt: skip
 
 
