@@ -21,7 +21,9 @@ import torch
 pytest.importorskip("triton")
 
 from hisparse.runtime.ops import reference as ref
-from hisparse.runtime.ops import triton_kernels as tk
+from hisparse.runtime.ops import triton_backend as tk
+from hisparse.runtime.ops import triton_resolve as tr
+from hisparse.runtime.ops.triton_common import interpreting
 from hisparse.runtime.ops.triton_testing import (
     POISON,
     compare,
@@ -31,7 +33,7 @@ from hisparse.runtime.ops.triton_testing import (
 )
 
 pytestmark = pytest.mark.skipif(
-    not tk.interpreting(), reason="Triton kernels were defined outside the interpreter"
+    not interpreting(), reason="Triton kernels were defined outside the interpreter"
 )
 
 
@@ -176,13 +178,13 @@ def test_resolve_each_kernel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Overflowing buckets, hot-slot chunks, swap-rank tiles and the swap-list window sort."""
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_MAX_Q", 0)  # "bucket": one program, any batch
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_PROGRAMS", 4)  # "split": 2-4 entries per program
-    monkeypatch.setattr(tk, "RESOLVE_IMPL", impl)
-    monkeypatch.setattr(tk, "RESOLVE_LOG_BUCKETS", log_buckets)
-    monkeypatch.setattr(tk, "RESOLVE_BH", bh)
-    monkeypatch.setattr(tk, "RESOLVE_RANK_TILE", rank_tile)
-    monkeypatch.setattr(tk, "RESOLVE_SORT_WINDOW", window)
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_MAX_Q", 0)  # "bucket": one program, any batch
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_PROGRAMS", 4)  # "split": 2-4 entries per program
+    monkeypatch.setattr(tr, "RESOLVE_IMPL", impl)
+    monkeypatch.setattr(tr, "RESOLVE_LOG_BUCKETS", log_buckets)
+    monkeypatch.setattr(tr, "RESOLVE_BH", bh)
+    monkeypatch.setattr(tr, "RESOLVE_RANK_TILE", rank_tile)
+    monkeypatch.setattr(tr, "RESOLVE_SORT_WINDOW", window)
     case = make_resolve_case(
         Q=3, K=8, H=32, block_size=4, seed=50 + seed, max_rows=2, p_dup=0.2, hot_fill=0.7,
         reuse=0.5 if seed % 2 else 0.0,
@@ -196,10 +198,10 @@ def test_resolve_host_rows_just_below_2_31(
 ) -> None:
     """Host rows up to 2^31 - 1 (a 1 TiB host pool of 656-byte rows holds 1.7e9): hashing,
     swap-list order (window sort and rank tiles) and the int32 lists all keep them exact."""
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_MAX_Q", 0)
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_PROGRAMS", 4)
-    monkeypatch.setattr(tk, "RESOLVE_IMPL", impl)
-    monkeypatch.setattr(tk, "RESOLVE_SORT_WINDOW", window)
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_MAX_Q", 0)
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_PROGRAMS", 4)
+    monkeypatch.setattr(tr, "RESOLVE_IMPL", impl)
+    monkeypatch.setattr(tr, "RESOLVE_SORT_WINDOW", window)
     case = make_resolve_case(
         Q=3, K=8, H=32, block_size=4, seed=90, max_rows=2, p_dup=0.2, hot_fill=0.7, reuse=0.5
     )
@@ -213,7 +215,7 @@ def test_resolve_host_rows_just_below_2_31(
 def test_resolve_sort_window_must_be_a_power_of_two(
     window: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tk, "RESOLVE_SORT_WINDOW", window)
+    monkeypatch.setattr(tr, "RESOLVE_SORT_WINDOW", window)
     case = make_resolve_case(Q=2, K=4, H=16, block_size=2, seed=3, max_rows=1)
     before = case.clone()
     with pytest.raises(ValueError, match="power of two"):
@@ -229,16 +231,16 @@ def test_resolve_split_below_the_batch_threshold(
     ones, resident-only calls (hot buffer below top_k) and requests of fewer entries than
     RESOLVE_SPLIT_MIN_ENTRIES the one-program kernel."""
     calls: list[int] = []
-    split = tk.resolve_split
+    split = tr.resolve_split
 
     def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(args[2])  # Q
         return split(*args, **kwargs)
 
-    monkeypatch.setattr(tk, "resolve_split", counting)
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_MAX_Q", 3)
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_MIN_ENTRIES", 8)
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_PROGRAMS", programs)
+    monkeypatch.setattr(tr, "resolve_split", counting)
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_MAX_Q", 3)
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_MIN_ENTRIES", 8)
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_PROGRAMS", programs)
     for Q, H, K in ((3, 16, 8), (4, 16, 8), (2, 4, 8), (3, 4, 2)):
         case = make_resolve_case(Q=Q, K=K, H=H, block_size=2, seed=20 + Q, max_rows=1)
         _run_both(case, steps=2, seed=Q)
@@ -252,9 +254,9 @@ def test_resolve_more_rows_than_slots_keeps_a_valid_state(
     """16 distinct rows wanted, 8 slots, 4 of them hits (configuration checks prevent this;
     the reference raises): the first misses by rank get the 4 free slots, the others read -1;
     the LRU stays a permutation and nothing outside the slots is written."""
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_MAX_Q", 0)
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_PROGRAMS", 2)
-    monkeypatch.setattr(tk, "RESOLVE_IMPL", impl)
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_MAX_Q", 0)
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_PROGRAMS", 2)
+    monkeypatch.setattr(tr, "RESOLVE_IMPL", impl)
     H, K = 8, 8
     src_bt = torch.arange(1, 33, dtype=torch.int32).view(1, 32)  # position p: host row p + 1
     hot_index = torch.tensor([[1, 2, 3, 4, -1, -1, -1, -1]], dtype=torch.int32)
@@ -287,7 +289,7 @@ def test_resolve_more_rows_than_slots_keeps_a_valid_state(
 def test_resolve_bad_knob_is_refused(
     knob: str, value: object, match: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tk, knob, value)
+    monkeypatch.setattr(tr, knob, value)
     case = make_resolve_case(Q=2, K=4, H=16, block_size=2, seed=3, max_rows=1)
     before = case.clone()
     with pytest.raises(ValueError, match=match):
@@ -453,7 +455,7 @@ def test_package_import_does_not_import_triton_and_cuda_dispatch_is_lazy() -> No
         "assert 'triton' not in sys.modules, 'triton imported at package import'\n"
         "assert ops.ops_for('cpu') is ops.cpu_ops\n"
         "m = ops.ops_for('cuda')\n"
-        "assert m.__name__.endswith('triton_kernels'), m\n"
+        "assert m.__name__.endswith('triton_backend'), m\n"
         "assert ops.ops_for('cpu') is ops.cpu_ops\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "HISPARSE_OPS"}

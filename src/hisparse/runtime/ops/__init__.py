@@ -53,10 +53,10 @@ def register_backend(device_type: str, ops: ModuleType | object) -> None:
 
 
 def triton_ops() -> ModuleType:
-    """The Triton kernel module (imports Triton). Raises ImportError where Triton is missing."""
-    from hisparse.runtime.ops import triton_kernels
+    """The Triton backend (imports Triton). Raises ImportError where Triton is missing."""
+    from hisparse.runtime.ops import triton_backend
 
-    return triton_kernels
+    return triton_backend
 
 
 def _load_cuda_backend() -> None:
