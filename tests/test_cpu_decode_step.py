@@ -160,3 +160,18 @@ def test_the_fast_finish_path_is_taken(jit_mode: str) -> None:
     assert not group.finish_decode_one_cpu(handles[1].runtime, two, tables)
     group.ops = reference
     assert not group.finish_decode_one_cpu(handles[1].runtime, meta, tables)
+
+
+def test_the_fast_path_follows_the_group_ops() -> None:
+    """`cpu_decode_fast_path` is re-derived whenever the group's ops change: on for `cpu_ops`,
+    off for the reference and for the swap timer's wrapper (it must see every op call)."""
+    from hisparse.engine.swap_timer import SwapTimer
+
+    handles, _hosts, _devs = _twin(cpu_ops, True, 0)
+    group = handles[0].runtime.group
+    assert group.cpu_decode_fast_path
+    group.ops = reference
+    assert not group.cpu_decode_fast_path
+    group.ops = cpu_ops
+    SwapTimer(torch.device("cpu")).wrap(group)
+    assert group.ops is not cpu_ops and not group.cpu_decode_fast_path

@@ -12,6 +12,7 @@ stream, in program order (`IndexGroup.inline_swap_in`).
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ import torch
 from hisparse.config import ResolvedHiSparseConfig
 from hisparse.kv.host_pool import is_host_pool_memory
 from hisparse.runtime.batch import GroupTables, StepMetadata
-from hisparse.runtime.ops import cpu_jit, cpu_ops, ops_for
+from hisparse.runtime.ops import cpu_jit, has_capability, ops_for
 from hisparse.runtime.streams import CopyStream, LayerEvent
 
 
@@ -162,6 +163,21 @@ class IndexGroup:
         self._cpu_pairs: list[tuple[np.ndarray, np.ndarray, int, int] | None] = []
 
     @property
+    def ops(self) -> Any:
+        """The data-plane ops namespace every op of the group goes through (`ops_for`)."""
+        return self._ops
+
+    @ops.setter
+    def ops(self, ops: Any) -> None:
+        self._ops = ops
+        #: Batch-1 CPU decode steps may take the compiled path (`cpu_jit`) instead of ``ops``:
+        #: set with the ops, so a wrapper that wants to see every op call (the swap timer)
+        #: turns it off.
+        self.cpu_decode_fast_path = self.device.type == "cpu" and has_capability(
+            ops, "CPU_DECODE_FAST_PATH"
+        )
+
+    @property
     def leader(self) -> SparseLayerRuntime:
         return self.layers[0]
 
@@ -206,7 +222,7 @@ class IndexGroup:
         n = meta.num_tokens if num_rows is None else num_rows
         if n == 0:
             return
-        if n == 1 and self.ops is cpu_ops and meta.is_decode and self.device.type == "cpu":
+        if n == 1 and self.cpu_decode_fast_path and meta.is_decode:
             # A batch-1 decode step: the written host row out of the slot set, in numpy.
             step = _step_arrays(meta)
             q, row = step.q, step.host_row
@@ -343,7 +359,7 @@ class IndexGroup:
         return args
 
     def _cpu_decode_one(self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor) -> bool:
-        """A decode step with one query row on the CPU (`cpu_ops` backend): resolve, count
+        """A decode step with one query row on the CPU (`cpu_decode_fast_path`): resolve, count
         and gather every layer of the group in compiled calls (`cpu_jit`), with the results
         of `_resolve`, `_count_step` and the layers' `gather_swapped_rows` bit for bit.
         ``False``: not such a step, or an input the general path must handle (it then runs
@@ -386,14 +402,12 @@ class IndexGroup:
     def finish_decode_one_cpu(
         self, layer: SparseLayerRuntime, meta: StepMetadata, tables: GroupTables
     ) -> bool:
-        """`CacheHandle.finish_kv_update` of a batch-1 decode step on the CPU (`cpu_ops`
-        backend) in one compiled call (numpy without numba) on views made once per step and
-        binding: the leader's `invalidate_written` of the step's host row and the layer's
-        mirror of its new row (`gather_plan`), the same bytes and hot state. ``False``: not
-        such a step, or an input the general path handles (nothing was done)."""
-        if meta.num_tokens != 1 or not meta.is_decode or self.ops is not cpu_ops:
-            return False
-        if self.device.type != "cpu":
+        """`CacheHandle.finish_kv_update` of a batch-1 decode step on the CPU
+        (`cpu_decode_fast_path`) in one compiled call (numpy without numba) on views made once
+        per step and binding: the leader's `invalidate_written` of the step's host row and the
+        layer's mirror of its new row (`gather_plan`), the same bytes and hot state. ``False``:
+        not such a step, or an input the general path handles (nothing was done)."""
+        if meta.num_tokens != 1 or not meta.is_decode or not self.cpu_decode_fast_path:
             return False
         if meta.host_slot_mapping is None:
             return True  # nothing written to the host: no invalidation, no mirror
@@ -512,11 +526,7 @@ class IndexGroup:
         self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor
     ) -> None:
         """The body of `resolve_and_stage`, on whatever stream is current."""
-        if (
-            self.ops is cpu_ops
-            and self.device.type == "cpu"
-            and self._cpu_decode_one(meta, tables, topk)
-        ):
+        if self.cpu_decode_fast_path and self._cpu_decode_one(meta, tables, topk):
             return
         self._resolve(meta, tables.resident_block_table, topk, self.config.max_query_len)
         self._count_step(meta.num_reqs)
