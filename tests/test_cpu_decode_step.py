@@ -1,4 +1,4 @@
-"""The CPU batch-1 decode fast paths of the runtime (`IndexGroup.finish_decode_one_cpu`, the
+"""The CPU batch-1 decode fast paths of the runtime (`IndexGroupRuntime.finish_decode_one_cpu`, the
 compiled `_cpu_decode_one`) against the general path with the reference ops, step by step on
 one evolving state: the written host rows, the hot rows, the hot state, the counters and the
 physical rows (poisoned before each step) must be equal byte for byte. With numba and
@@ -16,7 +16,7 @@ from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.cache_handle import CacheHandle
 from hisparse.runtime.ops import cpu_jit, cpu_ops, reference
 from hisparse.runtime.ops.triton_testing import POISON
-from hisparse.runtime.runtime import SparseLayerRuntime
+from hisparse.runtime.sparse_layer import SparseLayerRuntime
 
 BS, TOP_K, HOT, LAYERS, W, PAGES = 4, 6, 12, 3, 32, 10
 

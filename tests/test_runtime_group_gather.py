@@ -1,7 +1,7 @@
 """The index-group leader's one-read group gather gives the same GPU bytes as per-layer gathers.
 
 A group of G layers with the token-major host layout (DESIGN.md §2) and device views that are
-pages of one pool: decode swap-ins through `IndexGroup.resolve_and_stage` must leave exactly
+pages of one pool: decode swap-ins through `IndexGroupRuntime.resolve_and_stage` must leave exactly
 the bytes (and hot state) the per-layer `gather_compact` path leaves, on the CPU reference
 ops and on the Triton kernels in the interpreter (``TRITON_INTERPRET=1``).
 """
@@ -17,7 +17,7 @@ import torch
 
 from hisparse.config import HiSparseConfig
 from hisparse.runtime.batch import GroupTables, StepMetadata
-from hisparse.runtime.runtime import SparseLayerRuntime
+from hisparse.runtime.sparse_layer import SparseLayerRuntime
 
 BS, W, K, H = 4, 32, 8, 16
 

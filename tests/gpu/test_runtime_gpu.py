@@ -14,7 +14,7 @@ from hisparse.kv.host_pool import HostPool
 from hisparse.runtime import ops as ops_mod
 from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.cache_handle import CacheHandle
-from hisparse.runtime.runtime import SparseLayerRuntime
+from hisparse.runtime.sparse_layer import SparseLayerRuntime
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

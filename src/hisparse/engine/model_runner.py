@@ -34,7 +34,7 @@ from hisparse.models.deepseek_v32 import DsaForCausalLM
 from hisparse.models.kv_access import DsaStep
 from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.cache_handle import CacheHandle
-from hisparse.runtime.runtime import SparseLayerRuntime
+from hisparse.runtime.sparse_layer import SparseLayerRuntime
 from hisparse.runtime.streams import CopyStream
 
 _ROW_FORMAT_ENUM = {"fp8_ds_mla": RowFormat.FP8_DS_MLA, "bf16": RowFormat.BF16_MLA}

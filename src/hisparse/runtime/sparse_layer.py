@@ -1,12 +1,13 @@
-"""Per-layer HiSparse data plane and the index-group state its leader resolves once per step.
+"""Per-layer HiSparse data plane (`SparseLayerRuntime`) and the index-group state its leader
+resolves once per step (`IndexGroupRuntime`).
 
-An `IndexGroup` is a leader layer (the one that computes the top-k) and the follower layers
+An index group is a leader layer (the one that computes the top-k) and the follower layers
 that reuse its selection. They share one hot state per request (`hot_index`, `lru`) and one
 slot assignment; every layer keeps its own host rows and hot rows. In a decode step the leader
 resolves residency once on the copy stream and issues the gathers of every layer of the group,
 recording one ready event per layer, so the followers' copies hide behind earlier compute. A
 group of one has no follower compute to hide behind: it resolves and gathers on the compute
-stream, in program order (`IndexGroup.inline_swap_in`).
+stream, in program order (`IndexGroupRuntime.inline_swap_in`).
 """
 
 from __future__ import annotations
@@ -98,8 +99,9 @@ def _step_arrays(meta: StepMetadata) -> _StepArrays:
     return arrays
 
 
-class IndexGroup:
-    """Hot-buffer state and per-step outputs shared by one leader and its followers.
+class IndexGroupRuntime:
+    """Hot-buffer state and per-step outputs shared by one leader and its followers (the
+    runtime side of an index group; its place in the pools is `kv.layout.IndexGroupLayout`).
 
     ``hot_index[s, h]`` is the host row held by hot slot ``h`` of state slot ``s`` (``-1``:
     empty); ``lru[s]`` orders the slots oldest first. Outputs of the last resolve (physical
@@ -590,7 +592,7 @@ class SparseLayerRuntime:
         row_bytes: int,
         max_num_reqs: int,
         device: torch.device | str,
-        index_group: IndexGroup | None = None,
+        index_group: IndexGroupRuntime | None = None,
         copy_stream: CopyStream | None = None,
         offload: bool = True,
     ) -> None:
@@ -601,7 +603,7 @@ class SparseLayerRuntime:
         self.device = torch.device(device)
         self.offload = offload
         if index_group is None:
-            index_group = IndexGroup(
+            index_group = IndexGroupRuntime(
                 config,
                 max_num_reqs=max_num_reqs,
                 device=self.device,
