@@ -36,7 +36,7 @@ from hisparse.runtime.ops import reference as ref
 from hisparse.runtime.ops import triton_backend as tk
 from hisparse.runtime.ops import triton_resolve as tr
 from hisparse.runtime.ops.triton_gather import group_tile
-from hisparse.runtime.ops.triton_testing import compare, make_resolve_case
+from hisparse.testing.ops_cases import compare, make_resolve_case
 
 DEV = torch.device("cuda")
 K = 2048

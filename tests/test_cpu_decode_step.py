@@ -15,8 +15,8 @@ from hisparse.config import HiSparseConfig, cdiv
 from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.cache_handle import CacheHandle
 from hisparse.runtime.ops import cpu_jit, cpu_ops, reference
-from hisparse.runtime.ops.triton_testing import POISON
 from hisparse.runtime.sparse_layer import SparseLayerRuntime
+from hisparse.testing.ops_cases import POISON
 
 BS, TOP_K, HOT, LAYERS, W, PAGES = 4, 6, 12, 3, 32, 10
 

@@ -1,8 +1,8 @@
 """The CPU backend (`cpu_ops`) equals the reference exactly: outputs, state and errors.
 
 Same method as the Triton tests (tests/test_ops_triton.py): fresh random inputs from the shared
-generators of `triton_testing`, outputs poisoned first, every output and state tensor compared
-with ``torch.equal``; resolve cases run several steps on the evolving hot state.
+generators of `hisparse.testing.ops_cases`, outputs poisoned first, every output and state
+tensor compared with ``torch.equal``; resolve cases run several steps on the evolving hot state.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hisparse.runtime import ops as ops_pkg
 from hisparse.runtime.ops import cpu_jit
 from hisparse.runtime.ops import cpu_ops as cpu
 from hisparse.runtime.ops import reference as ref
-from hisparse.runtime.ops.triton_testing import (
+from hisparse.testing.ops_cases import (
     POISON,
     ResolveCase,
     compare,

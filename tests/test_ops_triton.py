@@ -24,7 +24,7 @@ from hisparse.runtime.ops import reference as ref
 from hisparse.runtime.ops import triton_backend as tk
 from hisparse.runtime.ops import triton_resolve as tr
 from hisparse.runtime.ops.triton_common import interpreting
-from hisparse.runtime.ops.triton_testing import (
+from hisparse.testing.ops_cases import (
     POISON,
     compare,
     make_resolve_case,

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
 from hisparse.runtime.ops import ops_for
 from hisparse.runtime.ops import reference as ref
 from hisparse.runtime.ops import triton_resolve as tr
-from hisparse.runtime.ops.triton_testing import (
+from hisparse.testing.ops_cases import (
     POISON,
     compare,
     make_resolve_case,
