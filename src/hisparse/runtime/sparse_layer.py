@@ -150,9 +150,9 @@ class IndexGroupRuntime:
         #: at either end of a token's span) and their device views; ``None``: no split.
         self._follower_span: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         #: ``True``: decode gathers the leader's own rows first (its attention waits only for
-        #: them), then the followers' spans. Off by default: on an H200 (bench_overlap, groups
-        #: of 4, 5% miss) it measured 1.221x the all-GPU step against 1.173x for one read of
-        #: the whole span: two reads (one of 656 B rows) cost more than the earlier start wins.
+        #: them), then the followers' spans. Off by default: it measured slower than one read
+        #: of the whole span (docs/benchmarks.md, "bench_overlap.py after the new resolve"):
+        #: two reads (one of 656 B rows) cost more than the earlier start wins.
         self.leader_first = False
         #: ``True``: a group of one still swaps in on the copy stream (see `inline_swap_in`).
         self.side_stream_for_one = os.environ.get("HISPARSE_SIDE_STREAM_FOR_ONE", "0") == "1"

@@ -10,7 +10,9 @@ CPU decode step). Callers ask `ops_for(device)` once and call the returned names
 ``TRITON_INTERPRET=1`` set before Triton is first imported (the CPU tests do this).
 
 The Triton module is imported lazily, on the first ``ops_for("cuda")``, so importing this
-package never imports Triton; where Triton is missing, CUDA falls back to the reference.
+package never imports Triton; where Triton is missing, CUDA falls back to the reference. The
+Triton resolve's own switches (``HISPARSE_RESOLVE_IMPL``, ``HISPARSE_RESOLVE_SPLIT_MAX_Q``,
+``HISPARSE_RESOLVE_SORT_WINDOW``) live with it, in `triton_resolve`.
 
 What the rest of the runtime may rely on beyond the ops' results is declared by each backend
 as module-level flags (`CAPABILITIES`) and read with `has_capability`, never by asking which
