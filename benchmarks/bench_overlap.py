@@ -25,7 +25,7 @@ from hisparse.config import HiSparseConfig
 from hisparse.kv.host_pool import HostPool
 from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.cache_handle import CacheHandle
-from hisparse.runtime.runtime import SparseLayerRuntime
+from hisparse.runtime.sparse_layer import SparseLayerRuntime
 
 ROW = 656
 TOP_K = 2048

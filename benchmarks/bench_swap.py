@@ -33,8 +33,10 @@ import triton
 import triton.language as tl
 
 from hisparse.runtime.ops import reference as ref
-from hisparse.runtime.ops import triton_kernels as tk
-from hisparse.runtime.ops.triton_testing import compare, make_resolve_case
+from hisparse.runtime.ops import triton_backend as tk
+from hisparse.runtime.ops import triton_resolve as tr
+from hisparse.runtime.ops.triton_gather import group_tile
+from hisparse.testing.ops_cases import compare, make_resolve_case
 
 DEV = torch.device("cuda")
 K = 2048
@@ -175,10 +177,10 @@ def graph_resolve_us(Q: int, H: int, miss: float, reps: int = 50) -> dict:
     return res
 
 
-#: Knobs of the Triton module each ablation variant sets (the rest stay at their defaults).
+#: Knobs of `triton_resolve` each ablation variant sets (the rest stay at their defaults).
 _KNOBS = (
     "RESOLVE_IMPL", "RESOLVE_WARPS", "RESOLVE_BH", "RESOLVE_LOG_BUCKETS", "RESOLVE_RANK_TILE",
-    "RESOLVE_SORT_ABOVE", "RESOLVE_SORT_WINDOW", "RESOLVE_SPLIT_MAX_Q", "RESOLVE_SPLIT_PROGRAMS",
+    "RESOLVE_SORT_WINDOW", "RESOLVE_SPLIT_MAX_Q", "RESOLVE_SPLIT_PROGRAMS",
 )  # fmt: skip
 
 
@@ -194,14 +196,12 @@ def ablate_resolve(
     above ``RESOLVE_SPLIT_MAX_Q`` requests) at its default settings; the ``bucket-`` ones change
     one knob: warps, hot-slot chunk, bucket count, the swap-list rank tile, how the swap list is
     ordered (``tl.sort`` of a 512-key window when the misses fit, the default; rank tiles only;
-    a 1024-key window; one sort of all entries, always or above 256 misses; ``pairs``
-    variants turn the window off, so they time the rank tiles);
-    ``sort`` is the previous kernel (bitonic ``tl.sort`` of (host row, entry) int64 keys);
+    a 1024-key window; ``pairs`` variants turn the window off, so they time the rank tiles);
     ``split`` spreads each request over 16 programs up to 32 requests, else 8 (``-pN``: N), in
     five launches (`triton_resolve_split`); the others keep one program per request.
     ``on_timed`` receives the timings before the (slower) oracle checks start.
     """
-    defaults = {k: getattr(tk, k) for k in _KNOBS}
+    defaults = {k: getattr(tr, k) for k in _KNOBS}
     pairs = {"RESOLVE_SORT_WINDOW": 0}  # rank tiles only: what the tile variants vary
     split = {"RESOLVE_IMPL": "split"}
     variants: list[tuple[str, dict]] = [
@@ -211,7 +211,6 @@ def ablate_resolve(
         ("split-p4", {**split, "RESOLVE_SPLIT_PROGRAMS": 4}),
         ("split-p16", {**split, "RESOLVE_SPLIT_PROGRAMS": 16}),
         ("split-p32", {**split, "RESOLVE_SPLIT_PROGRAMS": 32}),
-        ("sort", {"RESOLVE_IMPL": "sort"}),
         ("bucket-w16", {"RESOLVE_WARPS": 16}),
         ("bucket-w4", {"RESOLVE_WARPS": 4}),
         ("bucket-w32", {"RESOLVE_WARPS": 32}),
@@ -220,9 +219,6 @@ def ablate_resolve(
         ("bucket-pairs-tile128", {**pairs, "RESOLVE_RANK_TILE": 128}),
         ("bucket-pairs-tile128-w16", {**pairs, "RESOLVE_RANK_TILE": 128, "RESOLVE_WARPS": 16}),
         ("bucket-pairs-tile256-w16", {**pairs, "RESOLVE_RANK_TILE": 256, "RESOLVE_WARPS": 16}),
-        ("bucket-swapsort", {**pairs, "RESOLVE_SORT_ABOVE": -1}),
-        ("bucket-swapsort256", {**pairs, "RESOLVE_SORT_ABOVE": 256}),
-        ("bucket-swapsort-w16", {**pairs, "RESOLVE_SORT_ABOVE": -1, "RESOLVE_WARPS": 16}),
         ("bucket-window1024", {"RESOLVE_SORT_WINDOW": 1024}),
         ("bucket-bh1024", {"RESOLVE_BH": 1024}),
         ("bucket-4x-buckets", {"RESOLVE_LOG_BUCKETS": 13}),
@@ -238,14 +234,14 @@ def ablate_resolve(
     for Q, H, miss in cases:
         for name, knobs in variants:
             for k, v in {"RESOLVE_SPLIT_MAX_Q": 0, **knobs}.items():  # one program unless split
-                setattr(tk, k, v)
+                setattr(tr, k, v)
             try:
                 r = graph_resolve_us(Q, H, miss, reps)
             except Exception as e:  # keep going; report the failure
                 r = {"error": repr(e)[:300], "batch": Q, "hot": H, "miss": miss}
             finally:
                 for k, v in defaults.items():
-                    setattr(tk, k, v)
+                    setattr(tr, k, v)
             r["variant"] = name
             out.append(r)
             print("ablate", r, flush=True)
@@ -254,7 +250,7 @@ def ablate_resolve(
     # Each kernel against the oracle on GPU-sized cases (few and many misses).
     for name, knobs in variants:
         for k, v in {"RESOLVE_SPLIT_MAX_Q": 0, **knobs}.items():
-            setattr(tk, k, v)
+            setattr(tr, k, v)
         try:
             for reuse in (0.95, 0.0):
                 case = make_resolve_case(
@@ -273,7 +269,7 @@ def ablate_resolve(
             print("ablate check", name, "ERROR", repr(e)[:300], flush=True)
         finally:
             for k, v in defaults.items():
-                setattr(tk, k, v)
+                setattr(tr, k, v)
     return out
 
 
@@ -488,7 +484,7 @@ def bench_group(pool: torch.Tensor, G: int, tokens: int, iters: int, H: int = 40
     t_bulk = _timed(bulk, iters, lambda i: None)
     tiles = {}
     for tile in GROUP_TILES:
-        if tile[0] >= span_b // 16 and tile != tk.group_tile(span_b // 16):
+        if tile[0] >= span_b // 16 and tile != group_tile(span_b // 16):
             ts = _timed(lambda i, t=tile: group(i, t), max(5, iters // 2), prepare)
             tiles[f"{tile[0]}x{tile[1]}w"] = nbytes / (_med(ts) * 1e-6) / 1e9
 
@@ -504,7 +500,7 @@ def bench_group(pool: torch.Tensor, G: int, tokens: int, iters: int, H: int = 40
         "group_us": _med(t_group),
         "layers_us": _med(t_layers),
         "bulk_us": _med(t_bulk),
-        "tile_default": list(tk.group_tile(span_b // 16)),
+        "tile_default": list(group_tile(span_b // 16)),
         "tiles_gbps": tiles,
     }
     for k in ("group", "layers", "bulk"):

@@ -4,7 +4,7 @@ import pytest
 
 from hisparse import HiSparseConfig
 from hisparse.config import HiSparseConfigError
-from hisparse.runtime.runtime import SparseLayerRuntime
+from hisparse.runtime.sparse_layer import SparseLayerRuntime
 
 
 def test_defaults_follow_top_k_and_query_len():

@@ -1,4 +1,4 @@
-"""The CPU batch-1 decode fast paths of the runtime (`IndexGroup.finish_decode_one_cpu`, the
+"""The CPU batch-1 decode fast paths of the runtime (`IndexGroupRuntime.finish_decode_one_cpu`, the
 compiled `_cpu_decode_one`) against the general path with the reference ops, step by step on
 one evolving state: the written host rows, the hot rows, the hot state, the counters and the
 physical rows (poisoned before each step) must be equal byte for byte. With numba and
@@ -15,8 +15,8 @@ from hisparse.config import HiSparseConfig, cdiv
 from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.cache_handle import CacheHandle
 from hisparse.runtime.ops import cpu_jit, cpu_ops, reference
-from hisparse.runtime.ops.triton_testing import POISON
-from hisparse.runtime.runtime import SparseLayerRuntime
+from hisparse.runtime.sparse_layer import SparseLayerRuntime
+from hisparse.testing.ops_cases import POISON
 
 BS, TOP_K, HOT, LAYERS, W, PAGES = 4, 6, 12, 3, 32, 10
 
@@ -160,3 +160,18 @@ def test_the_fast_finish_path_is_taken(jit_mode: str) -> None:
     assert not group.finish_decode_one_cpu(handles[1].runtime, two, tables)
     group.ops = reference
     assert not group.finish_decode_one_cpu(handles[1].runtime, meta, tables)
+
+
+def test_the_fast_path_follows_the_group_ops() -> None:
+    """`cpu_decode_fast_path` is re-derived whenever the group's ops change: on for `cpu_ops`,
+    off for the reference and for the swap timer's wrapper (it must see every op call)."""
+    from hisparse.engine.swap_timer import SwapTimer
+
+    handles, _hosts, _devs = _twin(cpu_ops, True, 0)
+    group = handles[0].runtime.group
+    assert group.cpu_decode_fast_path
+    group.ops = reference
+    assert not group.cpu_decode_fast_path
+    group.ops = cpu_ops
+    SwapTimer(torch.device("cpu")).wrap(group)
+    assert group.ops is not cpu_ops and not group.cpu_decode_fast_path

@@ -1,8 +1,8 @@
 """The CPU backend (`cpu_ops`) equals the reference exactly: outputs, state and errors.
 
 Same method as the Triton tests (tests/test_ops_triton.py): fresh random inputs from the shared
-generators of `triton_testing`, outputs poisoned first, every output and state tensor compared
-with ``torch.equal``; resolve cases run several steps on the evolving hot state.
+generators of `hisparse.testing.ops_cases`, outputs poisoned first, every output and state
+tensor compared with ``torch.equal``; resolve cases run several steps on the evolving hot state.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hisparse.runtime import ops as ops_pkg
 from hisparse.runtime.ops import cpu_jit
 from hisparse.runtime.ops import cpu_ops as cpu
 from hisparse.runtime.ops import reference as ref
-from hisparse.runtime.ops.triton_testing import (
+from hisparse.testing.ops_cases import (
     POISON,
     ResolveCase,
     compare,
@@ -464,3 +464,24 @@ def test_cpu_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ops_pkg.ops_for("cpu") is cpu
     for name in ops_pkg.OP_NAMES:
         assert callable(getattr(cpu, name))
+
+
+def test_backend_capabilities_are_declared_not_inherited_by_wrappers() -> None:
+    """Capabilities come from each backend's own flags; a forwarding wrapper (the swap timer's)
+    declares none, so the runtime's compiled CPU path, which skips the ops, stays off for it."""
+    has = ops_pkg.has_capability
+    assert has(cpu, "CPU_DECODE_FAST_PATH") and not has(cpu, "CUDA_GRAPH_CAPTURABLE")
+    assert not has(ref, "CPU_DECODE_FAST_PATH") and not has(ref, "CUDA_GRAPH_CAPTURABLE")
+
+    class Forwarding:
+        def __init__(self, ops: object) -> None:
+            self._ops = ops
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._ops, name)
+
+    wrapped = Forwarding(cpu)
+    assert wrapped.CPU_DECODE_FAST_PATH is True  # forwarded as an attribute ...
+    assert not has(wrapped, "CPU_DECODE_FAST_PATH")  # ... but not declared by the wrapper
+    with pytest.raises(ValueError, match="capability"):
+        has(cpu, "FAST")

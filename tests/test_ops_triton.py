@@ -21,8 +21,10 @@ import torch
 pytest.importorskip("triton")
 
 from hisparse.runtime.ops import reference as ref
-from hisparse.runtime.ops import triton_kernels as tk
-from hisparse.runtime.ops.triton_testing import (
+from hisparse.runtime.ops import triton_backend as tk
+from hisparse.runtime.ops import triton_resolve as tr
+from hisparse.runtime.ops.triton_common import interpreting
+from hisparse.testing.ops_cases import (
     POISON,
     compare,
     make_resolve_case,
@@ -31,7 +33,7 @@ from hisparse.runtime.ops.triton_testing import (
 )
 
 pytestmark = pytest.mark.skipif(
-    not tk.interpreting(), reason="Triton kernels were defined outside the interpreter"
+    not interpreting(), reason="Triton kernels were defined outside the interpreter"
 )
 
 
@@ -153,20 +155,16 @@ def test_resolve_wanted_fills_whole_hot_buffer() -> None:
 
 
 @pytest.mark.parametrize(
-    ("impl", "log_buckets", "bh", "rank_tile", "sort_above", "window"),
+    ("impl", "log_buckets", "bh", "rank_tile", "window"),
     [
-        ("bucket", 0, 8, 2, None, 0),  # one bucket: almost every row overflows; H in 4 chunks
-        ("bucket", 1, 16, 4, None, 0),
-        ("bucket", 2, 4096, 2, None, 0),
-        ("bucket", None, 4096, 128, None, 0),
-        ("bucket", None, 4096, 4, 3, 0),  # swap list by tl.sort above 3 misses, else rank tiles
-        ("bucket", None, 4096, 4, -1, 0),  # always by tl.sort
-        ("bucket", None, 4096, 4, None, 4),  # up to 4 misses: a window sort; else rank tiles
-        ("bucket", None, 4096, 4, 8, 4),  # window sort, rank tiles, full sort above 8
-        ("sort", None, 4096, 128, None, 0),
-        ("split", None, 4096, 4, None, 0),  # several programs per request, five launches
-        ("split", 0, 8, 2, None, 0),  # one bucket: overflow cells claimed across programs
-        ("split", 1, 16, 4, None, 0),
+        ("bucket", 0, 8, 2, 0),  # one bucket: almost every row overflows; H in 4 chunks
+        ("bucket", 1, 16, 4, 0),
+        ("bucket", 2, 4096, 2, 0),
+        ("bucket", None, 4096, 128, 0),
+        ("bucket", None, 4096, 4, 4),  # up to 4 misses: a window sort; else rank tiles
+        ("split", None, 4096, 4, 0),  # several programs per request, five launches
+        ("split", 0, 8, 2, 0),  # one bucket: overflow cells claimed across programs
+        ("split", 1, 16, 4, 0),
     ],
 )
 @pytest.mark.parametrize("seed", range(3))
@@ -175,20 +173,18 @@ def test_resolve_each_kernel(
     log_buckets: int | None,
     bh: int,
     rank_tile: int,
-    sort_above: int | None,
     window: int,
     seed: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Overflowing buckets, hot-slot chunks and swap-rank tiles (and the old sort kernel)."""
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_MAX_Q", 0)  # "bucket": one program, any batch
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_PROGRAMS", 4)  # "split": 2-4 entries per program
-    monkeypatch.setattr(tk, "RESOLVE_IMPL", impl)
-    monkeypatch.setattr(tk, "RESOLVE_LOG_BUCKETS", log_buckets)
-    monkeypatch.setattr(tk, "RESOLVE_BH", bh)
-    monkeypatch.setattr(tk, "RESOLVE_RANK_TILE", rank_tile)
-    monkeypatch.setattr(tk, "RESOLVE_SORT_ABOVE", sort_above)
-    monkeypatch.setattr(tk, "RESOLVE_SORT_WINDOW", window)
+    """Overflowing buckets, hot-slot chunks, swap-rank tiles and the swap-list window sort."""
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_MAX_Q", 0)  # "bucket": one program, any batch
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_PROGRAMS", 4)  # "split": 2-4 entries per program
+    monkeypatch.setattr(tr, "RESOLVE_IMPL", impl)
+    monkeypatch.setattr(tr, "RESOLVE_LOG_BUCKETS", log_buckets)
+    monkeypatch.setattr(tr, "RESOLVE_BH", bh)
+    monkeypatch.setattr(tr, "RESOLVE_RANK_TILE", rank_tile)
+    monkeypatch.setattr(tr, "RESOLVE_SORT_WINDOW", window)
     case = make_resolve_case(
         Q=3, K=8, H=32, block_size=4, seed=50 + seed, max_rows=2, p_dup=0.2, hot_fill=0.7,
         reuse=0.5 if seed % 2 else 0.0,
@@ -196,18 +192,16 @@ def test_resolve_each_kernel(
     _run_both(case, steps=3, seed=seed)
 
 
-@pytest.mark.parametrize(
-    ("impl", "window"), [("bucket", 0), ("bucket", 4), ("sort", 0), ("split", 0)]
-)
+@pytest.mark.parametrize(("impl", "window"), [("bucket", 0), ("bucket", 4), ("split", 0)])
 def test_resolve_host_rows_just_below_2_31(
     impl: str, window: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Host rows up to 2^31 - 1 (a 1 TiB host pool of 656-byte rows holds 1.7e9): hashing,
     swap-list order (window sort and rank tiles) and the int32 lists all keep them exact."""
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_MAX_Q", 0)
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_PROGRAMS", 4)
-    monkeypatch.setattr(tk, "RESOLVE_IMPL", impl)
-    monkeypatch.setattr(tk, "RESOLVE_SORT_WINDOW", window)
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_MAX_Q", 0)
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_PROGRAMS", 4)
+    monkeypatch.setattr(tr, "RESOLVE_IMPL", impl)
+    monkeypatch.setattr(tr, "RESOLVE_SORT_WINDOW", window)
     case = make_resolve_case(
         Q=3, K=8, H=32, block_size=4, seed=90, max_rows=2, p_dup=0.2, hot_fill=0.7, reuse=0.5
     )
@@ -221,7 +215,7 @@ def test_resolve_host_rows_just_below_2_31(
 def test_resolve_sort_window_must_be_a_power_of_two(
     window: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tk, "RESOLVE_SORT_WINDOW", window)
+    monkeypatch.setattr(tr, "RESOLVE_SORT_WINDOW", window)
     case = make_resolve_case(Q=2, K=4, H=16, block_size=2, seed=3, max_rows=1)
     before = case.clone()
     with pytest.raises(ValueError, match="power of two"):
@@ -237,16 +231,16 @@ def test_resolve_split_below_the_batch_threshold(
     ones, resident-only calls (hot buffer below top_k) and requests of fewer entries than
     RESOLVE_SPLIT_MIN_ENTRIES the one-program kernel."""
     calls: list[int] = []
-    split = tk.resolve_split
+    split = tr.resolve_split
 
     def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(args[2])  # Q
         return split(*args, **kwargs)
 
-    monkeypatch.setattr(tk, "resolve_split", counting)
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_MAX_Q", 3)
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_MIN_ENTRIES", 8)
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_PROGRAMS", programs)
+    monkeypatch.setattr(tr, "resolve_split", counting)
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_MAX_Q", 3)
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_MIN_ENTRIES", 8)
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_PROGRAMS", programs)
     for Q, H, K in ((3, 16, 8), (4, 16, 8), (2, 4, 8), (3, 4, 2)):
         case = make_resolve_case(Q=Q, K=K, H=H, block_size=2, seed=20 + Q, max_rows=1)
         _run_both(case, steps=2, seed=Q)
@@ -260,9 +254,9 @@ def test_resolve_more_rows_than_slots_keeps_a_valid_state(
     """16 distinct rows wanted, 8 slots, 4 of them hits (configuration checks prevent this;
     the reference raises): the first misses by rank get the 4 free slots, the others read -1;
     the LRU stays a permutation and nothing outside the slots is written."""
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_MAX_Q", 0)
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_PROGRAMS", 2)
-    monkeypatch.setattr(tk, "RESOLVE_IMPL", impl)
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_MAX_Q", 0)
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_PROGRAMS", 2)
+    monkeypatch.setattr(tr, "RESOLVE_IMPL", impl)
     H, K = 8, 8
     src_bt = torch.arange(1, 33, dtype=torch.int32).view(1, 32)  # position p: host row p + 1
     hot_index = torch.tensor([[1, 2, 3, 4, -1, -1, -1, -1]], dtype=torch.int32)
@@ -290,12 +284,12 @@ def test_resolve_more_rows_than_slots_keeps_a_valid_state(
 
 @pytest.mark.parametrize(
     ("knob", "value", "match"),
-    [("RESOLVE_IMPL", "buckets", "bucket, split or sort"), ("RESOLVE_SPLIT_PROGRAMS", 6, "power")],
+    [("RESOLVE_IMPL", "sort", "bucket or split"), ("RESOLVE_SPLIT_PROGRAMS", 6, "power")],
 )
 def test_resolve_bad_knob_is_refused(
     knob: str, value: object, match: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tk, knob, value)
+    monkeypatch.setattr(tr, knob, value)
     case = make_resolve_case(Q=2, K=4, H=16, block_size=2, seed=3, max_rows=1)
     before = case.clone()
     with pytest.raises(ValueError, match=match):
@@ -461,7 +455,7 @@ def test_package_import_does_not_import_triton_and_cuda_dispatch_is_lazy() -> No
         "assert 'triton' not in sys.modules, 'triton imported at package import'\n"
         "assert ops.ops_for('cpu') is ops.cpu_ops\n"
         "m = ops.ops_for('cuda')\n"
-        "assert m.__name__.endswith('triton_kernels'), m\n"
+        "assert m.__name__.endswith('triton_backend'), m\n"
         "assert ops.ops_for('cpu') is ops.cpu_ops\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "HISPARSE_OPS"}

@@ -1,7 +1,7 @@
 """The index-group leader's one-read group gather gives the same GPU bytes as per-layer gathers.
 
 A group of G layers with the token-major host layout (DESIGN.md §2) and device views that are
-pages of one pool: decode swap-ins through `IndexGroup.resolve_and_stage` must leave exactly
+pages of one pool: decode swap-ins through `IndexGroupRuntime.resolve_and_stage` must leave exactly
 the bytes (and hot state) the per-layer `gather_compact` path leaves, on the CPU reference
 ops and on the Triton kernels in the interpreter (``TRITON_INTERPRET=1``).
 """
@@ -17,7 +17,7 @@ import torch
 
 from hisparse.config import HiSparseConfig
 from hisparse.runtime.batch import GroupTables, StepMetadata
-from hisparse.runtime.runtime import SparseLayerRuntime
+from hisparse.runtime.sparse_layer import SparseLayerRuntime
 
 BS, W, K, H = 4, 32, 8, 16
 
@@ -109,9 +109,9 @@ def test_group_gather_equals_per_layer(
 ) -> None:
     if backend == "triton":
         pytest.importorskip("triton")
-        from hisparse.runtime.ops import triton_kernels as tk
+        from hisparse.runtime.ops.triton_common import interpreting
 
-        if not tk.interpreting():
+        if not interpreting():
             pytest.skip("Triton kernels were defined outside the interpreter")
     monkeypatch.setenv("HISPARSE_OPS", backend)
     Q, nb, seed = 3, 6, 10 * G + order[0]
@@ -119,7 +119,7 @@ def test_group_gather_equals_per_layer(
     b = World(G, Q, nb, seed, layer_order=order)  # forced per-layer gathers
     assert a.group.span_gather_views() is not None
     assert getattr(a.group.ops, "__name__", "").endswith(
-        "triton_kernels" if backend == "triton" else "reference"
+        "triton_backend" if backend == "triton" else "reference"
     )
     b.group._span_checked, b.group._span_gather = True, None
     a.group.leader_first = leader_first

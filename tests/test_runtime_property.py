@@ -1,6 +1,6 @@
 """Property test: the real runtime against an independent plain-Python model of the cache.
 
-A hypothesis state machine drives `SparseLayerRuntime` + `IndexGroup` + `CacheHandle` (CPU
+A hypothesis state machine drives `SparseLayerRuntime` + `IndexGroupRuntime` + `CacheHandle` (CPU
 tensors) through long random request lifecycles: requests start (slot reset,
 prompt written directly + `invalidate_written` or through `finish_kv_update`, optional warm
 start), decode with 1..max_query_len rows each (speculative rows, some rejected and rewritten
@@ -36,7 +36,7 @@ from hisparse.config import HiSparseConfig, cdiv
 from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.cache_handle import CacheHandle
 from hisparse.runtime.ops import cpu_ops, ops_for, reference
-from hisparse.runtime.runtime import SparseLayerRuntime
+from hisparse.runtime.sparse_layer import SparseLayerRuntime
 from hisparse.runtime.staging import PrefillStagingPlan
 
 # ------------------------------------------------------------------------------------------
@@ -222,7 +222,7 @@ def runtime_configs(draw: st.DrawFn) -> dict[str, int]:
 class RuntimeMachine(RuleBasedStateMachine):
     """Runtime under random request lifecycles, checked against `HotModel` + `Memory`."""
 
-    #: The data-plane ops the runtime calls (every op goes through ``IndexGroup.ops``).
+    #: The data-plane ops the runtime calls (every op goes through ``IndexGroupRuntime.ops``).
     OPS: object = reference
 
     def __init__(self) -> None:

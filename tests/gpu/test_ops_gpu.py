@@ -15,7 +15,8 @@ if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
 
 from hisparse.runtime.ops import ops_for
 from hisparse.runtime.ops import reference as ref
-from hisparse.runtime.ops.triton_testing import (
+from hisparse.runtime.ops import triton_resolve as tr
+from hisparse.testing.ops_cases import (
     POISON,
     compare,
     make_resolve_case,
@@ -28,7 +29,7 @@ tk = ops_for(DEV)
 
 
 def test_cuda_dispatch_is_triton() -> None:
-    assert tk.__name__.endswith("triton_kernels")
+    assert tk.__name__.endswith("triton_backend")
 
 
 def _steps(case, steps: int, seed: int, **kw) -> None:
@@ -75,9 +76,9 @@ def test_resolve_split_kernels(
 ) -> None:  # fmt: skip
     """The split resolve (several programs per request) on real sizes: cells claimed by
     concurrent programs, hot buffers not a multiple of the program count, 30% duplicates."""
-    monkeypatch.setattr(tk, "RESOLVE_IMPL", "split")
-    monkeypatch.setattr(tk, "RESOLVE_LOG_BUCKETS", log_buckets)
-    monkeypatch.setattr(tk, "RESOLVE_SPLIT_PROGRAMS", programs)
+    monkeypatch.setattr(tr, "RESOLVE_IMPL", "split")
+    monkeypatch.setattr(tr, "RESOLVE_LOG_BUCKETS", log_buckets)
+    monkeypatch.setattr(tr, "RESOLVE_SPLIT_PROGRAMS", programs)
     seed = Q * 7 + H + programs
     case = make_resolve_case(
         Q=Q, K=2048, H=H, block_size=64, seed=seed, max_rows=max_rows, p_dup=0.3, p_neg=0.05,
@@ -278,7 +279,7 @@ def test_large_host_rows_resolve_near_2_31(
 ) -> None:
     """Host rows just below 2^31 (a 1 TiB host pool of 656-byte rows holds 1.7e9) at real
     sizes: the int32 host rows, their hash and the swap-list order stay exact."""
-    monkeypatch.setattr(tk, "RESOLVE_IMPL", impl)
+    monkeypatch.setattr(tr, "RESOLVE_IMPL", impl)
     case = make_resolve_case(
         Q=Q, K=2048, H=H, block_size=64, seed=61 + Q, max_rows=max_rows, p_dup=0.05,
         reuse=0.9, hot_fill=0.9,

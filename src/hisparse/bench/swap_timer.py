@@ -44,7 +44,7 @@ class SwapTimer:
         self._steps: list[list[tuple[str, Any, Any]]] = []
 
     def wrap(self, group: Any) -> None:
-        """Time ``group``'s ops from now on (an `IndexGroup`)."""
+        """Time ``group``'s ops from now on (an `IndexGroupRuntime`)."""
         if not isinstance(group.ops, _TimedOps):
             group.ops = _TimedOps(group.ops, self)
 

@@ -30,7 +30,7 @@ from hisparse.kv.specs import CacheKind, LayerCacheSpec
 from hisparse.models.kv_access import DsaStep
 from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.cache_handle import CacheHandle
-from hisparse.runtime.runtime import SparseLayerRuntime
+from hisparse.runtime.sparse_layer import SparseLayerRuntime
 from hisparse.runtime.streams import CopyStream
 
 

@@ -66,8 +66,9 @@ class DeviceGroup:
 
 
 @dataclass(frozen=True)
-class IndexGroup:
-    """Consecutive sparse layers sharing one top-k (leader first) and one host unit.
+class IndexGroupLayout:
+    """Where an index group lives in the host pool: consecutive sparse layers sharing one top-k
+    (leader first) and one host unit. Its run-time state is `sparse_layer.IndexGroupRuntime`.
 
     In a host block the group occupies ``[host_offset, host_offset + block_size *
     token_bytes)``; token ``t``'s rows of all its layers are the span starting at
@@ -95,7 +96,7 @@ class KVLayout:
     block_size: int
     max_model_len: int
     hot_blocks_per_request: int
-    index_groups: tuple[IndexGroup, ...]
+    index_groups: tuple[IndexGroupLayout, ...]
     host_block_bytes: int
     host_num_blocks: int
     host_views: Mapping[str, PagedViewSpec]
@@ -308,7 +309,7 @@ def _finish(
     gpu_budget_bytes: int,
     check_capacity: bool,
     by_name: Mapping[str, LayerCacheSpec],
-    index_groups: list[IndexGroup],
+    index_groups: list[IndexGroupLayout],
     gpu_groups: tuple[DeviceGroup, ...],
     *,
     host_block_bytes: int,
@@ -405,7 +406,7 @@ def _check_specs(
         )
 
 
-def _index_groups(sparse: list[LayerCacheSpec]) -> list[IndexGroup]:
+def _index_groups(sparse: list[LayerCacheSpec]) -> list[IndexGroupLayout]:
     """Split sparse layers into index groups; host offsets accumulate group by group."""
     groups: list[tuple[str, list[LayerCacheSpec]]] = []
     seen: set[str] = set()
@@ -435,7 +436,7 @@ def _index_groups(sparse: list[LayerCacheSpec]) -> list[IndexGroup]:
     block_size = sparse[0].block_size if sparse else 0
     for leader, members in groups:
         rows = tuple(s.row_bytes for s in members)
-        result.append(IndexGroup(leader, tuple(s.name for s in members), rows, offset))
+        result.append(IndexGroupLayout(leader, tuple(s.name for s in members), rows, offset))
         offset += sum(rows) * block_size
     return result
 
@@ -582,7 +583,7 @@ def _ranges(numbers: list[int]) -> str:
     return ",".join(out)
 
 
-def summarize_index_groups(groups: Sequence[IndexGroup]) -> str:
+def summarize_index_groups(groups: Sequence[IndexGroupLayout]) -> str:
     """``"21 (19 of 4 layers, 2 of 1 layer)"``: how the sparse layers share top-k."""
     sizes: dict[int, int] = {}
     for group in groups:

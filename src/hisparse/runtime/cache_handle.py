@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from hisparse.runtime.batch import GroupTables, StepMetadata
-from hisparse.runtime.ops import cpu_ops
-from hisparse.runtime.runtime import SparseLayerRuntime, prefix_rows
+from hisparse.runtime.sparse_layer import SparseLayerRuntime, prefix_rows
 from hisparse.runtime.staging import PrefillStagingPlan
 
 
@@ -102,8 +101,7 @@ class CacheHandle:
             # `resolve_and_stage` would run, without its frames; declined: the general path.
             if not (
                 group.copy.stream is None
-                and group.ops is cpu_ops
-                and group.device.type == "cpu"
+                and group.cpu_decode_fast_path
                 and group._cpu_decode_one(meta, tables, logical_topk)
             ):
                 group.resolve_and_stage(meta, tables, logical_topk)

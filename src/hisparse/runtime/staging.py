@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hisparse.runtime.ops import ops_for
-from hisparse.runtime.runtime import SparseLayerRuntime
+from hisparse.runtime.sparse_layer import SparseLayerRuntime
 
 
 @dataclass

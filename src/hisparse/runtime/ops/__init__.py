@@ -10,7 +10,13 @@ CPU decode step). Callers ask `ops_for(device)` once and call the returned names
 ``TRITON_INTERPRET=1`` set before Triton is first imported (the CPU tests do this).
 
 The Triton module is imported lazily, on the first ``ops_for("cuda")``, so importing this
-package never imports Triton; where Triton is missing, CUDA falls back to the reference.
+package never imports Triton; where Triton is missing, CUDA falls back to the reference. The
+Triton resolve's own switches (``HISPARSE_RESOLVE_IMPL``, ``HISPARSE_RESOLVE_SPLIT_MAX_Q``,
+``HISPARSE_RESOLVE_SORT_WINDOW``) live with it, in `triton_resolve`.
+
+What the rest of the runtime may rely on beyond the ops' results is declared by each backend
+as module-level flags (`CAPABILITIES`) and read with `has_capability`, never by asking which
+backend it is.
 """
 
 from __future__ import annotations
@@ -41,7 +47,30 @@ OP_NAMES: tuple[str, ...] = (
     "invalidate_written_slots",
 )
 
+#: Flags a backend namespace may declare (``True``; missing or anything else: not declared):
+#: ``CUDA_GRAPH_CAPTURABLE``: no host sync and no grid sized by data, so a decode step calling
+#: the ops can be captured in a CUDA graph;
+#: ``CPU_DECODE_FAST_PATH``: the runtime's compiled batch-1 decode path (`cpu_jit`) may run in
+#: place of the ops on CPU tensors, with their results bit for bit.
+CAPABILITIES: tuple[str, ...] = ("CUDA_GRAPH_CAPTURABLE", "CPU_DECODE_FAST_PATH")
+
 _backends: dict[str, ModuleType | object] = {}
+
+
+def has_capability(ops: ModuleType | object, name: str) -> bool:
+    """Whether the namespace ``ops`` itself declares capability ``name`` (`CAPABILITIES`).
+
+    Read from the namespace's own attributes, not through attribute forwarding: a wrapper that
+    forwards every op (`engine.swap_timer`'s timed ops, a test's proxy) exists to see each op
+    call, so it does not inherit a path that skips them.
+    """
+    if name not in CAPABILITIES:
+        raise ValueError(f"unknown backend capability {name!r}: one of {CAPABILITIES}")
+    try:
+        own = vars(ops)
+    except TypeError:  # no __dict__: declares nothing
+        return False
+    return own.get(name) is True
 
 
 def register_backend(device_type: str, ops: ModuleType | object) -> None:
@@ -53,10 +82,10 @@ def register_backend(device_type: str, ops: ModuleType | object) -> None:
 
 
 def triton_ops() -> ModuleType:
-    """The Triton kernel module (imports Triton). Raises ImportError where Triton is missing."""
-    from hisparse.runtime.ops import triton_kernels
+    """The Triton backend (imports Triton). Raises ImportError where Triton is missing."""
+    from hisparse.runtime.ops import triton_backend
 
-    return triton_kernels
+    return triton_backend
 
 
 def _load_cuda_backend() -> None:
@@ -89,9 +118,11 @@ def ops_for(device: torch.device | str) -> ModuleType | object:
 register_backend("cpu", cpu_ops)
 
 __all__ = [
+    "CAPABILITIES",
     "OP_NAMES",
     "DataPlaneOps",
     "cpu_ops",
+    "has_capability",
     "ops_for",
     "reference",
     "register_backend",

@@ -25,7 +25,15 @@ from hisparse.runtime.ops import cpu_jit, reference
 
 Tensor = torch.Tensor
 
+#: These ops synchronise with the host (numpy on the tensors' memory): no graph capture.
+CUDA_GRAPH_CAPTURABLE = False
+#: The runtime's compiled batch-1 decode path (`cpu_jit`, numpy without numba) may stand in for
+#: these ops on CPU tensors: its results equal theirs bit for bit (tests/test_cpu_decode_step.py).
+CPU_DECODE_FAST_PATH = True
+
 __all__ = [
+    "CPU_DECODE_FAST_PATH",
+    "CUDA_GRAPH_CAPTURABLE",
     "gather_compact",
     "gather_compact_group",
     "gather_plan",

@@ -13,6 +13,11 @@ import torch
 
 Tensor = torch.Tensor
 
+#: The reference reads device values on the host (it synchronises): no graph capture.
+CUDA_GRAPH_CAPTURABLE = False
+#: Every op runs as written here: the oracle takes no fast path.
+CPU_DECODE_FAST_PATH = False
+
 
 def _rows(view: Tensor, rows: Tensor) -> Tensor:
     bs = view.shape[1]

@@ -1,8 +1,8 @@
 """resolve_residency for small batches: each request's work spread over ``P`` programs.
 
-The one-program-per-request kernel (`triton_kernels._resolve_kernel`) leaves a batch-1 decode
-step's resolve to one SM: ~30 full-width passes of scattered 4-byte accesses over 2048 entries
-and 4096 hot slots, ~37 µs per layer on an H200 whatever the miss rate. Here the same stages
+The one-program-per-request kernel (`triton_resolve._resolve_kernel`) leaves a batch-1 decode
+step's resolve to one SM: ~30 full-width passes of scattered 4-byte accesses over every entry
+and hot slot, whatever the miss rate. Here the same stages
 run as five launches over a ``(Q, P)`` grid, each program taking ``1/P`` of the request's
 entries and hot slots; the kernel boundaries are the barriers between stages, so nothing
 spins and the CPU interpreter runs it as is. Same outputs and state as the reference, bit for
@@ -29,11 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse.runtime.ops.triton_kernels import (
-    _bucket,
-    _decode_entries,
-    _next_pow2,
-    _padding_rows_and_row_list,
+from hisparse.runtime.ops.triton_common import (
+    decode_entries,
+    hash_bucket,
+    next_pow2,
+    padding_rows_and_row_list,
 )
 
 Tensor = torch.Tensor
@@ -61,7 +61,7 @@ def _split_entries_kernel(
     p = tl.program_id(1)
     q64 = q.to(tl.int64)
     rows = rows_ptr + q64 * ROWS
-    n_rows = _padding_rows_and_row_list(
+    n_rows = padding_rows_and_row_list(
         q, p == 0, row_req_ptr, R, state_ptr, Q, out_ptr, s_out_r, s_out_c, valid_ptr, s_v, K,
         rows, KP, ROWS, BR, HAS_VALID,
     )  # fmt: skip
@@ -87,7 +87,7 @@ def _split_entries_kernel(
                 )
                 tl.store(valid_ptr + rw * s_v, tl.sum((t >= 0).to(tl.int32), 1), mask=rm)
         e = p * C + tl.arange(0, C)
-        _row, _col, _valid, needs, g = _decode_entries(
+        _row, _col, _valid, needs, g = decode_entries(
             e, rows, n_rows, topk_ptr, stk_r, stk_c, src_bt_ptr + q64 * s_src_q, s_src_b,
             res_bt_ptr + q64 * s_res_q, s_res_b, out_ptr, s_out_r, s_out_c, K, bs, KP, HAS_RES,
         )  # fmt: skip
@@ -97,7 +97,7 @@ def _split_entries_kernel(
         # the others in the first cell that is empty or holds that row.
         tab = tab_ptr + q64 * CS
         dummy = dummy_ptr + q64 * N + e  # where lanes with nothing to claim point (no mask)
-        b = _bucket(g, LOGB)
+        b = hash_bucket(g, LOGB)
         pending = needs
         empty = tl.full([C], -1, tl.int32)  # (a tensor: the interpreter's CAS needs one)
         cell = empty
@@ -138,7 +138,7 @@ def _split_hits_kernel(
         hm = h < H
         v = tl.load(hot_index_ptr + s64 * s_hi_s + h * s_hi_h, mask=hm, other=-1)
         occ = hm & (v >= 0)
-        vc = _bucket(tl.maximum(v, 0), LOGB) * 4
+        vc = hash_bucket(tl.maximum(v, 0), LOGB) * 4
         ways = tl.arange(0, 4)[None, :]
         tile = tl.load(tab + vc[:, None] + ways, mask=occ[:, None], other=-1)
         way = tl.max(tl.where(tile == v[:, None], ways, -1), 1)
@@ -322,7 +322,7 @@ def resolve_split(common: tuple, flags: dict, Q: int, rows: int, kp: int, logb: 
     """Launch the five stages (plus one fill) for ``Q`` requests of ``rows x kp`` entries,
     ``programs`` (a power of two) per request.
 
-    ``common`` is `triton_kernels.resolve_residency`'s argument tuple (tensors and strides in
+    ``common`` is `triton_resolve.resolve_residency`'s argument tuple (tensors and strides in
     the reference's order); ``flags`` its ``HAS_*`` switches.
     """
     (topk, stk_r, stk_c, row_req, R, state, _, src_bt, s_src_q, s_src_b, res_bt, s_res_q,
@@ -332,7 +332,7 @@ def resolve_split(common: tuple, flags: dict, Q: int, rows: int, kp: int, logb: 
     n = rows * kp
     P = max(1, min(programs, n))
     c = n // P
-    bhs = _next_pow2(triton.cdiv(H, P))
+    bhs = next_pow2(triton.cdiv(H, P))
     cs = (_WAYS << logb) + n
     # Tables (emptied by one fill), then per-entry, per-slot and per-program scratch.
     i32 = torch.empty(Q * (2 * cs + 5 * n + rows + 4 * P + H), dtype=torch.int32, device=dev)

@@ -1,17 +1,19 @@
-"""Per-layer HiSparse data plane and the index-group state its leader resolves once per step.
+"""Per-layer HiSparse data plane (`SparseLayerRuntime`) and the index-group state its leader
+resolves once per step (`IndexGroupRuntime`).
 
-An `IndexGroup` is a leader layer (the one that computes the top-k) and the follower layers
+An index group is a leader layer (the one that computes the top-k) and the follower layers
 that reuse its selection. They share one hot state per request (`hot_index`, `lru`) and one
 slot assignment; every layer keeps its own host rows and hot rows. In a decode step the leader
 resolves residency once on the copy stream and issues the gathers of every layer of the group,
 recording one ready event per layer, so the followers' copies hide behind earlier compute. A
 group of one has no follower compute to hide behind: it resolves and gathers on the compute
-stream, in program order (`IndexGroup.inline_swap_in`).
+stream, in program order (`IndexGroupRuntime.inline_swap_in`).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,7 +21,7 @@ import torch
 from hisparse.config import ResolvedHiSparseConfig
 from hisparse.kv.host_pool import is_host_pool_memory
 from hisparse.runtime.batch import GroupTables, StepMetadata
-from hisparse.runtime.ops import cpu_jit, cpu_ops, ops_for
+from hisparse.runtime.ops import cpu_jit, has_capability, ops_for
 from hisparse.runtime.streams import CopyStream, LayerEvent
 
 
@@ -97,8 +99,9 @@ def _step_arrays(meta: StepMetadata) -> _StepArrays:
     return arrays
 
 
-class IndexGroup:
-    """Hot-buffer state and per-step outputs shared by one leader and its followers.
+class IndexGroupRuntime:
+    """Hot-buffer state and per-step outputs shared by one leader and its followers (the
+    runtime side of an index group; its place in the pools is `kv.layout.IndexGroupLayout`).
 
     ``hot_index[s, h]`` is the host row held by hot slot ``h`` of state slot ``s`` (``-1``:
     empty); ``lru[s]`` orders the slots oldest first. Outputs of the last resolve (physical
@@ -147,9 +150,9 @@ class IndexGroup:
         #: at either end of a token's span) and their device views; ``None``: no split.
         self._follower_span: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         #: ``True``: decode gathers the leader's own rows first (its attention waits only for
-        #: them), then the followers' spans. Off by default: on an H200 (bench_overlap, groups
-        #: of 4, 5% miss) it measured 1.221x the all-GPU step against 1.173x for one read of
-        #: the whole span: two reads (one of 656 B rows) cost more than the earlier start wins.
+        #: them), then the followers' spans. Off by default: it measured slower than one read
+        #: of the whole span (docs/benchmarks.md, "bench_overlap.py after the new resolve"):
+        #: two reads (one of 656 B rows) cost more than the earlier start wins.
         self.leader_first = False
         #: ``True``: a group of one still swaps in on the copy stream (see `inline_swap_in`).
         self.side_stream_for_one = os.environ.get("HISPARSE_SIDE_STREAM_FOR_ONE", "0") == "1"
@@ -160,6 +163,21 @@ class IndexGroup:
         #: Each layer's (host rows, device rows, host rows count, device rows count) as
         #: numpy (``None``: a view not bound); made with `_cpu_np`.
         self._cpu_pairs: list[tuple[np.ndarray, np.ndarray, int, int] | None] = []
+
+    @property
+    def ops(self) -> Any:
+        """The data-plane ops namespace every op of the group goes through (`ops_for`)."""
+        return self._ops
+
+    @ops.setter
+    def ops(self, ops: Any) -> None:
+        self._ops = ops
+        #: Batch-1 CPU decode steps may take the compiled path (`cpu_jit`) instead of ``ops``:
+        #: set with the ops, so a wrapper that wants to see every op call (the swap timer)
+        #: turns it off.
+        self.cpu_decode_fast_path = self.device.type == "cpu" and has_capability(
+            ops, "CPU_DECODE_FAST_PATH"
+        )
 
     @property
     def leader(self) -> SparseLayerRuntime:
@@ -206,7 +224,7 @@ class IndexGroup:
         n = meta.num_tokens if num_rows is None else num_rows
         if n == 0:
             return
-        if n == 1 and self.ops is cpu_ops and meta.is_decode and self.device.type == "cpu":
+        if n == 1 and self.cpu_decode_fast_path and meta.is_decode:
             # A batch-1 decode step: the written host row out of the slot set, in numpy.
             step = _step_arrays(meta)
             q, row = step.q, step.host_row
@@ -343,7 +361,7 @@ class IndexGroup:
         return args
 
     def _cpu_decode_one(self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor) -> bool:
-        """A decode step with one query row on the CPU (`cpu_ops` backend): resolve, count
+        """A decode step with one query row on the CPU (`cpu_decode_fast_path`): resolve, count
         and gather every layer of the group in compiled calls (`cpu_jit`), with the results
         of `_resolve`, `_count_step` and the layers' `gather_swapped_rows` bit for bit.
         ``False``: not such a step, or an input the general path must handle (it then runs
@@ -386,14 +404,12 @@ class IndexGroup:
     def finish_decode_one_cpu(
         self, layer: SparseLayerRuntime, meta: StepMetadata, tables: GroupTables
     ) -> bool:
-        """`CacheHandle.finish_kv_update` of a batch-1 decode step on the CPU (`cpu_ops`
-        backend) in one compiled call (numpy without numba) on views made once per step and
-        binding: the leader's `invalidate_written` of the step's host row and the layer's
-        mirror of its new row (`gather_plan`), the same bytes and hot state. ``False``: not
-        such a step, or an input the general path handles (nothing was done)."""
-        if meta.num_tokens != 1 or not meta.is_decode or self.ops is not cpu_ops:
-            return False
-        if self.device.type != "cpu":
+        """`CacheHandle.finish_kv_update` of a batch-1 decode step on the CPU
+        (`cpu_decode_fast_path`) in one compiled call (numpy without numba) on views made once
+        per step and binding: the leader's `invalidate_written` of the step's host row and the
+        layer's mirror of its new row (`gather_plan`), the same bytes and hot state. ``False``:
+        not such a step, or an input the general path handles (nothing was done)."""
+        if meta.num_tokens != 1 or not meta.is_decode or not self.cpu_decode_fast_path:
             return False
         if meta.host_slot_mapping is None:
             return True  # nothing written to the host: no invalidation, no mirror
@@ -512,11 +528,7 @@ class IndexGroup:
         self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor
     ) -> None:
         """The body of `resolve_and_stage`, on whatever stream is current."""
-        if (
-            self.ops is cpu_ops
-            and self.device.type == "cpu"
-            and self._cpu_decode_one(meta, tables, topk)
-        ):
+        if self.cpu_decode_fast_path and self._cpu_decode_one(meta, tables, topk):
             return
         self._resolve(meta, tables.resident_block_table, topk, self.config.max_query_len)
         self._count_step(meta.num_reqs)
@@ -580,7 +592,7 @@ class SparseLayerRuntime:
         row_bytes: int,
         max_num_reqs: int,
         device: torch.device | str,
-        index_group: IndexGroup | None = None,
+        index_group: IndexGroupRuntime | None = None,
         copy_stream: CopyStream | None = None,
         offload: bool = True,
     ) -> None:
@@ -591,7 +603,7 @@ class SparseLayerRuntime:
         self.device = torch.device(device)
         self.offload = offload
         if index_group is None:
-            index_group = IndexGroup(
+            index_group = IndexGroupRuntime(
                 config,
                 max_num_reqs=max_num_reqs,
                 device=self.device,

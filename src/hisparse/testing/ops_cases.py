@@ -1,7 +1,7 @@
-"""Random inputs for comparing the Triton ops with the reference (tests and benchmarks).
+"""Random inputs for comparing a data-plane ops backend with the reference (`runtime.ops`).
 
-Lives in the package (not under tests/) so that the CPU tests, the GPU tests and the GPU
-benchmark draw cases the same way. Imports no Triton.
+Used by the CPU tests (cpu_ops, the Triton kernels under the interpreter), the GPU tests and
+the GPU benchmark (bench_swap), so all draw cases the same way. Imports no Triton.
 """
 
 from __future__ import annotations
