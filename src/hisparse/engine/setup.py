@@ -66,10 +66,10 @@ def check_device_memory(device: torch.device, gib: float) -> None:
 def capture_blockers(device: torch.device, indexer: str) -> list[str]:
     """Why a decode step on ``device`` could not be captured as a CUDA graph: the parts that
     would read device values on the host (the PyTorch references, the quest indexer)."""
-    from hisparse.runtime.ops import cpu_ops, ops_for, reference
+    from hisparse.runtime.ops import has_capability, ops_for
 
     out = []
-    if ops_for(device) in (reference, cpu_ops):
+    if not has_capability(ops_for(device), "CUDA_GRAPH_CAPTURABLE"):
         out.append("the data-plane ops are not the Triton kernels (HISPARSE_OPS, or no Triton)")
     for var in ("HISPARSE_INDEXER", "HISPARSE_ATTENTION"):
         if os.environ.get(var) == "reference":
