@@ -10,7 +10,7 @@ Each path is captured in one CUDA graph of ``LAYERS`` calls, each over its own p
 queries (as the 30 layers of a decode step: keys do not stay in L2 from one call to the next);
 the time is the median of `triton.testing.do_bench` over replays, divided by ``LAYERS``: µs per
 layer and step. Before timing, each case checks the kernel against the torch path
-(`gqa_indexer_triton.selection_errors`, tolerance of tests/gpu/test_gqa_indexer_gpu.py) and
+(`gqa_indexer_cases.selection_errors`, tolerance of tests/gpu/test_gqa_indexer_gpu.py) and
 prints the agreement (share of the torch path's picks the kernel also picks; below 1 only by
 near-ties at the k-th mass). A sweep of tile configs follows on three cases. Writes
 ``$OUT/bench_gqa_indexer.json`` when ``OUT`` is set; the short table comes last.
@@ -31,6 +31,7 @@ import triton.testing
 
 from hisparse.attention import gqa_indexer_reference as gr
 from hisparse.attention import gqa_indexer_triton as git
+from hisparse.testing import gqa_indexer_cases as gcases
 
 H, G, D, BS, TOP_K = 9, 3, 64, 64, 256
 CFG = gr.GqaIndexerConfig(top_k=TOP_K, sink_tokens=4, recent_window=64)
@@ -53,9 +54,9 @@ VARIANTS = {
 }
 
 
-def _cases(batch: int, context: int, capacity: int | None, seed: int) -> list[git.DecodeCase]:
+def _cases(batch: int, context: int, capacity: int | None, seed: int) -> list[gcases.DecodeCase]:
     return [
-        git.random_decode_case(
+        gcases.random_decode_case(
             [context] * batch,
             heads=H,
             kv_heads=G,
@@ -71,7 +72,7 @@ def _cases(batch: int, context: int, capacity: int | None, seed: int) -> list[gi
     ]
 
 
-def _torch_path(case: git.DecodeCase) -> torch.Tensor:
+def _torch_path(case: gcases.DecodeCase) -> torch.Tensor:
     os.environ["HISPARSE_GQA_INDEXER"] = "reference"
     try:
         return gr.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)
@@ -114,8 +115,8 @@ def run_case(batch: int, context: int, capacity: int | None, seed: int) -> dict:
     c0 = cases[0]
     got = git.gqa_indexer_topk_decode_triton(*c0.args(), CFG, SCALE, TOP_K)
     want = _torch_path(c0)
-    ref = git.reference_scores(c0, CFG, SCALE)
-    errors = git.selection_errors(got, want, c0, CFG, ref, RTOL, ATOL)
+    ref = gcases.reference_scores(c0, CFG, SCALE)
+    errors = gcases.selection_errors(got, want, c0, CFG, ref, RTOL, ATOL)
     row = {
         "batch": batch, "context": context, "longest": c0.longest,
         "agreement": _agreement(got, want), "errors": errors[:3],
@@ -133,13 +134,13 @@ def sweep(batch: int, context: int, capacity: int | None, seed: int, deadline: f
     cases = _cases(batch, context, capacity, seed)
     out = {"batch": batch, "context": context, "longest": cases[0].longest}
     want = _torch_path(cases[0])
-    ref = git.reference_scores(cases[0], CFG, SCALE)
+    ref = gcases.reference_scores(cases[0], CFG, SCALE)
     for name, cfg in VARIANTS.items():
         if time.time() > deadline:
             out[name] = "skipped (budget)"
             continue
         got = git.gqa_indexer_topk_decode_triton(*cases[0].args(), CFG, SCALE, TOP_K, config=cfg)
-        bad = git.selection_errors(got, want, cases[0], CFG, ref, RTOL, ATOL)
+        bad = gcases.selection_errors(got, want, cases[0], CFG, ref, RTOL, ATOL)
         us = _graph_us([
             lambda c=c, k=cfg: git.gqa_indexer_topk_decode_triton(
                 *c.args(), CFG, SCALE, TOP_K, config=k

@@ -3,7 +3,7 @@
 DeepSeek-V3.2 sizes (64 heads x 128 dims, index_topk 2048, block size 64), one decode token per
 request, every request at the same context; batch 1 / 8 / 29 / 64 at 32K and 128K tokens. For
 each case it first checks the kernel (default config and `OLD_FP8_CONFIG`) against the reference
-(`indexer_triton.selection_errors`, tolerance as in tests/gpu/test_indexer_gpu.py; it stops at
+(`indexer_cases.selection_errors`, tolerance as in tests/gpu/test_indexer_gpu.py; it stops at
 the first failure), then times:
 
 - ``reference``: `indexer_topk_paged_reference` (the model's path before the kernel);
@@ -36,6 +36,7 @@ import triton.testing
 
 from hisparse.attention import indexer_triton as it
 from hisparse.attention.indexer_reference import indexer_topk_paged_reference
+from hisparse.testing import indexer_cases as ic
 
 H, D, K, BS = 64, 128, 2048, 64
 RTOL, ATOL = 1e-4, 1e-6
@@ -73,7 +74,7 @@ def _score_err(s: torch.Tensor, ref: torch.Tensor, tol: torch.Tensor) -> float:
 
 def run_case(kind: str, batch: int, context: int, seed: int, sweep: bool) -> dict:
     dev = torch.device(DEVICE)
-    case = it.random_indexer_case(
+    case = ic.random_indexer_case(
         kind,
         [context] * batch,
         [1] * batch,
@@ -97,14 +98,14 @@ def run_case(kind: str, batch: int, context: int, seed: int, sweep: bool) -> dic
     # Correctness first: the default config and, for fp8, the first kernel's.
     got = triton_topk()
     s = scores()
-    ref = it.reference_scores(case, s.shape[1])
-    tol = it.score_tolerance(ref, RTOL, ATOL)
+    ref = ic.reference_scores(case, s.shape[1])
+    tol = ic.score_tolerance(ref, RTOL, ATOL)
     err = _score_err(s, ref, tol)
-    errors = it.selection_errors(got, ref, case.limits, K, tol)
+    errors = ic.selection_errors(got, ref, case.limits, K, tol)
     old = it.OLD_FP8_CONFIG if kind == "fp8" else it.default_config("fp32")
     s_old = scores(old)
     err_old = _score_err(s_old, ref, tol)
-    errors += it.selection_errors(it.topk_from_scores(s_old, K), ref, case.limits, K, tol)
+    errors += ic.selection_errors(it.topk_from_scores(s_old, K), ref, case.limits, K, tol)
     if max(err, err_old) > 1.0 or errors:
         raise SystemExit(
             f"{kind} batch {batch} ctx {context}: score error {err:.3g} x tol (old config "
@@ -161,7 +162,7 @@ VARIANTS: dict[str, it.IndexerConfig] = {
 
 
 def _variants(
-    case: it.PagedIndexerCase, ref: torch.Tensor, tol: torch.Tensor, key_bytes: int
+    case: ic.PagedIndexerCase, ref: torch.Tensor, tol: torch.Tensor, key_bytes: int
 ) -> dict:
     """Score-stage µs, GB/s, error (x tol) and registers of each variant; failures reported."""
     dev = case.q.device

@@ -5,7 +5,7 @@ random e4m3 keys in shuffled blocks (unwritten pages NaN bytes) and queries, wit
 scratch buffers poisoned first (NaN scratch, ``-7`` outputs), so every element read back must
 have been written by the kernels.
 
-What "equal" means (`gqa_indexer_triton.selection_errors`): rows that fit in ``top_k`` exactly
+What "equal" means (`gqa_indexer_cases.selection_errors`): rows that fit in ``top_k`` exactly
 the dense list; scored rows ascending, ``-1`` only as a suffix, as many picks as the torch path,
 every forced position, and any position chosen by only one of the two a candidate whose
 reference score is within ``1e-6 + 1e-5 * kth`` of the k-th kept score (under the interpreter
@@ -29,6 +29,7 @@ from hisparse.attention import gqa_indexer_reference as gr
 from hisparse.attention import gqa_indexer_triton as git
 from hisparse.attention import triton_split
 from hisparse.attention.sparse_mla_triton import interpreting
+from hisparse.testing import gqa_indexer_cases as gcases
 
 pytestmark = pytest.mark.skipif(
     not interpreting(), reason="Triton kernels were defined outside the interpreter"
@@ -43,11 +44,11 @@ SCALE = 0.25
 @pytest.fixture
 def scratch() -> Iterator[list]:
     """NaN-poisoned scratch buffers; the list collects them so a test can read the masses."""
-    with git.poisoned_scratch() as seen:
+    with gcases.poisoned_scratch() as seen:
         yield seen
 
 
-def _run(case: git.DecodeCase, width: int, scratch: list, cfg=CFG, **kw) -> torch.Tensor:
+def _run(case: gcases.DecodeCase, width: int, scratch: list, cfg=CFG, **kw) -> torch.Tensor:
     """Kernel vs torch path on one case: selections and candidate masses."""
     r = case.q.shape[0]
     out = torch.full((r, width), -7, dtype=torch.int32)
@@ -55,8 +56,8 @@ def _run(case: git.DecodeCase, width: int, scratch: list, cfg=CFG, **kw) -> torc
     assert got.data_ptr() == out.data_ptr()
     assert not bool((got == -7).any()), "an output element was not written"
     want = gr.gqa_indexer_topk_decode(*case.args(), cfg, SCALE, width)  # CPU: torch path
-    ref = git.reference_scores(case, cfg, SCALE)
-    assert git.selection_errors(got, want, case, cfg, ref, RTOL, ATOL) == []
+    ref = gcases.reference_scores(case, cfg, SCALE)
+    assert gcases.selection_errors(got, want, case, cfg, ref, RTOL, ATOL) == []
     # The kernel's candidate masses themselves (its scratch row) match the reference's.
     scored = 0
     masses = scratch[-1][2]
@@ -77,7 +78,7 @@ def test_varied_lengths_capacity_bound(scratch: list, q_dtype: torch.dtype) -> N
     case: past every length); lengths just above top_k (one or two candidates dropped) and a
     request whose candidates start right after the sinks; pages strided inside a pool."""
     lengths = [70, 20, 45, 25, 100, 26, 24, 33]
-    case = git.random_decode_case(
+    case = gcases.random_decode_case(
         lengths, head_dim=16, block_size=8, capacity=136, q_dtype=q_dtype, strided=True,
         seed=int(torch.randint(0, 2**31, ())),
     )  # fmt: skip
@@ -88,7 +89,7 @@ def test_varied_lengths_capacity_bound(scratch: list, q_dtype: torch.dtype) -> N
 def test_tile_by_tile_search_and_padding_columns(scratch: list) -> None:
     """Candidates beyond one ``BLOCK_S`` tile (the search loops over tiles), output wider than
     ``top_k`` (``-1`` columns), longest = the longest request."""
-    case = git.random_decode_case(
+    case = gcases.random_decode_case(
         [150, 90, 10], head_dim=16, block_size=16, seed=int(torch.randint(0, 2**31, ()))
     )
     cfg = git.GqaIndexerTritonConfig(block_n=16, chunk=64, block_s=32, block_m=32, block_w=16)
@@ -100,7 +101,7 @@ def test_ties_keep_the_lowest_positions(scratch: list) -> None:
     the sinks, the first ``top_k - forced`` candidates, the recent window. Small integer
     keys and queries make every dot exact, so no summation order can break the tie."""
     n = 60
-    case = git.random_decode_case([n, n], head_dim=16, block_size=8, seed=3)
+    case = gcases.random_decode_case([n, n], head_dim=16, block_size=8, seed=3)
     case.q = torch.randint(-3, 4, case.q.shape).float()
     key = torch.randint(-2, 3, (case.fmt.row_bytes,)).float()
     row = key.to(gr.FP8_DTYPE).view(torch.uint8)
@@ -117,7 +118,7 @@ def test_ties_keep_the_lowest_positions(scratch: list) -> None:
 
 def test_all_dense_requests(scratch: list) -> None:
     """Every request fits in top_k while the host bound does not: all rows dense."""
-    case = git.random_decode_case([5, 24, 17], head_dim=16, block_size=8, capacity=64, seed=4)
+    case = gcases.random_decode_case([5, 24, 17], head_dim=16, block_size=8, capacity=64, seed=4)
     got = git.gqa_indexer_topk_decode_triton(*case.args(), CFG, SCALE, TOP_K)
     assert torch.equal(got, gr.dense_topk(case.positions, TOP_K))
 
@@ -125,7 +126,7 @@ def test_all_dense_requests(scratch: list) -> None:
 def test_dispatch_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     """``HISPARSE_GQA_INDEXER=triton`` routes `gqa_indexer_topk_decode` to the kernels (on a
     CPU only under the interpreter), ``reference`` keeps the torch path."""
-    case = git.random_decode_case([40, 30], head_dim=16, block_size=8, seed=5)
+    case = gcases.random_decode_case([40, 30], head_dim=16, block_size=8, seed=5)
     calls: list[int] = []
     real = git.gqa_indexer_topk_decode_triton
 
@@ -140,8 +141,8 @@ def test_dispatch_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HISPARSE_GQA_INDEXER", "reference")
     torch_path = gr.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)
     assert calls == [1]
-    ref = git.reference_scores(case, CFG, SCALE)
-    assert git.selection_errors(via, torch_path, case, CFG, ref, RTOL, ATOL) == []
+    ref = gcases.reference_scores(case, CFG, SCALE)
+    assert gcases.selection_errors(via, torch_path, case, CFG, ref, RTOL, ATOL) == []
 
 
 class _Grids:
@@ -162,7 +163,7 @@ def test_scratch_past_the_bound_runs_in_request_blocks(
     requests run in blocks of about equal size over one scratch allocation, every output
     element written, equal to one launch pair over the whole batch."""
     lengths = [70, 20, 45, 100, 33]
-    case = git.random_decode_case(lengths, head_dim=16, block_size=8, capacity=136, seed=6)
+    case = gcases.random_decode_case(lengths, head_dim=16, block_size=8, capacity=136, seed=6)
     cfg = git.GqaIndexerTritonConfig(block_n=16, chunk=32)
     whole = git.gqa_indexer_topk_decode_triton(*case.args(), CFG, SCALE, TOP_K, config=cfg)
     h, longest = case.q.shape[1], case.longest
@@ -177,8 +178,8 @@ def test_scratch_past_the_bound_runs_in_request_blocks(
     assert not bool((got == -7).any()), "an output element was not written"
     assert torch.equal(got, whole)
     want = gr.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)  # CPU: torch path
-    ref = git.reference_scores(case, CFG, SCALE)
-    assert git.selection_errors(got, want, case, CFG, ref, RTOL, ATOL) == []
+    ref = gcases.reference_scores(case, CFG, SCALE)
+    assert gcases.selection_errors(got, want, case, CFG, ref, RTOL, ATOL) == []
 
 
 def test_more_chunks_than_the_grid_takes(scratch: list, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,7 +188,7 @@ def test_more_chunks_than_the_grid_takes(scratch: list, monkeypatch: pytest.Monk
     monkeypatch.setattr(triton_split, "MAX_GRID_YZ", 2)
     spy = _Grids(git._gqa_logits_kernel)
     monkeypatch.setattr(git, "_gqa_logits_kernel", spy)
-    case = git.random_decode_case([70, 20, 130], head_dim=16, block_size=8, capacity=136, seed=7)
+    case = gcases.random_decode_case([70, 20, 130], head_dim=16, block_size=8, capacity=136, seed=7)
     cfg = git.GqaIndexerTritonConfig(block_n=16, chunk=32)
     assert int(_run(case, TOP_K, scratch, config=cfg)) == 2
     assert spy.grids == [(3, 2)]  # 136 positions: 128-key chunks

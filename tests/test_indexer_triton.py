@@ -5,7 +5,7 @@ random keys, queries, weights and a shuffled block table whose width exceeds the
 request (so the score rows have a ``-inf`` tail), in both page formats (fp8 132-byte-style
 rows with one scale per key, and the exact mode's fp32 rows).
 
-What "equal" means (`indexer_triton.selection_errors`): scores agree with the reference to
+What "equal" means (`indexer_cases.selection_errors`): scores agree with the reference to
 ``tol = 1e-6 + 1e-5 * max |score|`` of the token (the interpreter's dots are fp32, so only
 the summation order differs; measured differences are ~1e-7 relative), ``-inf`` exactly past
 each token's causal limit; the top-k has the right ``-1`` padding, distinct positions under
@@ -29,6 +29,7 @@ from hisparse.attention import indexer_reference as ir
 from hisparse.attention import indexer_triton as it
 from hisparse.attention import triton_split
 from hisparse.attention.sparse_mla_triton import interpreting
+from hisparse.testing import indexer_cases as ic
 
 pytestmark = pytest.mark.skipif(
     not interpreting(), reason="Triton kernels were defined outside the interpreter"
@@ -42,21 +43,21 @@ SMALL_PER_KEY = it.IndexerConfig(block_n=16, page_tiles=False)
 
 def _case(
     kind: str, contexts: list[int], queries: list[int], seed: int, **kw
-) -> it.PagedIndexerCase:
+) -> ic.PagedIndexerCase:
     opts = dict(heads=16, head_dim=64, block_size=8, device="cpu", seed=seed)
     opts.update(kw)
-    return it.random_indexer_case(kind, contexts, queries, **opts)
+    return ic.random_indexer_case(kind, contexts, queries, **opts)
 
 
-def _check(case: it.PagedIndexerCase, top_k: int, **kw) -> torch.Tensor:
+def _check(case: ic.PagedIndexerCase, top_k: int, **kw) -> torch.Tensor:
     """Scores and top-k of the kernel against the reference; returns the kernel's scores."""
     scores = it.indexer_scores_paged_triton(*case.args(), case.softmax_scale, **kw)
     assert scores.shape[1] == case.block_table.shape[1] * (
         case.pages.shape[1] // case.fmt.row_bytes
     )
-    ref = it.reference_scores(case, scores.shape[1])
+    ref = ic.reference_scores(case, scores.shape[1])
     assert torch.equal(torch.isneginf(scores), torch.isneginf(ref)), "causal -inf mask differs"
-    tol = it.score_tolerance(ref, RTOL, ATOL)
+    tol = ic.score_tolerance(ref, RTOL, ATOL)
     finite = torch.isfinite(ref)
     assert torch.isfinite(scores[finite]).all()
     err = (scores - ref).abs().masked_fill(~finite, 0)
@@ -64,10 +65,10 @@ def _check(case: it.PagedIndexerCase, top_k: int, **kw) -> torch.Tensor:
 
     out = it.indexer_topk_paged_triton(*case.args(), top_k, case.softmax_scale, **kw)
     assert out.dtype == torch.int32 and out.shape == (case.q.shape[0], top_k)
-    assert it.selection_errors(out, ref, case.limits, top_k, tol) == []
+    assert ic.selection_errors(out, ref, case.limits, top_k, tol) == []
     # The reference itself passes the same check (the checker agrees with the oracle).
     want = ir.indexer_topk_paged_reference(*case.args(), case.seq_lens, top_k, case.softmax_scale)
-    assert it.selection_errors(want, ref, case.limits, top_k, tol) == []
+    assert ic.selection_errors(want, ref, case.limits, top_k, tol) == []
     return scores
 
 
@@ -195,9 +196,9 @@ def test_prefill_scored_in_row_blocks(kind: str, monkeypatch: pytest.MonkeyPatch
     assert [g[0] for g in spy.grids] == [3, 3, 3, 3]  # 12 tokens (one of them padding)
     assert len({g[1] for g in spy.grids}) == 1, "every block has the whole call's key chunks"
     assert torch.equal(got, whole)
-    ref = it.reference_scores(case, cols)
-    tol = it.score_tolerance(ref, RTOL, ATOL)
-    assert it.selection_errors(got, ref, case.limits, top_k, tol) == []
+    ref = ic.reference_scores(case, cols)
+    tol = ic.score_tolerance(ref, RTOL, ATOL)
+    assert ic.selection_errors(got, ref, case.limits, top_k, tol) == []
     assert torch.equal(ir.indexer_topk_paged_reference(*ref_args), ref_whole)
 
 
@@ -227,26 +228,26 @@ def test_more_key_chunks_than_the_grid_takes(monkeypatch: pytest.MonkeyPatch) ->
 def test_selection_checker_catches_wrong_picks() -> None:
     """The checker can fail: a swapped pick, a duplicate, a pick past the limit, bad padding."""
     case = _case("fp8", [40], [1], seed=50)
-    ref = it.reference_scores(case, 40)
-    tol = it.score_tolerance(ref, RTOL, ATOL)
+    ref = ic.reference_scores(case, 40)
+    tol = ic.score_tolerance(ref, RTOL, ATOL)
     good = it.topk_from_scores(ref, 8)
-    assert it.selection_errors(good, ref, case.limits, 8, tol) == []
+    assert ic.selection_errors(good, ref, case.limits, 8, tol) == []
     worst = int(ref[0].argmin())
     bad = good.clone()
     bad[0, 7] = worst
-    assert any("below" in e for e in it.selection_errors(bad, ref, case.limits, 8, tol))
+    assert any("below" in e for e in ic.selection_errors(bad, ref, case.limits, 8, tol))
     bad = good.clone()
     bad[0, 7] = bad[0, 0]
-    assert any("twice" in e for e in it.selection_errors(bad, ref, case.limits, 8, tol))
+    assert any("twice" in e for e in ic.selection_errors(bad, ref, case.limits, 8, tol))
     bad = good.flip(1)
-    assert any("best first" in e for e in it.selection_errors(bad, ref, case.limits, 8, tol))
+    assert any("best first" in e for e in ic.selection_errors(bad, ref, case.limits, 8, tol))
     bad = good.clone()
     bad[0, 7] = -1
-    assert any("padding" in e for e in it.selection_errors(bad, ref, case.limits, 8, tol))
-    short = it.reference_scores(case, 40)
+    assert any("padding" in e for e in ic.selection_errors(bad, ref, case.limits, 8, tol))
+    short = ic.reference_scores(case, 40)
     limits = torch.tensor([5])
     bad = it.topk_from_scores(ref, 8)  # ignores the 5-key limit
-    assert it.selection_errors(bad, short, limits, 8, tol)
+    assert ic.selection_errors(bad, short, limits, 8, tol)
 
 
 def test_unsupported_inputs_are_refused() -> None:
@@ -281,10 +282,10 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HISPARSE_INDEXER", "triton")
     got = ir.indexer_topk_paged(*args)
     assert calls == [30], "the dispatch trims the scores to the longest request"
-    ref = it.reference_scores(case, 30)
-    tol = it.score_tolerance(ref, RTOL, ATOL)
-    assert it.selection_errors(got, ref, case.limits, 8, tol) == []
-    assert it.selection_errors(want, ref, case.limits, 8, tol) == []
+    ref = ic.reference_scores(case, 30)
+    tol = ic.score_tolerance(ref, RTOL, ATOL)
+    assert ic.selection_errors(got, ref, case.limits, 8, tol) == []
+    assert ic.selection_errors(want, ref, case.limits, 8, tol) == []
     wide = ir.IndexerCacheFormat("fp8", 256, 128)  # two scales per key: reference only
     big = _case("fp8", [9], [1], seed=71, head_dim=256)
     big.fmt = wide

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from hisparse.config import HiSparseConfig, HiSparseConfigError
-from hisparse.kv.layout import GroupKind, KVLayout, compact_layer_names, plan_kv_layout
-from hisparse.kv.models import (
+from hisparse.kv.cache_shapes import (
     cache_shape_from_hf_config,
     deepseek_v32_cache_shape,
     dsa_cache_specs,
@@ -19,6 +18,7 @@ from hisparse.kv.models import (
     indexer_schedule,
     load_model_cache_shape,
 )
+from hisparse.kv.layout import GroupKind, KVLayout, compact_layer_names, plan_kv_layout
 from hisparse.kv.paged_view import PagedViewSpec
 from hisparse.kv.specs import CacheKind, LayerCacheSpec, RowFormat, indexer_spec, sparse_mla_spec
 

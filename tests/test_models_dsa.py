@@ -352,7 +352,7 @@ def test_cache_handle_fits_the_attention_protocol():
 def test_release_configs_parse_and_agree_with_the_cache_planner():
     """Real-release config.json shapes (legacy rope_scaling, IndexShare keys) parse, and the
     model's indexer schedule is the one the KV layout planner plans caches for."""
-    from hisparse.kv.models import cache_shape_from_hf_config
+    from hisparse.kv.cache_shapes import cache_shape_from_hf_config
 
     v32 = {
         "model_type": "deepseek_v32",

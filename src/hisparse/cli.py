@@ -25,17 +25,17 @@ from hisparse.config import (
     HiSparseConfigError,
     check_gib,
 )
+from hisparse.kv.cache_shapes import (
+    PRESETS,
+    SUPPORTED_KV_FORMATS,
+    ModelCacheShape,
+    load_model_cache_shape,
+)
 from hisparse.kv.layout import (
     KVLayout,
     format_gib,
     plan_kv_layout,
     summarize_index_groups,
-)
-from hisparse.kv.models import (
-    PRESETS,
-    SUPPORTED_KV_FORMATS,
-    ModelCacheShape,
-    load_model_cache_shape,
 )
 
 #: Exit status for bad arguments or configuration (argparse uses the same).

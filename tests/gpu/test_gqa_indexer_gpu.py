@@ -26,6 +26,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
 
 from hisparse.attention import gqa_indexer_reference as gr
 from hisparse.attention import gqa_indexer_triton as git
+from hisparse.testing import gqa_indexer_cases as gcases
 
 DEV = torch.device("cuda")
 H, G, D, BS, TOP_K = 9, 3, 64, 64, 256
@@ -55,7 +56,7 @@ def _lengths(batch: int, context: int, seed: int) -> list[int]:
     return lens
 
 
-def _torch_path(case: git.DecodeCase, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+def _torch_path(case: gcases.DecodeCase, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
     monkeypatch.setenv("HISPARSE_GQA_INDEXER", "reference")
     try:
         return gr.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)
@@ -63,14 +64,14 @@ def _torch_path(case: git.DecodeCase, monkeypatch: pytest.MonkeyPatch) -> torch.
         monkeypatch.delenv("HISPARSE_GQA_INDEXER")
 
 
-def _check(case: git.DecodeCase, monkeypatch: pytest.MonkeyPatch) -> None:
+def _check(case: gcases.DecodeCase, monkeypatch: pytest.MonkeyPatch) -> None:
     out = torch.full((case.q.shape[0], TOP_K), -7, dtype=torch.int32, device=DEV)
-    with git.poisoned_scratch() as seen:
+    with gcases.poisoned_scratch() as seen:
         got = git.gqa_indexer_topk_decode_triton(*case.args(), CFG, SCALE, TOP_K, out=out)
     assert not bool((got == -7).any()), "an output element was not written"
     want = _torch_path(case, monkeypatch)
-    ref = git.reference_scores(case, CFG, SCALE)
-    assert git.selection_errors(got, want, case, CFG, ref, RTOL, ATOL) == []
+    ref = gcases.reference_scores(case, CFG, SCALE)
+    assert gcases.selection_errors(got, want, case, CFG, ref, RTOL, ATOL) == []
     masses = seen[0][2].cpu()
     scored = 0
     for i, n in enumerate(case.lengths.tolist()):
@@ -91,7 +92,7 @@ def test_matches_torch_path(
     monkeypatch: pytest.MonkeyPatch, context: int, batch: int, q_dtype: torch.dtype
 ) -> None:
     seed = int(torch.randint(0, 2**31, ()))
-    case = git.random_decode_case(
+    case = gcases.random_decode_case(
         _lengths(batch, context, seed), heads=H, kv_heads=G, head_dim=D, block_size=BS,
         key_scale=3.0, q_dtype=q_dtype, strided=True, seed=seed, device=DEV,
     )  # fmt: skip
@@ -102,7 +103,7 @@ def test_matches_torch_path(
 def test_capacity_bound_matches_torch_path(monkeypatch: pytest.MonkeyPatch, batch: int) -> None:
     """``longest`` = the table capacity (8192) while the requests hold ~556 keys."""
     seed = int(torch.randint(0, 2**31, ()))
-    case = git.random_decode_case(
+    case = gcases.random_decode_case(
         _lengths(batch, 556, seed), heads=H, kv_heads=G, head_dim=D, block_size=BS,
         capacity=8192, key_scale=3.0, q_dtype=torch.bfloat16, seed=seed, device=DEV,
     )  # fmt: skip
@@ -114,7 +115,7 @@ def test_cuda_graph_replay_equals_eager() -> None:
     replayed on new queries, keys and lengths: each replay equals an eager call."""
     batch, cap = 64, 2048
     # Captured at full capacity, so its page pool holds any later step's blocks.
-    case = git.random_decode_case(
+    case = gcases.random_decode_case(
         [cap] * batch, heads=H, kv_heads=G, head_dim=D, block_size=BS, capacity=cap,
         q_dtype=torch.bfloat16, seed=1, device=DEV,
     )  # fmt: skip
@@ -133,7 +134,7 @@ def test_cuda_graph_replay_equals_eager() -> None:
         static_out = step()
     for seed in (2, 3, 4):
         lens = _lengths(batch, 300 + 400 * seed, seed)
-        fresh = git.random_decode_case(
+        fresh = gcases.random_decode_case(
             lens, heads=H, kv_heads=G, head_dim=D, block_size=BS, capacity=cap,
             q_dtype=torch.bfloat16, seed=seed, device=DEV,
         )  # fmt: skip
@@ -162,21 +163,21 @@ class _Grids:
         return self.kernel[grid]
 
 
-def _check_blocked(case: git.DecodeCase, monkeypatch: pytest.MonkeyPatch, want_case=None):  # type: ignore[no-untyped-def]
+def _check_blocked(case: gcases.DecodeCase, monkeypatch: pytest.MonkeyPatch, want_case=None):  # type: ignore[no-untyped-def]
     """`_check` without the mass comparison (with request blocks the scratch holds the last
     block only): every output written, the torch path's selection (on ``want_case``, the
     same requests, if given), the launch grids returned."""
     logits, select = _Grids(git._gqa_logits_kernel), _Grids(git._gqa_select_kernel)
     out = torch.full((case.q.shape[0], TOP_K), -7, dtype=torch.int32, device=DEV)
-    with monkeypatch.context() as m, git.poisoned_scratch():
+    with monkeypatch.context() as m, gcases.poisoned_scratch():
         m.setattr(git, "_gqa_logits_kernel", logits)
         m.setattr(git, "_gqa_select_kernel", select)
         got = git.gqa_indexer_topk_decode_triton(*case.args(), CFG, SCALE, TOP_K, out=out)
         torch.cuda.synchronize()
     assert not bool((got == -7).any()), "an output element was not written"
     want = _torch_path(want_case or case, monkeypatch)
-    ref = git.reference_scores(case, CFG, SCALE)
-    assert git.selection_errors(got, want, case, CFG, ref, RTOL, ATOL) == []
+    ref = gcases.reference_scores(case, CFG, SCALE)
+    assert gcases.selection_errors(got, want, case, CFG, ref, RTOL, ATOL) == []
     return logits.grids, select.grids
 
 
@@ -188,7 +189,7 @@ def test_large_batch_at_128k_capacity_runs_in_request_blocks(
     one request holds the whole 128K context (tile-by-tile selection)."""
     lens = _lengths(256, 8192, seed=91)
     lens[3] = 131072
-    case = git.random_decode_case(
+    case = gcases.random_decode_case(
         lens, heads=H, kv_heads=G, head_dim=D, block_size=BS, capacity=131072, key_scale=3.0,
         q_dtype=torch.bfloat16, seed=91, device=DEV,
     )  # fmt: skip
@@ -200,7 +201,7 @@ def test_large_capacity_past_the_grid_limit(monkeypatch: pytest.MonkeyPatch) -> 
     """A capacity of 8.4M positions: more than 65535 chunks of the default 64 keys on grid
     axis 1, so the chunks grow; the selection is the torch path's at the real length."""
     cap = 65536 * 128 + 4096
-    case = git.random_decode_case(
+    case = gcases.random_decode_case(
         [8192, 5000], heads=H, kv_heads=G, head_dim=D, block_size=BS, capacity=cap,
         key_scale=3.0, q_dtype=torch.bfloat16, seed=92, device=DEV,
     )  # fmt: skip

@@ -25,6 +25,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
 
 from hisparse.attention import indexer_reference as ir
 from hisparse.attention import indexer_triton as it
+from hisparse.testing import indexer_cases as ic
 
 DEV = torch.device("cuda")
 H, D, K, BS = 64, 128, 2048, 64
@@ -40,26 +41,26 @@ def _no_tf32():
 
 
 def _case(kind: str, contexts: list[int], queries: list[int] | None = None, seed: int = 0,
-          **kw) -> it.PagedIndexerCase:  # fmt: skip
+          **kw) -> ic.PagedIndexerCase:  # fmt: skip
     queries = queries or [1] * len(contexts)
-    return it.random_indexer_case(
+    return ic.random_indexer_case(
         kind, contexts, queries, heads=H, head_dim=D, block_size=BS, device=DEV, seed=seed, **kw
     )
 
 
-def _check(case: it.PagedIndexerCase, **kw) -> torch.Tensor:
+def _check(case: ic.PagedIndexerCase, **kw) -> torch.Tensor:
     scores = it.indexer_scores_paged_triton(*case.args(), case.softmax_scale, **kw)
     out = it.indexer_topk_paged_triton(*case.args(), K, case.softmax_scale, **kw)
     torch.cuda.synchronize()
-    ref = it.reference_scores(case, scores.shape[1])
+    ref = ic.reference_scores(case, scores.shape[1])
     assert torch.equal(torch.isneginf(scores), torch.isneginf(ref)), "causal -inf mask differs"
-    tol = it.score_tolerance(ref, RTOL, ATOL)
+    tol = ic.score_tolerance(ref, RTOL, ATOL)
     finite = torch.isfinite(ref)
     assert torch.isfinite(scores[finite]).all()
     err = (scores - ref).abs().masked_fill(~finite, 0)
     worst = float((err / tol).max())
     assert worst <= 1.0, f"score error {worst:.3g} x tol"
-    assert it.selection_errors(out, ref, case.limits, K, tol) == []
+    assert ic.selection_errors(out, ref, case.limits, K, tol) == []
     return out
 
 
@@ -128,10 +129,10 @@ def test_dispatch_picks_the_kernel_and_trims() -> None:
     args = (*case.args(), case.seq_lens, K, case.softmax_scale)
     got = ir.indexer_topk_paged(*args)
     want = ir.indexer_topk_paged_reference(*args)
-    ref = it.reference_scores(case, 40000)
-    tol = it.score_tolerance(ref, RTOL, ATOL)
-    assert it.selection_errors(got, ref, case.limits, K, tol) == []
-    assert it.selection_errors(want, ref, case.limits, K, tol) == []
+    ref = ic.reference_scores(case, 40000)
+    tol = ic.score_tolerance(ref, RTOL, ATOL)
+    assert ic.selection_errors(got, ref, case.limits, K, tol) == []
+    assert ic.selection_errors(want, ref, case.limits, K, tol) == []
 
 
 def test_cuda_graph_replay_matches_eager() -> None:
@@ -175,7 +176,7 @@ def _poison_empty(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "empty", poisoned)
 
 
-def _lift_pages(case: it.PagedIndexerCase, above: int) -> it.PagedIndexerCase:
+def _lift_pages(case: ic.PagedIndexerCase, above: int) -> ic.PagedIndexerCase:
     """The case's pages moved to the top of a pool whose first ``above`` bytes are never read
     (the block table renumbered): every key read lies past byte ``above``."""
     nb, pb = case.pages.shape
@@ -220,12 +221,12 @@ def test_large_prefill_chunk_scored_in_row_blocks(monkeypatch: pytest.MonkeyPatc
         case, q=case.q[s], q_scale=case.q_scale[s], weights=case.weights[s],
         req_index=case.req_index[s], positions=case.positions[s],
     )  # fmt: skip
-    ref = it.reference_scores(sub, cols)
-    tol = it.score_tolerance(ref, RTOL, ATOL)
+    ref = ic.reference_scores(sub, cols)
+    tol = ic.score_tolerance(ref, RTOL, ATOL)
     assert torch.equal(torch.isneginf(sampled), torch.isneginf(ref))
     err = (sampled - ref).abs().masked_fill(~torch.isfinite(ref), 0)
     assert float((err / tol).max()) <= 1.0
-    assert it.selection_errors(got[s], ref, sub.limits, K, tol) == []
+    assert ic.selection_errors(got[s], ref, sub.limits, K, tol) == []
 
 
 def test_large_table_past_the_grid_limit() -> None:

@@ -42,7 +42,6 @@ so a decode step calling this can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +55,7 @@ from hisparse.attention.triton_split import (
     split_buffers,
 )
 from hisparse.kv.row_formats import MlaFormat, mla_format_name, mla_row_bytes
+from hisparse.runtime.ops.triton_common import interpreting  # also its interpreter fix
 
 Tensor = torch.Tensor
 
@@ -65,15 +65,6 @@ ROPE_DIM = 64
 _TILE = 128
 _LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-if interpreting():  # the interpreter needs the numpy >= 2.4 loop-bound fix the ops carry
-    from hisparse.runtime.ops import triton_kernels as _ops_tk  # noqa: F401
 
 
 @dataclass(frozen=True)

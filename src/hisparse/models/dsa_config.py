@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hisparse.kv.models import indexer_schedule
+from hisparse.kv.cache_shapes import indexer_schedule
 
 SUPPORTED_ARCHS = ("deepseek_v32", "glm_moe_dsa")
 
