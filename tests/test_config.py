@@ -1,4 +1,4 @@
-"""Configuration limits of DESIGN.md §5: each failure names the field and a value that works."""
+"""Configuration limits of docs/design.md §8: each failure names the field and a value that works."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Hand-worked examples of the reference data-plane ops (DESIGN.md §4)."""
+"""Hand-worked examples of the reference data-plane ops (docs/design.md §6)."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""Byte layouts of MLA rows and indexer key pages (DESIGN.md §2, FACTS.md), and round trips."""
+"""Byte layouts of MLA rows and indexer key pages (docs/design.md §3), and round trips."""
 
 import struct
 

@@ -1,6 +1,6 @@
 """The index-group leader's one-read group gather gives the same GPU bytes as per-layer gathers.
 
-A group of G layers with the token-major host layout (DESIGN.md §2) and device views that are
+A group of G layers with the token-major host layout (docs/design.md §4.1) and device views that are
 pages of one pool: decode swap-ins through `IndexGroupRuntime.resolve_and_stage` must leave exactly
 the bytes (and hot state) the per-layer `gather_compact` path leaves, on the CPU reference
 ops and on the Triton kernels in the interpreter (``TRITON_INTERPRET=1``).

@@ -7,7 +7,7 @@ start), decode with 1..max_query_len rows each (speculative rows, some rejected 
 in the next step), spill and reload resident pages, rewrite host rows (recompute), and
 finish (host blocks freed and handed to later requests, LIFO, so reuse is quick).
 
-The model below knows nothing of the runtime's code: it implements the rules of DESIGN.md §4
+The model below knows nothing of the runtime's code: it implements the rules of docs/design.md §6
 from the text with lists and dicts, and keeps a byte-exact copy of every host and device
 tensor, so any write the runtime does that the contract does not call for shows up. After
 every step the outputs (physical rows, valid counts, swap lists, hit/miss counts), the hot
@@ -40,7 +40,7 @@ from hisparse.runtime.sparse_layer import SparseLayerRuntime
 from hisparse.runtime.staging import PrefillStagingPlan
 
 # ------------------------------------------------------------------------------------------
-# The model: DESIGN.md §4 in plain Python (no torch).
+# The model: docs/design.md §6 in plain Python (no torch).
 # ------------------------------------------------------------------------------------------
 
 
@@ -265,8 +265,8 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.host_views: list[torch.Tensor] = []
         self.dev_views: list[torch.Tensor] = []
         self.mem: list[Memory] = []
-        # Token-major host rows within the group and a block-outermost device pool (DESIGN.md
-        # §2): every layer's view is a strided slice of one tensor.
+        # Token-major host rows within the group and a block-outermost device pool (docs/design.md
+        # §4): every layer's view is a strided slice of one tensor.
         nh, nd, bs, W, L = self.num_host_blocks, num_dev_blocks, self.bs, self.W, self.L
         host_all = torch.frombuffer(bytearray(rng.randbytes(nh * bs * L * W)), dtype=torch.uint8)
         dev_all = torch.frombuffer(bytearray(rng.randbytes(nd * L * bs * W)), dtype=torch.uint8)

@@ -1,7 +1,7 @@
 """User-facing HiSparse settings and their resolution into checked, concrete values.
 
 `HiSparseConfig` is what a user writes; `ResolvedHiSparseConfig` is what the runtime and the
-layout planner consume: every default filled in and every limit of DESIGN.md §5 checked, so a
+layout planner consume: every default filled in and every limit of docs/design.md §8 checked, so a
 bad value fails at start with a message that names the field and a value that would work.
 """
 

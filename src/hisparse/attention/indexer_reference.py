@@ -1,6 +1,6 @@
 """Reference lightning indexer: scores of each query token against cached keys, and top-k.
 
-Score of query token ``t`` against key ``s`` (FACTS.md):
+Score of query token ``t`` against key ``s`` (docs/design.md §9.2):
 ``I[t, s] = Σ_h w[t, h] · ReLU(q[t, h] · k[s] · d^-0.5)`` with ``w = weights_proj(x) · H^-0.5``.
 Two modes:
 

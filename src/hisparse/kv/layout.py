@@ -1,12 +1,12 @@
 """The KV layout planner: from per-layer cache specs to host and GPU block pools.
 
-HiSparse placement (DESIGN.md §2):
+HiSparse placement (docs/design.md §4):
 
 * **Host pool** (pinned): every sparse layer's full cache. Block-outermost: one host block id
   addresses ``block_size`` tokens of every sparse layer. Inside a block the index groups follow
   each other; inside a group of ``G`` layers the bytes are token-major,
   ``[block_size][G][row_bytes]``, so a leader gathering a token for its whole group reads one
-  ``G * row_bytes`` span instead of ``G`` scattered rows (FACTS.md: span length is the PCIe
+  ``G * row_bytes`` span instead of ``G`` scattered rows (docs/design.md §10: span length is the PCIe
   lever).
 * **GPU pool**: one block pool shared by overlaying groups (every group's page starts at byte 0
   of a block; a block id belongs to one group at a time). Groups: the indexer group (every

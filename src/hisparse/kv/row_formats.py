@@ -2,7 +2,7 @@
 
 Every tier (host pool, resident pages, hot buffer) stores the same bytes, so one pair of
 pack/unpack functions per format is the single source of truth; the Triton kernels decode the
-same layout in-register. Layouts (DESIGN.md §2, FACTS.md):
+same layout in-register. Layouts (docs/design.md §3):
 
 - ``fp8_ds_mla`` (656 B at 512/64): ``[0, C)`` e4m3 latent, then ``C / 128`` fp32 scales
   (``amax / 448`` of each 128-value tile), then the RoPE part as bf16.

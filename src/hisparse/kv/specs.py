@@ -12,7 +12,7 @@ from enum import Enum
 
 
 class RowFormat(Enum):
-    """Byte layout of one token's KV row in one layer (DESIGN.md §2)."""
+    """Byte layout of one token's KV row in one layer (docs/design.md §3)."""
 
     #: 512 x e4m3 latent, 4 x fp32 scales (one per 128 values), 64 x bf16 RoPE = 656 B.
     FP8_DS_MLA = "fp8_ds_mla"

@@ -1,6 +1,6 @@
 """How a DSA attention layer reaches its caches: a small protocol, and a dense implementation.
 
-Per layer and step the attention (DESIGN.md §3):
+Per layer and step the attention (docs/design.md §5):
 
 1. packs this step's new KV rows in the row format and writes them at the physical slots of
    ``write_target()`` (a paged ``uint8 [num_blocks, block_size, row_bytes]`` view), then calls

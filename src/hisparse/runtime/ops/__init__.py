@@ -1,4 +1,4 @@
-"""One dispatch point for the data-plane ops (DESIGN.md §4).
+"""One dispatch point for the data-plane ops (docs/design.md §6).
 
 Every op exists as a plain-PyTorch reference (`reference`) and may have a kernel backend
 registered for a device type: the Triton kernels register for ``cuda``, the vectorised numpy

@@ -9,7 +9,7 @@ one written row (every batch-1 decode step) take a shorter form on 1-D arrays an
 a decode step each numpy call costs a few microseconds, so the count of calls is the cost.
 
 Outputs and state equal the reference's bit for bit on every input the reference accepts
-whose hot state is valid (DESIGN.md §5: no host row twice in one slot set, ``lru`` a
+whose hot state is valid (docs/design.md §7: no host row twice in one slot set, ``lru`` a
 permutation). Inputs it rejects (too many rows or wanted rows per request, positions past
 the block table, requests or state slots out of range, negative host rows), two live requests
 on one hot-state slot (which it resolves one after the other) and non-CPU tensors are handed

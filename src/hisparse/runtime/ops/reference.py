@@ -1,6 +1,6 @@
 """Plain-PyTorch reference of the HiSparse data-plane ops: the oracle for every kernel.
 
-Contracts: DESIGN.md §4. Caches are paged uint8 views ``[num_blocks, block_size, row_bytes]``
+Contracts: docs/design.md §6. Caches are paged uint8 views ``[num_blocks, block_size, row_bytes]``
 (any strides); a physical row ``r`` of such a view is ``view[r // block_size, r % block_size]``.
 Block tables and indices are int32, ``lru`` is int16. These functions run on any device; they
 are written for clarity and per-request vectorisation, not for speed, and they do synchronise
@@ -183,7 +183,7 @@ def gather_compact_group(
     """`gather_compact` for every layer of an index group from one token-major host span.
 
     ``host_span`` is ``[NB, BS, G * row_bytes]``: token ``t``'s rows of the group's ``G``
-    layers side by side (DESIGN.md §2); bytes ``[j * row_bytes, (j + 1) * row_bytes)`` of a
+    layers side by side (docs/design.md §4.1); bytes ``[j * row_bytes, (j + 1) * row_bytes)`` of a
     span are layer ``j``'s row and go to ``devices[j]`` (``[NBd, BS, row_bytes]``). The kernel
     reads each span once; the oracle simply gathers layer by layer.
     """

@@ -1,4 +1,4 @@
-"""The data plane's row copies as Triton kernels (DESIGN.md §4); `reference` is the oracle.
+"""The data plane's row copies as Triton kernels (docs/design.md §6); `reference` is the oracle.
 
 `gather_compact` (a layer's swap-ins), `gather_compact_group` (an index group's swap-ins, one
 read per token span), `gather_plan` (row-to-row copies: host mirror, prefill staging, warm
@@ -197,7 +197,7 @@ def gather_compact_group(
     """Triton `reference.gather_compact_group`: one contiguous read per token for G layers.
 
     Reads each listed token's ``G * row_bytes`` span once (token-major host layout: the span
-    length is what sets PCIe bandwidth, FACTS.md) and stores its 16-byte chunks into the
+    length is what sets PCIe bandwidth, docs/design.md §10) and stores its 16-byte chunks into the
     ``G`` device views. The device views must share one storage (they are pages of one GPU
     pool) with equal shapes and strides; the kernel addresses them from the lowest one.
     ``tile`` (keyword only, benchmarks) overrides `group_tile`.
