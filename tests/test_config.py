@@ -1,4 +1,5 @@
-"""Configuration limits of docs/design.md §8: each failure names the field and a value that works."""
+"""Configuration limits (docs/design.md §8): each failure names the field and a value that
+works."""
 
 import pytest
 

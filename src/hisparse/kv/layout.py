@@ -6,8 +6,8 @@ HiSparse placement (docs/design.md §4):
   addresses ``block_size`` tokens of every sparse layer. Inside a block the index groups follow
   each other; inside a group of ``G`` layers the bytes are token-major,
   ``[block_size][G][row_bytes]``, so a leader gathering a token for its whole group reads one
-  ``G * row_bytes`` span instead of ``G`` scattered rows (docs/design.md §10: span length is the PCIe
-  lever).
+  ``G * row_bytes`` span instead of ``G`` scattered rows (docs/design.md §10: span length is
+  the PCIe lever).
 * **GPU pool**: one block pool shared by overlaying groups (every group's page starts at byte 0
   of a block; a block id belongs to one group at a time). Groups: the indexer group (every
   indexer layer), then resident and hot groups packed from whole index groups so that a pack's

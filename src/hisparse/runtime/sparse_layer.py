@@ -514,8 +514,8 @@ class IndexGroupRuntime:
         reads each missed token's followers' rows as one contiguous span (the leader's rows
         must sit first or last in the span) and the followers' events are recorded. Without
         the split (or with ``leader_first = False``) one read of the whole span serves every
-        layer and every event waits for it: fewer, longer reads (docs/design.md §10: 2.6 KB spans move
-        ~2x faster than 656 B rows), but the leader's attention waits for the whole group.
+        layer and every event waits for it: fewer, longer reads (docs/design.md §10: longer
+        spans move faster than single rows), but the leader's attention waits for the group.
         """
         if self.inline_swap_in:
             self._resolve_and_gather(meta, tables, topk)

@@ -1,4 +1,4 @@
-"""resolve_residency as Triton kernels (docs/design.md §6.2); `reference.resolve_residency` is the oracle.
+"""resolve_residency as Triton kernels (docs/design.md §6.2); the reference is the oracle.
 
 Same signature as the reference, bit-identical outputs and state. Nothing synchronises with the
 host or launches a grid sized by data, so a decode step that calls it can be captured in a CUDA
