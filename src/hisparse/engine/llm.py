@@ -330,16 +330,7 @@ class LLM:
         if isinstance(ids, str):
             raise ValueError(ids)
         rid = request_id if request_id is not None else str(next(self._ids))
-        reqs = [
-            Request(
-                req_id=rid if params.n == 1 else f"{rid}.{j}",
-                prompt_token_ids=ids,
-                params=params,
-                prompt=prompt,
-                index=j,
-            )
-            for j in range(params.n)
-        ]
+        reqs = _completions(rid, ids, params, prompt)
         for req in reqs:
             self.scheduler.add(req)
         return reqs
@@ -385,16 +376,7 @@ class LLM:
             ids = self._token_ids(text, ids) if error is None else []
             if isinstance(ids, str):
                 error, ids = ids, []
-            reqs = [
-                Request(
-                    req_id=rid if p.n == 1 else f"{rid}.{j}",
-                    prompt_token_ids=ids,
-                    params=p,
-                    prompt=text,
-                    index=j,
-                )
-                for j in range(p.n)
-            ]
+            reqs = _completions(rid, ids, p, text)
             if error is not None:
                 for req in reqs:
                     req.status, req.finish_reason, req.error = Status.FINISHED, "error", error
@@ -561,3 +543,19 @@ def _progress(total: int, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, desc="requests", unit="req")
+
+
+def _completions(
+    rid: str, ids: list[int], params: SamplingParams, prompt: str | None
+) -> list[Request]:
+    """The ``params.n`` requests of one prompt (ids ``rid``, or ``rid.0`` .. ``rid.{n-1}``)."""
+    return [
+        Request(
+            req_id=rid if params.n == 1 else f"{rid}.{j}",
+            prompt_token_ids=ids,
+            params=params,
+            prompt=prompt,
+            index=j,
+        )
+        for j in range(params.n)
+    ]

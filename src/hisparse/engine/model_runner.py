@@ -45,10 +45,8 @@ class StepResult:
     token_ids: list[int] | None = None
 
 
-class _PrefillLayerCache:
-    """A prefill step's view of one layer: resident rows only; records the leader's
-    last-token top-k of requests that finish their prompt (for the warm start), which the
-    step hooks may replace (`StepHooks.warm_topk`)."""
+class _LayerView:
+    """A step's view of one layer over its runtime handle (writes go straight through)."""
 
     def __init__(self, runner: ModelRunner, handle: CacheHandle) -> None:
         self.runner, self.handle = runner, handle
@@ -58,6 +56,12 @@ class _PrefillLayerCache:
 
     def finish_kv_update(self) -> None:
         self.handle.finish_kv_update()
+
+
+class _PrefillLayerCache(_LayerView):
+    """A prefill step's view of one layer: resident rows only; records the leader's
+    last-token top-k of requests that finish their prompt (for the warm start), which the
+    step hooks may replace (`StepHooks.warm_topk`)."""
 
     def swap_in(self, logical_topk: torch.Tensor) -> torch.Tensor:
         runner, rt = self.runner, self.handle.runtime
@@ -70,18 +74,9 @@ class _PrefillLayerCache:
         return self.handle.resident_rows(logical_topk)
 
 
-class _DecodeLayerCache:
+class _DecodeLayerCache(_LayerView):
     """A decode step's view of one layer when the runner has step hooks: the runtime's
     handle, with the leader's logical top-k passed through `StepHooks.decode_topk`."""
-
-    def __init__(self, runner: ModelRunner, handle: CacheHandle) -> None:
-        self.runner, self.handle = runner, handle
-
-    def write_target(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.handle.write_target()
-
-    def finish_kv_update(self) -> None:
-        self.handle.finish_kv_update()
 
     def swap_in(self, logical_topk: torch.Tensor) -> torch.Tensor:
         rt = self.handle.runtime
