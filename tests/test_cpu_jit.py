@@ -14,11 +14,17 @@ from hisparse.attention.gqa_indexer_reference import (
     FP8_DTYPE,
     GqaIndexerConfig,
     GqaIndexerFormat,
+    _scored_topk_cpu,
     gqa_indexer_topk,
+    read_index_keys,
     selection_masks,
     write_index_keys,
 )
-from hisparse.attention.sparse_gqa_reference import GqaRowFormat, sparse_gqa_reference
+from hisparse.attention.sparse_gqa_reference import (
+    GqaRowFormat,
+    sparse_gqa_reference,
+    sparse_gqa_rows_cpu,
+)
 from hisparse.models.llama import full_width_rope, rope_full_width
 from hisparse.runtime.ops import cpu_jit
 
@@ -224,3 +230,92 @@ def test_add_rms_norm_matches_rms_norm() -> None:
         fns.add_rms_norm(x.numpy(), x.numpy(), False, w.numpy(), np.float32(1e-5), xo.numpy(),
                          h.numpy())  # fmt: skip
         assert torch.equal(xo, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU prefill: the compiled selection and attention of many tokens
+# ---------------------------------------------------------------------------------------------
+def _prefill_index_case(seed: int, length: int, method: str, bs: int = 16):
+    """A request of ``length`` keys in strided pages behind a shuffled block table, and one
+    query per position."""
+    cfg = GqaIndexerConfig(top_k=48, method=method, sink_tokens=4, recent_window=16)
+    fmt = GqaIndexerFormat.for_config(cfg, G, D)
+    nb = -(-length // bs)
+    pages = torch.zeros(nb + 3, 2, fmt.page_bytes(bs), dtype=torch.uint8)[:, 1]
+    table = (torch.randperm(nb + 2, generator=_gen(seed))[:nb] + 1).to(torch.int32)
+    pos = torch.arange(length)
+    dims = torch.arange(2 * cfg.lowrank_pairs).expand(G, -1) if method == "lowrank" else None
+    k = torch.randn(length, G, D, generator=_gen(seed + 1)) * 3
+    write_index_keys(pages, fmt, table[pos // bs].long() * bs + pos % bs, k, dims)
+    q = torch.randn(length, H, D, generator=_gen(seed + 2)) * 3
+    return cfg, fmt, pages, table, q, dims
+
+
+@pytest.mark.parametrize("method", ["fp8", "lowrank"])
+@pytest.mark.parametrize("seed", range(3))
+def test_prefill_selection_equals_torch_selection(method: str, seed: int) -> None:
+    """A prefill's scored queries (chunked matmul logits, then `topk_rows`) choose exactly
+    what the torch path (`approx_logits`, `select_topk`) does; early queries stay dense."""
+    length = [150, 201, 333][seed]
+    cfg, fmt, pages, table, q, dims = _prefill_index_case(seed, length, method)
+    pos = torch.arange(length)
+    cpu_jit.set_enabled(False)
+    try:
+        want = gqa_indexer_topk(q, pos, pages, table, length, fmt, cfg, D**-0.5, 48, dims)
+    finally:
+        cpu_jit.set_enabled(True)
+    got = gqa_indexer_topk(q, pos, pages, table, length, fmt, cfg, D**-0.5, 48, dims)
+    assert torch.equal(got, want)
+
+
+def test_prefill_selection_does_not_depend_on_the_chunking() -> None:
+    """Each query's selection is the same whether it is scored with all the prompt's
+    queries, in engine-sized chunks, alone, or in another order (chunked prefill = one step):
+    bit for bit, since each query's logits and sums do not depend on the others."""
+    length = 300
+    cfg, fmt, pages, table, q, _ = _prefill_index_case(7, length, "fp8")
+    pos = torch.arange(length)
+    scored = pos >= cfg.top_k
+    keys = read_index_keys(pages, fmt, table, length)
+
+    def select(idx: torch.Tensor) -> torch.Tensor:
+        out = _scored_topk_cpu(q[idx], pos[idx], keys, fmt, cfg, D**-0.5, 48, None)
+        assert out is not None
+        return out
+
+    whole = select(torch.nonzero(scored).flatten())
+    first = int(cfg.top_k)
+    for lo, hi in ((first, 100), (100, 101), (101, 257), (257, 300), (299, 300)):
+        assert torch.equal(select(torch.arange(lo, hi)), whole[lo - first : hi - first])
+    perm = torch.randperm(length - first, generator=_gen(8))
+    assert torch.equal(select(perm + first), whole[perm])
+    # A query before position top_k is not scored: declined.
+    assert _scored_topk_cpu(q[:3], pos[:3], keys, fmt, cfg, D**-0.5, 48, None) is None
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_prefill_attention_matches_the_reference(masked: bool) -> None:
+    """`sparse_gqa_rows_cpu` (each token over its own rows, read in place from a strided
+    pool with NaN garbage) equals `sparse_gqa_reference` to rounding; a token whose rows
+    are all masked gets 0; rows it cannot read (bf16) are declined."""
+    g = _gen(13)
+    bs, nb, t, k = 16, 12, 40, 70
+    fmt = GqaRowFormat(G, D, "fp32")
+    pool = torch.full((nb, 3, bs, fmt.row_bytes), 0xFF, dtype=torch.uint8)  # NaN garbage
+    view = pool[:, 1]
+    live = torch.randperm(nb * bs, generator=g)[: 2 * k].to(torch.int32)
+    for r in live.tolist():
+        view[r // bs, r % bs] = torch.randn(2 * G * D, generator=g).view(torch.uint8)
+    rows = torch.stack([live[torch.randperm(2 * k, generator=g)[:k]] for _ in range(t)])
+    if masked:
+        rows[:, ::3] = -1
+        rows[5] = -1
+    q = torch.randn(t, H, D, generator=g)
+    got = sparse_gqa_rows_cpu(q, view, rows, D**-0.5, fmt)
+    want, _ = sparse_gqa_reference(q, view, rows, D**-0.5, fmt)
+    assert got is not None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    if masked:
+        assert (got[5] == 0).all()
+    bf16 = GqaRowFormat(G, D, "bf16")
+    assert sparse_gqa_rows_cpu(q, view[:, :, : bf16.row_bytes], rows, D**-0.5, bf16) is None

@@ -399,3 +399,47 @@ def _sdpa_decode_cpu(
         q.view(t, g, h // g, d), keys.transpose(1, 2), values.transpose(1, 2), scale=scale
     )
     return out.reshape(t, h, d)
+
+
+def sparse_gqa_rows_cpu(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    row_format: GqaRowFormat,
+) -> torch.Tensor | None:
+    """``out`` of `sparse_gqa_reference` for a CPU step of many tokens (a prefill), compiled:
+    each token's rows read in place from the pool by the batch-1 decode step's attention
+    (`cpu_jit.attend_rows`, ``-1`` masked), the tokens split over torch's thread count. A token
+    costs its ``K`` rows, not the whole prefix: no gathered ``[T, K, row]`` copy, no union of
+    the tokens' rows with a ``[T, U]`` mask. Per token the sums run in one fixed order
+    (`cpu_jit._dots`, then over the rows in index order), so the result does not depend on
+    the step's other tokens or on where the rows sit. ``None`` where it does not apply (no
+    numba, not fp32, a pool whose strides are not whole fp32 items); the caller then runs
+    the reference."""
+    from hisparse.runtime.ops import cpu_jit
+
+    fns = cpu_jit.jit()
+    t, h, d = q.shape
+    g = row_format.num_kv_heads
+    if (
+        fns is None
+        or q.device.type != "cpu"
+        or q.dtype != torch.float32
+        or row_format.torch_dtype != torch.float32
+        or d != row_format.head_dim
+        or h % g
+        or indices.dim() != 2
+        or indices.shape[0] != t
+        or kv_cache.dim() != 3
+        or kv_cache.shape[2] != row_format.row_bytes
+    ):
+        return None
+    rows = cpu_jit.paged_rows(kv_cache, cpu_jit.F32)
+    if rows is None:
+        return None
+    out = torch.empty(t, h, d)
+    qn = q.detach().contiguous().numpy()
+    idx = indices.contiguous().numpy()
+    fns.attend_rows_many(qn, *rows, idx, float(scale), out.numpy(), cpu_jit.parts())
+    return out

@@ -47,6 +47,7 @@ from hisparse.attention.sparse_gqa_reference import (
     gqa_dtype_name,
     selected_gqa_varlen_reference,
     sparse_gqa_decode,
+    sparse_gqa_rows_cpu,
 )
 from hisparse.kv.row_formats import write_rows_fast
 from hisparse.models.deepseek_v32 import MLP, RMSNorm, rope_half_split
@@ -521,14 +522,20 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """Sparse attention. A decode step (one token per request, dense or sparse alike)
         gathers each token's rows in one call (`sparse_gqa_decode`: the Triton kernel on
-        CUDA). Otherwise (prefill chunks, mixed steps) each request reads the union of its
-        tokens' rows once, in position order (so the result does not depend on where rows
-        sit), and masks each token to its own selection; all requests in one batched pass
-        (`selected_gqa_varlen_reference`): far less copying than one gather per token and no
-        loop over requests."""
+        CUDA). Otherwise (prefill chunks, mixed steps) on the CPU each token reads its own
+        rows in place in a compiled call (`sparse_gqa_rows_cpu`: a token costs its top-k
+        rows, not its whole prefix). Elsewhere (or without numba) each request reads the
+        union of its tokens' rows once, in position order (so the result does not depend on
+        where rows sit), and masks each token to its own selection; all requests in one
+        batched pass (`selected_gqa_varlen_reference`): far less copying than one gather per
+        token and no loop over requests."""
         if plan.decode:
             out, _ = sparse_gqa_decode(q, view, physical, self.scale, fmt, need_lse=False)
             return out
+        if q.device.type == "cpu":
+            out = sparse_gqa_rows_cpu(q, view, physical, self.scale, fmt)
+            if out is not None:
+                return out
         tokens = plan.tokens
         assert tokens is not None and plan.lens is not None
         n_req, longest = tokens.shape[0], max(plan.longest, 1)
