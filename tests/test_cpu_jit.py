@@ -319,3 +319,27 @@ def test_prefill_attention_matches_the_reference(masked: bool) -> None:
         assert (got[5] == 0).all()
     bf16 = GqaRowFormat(G, D, "bf16")
     assert sparse_gqa_rows_cpu(q, view[:, :, : bf16.row_bytes], rows, D**-0.5, bf16) is None
+
+
+def test_resident_rows_is_the_block_table_lookup() -> None:
+    """`cpu_jit.resident_rows`: each live entry through its request's resident block table,
+    ``-1`` for padding entries and padding tokens; declined for a page that is not resident
+    or lies past the table."""
+    g = _gen(17)
+    bs, n, k = 16, 30, 20
+    table = torch.randint(1, 50, (3, 6), dtype=torch.int32, generator=g)
+    req = torch.randint(0, 3, (n,), dtype=torch.int32, generator=g)
+    req[4] = -1
+    topk = torch.randint(0, 6 * bs, (n, k), dtype=torch.int32, generator=g)
+    topk[:, ::4] = -1
+    out = np.full((n, k), 7, np.int32)
+    assert fns.resident_rows(topk.numpy(), req.numpy(), table.numpy(), bs, out)
+    pos = topk.long().clamp_min(0)
+    want = table[req.long().clamp_min(0)[:, None], pos // bs].long() * bs + pos % bs
+    want = torch.where((topk >= 0) & (req >= 0)[:, None], want, -1)
+    assert torch.equal(torch.from_numpy(out).long(), want)
+    table[req[0], topk[0, 1] // bs] = 0  # a page left the GPU
+    assert not fns.resident_rows(topk.numpy(), req.numpy(), table.numpy(), bs, out)
+    table[req[0], topk[0, 1] // bs] = 1
+    topk[0, 1] = 6 * bs  # past the table
+    assert not fns.resident_rows(topk.numpy(), req.numpy(), table.numpy(), bs, out)

@@ -298,6 +298,14 @@ class Rotary(nn.Module):
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
+def _rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)``; in fp32 on the CPU as one ``F.rms_norm`` (the same bits as `RMSNorm`'s
+    six steps there, in one pass)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and norm.weight.dtype == x.dtype:
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+    return norm(x)
+
+
 def full_width_rope(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` of `Rotary` widened to ``[N, D]`` once per step for `rope_full_width`:
     ``[cos ‖ cos]`` and ``[-sin ‖ sin]``."""
@@ -350,7 +358,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
         #: ``lowrank`` indexer: the rotary dims kept per KV head (set by `prepare_indexer`).
         self.register_buffer("index_dims", torch.zeros(0, dtype=torch.long), persistent=False)
-        #: q, k, v projections as one weight (`fused_weight`; the CPU batch-1 decode step).
+        #: q, k, v projections as one weight (`fused_weight`; the CPU).
         self._qkv: tuple[torch.Tensor, tuple[int, ...]] | None = None
 
     def forward(
@@ -367,10 +375,7 @@ class LlamaAttention(nn.Module):
         `full_width_rope` (the CPU path: the same values in fewer ops)."""
         n = x.shape[0]
         plan = plan or StepPlan.of(step)
-        rope = rope_full_width if cos.shape[-1] == self.head_dim else rope_half_split
-        q = rope(self.q_proj(x).view(n, self.n_heads, self.head_dim), cos, sin)
-        k = rope(self.k_proj(x).view(n, self.n_kv, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
+        q, k, v = self._project(x, cos, sin)
 
         # 1. this step's rows into the paged cache.
         kv = cache.attention(self.layer)
@@ -392,6 +397,23 @@ class LlamaAttention(nn.Module):
         physical = kv.swap_in(topk)
         out = self._attend(q, step, plan, view, topk, physical, cache.row_format, indexer)
         return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
+
+    def _project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated ``q [N, H, D]``, ``k [N, G, D]`` and ``v [N, G, D]``. On the CPU the three
+        projections are one matmul (`fused_weight`; the same bits as three on this BLAS, any
+        row count) and q and k rotate together (elementwise: the same bits)."""
+        n, H, G, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
+        rope = rope_full_width if cos.shape[-1] == D else rope_half_split
+        if x.device.type != "cpu":
+            q = rope(self.q_proj(x).view(n, H, D), cos, sin)
+            k = rope(self.k_proj(x).view(n, G, D), cos, sin)
+            return q, k, self.v_proj(x).view(n, G, D)
+        self._qkv = fused_weight((self.q_proj, self.k_proj, self.v_proj), self._qkv)
+        qkv = F.linear(x, self._qkv[0])
+        qk = rope(qkv[:, : (H + G) * D].view(n, H + G, D), cos, sin)
+        return qk[:, :H], qk[:, H:], qkv[:, (H + G) * D :].view(n, G, D)
 
     def forward_one_cpu(
         self,
@@ -662,7 +684,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config)
-        #: gate and up projections of each layer as one weight (`fused_weight`; CPU decode).
+        #: gate and up projections of each layer as one weight (`fused_weight`; the CPU).
         self._gate_up: dict[int, tuple[torch.Tensor, tuple[int, ...]]] = {}
         self._indexer_format: tuple[GqaIndexerConfig, GqaIndexerFormat] | None = None
 
@@ -718,12 +740,24 @@ class LlamaForCausalLM(nn.Module):
         plan = StepPlan.of(step)
         if self._decode_one_cpu_applies(x, plan):
             return self._decode_one_cpu(x, cos, sin, step, cache, plan)
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             attn = layer.self_attn
-            x = x + attn(layer.input_layernorm(x), cos, sin, step, cache, self.indexer, plan)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.model.norm(x)
+            h = _rms_norm(layer.input_layernorm, x)
+            x = x + attn(h, cos, sin, step, cache, self.indexer, plan)
+            x = x + self._mlp(i, layer.mlp, _rms_norm(layer.post_attention_layernorm, x))
+        return _rms_norm(self.model.norm, x)
+
+    def _mlp(self, i: int, mlp: MLP, h: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s MLP; on the CPU with the gate and up projections as one matmul
+        (`fused_weight`, the same bits)."""
+        if h.device.type != "cpu":
+            return mlp(h)
+        fused = fused_weight((mlp.gate_proj, mlp.up_proj), self._gate_up.get(i))
+        self._gate_up[i] = fused
+        gu = F.linear(h, fused[0])
+        inter = gu.shape[1] // 2
+        return F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], mlp.down_proj.weight)
 
     def _decode_one_cpu_applies(self, x: torch.Tensor, plan: StepPlan) -> bool:
         """A batch-1 fp32 decode step on the CPU (one token, no padding row): the shape
@@ -753,7 +787,6 @@ class LlamaForCausalLM(nn.Module):
         shape = (self.config.hidden_size,)
         eps = self.config.rms_norm_eps
         eps32 = np.float32(eps)
-        gate_up = self._gate_up
         layers = self.model.layers
         norms = [ly.input_layernorm.weight for ly in layers]  # type: ignore[union-attr]
         norms.append(self.model.norm.weight)
@@ -781,11 +814,7 @@ class LlamaForCausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             a = attn.forward_one_cpu(h, cos, sin, step, cache, self.indexer, plan)
             x, h = add_norm(x, a, layer.post_attention_layernorm.weight)
-            fused = fused_weight((mlp.gate_proj, mlp.up_proj), gate_up.get(i))
-            gate_up[i] = fused
-            gu = F.linear(h, fused[0])
-            inter = gu.shape[1] // 2
-            m = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], mlp.down_proj.weight)
+            m = self._mlp(i, mlp, h)
             x, h = add_norm(x, m, norms[i + 1])
         return h
 

@@ -129,6 +129,7 @@ def _build() -> SimpleNamespace | None:
         attend_rows=compile_(_attend_rows),
         attend_rows_many=compile_(_attend_rows_many, parallel=True),
         topk_rows=compile_(_topk_rows, parallel=True),
+        resident_rows=compile_(_resident_rows),
         add_rms_norm=compile_(_add_rms_norm),
         fp8_encode=compile_(_fp8_encode),
         finish_decode_row=compile_(_finish_decode_row),
@@ -772,6 +773,31 @@ def _attend_rows_many(q, kflat, klay, rows, scale, out, parts):
     for part in prange(parts):
         for t in range(part, T, parts):
             _attend_rows(q[t], kflat, klay, rows[t], scale, out[t])
+
+
+def _resident_rows(topk, req, table, bs, out):
+    """`CacheHandle.resident_rows` of a prefill step: ``out[i, j]`` = the resident row of
+    logical position ``topk[i, j]`` of request ``req[i]`` through ``table`` (``[R, blocks]``,
+    0: not resident), ``-1`` where the entry or the token is padding. Returns False (the
+    caller raises) when a live entry lies past the table or on a page that is not
+    resident."""
+    n, k = topk.shape
+    nb = table.shape[1]
+    for i in range(n):
+        r = np.int64(req[i])
+        for j in range(k):
+            p = np.int64(topk[i, j])
+            if p < 0 or r < 0:
+                out[i, j] = -1
+                continue
+            b = p // bs
+            if b >= nb:
+                return False
+            blk = np.int64(table[r, b])
+            if blk <= 0:
+                return False
+            out[i, j] = blk * bs + p - b * bs
+    return True
 
 
 #: Whole storages as flat numpy arrays, by (address, bytes, item type); bounded (an entry
