@@ -23,9 +23,10 @@ common prefix is reported. Progress lines first, a short table last; JSON to
 ``$OUT/bench_smollm2.json`` (or ``--out``) when set.
 
 ``--ttft 512,2048`` measures the prefill instead: for each prompt length (built as for
-``--prompt-len``), ``--repeats`` rounds of one transformers ``generate`` and one engine run per
-budget, each producing one token, interleaved so that load from other jobs hits both sides
-alike; reported are the medians of the TTFTs and of the per-round ours/transformers ratios.
+``--prompt-len``) and budget, ``--repeats`` rounds of one transformers ``generate`` then one
+engine run, each producing one token, interleaved so that load from other jobs hits both
+sides alike; reported are the medians of the TTFTs and of the per-round ours/transformers
+ratios.
 
 On a shared CPU compare only the ratios of one run: other jobs on the cores move both sides.
 """
@@ -146,12 +147,13 @@ def make_llm(
     args: argparse.Namespace, path: Path, top_k: int, batch: int, max_model_len: int,
     dtype_name: str,
 ) -> LLM:  # fmt: skip
-    """Our engine at one budget, its host pool (and on the CPU its device pool) sized for
-    ``batch`` requests of ``max_model_len`` tokens."""
+    """Our engine at one budget, its host pool (and on the CPU its device pool, at least
+    1 GiB: a dense budget's hot buffer) sized for ``batch`` requests of ``max_model_len``
+    tokens."""
     row_bytes = 2 * 3 * 64 * DTYPES[dtype_name].itemsize * 30  # SmolLM2 rows of all layers
     host_gib = max(0.25, 2.5 * batch * max_model_len * row_bytes / 2**30)
     cfg = HiSparseConfig(top_k=top_k, host_pool_gib=host_gib)
-    gpu_gib = args.gpu_memory_gib if args.device == "cuda" else host_gib
+    gpu_gib = args.gpu_memory_gib if args.device == "cuda" else max(1.0, host_gib)
     graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
     return LLM(str(path), kv_placement=args.placement, hisparse=cfg, max_num_seqs=batch,
                max_model_len=max_model_len, dtype=dtype_name, device=args.device,
@@ -161,43 +163,40 @@ def make_llm(
 def run_ttft(
     args: argparse.Namespace, ref, tok: GgufTokenizer, path: Path, dtype_name: str
 ) -> list[dict]:
-    """``--ttft``: per prompt length and budget, ``--repeats`` interleaved rounds of one
-    transformers ``generate`` and one engine run, one new token each (batch 1)."""
+    """``--ttft``: per prompt length and budget, ``--repeats`` rounds of one transformers
+    ``generate`` then one engine run, one new token each (batch 1); one engine at a time
+    (one host pool per process)."""
     device = torch.device(args.device)
     rows: list[dict] = []
     for n in (int(x) for x in args.ttft.split(",")):
         prompt = build_prompt(tok, n)
         max_model_len = 64 * math.ceil((len(prompt) + 2) / 64)
-        budgets = [max_model_len if k == "dense" else int(k) for k in args.top_k.split(",")]
-        llms = {k: make_llm(args, path, k, 1, max_model_len, dtype_name) for k in budgets}
-        try:
-            # Warm-up round (numba compiles on the first CPU prefill; CUDA kernels too).
-            run_transformers(ref, prompt, 1, 1, device)
-            for llm in llms.values():
-                run_ours(llm, prompt, 1, 1)
+        for k in [max_model_len if k == "dense" else int(k) for k in args.top_k.split(",")]:
+            llm = make_llm(args, path, k, 1, max_model_len, dtype_name)
             hf: list[float] = []
-            ours: dict[int, list[float]] = {k: [] for k in budgets}
-            same = {k: True for k in budgets}
-            for _ in range(args.repeats):
-                h = run_transformers(ref, prompt, 1, 1, device)
-                hf.append(h["ttft_s"])
-                for k, llm in llms.items():
+            ours: list[float] = []
+            same = True
+            try:
+                # Warm-up round (numba compiles on the first CPU prefill; CUDA kernels too).
+                run_transformers(ref, prompt, 1, 1, device)
+                run_ours(llm, prompt, 1, 1)
+                for _ in range(args.repeats):
+                    h = run_transformers(ref, prompt, 1, 1, device)
                     o = run_ours(llm, prompt, 1, 1)
-                    ours[k].append(o["ttft_s"])
-                    same[k] &= o["tokens"] == h["tokens"]
-        finally:
-            for llm in llms.values():
+                    hf.append(h["ttft_s"])
+                    ours.append(o["ttft_s"])
+                    same &= o["tokens"] == h["tokens"]
+            finally:
                 llm.close()
-            llms.clear()
-            gc.collect()
-        for k in budgets:
-            ratios = [o / h for o, h in zip(ours[k], hf, strict=True)]
+                del llm
+                gc.collect()
+            ratios = [o / h for o, h in zip(ours, hf, strict=True)]
             row = {
                 "prompt_tokens": len(prompt), "top_k": k, "dense": k >= len(prompt) + 1,
-                "ours_s": ours[k], "transformers_s": hf,
-                "ours_median_s": statistics.median(ours[k]),
+                "ours_s": ours, "transformers_s": hf,
+                "ours_median_s": statistics.median(ours),
                 "transformers_median_s": statistics.median(hf),
-                "ratio_median": statistics.median(ratios), "first_token_same": same[k],
+                "ratio_median": statistics.median(ratios), "first_token_same": same,
             }  # fmt: skip
             rows.append(row)
             log(f"prompt {len(prompt)} top_k {k}: TTFT ours {row['ours_median_s']:.3f} s, "

@@ -22,6 +22,7 @@ from hisparse.attention.gqa_indexer_reference import (
 )
 from hisparse.attention.sparse_gqa_reference import (
     GqaRowFormat,
+    causal_gqa_cpu,
     sparse_gqa_reference,
     sparse_gqa_rows_cpu,
 )
@@ -343,3 +344,30 @@ def test_resident_rows_is_the_block_table_lookup() -> None:
     table[req[0], topk[0, 1] // bs] = 1
     topk[0, 1] = 6 * bs  # past the table
     assert not fns.resident_rows(topk.numpy(), req.numpy(), table.numpy(), bs, out)
+
+
+def test_causal_prefix_attention_matches_the_reference() -> None:
+    """`causal_gqa_cpu`: tokens that each attend to every position up to their own, over a
+    request's rows in a strided pool, equal `sparse_gqa_reference` to rounding; a later
+    chunk of the same tokens (masked by position) gives the whole prompt's rows bit for
+    bit; rows that are not such a prefix are declined."""
+    g = _gen(19)
+    bs, nb, n = 16, 8, 90
+    fmt = GqaRowFormat(G, D, "fp32")
+    view = torch.full((nb, 2, bs, fmt.row_bytes), 0xFF, dtype=torch.uint8)[:, 0]
+    rows = (torch.randperm(nb * bs, generator=g)[:n]).to(torch.int32)  # position -> row
+    for r in rows.tolist():
+        view[r // bs, r % bs] = torch.randn(2 * G * D, generator=g).view(torch.uint8)
+    pos = torch.arange(n)
+    idx = torch.full((n, n + 10), -1, dtype=torch.int32)  # each token's rows, -1 padded
+    for t in range(n):
+        idx[t, : t + 1] = rows[: t + 1]
+    q = torch.randn(n, H, D, generator=g)
+    got = causal_gqa_cpu(q, view, idx, pos, D**-0.5, fmt)
+    want, _ = sparse_gqa_reference(q, view, idx, D**-0.5, fmt)
+    assert got is not None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    late = causal_gqa_cpu(q[40:], view, idx[40:], pos[40:], D**-0.5, fmt)
+    assert late is not None and torch.equal(late, got[40:])
+    idx[7, 3] = rows[5]  # not the prefix of positions
+    assert causal_gqa_cpu(q, view, idx, pos, D**-0.5, fmt) is None

@@ -443,3 +443,43 @@ def sparse_gqa_rows_cpu(
     idx = indices.contiguous().numpy()
     fns.attend_rows_many(qn, *rows, idx, float(scale), out.numpy(), cpu_jit.parts())
     return out
+
+
+def causal_gqa_cpu(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    row_format: GqaRowFormat,
+) -> torch.Tensor | None:
+    """``out`` of `sparse_gqa_reference` for CPU tokens of one request that each attend to
+    every position up to their own (a budget at least the context, or the tokens before
+    position ``top_k``): torch's fused causal ``scaled_dot_product_attention`` over the
+    request's rows, read once, as transformers runs it (a chunk after earlier ones masks
+    by position: the same bits). ``None`` where the rows are not such a prefix (checked
+    by `cpu_jit.is_causal_prefix`: a selection replaced in ``swap_in``) or not viewable."""
+    from hisparse.runtime.ops import cpu_jit
+
+    fns = cpu_jit.jit()
+    t, h, d = q.shape
+    g = row_format.num_kv_heads
+    typed = _typed_rows(kv_cache, row_format) if kv_cache.dim() == 3 else None
+    if fns is None or typed is None or t == 0 or q.dtype != row_format.torch_dtype:
+        return None
+    if d != row_format.head_dim or h % g or kv_cache.shape[2] != row_format.row_bytes:
+        return None
+    last = int(torch.argmax(positions))
+    length = int(positions[last]) + 1
+    ref = indices[last, :length].contiguous()
+    if not fns.is_causal_prefix(indices.contiguous().numpy(), positions.numpy(), ref.numpy()):
+        return None
+    kv = _index_rows(typed, ref, nonneg=True)  # [L, 2·G·D]
+    keys, values = (x.view(length, g, d).transpose(0, 1)[None] for x in kv.split(g * d, -1))
+    whole = t == length and bool((positions == torch.arange(length)).all())
+    mask = None if whole else torch.arange(length)[None, :] <= positions[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys, values, attn_mask=mask, is_causal=whole, scale=scale,
+        enable_gqa=True,
+    )  # fmt: skip
+    return out[0].transpose(0, 1)

@@ -44,6 +44,7 @@ from hisparse.attention.gqa_indexer_reference import (
 )
 from hisparse.attention.sparse_gqa_reference import (
     GqaRowFormat,
+    causal_gqa_cpu,
     gqa_dtype_name,
     selected_gqa_varlen_reference,
     sparse_gqa_decode,
@@ -544,18 +545,18 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """Sparse attention. A decode step (one token per request, dense or sparse alike)
         gathers each token's rows in one call (`sparse_gqa_decode`: the Triton kernel on
-        CUDA). Otherwise (prefill chunks, mixed steps) on the CPU each token reads its own
-        rows in place in a compiled call (`sparse_gqa_rows_cpu`: a token costs its top-k
-        rows, not its whole prefix). Elsewhere (or without numba) each request reads the
-        union of its tokens' rows once, in position order (so the result does not depend on
-        where rows sit), and masks each token to its own selection; all requests in one
-        batched pass (`selected_gqa_varlen_reference`): far less copying than one gather per
-        token and no loop over requests."""
+        CUDA). Otherwise (prefill chunks, mixed steps) on the CPU `_attend_cpu`: dense
+        causal tokens in one fused kernel, each other token over its own rows in place (a
+        token costs its top-k rows, not its whole prefix). Elsewhere (or without numba)
+        each request reads the union of its tokens' rows once, in position order (so the
+        result does not depend on where rows sit), and masks each token to its own
+        selection; all requests in one batched pass (`selected_gqa_varlen_reference`): far
+        less copying than one gather per token and no loop over requests."""
         if plan.decode:
             out, _ = sparse_gqa_decode(q, view, physical, self.scale, fmt, need_lse=False)
             return out
         if q.device.type == "cpu":
-            out = sparse_gqa_rows_cpu(q, view, physical, self.scale, fmt)
+            out = self._attend_cpu(q, step, plan, view, physical, fmt, cfg)
             if out is not None:
                 return out
         tokens = plan.tokens
@@ -591,6 +592,47 @@ class LlamaAttention(nn.Module):
         )
         out = torch.zeros_like(q)  # padding tokens (no request) stay 0
         out[tokens[live]] = o[live]
+        return out
+
+    def _attend_cpu(
+        self,
+        q: torch.Tensor,
+        step: Step,
+        plan: StepPlan,
+        view: torch.Tensor,
+        physical: torch.Tensor,
+        fmt: GqaRowFormat,
+        cfg: GqaIndexerConfig,
+    ) -> torch.Tensor | None:
+        """`_attend` of a CPU prefill step (``None``: no numba or rows it cannot read). The
+        tokens that attend to every position up to their own (all of a request that fits
+        in ``top_k``, else those before position ``top_k``) go through one fused causal
+        attention per request (`causal_gqa_cpu`, transformers' kernel); the rest (scored
+        selections, padding) each over their own rows (`sparse_gqa_rows_cpu`)."""
+        tokens, lens = plan.tokens, plan.lens
+        assert tokens is not None and lens is not None
+        out = torch.empty_like(q)
+        rest = torch.ones(q.shape[0], dtype=torch.bool)
+        for r, length in enumerate(lens):
+            tok = tokens[r][tokens[r] >= 0]
+            if cfg.top_k is not None and length > cfg.top_k:
+                tok = tok[step.positions[tok] < cfg.top_k]
+            if tok.numel() == 0:
+                continue
+            dense = causal_gqa_cpu(
+                q[tok], view, physical[tok], step.positions[tok], self.scale, fmt
+            )
+            if dense is not None:
+                out[tok] = dense
+                rest[tok] = False
+        if bool(rest.all()):
+            return sparse_gqa_rows_cpu(q, view, physical, self.scale, fmt)
+        idx = torch.nonzero(rest).flatten()
+        if idx.numel():
+            sparse = sparse_gqa_rows_cpu(q[idx], view, physical[idx], self.scale, fmt)
+            if sparse is None:
+                return None
+            out[idx] = sparse
         return out
 
     def _select(
@@ -684,7 +726,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config)
-        #: gate and up projections of each layer as one weight (`fused_weight`; the CPU).
+        #: gate and up projections of each layer as one weight (`fused_weight`; CPU decode).
         self._gate_up: dict[int, tuple[torch.Tensor, tuple[int, ...]]] = {}
         self._indexer_format: tuple[GqaIndexerConfig, GqaIndexerFormat] | None = None
 
@@ -749,9 +791,11 @@ class LlamaForCausalLM(nn.Module):
         return _rms_norm(self.model.norm, x)
 
     def _mlp(self, i: int, mlp: MLP, h: torch.Tensor) -> torch.Tensor:
-        """Layer ``i``'s MLP; on the CPU with the gate and up projections as one matmul
-        (`fused_weight`, the same bits)."""
-        if h.device.type != "cpu":
+        """Layer ``i``'s MLP; for one CPU row (decode) with the gate and up projections as
+        one matmul (`fused_weight`, the same bits). Many rows (a prefill) keep two: the
+        matmul costs the same, and ``silu`` and ``*`` over the halves of the fused output
+        (strided) took 3x as long as over two contiguous outputs."""
+        if h.device.type != "cpu" or h.shape[0] != 1:
             return mlp(h)
         fused = fused_weight((mlp.gate_proj, mlp.up_proj), self._gate_up.get(i))
         self._gate_up[i] = fused

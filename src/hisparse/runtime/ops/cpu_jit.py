@@ -46,25 +46,11 @@ def set_enabled(enabled: bool) -> None:
 
 def parts() -> int:
     """How many threads a compiled prefill kernel deals its tokens to (numba's parallel
-    loop, set here): torch's CPU thread count, so that the kernels use the cores torch's
-    ops use, no more.
-
-    numba's thread pool starts on the first call. Its OpenMP runtime (a second one beside
-    torch's) is asked to let its threads sleep when a loop ends (``OMP_WAIT_POLICY=PASSIVE``
-    while it loads, unless the variable is set): spinning, they take the cores from the
-    torch op that follows (on a loaded machine, spinning pools made a 2K-token prefill
-    several times slower)."""
+    loop, set here): torch's CPU thread count. numba's OpenMP layer binds to the OpenMP
+    runtime torch loaded first (its symbols come first), so the kernels and torch's ops
+    take turns on one thread pool rather than two pools competing for the cores."""
     import numba
 
-    if "pool" not in _STATE:
-        saved = os.environ.get("OMP_WAIT_POLICY")
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        try:
-            numba.get_num_threads()  # launches the pool
-        finally:
-            if saved is None:
-                del os.environ["OMP_WAIT_POLICY"]
-        _STATE["pool"] = True
     n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     numba.set_num_threads(n)
     return n
@@ -130,6 +116,7 @@ def _build() -> SimpleNamespace | None:
         attend_rows_many=compile_(_attend_rows_many, parallel=True),
         topk_rows=compile_(_topk_rows, parallel=True),
         resident_rows=compile_(_resident_rows),
+        is_causal_prefix=compile_(_is_causal_prefix),
         add_rms_norm=compile_(_add_rms_norm),
         fp8_encode=compile_(_fp8_encode),
         finish_decode_row=compile_(_finish_decode_row),
@@ -711,13 +698,21 @@ def _attend_rows(q, kflat, klay, rows, scale, out):
     """``out [H, D]``: attention of the query heads ``q [H, D]`` over the rows ``rows`` of
     the paged rows ``kflat``/``klay`` (``[k ‖ v]`` fp32, ``2·G·D`` per row, read in place;
     ``< 0``: masked), query head ``h`` on KV head ``h // (H / G)``; a head with no valid row
-    gets 0. Scores as `_dots` sums them, then ``Σ exp(s - max) · v / Σ exp(s - max)``:
-    `sparse_gqa_reference`'s math, rounded differently in the last bits."""
+    gets 0. Scores as `_dots` sums them, then ``Σ exp(s - max) · v / Σ exp(s - max)``
+    (the sums vectorised): `sparse_gqa_reference`'s math, rounded differently in the last
+    bits. Masked entries after the last valid one (a selection's padding) are skipped."""
     H, D = q.shape
     GD = klay[4] // 2
     G = GD // D
     QH = H // G
     K = rows.shape[0]
+    while K > 0 and rows[K - 1] < 0:
+        K -= 1
+    if K == 0:
+        for h in range(H):
+            for d in range(D):
+                out[h, d] = 0.0
+        return
     off, s_blk, s_row, bs = klay[0], klay[1], klay[2], klay[3]
     qg = q.reshape((G, QH, D))
     scores = np.empty((H, K), np.float32)
@@ -736,21 +731,12 @@ def _attend_rows(q, kflat, klay, rows, scale, out):
         _dots(qg, kflat[at : at + GD], scores, k, scale)
     for h in range(H):
         srow = scores[h]
-        top = -np.inf
+        _exp_shifted(srow, _row_max(srow, K), scale2)  # row K - 1 is valid: a finite max
+        inv = np.float32(1.0) / _row_sum(srow, K)
         for k in range(K):
-            if srow[k] > top:
-                top = srow[k]
-        total = np.float32(0.0)
-        if top > -np.inf:
-            _exp_shifted(srow, top, scale2)
-            for k in range(K):
-                total += srow[k]
+            srow[k] = srow[k] * inv
         for d in range(D):
             out[h, d] = 0.0
-        if total > 0:
-            inv = np.float32(1.0) / total
-            for k in range(K):
-                srow[k] = srow[k] * inv
     for k in range(K):
         at = starts[k]
         if at < 0:
@@ -773,6 +759,24 @@ def _attend_rows_many(q, kflat, klay, rows, scale, out, parts):
     for part in prange(parts):
         for t in range(part, T, parts):
             _attend_rows(q[t], kflat, klay, rows[t], scale, out[t])
+
+
+def _is_causal_prefix(rows, positions, ref):
+    """Whether each token ``t`` attends to exactly ``ref[: positions[t] + 1]``, in that
+    order (``rows[t]`` those, then only ``-1``): a dense causal prefix of the rows
+    ``ref`` of positions ``0, 1, ...``."""
+    n, k = rows.shape
+    for t in range(n):
+        p = np.int64(positions[t])
+        if p < 0 or p >= ref.shape[0] or p >= k:
+            return False
+        for j in range(p + 1):
+            if rows[t, j] != ref[j] or ref[j] < 0:
+                return False
+        for j in range(p + 1, k):
+            if rows[t, j] >= 0:
+                return False
+    return True
 
 
 def _resident_rows(topk, req, table, bs, out):
