@@ -26,6 +26,7 @@ from hisparse.attention.sparse_gqa_reference import (
     sparse_gqa_reference,
     sparse_gqa_rows_cpu,
 )
+from hisparse.kv.row_formats import write_rows_fast
 from hisparse.models.llama import full_width_rope, rope_full_width
 from hisparse.runtime.ops import cpu_jit
 
@@ -371,3 +372,33 @@ def test_causal_prefix_attention_matches_the_reference() -> None:
     assert late is not None and torch.equal(late, got[40:])
     idx[7, 3] = rows[5]  # not the prefix of positions
     assert causal_gqa_cpu(q, view, idx, pos, D**-0.5, fmt) is None
+
+
+def test_write_rows_many_writes_what_torch_writes() -> None:
+    """A prefill's rows and fp8 index keys, written in one compiled call from strided
+    ``k``/``v`` views into strided pools, equal `write_rows_fast` of `GqaRowFormat.pack`
+    and `write_index_keys` byte for byte (slots ``< 0`` skipped); a slot past the view is
+    refused before anything is written."""
+    g = _gen(23)
+    bs, nb, n = 16, 6, 50
+    fmt_rows = GqaRowFormat(G, D, "fp32")
+    ifmt = GqaIndexerFormat.for_config(GqaIndexerConfig(), G, D)
+    view = _engine_like_pool(nb, bs, fmt_rows.row_bytes, 3, 1)
+    pages = torch.randint(0, 256, (nb, 2, ifmt.page_bytes(bs)), dtype=torch.uint8)[:, 0]
+    qkv = torch.randn(n, H + 2 * G, D, generator=g) * 40  # some keys past the fp8 clamp
+    k, v = qkv[:, H : H + G], qkv[:, H + G :]
+    slots = torch.randperm(nb * bs, generator=g)[:n].to(torch.int32)
+    islots = torch.randperm(nb * bs, generator=g)[:n].to(torch.int32)
+    slots[3], islots[5] = -1, -1
+    want_view, want_pages = view.clone(), pages.clone()
+    write_rows_fast(want_view, slots, fmt_rows.pack(k, v))
+    write_index_keys(want_pages, ifmt, islots, k)
+    rows, keys = cpu_jit.paged_rows(view, cpu_jit.F32), cpu_jit.paged_pages(pages, ifmt.row_bytes)
+    assert fns.write_rows_many(k.numpy(), v.numpy(), *rows, nb, slots.numpy(), *keys, nb,
+                               islots.numpy())  # fmt: skip
+    assert torch.equal(view, want_view) and torch.equal(pages, want_pages)
+    before = view.clone()
+    slots[0] = nb * bs
+    assert not fns.write_rows_many(k.numpy(), v.numpy(), *rows, nb, slots.numpy(), *keys, nb,
+                                   islots.numpy())  # fmt: skip
+    assert torch.equal(view, before)

@@ -508,6 +508,47 @@ def _fp8_topk_one_cpu(
 _FP8_TABLES_NP: dict[str, np.ndarray] = {}
 
 
+def _topk_prefill_cpu(
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    req_index: torch.Tensor,
+    pages: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: list[int],
+    fmt: GqaIndexerFormat,
+    cfg: GqaIndexerConfig,
+    scale: float,
+    width: int,
+    dims: torch.Tensor | None,
+) -> torch.Tensor:
+    """`gqa_indexer_topk_prefill` on the CPU with numba: the dense rows and the scored
+    tokens in one compiled call (`cpu_jit.dense_rows`), then each request's scored tokens
+    through `gqa_indexer_topk` (`_scored_topk_cpu`): what a dozen torch passes over
+    ``[N, width]`` did."""
+    from hisparse.runtime.ops import cpu_jit
+
+    fns = cpu_jit.jit()
+    assert fns is not None
+    n = q.shape[0]
+    out = torch.empty(n, width, dtype=torch.int32)
+    scored = torch.empty(n, dtype=torch.bool)
+    top_k = -1 if cfg.top_k is None else cfg.top_k
+    fns.dense_rows(
+        positions.contiguous().numpy(), req_index.contiguous().numpy(),
+        np.asarray(lengths, dtype=np.int64), top_k, out.numpy(), scored.numpy(),
+    )  # fmt: skip
+    tok = torch.nonzero(scored).flatten()
+    if tok.numel() == 0:
+        return out
+    req = req_index[tok]
+    for r in torch.unique(req).tolist():
+        part = tok if len(lengths) == 1 else tok[req == r]
+        out[part] = gqa_indexer_topk(
+            q[part], positions[part], pages, tables[r], lengths[r], fmt, cfg, scale, width, dims
+        )
+    return out
+
+
 def _cpu_compiled(q: torch.Tensor, fmt: GqaIndexerFormat) -> bool:
     """Whether `_scored_topk_cpu` serves these queries (it may still decline)."""
     from hisparse.runtime.ops import cpu_jit
@@ -632,6 +673,10 @@ def gqa_indexer_topk_prefill(
     (keys padded to the longest scored request, hidden by the causal mask) instead of one
     pass per request. quest (per-chunk keys) goes request by request.
     """
+    if _cpu_compiled(q, fmt):
+        return _topk_prefill_cpu(
+            q, positions, req_index, pages, tables, lengths, fmt, cfg, scale, width, dims
+        )
     valid = req_index >= 0
     out = torch.where(valid[:, None], dense_topk(positions, width), -1)
     top_k = cfg.top_k
@@ -640,7 +685,7 @@ def gqa_indexer_topk_prefill(
     lens_d = torch.tensor(lengths, device=q.device)
     req = req_index.clamp_min(0)
     scored = valid & (lens_d[req] > top_k) & (positions >= top_k)
-    if fmt.method == "quest" or _cpu_compiled(q, fmt):  # request by request
+    if fmt.method == "quest":  # request by request
         for r, length in enumerate(lengths):
             tok = torch.nonzero(scored & (req_index == r)).flatten()
             if length > top_k and tok.numel():

@@ -185,6 +185,39 @@ def _sdpa_one_cpu(
 _ROW_BUFFERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
+def _write_rows_cpu(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    view: torch.Tensor,
+    slots: torch.Tensor,
+    pages: torch.Tensor,
+    idx_slots: torch.Tensor,
+    rows_fmt: GqaRowFormat,
+    fmt: GqaIndexerFormat,
+) -> bool:
+    """`write_rows_fast` of the packed rows and `write_index_keys` of ``k`` on the CPU in
+    one compiled call (`cpu_jit.write_rows_many`: the same bytes; fp32 rows, fp8 keys).
+    False where it does not apply (nothing written)."""
+    fns = cpu_jit.jit()
+    if (
+        fns is None
+        or k.device.type != "cpu"
+        or fmt.method != "fp8"
+        or rows_fmt.torch_dtype != torch.float32
+        or k.dtype != torch.float32
+        or v.dtype != torch.float32
+    ):
+        return False
+    rows = cpu_jit.paged_rows(view, cpu_jit.F32)
+    keys = cpu_jit.paged_pages(pages, fmt.row_bytes)
+    if rows is None or keys is None:
+        return False
+    return fns.write_rows_many(
+        k.numpy(), v.numpy(), *rows, view.shape[0], slots.contiguous().numpy(), *keys,
+        pages.shape[0], idx_slots.contiguous().numpy(),
+    )  # fmt: skip
+
+
 class _OneTokenStep:
     """What every layer of a batch-1 CPU decode step shares (`StepPlan.memo`): the compiled
     functions, numpy views of the step's rotation tables and position, and scratch buffers
@@ -378,19 +411,20 @@ class LlamaAttention(nn.Module):
         plan = plan or StepPlan.of(step)
         q, k, v = self._project(x, cos, sin)
 
-        # 1. this step's rows into the paged cache.
+        # 1. this step's rows into the paged cache, and 2. their compact keys (on the CPU
+        # both in one compiled call where it applies), then one logical top-k per token.
         kv = cache.attention(self.layer)
         view, slots = kv.write_target()
-        write_rows_fast(view, slots, cache.row_format.pack(k, v))  # no host sync off the CPU
-        kv.finish_kv_update()
-
-        # 2. compact keys, then one logical top-k per query token.
         fmt = cache.indexer_format
         dims = self.index_dims if fmt.method == "lowrank" else None
         idx = cache.indexer(self.layer)
         pages, idx_slots = idx.write_target()
-        # decode: one row per request, written without a boolean select (fewer ops)
-        write_index_keys(pages, fmt, idx_slots, k, dims, sync_free=plan.decode)
+        rows_fmt = cache.row_format
+        if not _write_rows_cpu(k, v, view, slots, pages, idx_slots, rows_fmt, fmt):
+            write_rows_fast(view, slots, rows_fmt.pack(k, v))  # no host sync off the CPU
+            # decode: one row per request, written without a boolean select (fewer ops)
+            write_index_keys(pages, fmt, idx_slots, k, dims, sync_free=plan.decode)
+        kv.finish_kv_update()
         read_pages, table = idx.read_source()
         topk = self._select(q, step, plan, read_pages, table, fmt, indexer, dims)
 

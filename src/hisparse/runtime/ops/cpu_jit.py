@@ -116,6 +116,8 @@ def _build() -> SimpleNamespace | None:
         attend_rows_many=compile_(_attend_rows_many, parallel=True),
         topk_rows=compile_(_topk_rows, parallel=True),
         resident_rows=compile_(_resident_rows),
+        write_rows_many=compile_(_write_rows_many),
+        dense_rows=compile_(_dense_rows),
         is_causal_prefix=compile_(_is_causal_prefix),
         add_rms_norm=compile_(_add_rms_norm),
         fp8_encode=compile_(_fp8_encode),
@@ -525,10 +527,12 @@ def _mark_best(mass, n, m, keep, hist, pool):
     bits = mass.view(np.int32)
     for b in range(hist.shape[0]):
         hist[b] = 0
+    b = 0  # the highest bucket in use: the scan starts there
     for c in range(n):
-        hist[(bits[c] >> 20) & (_BUCKETS - 1)] += 1  # (the mask only guards memory: NaN)
+        bucket = (bits[c] >> 20) & (_BUCKETS - 1)  # (the mask only guards memory: NaN)
+        hist[bucket] += 1
+        b = max(b, bucket)
     above = 0
-    b = hist.shape[0] - 1
     while above + hist[b] < m:
         above += hist[b]
         b -= 1
@@ -591,15 +595,17 @@ def _select_row(lg, t, n_cand, n_causal, sink, hi, m, mass, scratch, keep, hist,
     runs in the order that vectorises. ``mass``, ``scratch`` (fp32) and ``keep`` (bool):
     scratch of at least ``n_cand``; ``hist``: `_mark_best`'s."""
     G, QH = lg.shape[0], lg.shape[2]
-    for c in range(n_cand):
-        mass[c] = 0.0
     for g in range(G):
         for j in range(QH):
             row = lg[g, t, j, :n_cand]
             _exp_shifted(row, _row_max(row, n_cand), scratch)
             inv = np.float32(1.0) / _row_sum(row, n_cand)
-            for c in range(n_cand):
-                mass[c] += row[c] * inv
+            if g == 0 and j == 0:
+                for c in range(n_cand):
+                    mass[c] = row[c] * inv
+            else:
+                for c in range(n_cand):
+                    mass[c] += row[c] * inv
     _mark_best(mass, n_cand, m, keep, hist, scratch)
     n = 0
     for s in range(n_causal):
@@ -636,6 +642,66 @@ def _topk_rows(logits, positions, length, sink, window, top_k, out, parts):
             _select_row(logits, t, n_cand, n_causal, sink, hi, kk - (n_causal - n_cand),
                         mass, scratch, keep, hist, out[t])  # fmt: skip
     return ok.all()
+
+
+def _dense_rows(positions, req, lens, top_k, out, scored):
+    """A prefill's selections before scoring: ``scored[t]`` whether token ``t`` is scored
+    (its request ``req[t]`` holds more than ``top_k >= 0`` keys and it sits at position
+    ``top_k`` or later); every other token's row of ``out`` is `dense_topk`'s (positions
+    ``0 .. p``, then ``-1``; all ``-1`` for padding, ``req < 0``). Scored rows are left to
+    the scoring."""
+    n, w = out.shape
+    for t in range(n):
+        r = np.int64(req[t])
+        p = np.int64(positions[t])
+        scored[t] = r >= 0 and 0 <= top_k < lens[r] and p >= top_k
+        if scored[t]:
+            continue
+        last = p if r >= 0 else -1
+        for j in range(w):
+            out[t, j] = j if j <= last else -1
+
+
+def _write_rows_many(k, v, kflat, klay, k_blocks, slots, wflat, wlay, w_blocks, islots):
+    """A prefill step's writes: for each token ``t``, the row ``[k ‖ v]`` (fp32) at
+    physical row ``slots[t]`` of the paged rows ``kflat``/``klay`` and the fp8 index key
+    (`_fp8_encode`, torch's bytes) at row ``islots[t]`` of the index pages
+    ``wflat``/``wlay`` (``< 0``: skipped; ``k_blocks``, ``w_blocks``: the views' block
+    counts); ``k``, ``v`` ``[T, G, D]`` (any strides). What `write_rows_fast` and
+    `write_index_keys` write, in one call instead of a dozen torch ops. Returns False
+    (nothing written) for a row past its view."""
+    n, G, D = k.shape
+    GD = G * D
+    for t in range(n):
+        s = np.int64(slots[t])
+        i = np.int64(islots[t])
+        if s >= k_blocks * klay[3] or i >= w_blocks * wlay[3]:
+            return False
+    key = np.empty(GD, np.float32)
+    codes = np.empty(GD, np.uint8)
+    scratch = np.empty(GD, np.float32)
+    bits = scratch.view(np.uint32)
+    for t in range(n):
+        for g in range(G):
+            for d in range(D):
+                key[g * D + d] = k[t, g, d]
+        s = np.int64(slots[t])
+        if s >= 0:
+            b = s // klay[3]
+            at = klay[0] + b * klay[1] + (s - b * klay[3]) * klay[2]
+            for c in range(GD):
+                kflat[at + c] = key[c]
+            for g in range(G):
+                for d in range(D):
+                    kflat[at + GD + g * D + d] = v[t, g, d]
+        i = np.int64(islots[t])
+        if i >= 0:
+            _fp8_encode(key, codes, scratch, bits)
+            b = i // wlay[3]
+            at = wlay[0] + b * wlay[1] + (i - b * wlay[3]) * wlay[2]
+            for c in range(GD):
+                wflat[at + c] = codes[c]
+    return True
 
 
 def _decode_pre(
