@@ -28,7 +28,8 @@ others (in particular: a prefill and token-by-token decoding choose the same row
 lists positions ascending, ``-1`` padded. With ``top_k`` at least the context length every
 earlier position is chosen: attention is then exactly dense. (A batch-1 fp8 decode on the CPU
 scores in one compiled call, `_fp8_topk_one_cpu`: the same rule, sums rounded in another
-order, so a near-tie at the top-k border may fall the other way than in a prefill.)
+order, so a near-tie at the top-k border may fall the other way than in a prefill. A CPU
+prefill scores by chunked matmuls and one compiled pass per query, `_topk_prefill_cpu`.)
 
 Default ``fp8``, by measurement (SmolLM2-135M fp32, 768 tokens of the Python language reference,
 teacher-forced over the last 384, sinks 4, window 32; increase of mean NLL over dense / top-1
@@ -550,7 +551,7 @@ def _topk_prefill_cpu(
 
 
 def _cpu_compiled(q: torch.Tensor, fmt: GqaIndexerFormat) -> bool:
-    """Whether `_scored_topk_cpu` serves these queries (it may still decline)."""
+    """Whether `_topk_prefill_cpu` serves a prefill step (numba, fp8 or lowrank keys)."""
     from hisparse.runtime.ops import cpu_jit
 
     return q.device.type == "cpu" and fmt.method != "quest" and cpu_jit.jit() is not None
@@ -570,11 +571,13 @@ def _scored_topk_cpu(
     numba): the queries in position order, in chunks; per chunk one batched matmul against
     only the candidate keys its last query sees (the causal half of the ``[T, S]`` logits),
     then one compiled pass per query for the softmax mass and the top-k
-    (`cpu_jit.topk_rows`, the queries split over torch's thread count) instead of a dozen passes
-    of torch ops over every chunk. The same rule; a query's selection depends on its own
-    logits only, so a chunked prefill chooses what a whole one does (up to the matmul's
-    rounding, which does not depend on the chunk in practice). ``keys``: `read_index_keys`.
-    ``None`` where it does not apply (a query before position ``top_k``, too few columns)."""
+    (`cpu_jit.topk_rows`, the queries split over torch's thread count) instead of a dozen
+    passes of torch ops over every chunk. The same rule; a query's selection depends on its
+    own logits only, so a chunked prefill chooses what a whole one does (BLAS rounds a
+    logit alike in any chunk of two or more queries here; tests/test_cpu_jit.py checks the
+    selections).
+    ``keys``: `read_index_keys`. ``None`` where it does not apply (a query before position
+    ``top_k``, too few columns)."""
     from hisparse.runtime.ops import cpu_jit
 
     fns = cpu_jit.jit()

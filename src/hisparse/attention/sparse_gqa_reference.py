@@ -10,6 +10,10 @@ the Triton kernel decodes the same layout in-register.
 decode alike: each query token attends to its own list of physical rows (``-1`` masked); query
 head ``h`` reads KV head ``h // (H / G)``. With every earlier position listed it is exactly
 dense causal attention (up to summation order).
+
+On the CPU a prefill's tokens skip the reference: those that attend to every earlier
+position go through torch's fused causal attention (`causal_gqa_cpu`), the others each read
+their own rows in a compiled loop (`sparse_gqa_rows_cpu`).
 """
 
 from __future__ import annotations

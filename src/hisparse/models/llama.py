@@ -10,7 +10,7 @@ attention layer goes through the same cache protocol as the DSA model
    per query token (`gqa_indexer_topk`: training-free, shared by all heads of the layer);
 3. ``swap_in(logical_topk)`` -> physical rows (HiSparse gathers misses from the host);
 4. sparse GQA attention over those rows (`sparse_gqa_decode`: the Triton kernel on CUDA in
-   decode, the reference otherwise).
+   decode, the reference otherwise; a CPU prefill runs `LlamaAttention._attend_cpu`).
 
 Prefill and decode share this path (packed variable-length batches), so the dense test cache,
 the all-GPU placement and HiSparse differ only in where rows sit. With ``top_k=None`` or a
