@@ -22,6 +22,12 @@ exactly (a mismatch exits 1); in bf16 (the CUDA default) the kernels differ, so 
 common prefix is reported. Progress lines first, a short table last; JSON to
 ``$OUT/bench_smollm2.json`` (or ``--out``) when set.
 
+``--ttft 512,2048`` measures the prefill instead: for each prompt length (built as for
+``--prompt-len``) and budget, ``--repeats`` rounds of one transformers ``generate`` then one
+engine run, each producing one token, interleaved so that load from other jobs hits both
+sides alike; reported are the medians of the TTFTs and of the per-round ours/transformers
+ratios.
+
 On a shared CPU compare only the ratios of one run: other jobs on the cores move both sides.
 """
 
@@ -32,6 +38,7 @@ import gc
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -136,6 +143,68 @@ def run_ours(llm: LLM, prompt: list[int], batch: int, max_tokens: int) -> dict:
             "hit_rate": hits / max(1, hits + misses), "rows_swapped_in": misses}  # fmt: skip
 
 
+def make_llm(
+    args: argparse.Namespace, path: Path, top_k: int, batch: int, max_model_len: int,
+    dtype_name: str,
+) -> LLM:  # fmt: skip
+    """Our engine at one budget, its host pool (and on the CPU its device pool, at least
+    1 GiB: a dense budget's hot buffer) sized for ``batch`` requests of ``max_model_len``
+    tokens."""
+    row_bytes = 2 * 3 * 64 * DTYPES[dtype_name].itemsize * 30  # SmolLM2 rows of all layers
+    host_gib = max(0.25, 2.5 * batch * max_model_len * row_bytes / 2**30)
+    cfg = HiSparseConfig(top_k=top_k, host_pool_gib=host_gib)
+    gpu_gib = args.gpu_memory_gib if args.device == "cuda" else max(1.0, host_gib)
+    graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
+    return LLM(str(path), kv_placement=args.placement, hisparse=cfg, max_num_seqs=batch,
+               max_model_len=max_model_len, dtype=dtype_name, device=args.device,
+               gpu_memory_gib=gpu_gib, cuda_graphs=graphs)  # fmt: skip
+
+
+def run_ttft(
+    args: argparse.Namespace, ref, tok: GgufTokenizer, path: Path, dtype_name: str
+) -> list[dict]:
+    """``--ttft``: per prompt length and budget, ``--repeats`` rounds of one transformers
+    ``generate`` then one engine run, one new token each (batch 1); one engine at a time
+    (one host pool per process)."""
+    device = torch.device(args.device)
+    rows: list[dict] = []
+    for n in (int(x) for x in args.ttft.split(",")):
+        prompt = build_prompt(tok, n)
+        max_model_len = 64 * math.ceil((len(prompt) + 2) / 64)
+        for k in [max_model_len if k == "dense" else int(k) for k in args.top_k.split(",")]:
+            llm = make_llm(args, path, k, 1, max_model_len, dtype_name)
+            hf: list[float] = []
+            ours: list[float] = []
+            same = True
+            try:
+                # Warm-up round (numba compiles on the first CPU prefill; CUDA kernels too).
+                run_transformers(ref, prompt, 1, 1, device)
+                run_ours(llm, prompt, 1, 1)
+                for _ in range(args.repeats):
+                    h = run_transformers(ref, prompt, 1, 1, device)
+                    o = run_ours(llm, prompt, 1, 1)
+                    hf.append(h["ttft_s"])
+                    ours.append(o["ttft_s"])
+                    same &= o["tokens"] == h["tokens"]
+            finally:
+                llm.close()
+                del llm
+                gc.collect()
+            ratios = [o / h for o, h in zip(ours, hf, strict=True)]
+            row = {
+                "prompt_tokens": len(prompt), "top_k": k, "dense": k >= len(prompt) + 1,
+                "ours_s": ours, "transformers_s": hf,
+                "ours_median_s": statistics.median(ours),
+                "transformers_median_s": statistics.median(hf),
+                "ratio_median": statistics.median(ratios), "first_token_same": same,
+            }  # fmt: skip
+            rows.append(row)
+            log(f"prompt {len(prompt)} top_k {k}: TTFT ours {row['ours_median_s']:.3f} s, "
+                f"transformers {row['transformers_median_s']:.3f} s, ratio "
+                f"{row['ratio_median']:.2f} (median of {args.repeats})")  # fmt: skip
+    return rows
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -176,6 +245,8 @@ def main() -> int:
     ap.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                     help="our decode steps as CUDA graphs (auto: on CUDA)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    ap.add_argument("--ttft", default="", help="prompt lengths: measure TTFT only (batch 1)")
+    ap.add_argument("--repeats", type=int, default=5, help="--ttft rounds per prompt length")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the GPU machine has no network
@@ -195,8 +266,9 @@ def main() -> int:
     ctx = len(prompt) + args.max_tokens
     max_model_len = 64 * math.ceil((ctx + 1) / 64)
     budgets = [max_model_len if k == "dense" else int(k) for k in args.top_k.split(",")]
-    log(f"prompt {len(prompt)} tokens, {args.max_tokens} new, context {ctx}; "
-        f"budgets {budgets} (dense = {max_model_len})")  # fmt: skip
+    if not args.ttft:
+        log(f"prompt {len(prompt)} tokens, {args.max_tokens} new, context {ctx}; "
+            f"budgets {budgets} (dense = {max_model_len})")  # fmt: skip
 
     import transformers
 
@@ -210,7 +282,8 @@ def main() -> int:
     if ref.generation_config.pad_token_id is None:
         ref.generation_config.pad_token_id = 0
 
-    row_bytes = 2 * 3 * 64 * dtype.itemsize * 30  # SmolLM2 rows of all layers, per token
+    if args.ttft:
+        return ttft_report(args, run_ttft(args, ref, tok, path, dtype_name), dtype_name)
     results: list[dict] = []
     for batch in batches:
         # Warm-up at the measured batch size on CUDA (kernels compile per shape class).
@@ -220,15 +293,8 @@ def main() -> int:
         log(f"batch {batch} transformers: decode {hf['decode_tok_s']:.1f} tok/s, TTFT "
             f"{hf['ttft_s']:.3f} s, total {hf['total_tok_s']:.1f} tok/s")  # fmt: skip
         for k in budgets:
-            host_gib = max(0.25, 2.5 * batch * max_model_len * row_bytes / 2**30)
-            cfg = HiSparseConfig(top_k=k, host_pool_gib=host_gib)
             t0 = time.perf_counter()
-            gpu_gib = args.gpu_memory_gib if device.type == "cuda" else host_gib
-            graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
-            llm = LLM(str(path), kv_placement=args.placement, hisparse=cfg,
-                      max_num_seqs=batch, max_model_len=max_model_len, dtype=dtype_name,
-                      device=args.device, gpu_memory_gib=gpu_gib,
-                      cuda_graphs=graphs)  # fmt: skip
+            llm = make_llm(args, path, k, batch, max_model_len, dtype_name)
             load_s = time.perf_counter() - t0
             decode_path = llm.runner.decode_path
             try:
@@ -292,6 +358,33 @@ def main() -> int:
               f"({r['decode_ratio']:.2f}) | {o['ttft_s']:.3f} / {h['ttft_s']:.3f} | "
               f"{o['total_tok_s']:.1f} / {h['total_tok_s']:.1f} ({r['total_ratio']:.2f}) | "
               f"{agree} |")  # fmt: skip
+    return 1 if failed else 0
+
+
+def ttft_report(args: argparse.Namespace, rows: list[dict], dtype_name: str) -> int:
+    """The ``--ttft`` table (and JSON under ``--out``); 1 when a dense fp32 first token
+    differs from transformers'."""
+    meta = {
+        "device": args.device, "dtype": dtype_name, "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "repeats": args.repeats,
+    }  # fmt: skip
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        out = Path(args.out, "bench_smollm2_ttft.json")
+        out.write_text(json.dumps({"meta": meta, "ttft": rows}, indent=1))
+        log(f"wrote {out}")
+    print(f"\n{args.device} {dtype_name}, {torch.get_num_threads()} threads, batch 1, "
+          f"medians of {args.repeats}")  # fmt: skip
+    print("| prompt tokens | top_k | TTFT s ours | TTFT s transformers | ours / transformers |")
+    print("|---|---|---|---|---|")
+    failed = False
+    for r in rows:
+        k = f"{r['top_k']} (dense)" if r["dense"] else str(r["top_k"])
+        note = ""
+        if r["dense"] and dtype_name == "float32" and not r["first_token_same"]:
+            note, failed = " MISMATCH", True
+        print(f"| {r['prompt_tokens']} | {k} | {r['ours_median_s']:.3f} | "
+              f"{r['transformers_median_s']:.3f} | {r['ratio_median']:.2f}{note} |")  # fmt: skip
     return 1 if failed else 0
 
 

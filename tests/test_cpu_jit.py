@@ -14,11 +14,19 @@ from hisparse.attention.gqa_indexer_reference import (
     FP8_DTYPE,
     GqaIndexerConfig,
     GqaIndexerFormat,
+    _scored_topk_cpu,
     gqa_indexer_topk,
+    read_index_keys,
     selection_masks,
     write_index_keys,
 )
-from hisparse.attention.sparse_gqa_reference import GqaRowFormat, sparse_gqa_reference
+from hisparse.attention.sparse_gqa_reference import (
+    GqaRowFormat,
+    causal_gqa_cpu,
+    sparse_gqa_reference,
+    sparse_gqa_rows_cpu,
+)
+from hisparse.kv.row_formats import write_rows_fast
 from hisparse.models.llama import full_width_rope, rope_full_width
 from hisparse.runtime.ops import cpu_jit
 
@@ -224,3 +232,173 @@ def test_add_rms_norm_matches_rms_norm() -> None:
         fns.add_rms_norm(x.numpy(), x.numpy(), False, w.numpy(), np.float32(1e-5), xo.numpy(),
                          h.numpy())  # fmt: skip
         assert torch.equal(xo, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU prefill: the compiled selection and attention of many tokens
+# ---------------------------------------------------------------------------------------------
+def _prefill_index_case(seed: int, length: int, method: str, bs: int = 16):
+    """A request of ``length`` keys in strided pages behind a shuffled block table, and one
+    query per position."""
+    cfg = GqaIndexerConfig(top_k=48, method=method, sink_tokens=4, recent_window=16)
+    fmt = GqaIndexerFormat.for_config(cfg, G, D)
+    nb = -(-length // bs)
+    pages = torch.zeros(nb + 3, 2, fmt.page_bytes(bs), dtype=torch.uint8)[:, 1]
+    table = (torch.randperm(nb + 2, generator=_gen(seed))[:nb] + 1).to(torch.int32)
+    pos = torch.arange(length)
+    dims = torch.arange(2 * cfg.lowrank_pairs).expand(G, -1) if method == "lowrank" else None
+    k = torch.randn(length, G, D, generator=_gen(seed + 1)) * 3
+    write_index_keys(pages, fmt, table[pos // bs].long() * bs + pos % bs, k, dims)
+    q = torch.randn(length, H, D, generator=_gen(seed + 2)) * 3
+    return cfg, fmt, pages, table, q, dims
+
+
+@pytest.mark.parametrize("method", ["fp8", "lowrank"])
+@pytest.mark.parametrize("seed", range(3))
+def test_prefill_selection_equals_torch_selection(method: str, seed: int) -> None:
+    """A prefill's scored queries (chunked matmul logits, then `topk_rows`) choose exactly
+    what the torch path (`approx_logits`, `select_topk`) does; early queries stay dense."""
+    length = [150, 201, 333][seed]
+    cfg, fmt, pages, table, q, dims = _prefill_index_case(seed, length, method)
+    pos = torch.arange(length)
+    cpu_jit.set_enabled(False)
+    try:
+        want = gqa_indexer_topk(q, pos, pages, table, length, fmt, cfg, D**-0.5, 48, dims)
+    finally:
+        cpu_jit.set_enabled(True)
+    got = gqa_indexer_topk(q, pos, pages, table, length, fmt, cfg, D**-0.5, 48, dims)
+    assert torch.equal(got, want)
+
+
+def test_prefill_selection_does_not_depend_on_the_chunking() -> None:
+    """Each query's selection is the same whether it is scored with all the prompt's
+    queries, in engine-sized chunks, alone, or in another order (chunked prefill = one step):
+    bit for bit, since each query's logits and sums do not depend on the others."""
+    length = 300
+    cfg, fmt, pages, table, q, _ = _prefill_index_case(7, length, "fp8")
+    pos = torch.arange(length)
+    scored = pos >= cfg.top_k
+    keys = read_index_keys(pages, fmt, table, length)
+
+    def select(idx: torch.Tensor) -> torch.Tensor:
+        out = _scored_topk_cpu(q[idx], pos[idx], keys, fmt, cfg, D**-0.5, 48, None)
+        assert out is not None
+        return out
+
+    whole = select(torch.nonzero(scored).flatten())
+    first = int(cfg.top_k)
+    for lo, hi in ((first, 100), (100, 101), (101, 257), (257, 300), (299, 300)):
+        assert torch.equal(select(torch.arange(lo, hi)), whole[lo - first : hi - first])
+    perm = torch.randperm(length - first, generator=_gen(8))
+    assert torch.equal(select(perm + first), whole[perm])
+    # A query before position top_k is not scored: declined.
+    assert _scored_topk_cpu(q[:3], pos[:3], keys, fmt, cfg, D**-0.5, 48, None) is None
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_prefill_attention_matches_the_reference(masked: bool) -> None:
+    """`sparse_gqa_rows_cpu` (each token over its own rows, read in place from a strided
+    pool with NaN garbage) equals `sparse_gqa_reference` to rounding; a token whose rows
+    are all masked gets 0; rows it cannot read (bf16) are declined."""
+    g = _gen(13)
+    bs, nb, t, k = 16, 12, 40, 70
+    fmt = GqaRowFormat(G, D, "fp32")
+    pool = torch.full((nb, 3, bs, fmt.row_bytes), 0xFF, dtype=torch.uint8)  # NaN garbage
+    view = pool[:, 1]
+    live = torch.randperm(nb * bs, generator=g)[: 2 * k].to(torch.int32)
+    for r in live.tolist():
+        view[r // bs, r % bs] = torch.randn(2 * G * D, generator=g).view(torch.uint8)
+    rows = torch.stack([live[torch.randperm(2 * k, generator=g)[:k]] for _ in range(t)])
+    if masked:
+        rows[:, ::3] = -1
+        rows[5] = -1
+    q = torch.randn(t, H, D, generator=g)
+    got = sparse_gqa_rows_cpu(q, view, rows, D**-0.5, fmt)
+    want, _ = sparse_gqa_reference(q, view, rows, D**-0.5, fmt)
+    assert got is not None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    if masked:
+        assert (got[5] == 0).all()
+    bf16 = GqaRowFormat(G, D, "bf16")
+    assert sparse_gqa_rows_cpu(q, view[:, :, : bf16.row_bytes], rows, D**-0.5, bf16) is None
+
+
+def test_resident_rows_is_the_block_table_lookup() -> None:
+    """`cpu_jit.resident_rows`: each live entry through its request's resident block table,
+    ``-1`` for padding entries and padding tokens; declined for a page that is not resident
+    or lies past the table."""
+    g = _gen(17)
+    bs, n, k = 16, 30, 20
+    table = torch.randint(1, 50, (3, 6), dtype=torch.int32, generator=g)
+    req = torch.randint(0, 3, (n,), dtype=torch.int32, generator=g)
+    req[4] = -1
+    topk = torch.randint(0, 6 * bs, (n, k), dtype=torch.int32, generator=g)
+    topk[:, ::4] = -1
+    out = np.full((n, k), 7, np.int32)
+    assert fns.resident_rows(topk.numpy(), req.numpy(), table.numpy(), bs, out)
+    pos = topk.long().clamp_min(0)
+    want = table[req.long().clamp_min(0)[:, None], pos // bs].long() * bs + pos % bs
+    want = torch.where((topk >= 0) & (req >= 0)[:, None], want, -1)
+    assert torch.equal(torch.from_numpy(out).long(), want)
+    table[req[0], topk[0, 1] // bs] = 0  # a page left the GPU
+    assert not fns.resident_rows(topk.numpy(), req.numpy(), table.numpy(), bs, out)
+    table[req[0], topk[0, 1] // bs] = 1
+    topk[0, 1] = 6 * bs  # past the table
+    assert not fns.resident_rows(topk.numpy(), req.numpy(), table.numpy(), bs, out)
+
+
+def test_causal_prefix_attention_matches_the_reference() -> None:
+    """`causal_gqa_cpu`: tokens that each attend to every position up to their own, over a
+    request's rows in a strided pool, equal `sparse_gqa_reference` to rounding; a later
+    chunk of the same tokens (masked by position) gives the whole prompt's rows bit for
+    bit; rows that are not such a prefix are declined."""
+    g = _gen(19)
+    bs, nb, n = 16, 8, 90
+    fmt = GqaRowFormat(G, D, "fp32")
+    view = torch.full((nb, 2, bs, fmt.row_bytes), 0xFF, dtype=torch.uint8)[:, 0]
+    rows = (torch.randperm(nb * bs, generator=g)[:n]).to(torch.int32)  # position -> row
+    for r in rows.tolist():
+        view[r // bs, r % bs] = torch.randn(2 * G * D, generator=g).view(torch.uint8)
+    pos = torch.arange(n)
+    idx = torch.full((n, n + 10), -1, dtype=torch.int32)  # each token's rows, -1 padded
+    for t in range(n):
+        idx[t, : t + 1] = rows[: t + 1]
+    q = torch.randn(n, H, D, generator=g)
+    got = causal_gqa_cpu(q, view, idx, pos, D**-0.5, fmt)
+    want, _ = sparse_gqa_reference(q, view, idx, D**-0.5, fmt)
+    assert got is not None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    late = causal_gqa_cpu(q[40:], view, idx[40:], pos[40:], D**-0.5, fmt)
+    assert late is not None and torch.equal(late, got[40:])
+    idx[7, 3] = rows[5]  # not the prefix of positions
+    assert causal_gqa_cpu(q, view, idx, pos, D**-0.5, fmt) is None
+
+
+def test_write_rows_many_writes_what_torch_writes() -> None:
+    """A prefill's rows and fp8 index keys, written in one compiled call from strided
+    ``k``/``v`` views into strided pools, equal `write_rows_fast` of `GqaRowFormat.pack`
+    and `write_index_keys` byte for byte (slots ``< 0`` skipped); a slot past the view is
+    refused before anything is written."""
+    g = _gen(23)
+    bs, nb, n = 16, 6, 50
+    fmt_rows = GqaRowFormat(G, D, "fp32")
+    ifmt = GqaIndexerFormat.for_config(GqaIndexerConfig(), G, D)
+    view = _engine_like_pool(nb, bs, fmt_rows.row_bytes, 3, 1)
+    pages = torch.randint(0, 256, (nb, 2, ifmt.page_bytes(bs)), dtype=torch.uint8)[:, 0]
+    qkv = torch.randn(n, H + 2 * G, D, generator=g) * 40  # some keys past the fp8 clamp
+    k, v = qkv[:, H : H + G], qkv[:, H + G :]
+    slots = torch.randperm(nb * bs, generator=g)[:n].to(torch.int32)
+    islots = torch.randperm(nb * bs, generator=g)[:n].to(torch.int32)
+    slots[3], islots[5] = -1, -1
+    want_view, want_pages = view.clone(), pages.clone()
+    write_rows_fast(want_view, slots, fmt_rows.pack(k, v))
+    write_index_keys(want_pages, ifmt, islots, k)
+    rows, keys = cpu_jit.paged_rows(view, cpu_jit.F32), cpu_jit.paged_pages(pages, ifmt.row_bytes)
+    assert fns.write_rows_many(k.numpy(), v.numpy(), *rows, nb, slots.numpy(), *keys, nb,
+                               islots.numpy())  # fmt: skip
+    assert torch.equal(view, want_view) and torch.equal(pages, want_pages)
+    before = view.clone()
+    slots[0] = nb * bs
+    assert not fns.write_rows_many(k.numpy(), v.numpy(), *rows, nb, slots.numpy(), *keys, nb,
+                                   islots.numpy())  # fmt: skip
+    assert torch.equal(view, before)

@@ -26,7 +26,9 @@ def _prompts(llm: LLM) -> list[list[int]]:
     return [llm.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
 
 
-def _generate(placement: str, **hs) -> tuple[list[list[int]], list]:
+def _generate(
+    placement: str, max_num_batched_tokens: int = 2048, **hs
+) -> tuple[list[list[int]], list]:
     cfg = HiSparseConfig(top_k=TOP_K, host_pool_gib=0.25, **hs)
     with LLM(
         "smollm2",
@@ -35,6 +37,7 @@ def _generate(placement: str, **hs) -> tuple[list[list[int]], list]:
         max_model_len=1024,
         gpu_memory_gib=0.25,
         max_num_seqs=2,
+        max_num_batched_tokens=max_num_batched_tokens,
     ) as llm:
         prompts = _prompts(llm)
         assert min(len(p) for p in prompts) > 2 * TOP_K
@@ -52,6 +55,15 @@ def test_smollm2_hisparse_equals_all_gpu():
     assert sum(o.metrics.misses for o in outs) > 0  # rows really came from the host pool
     minimal, _ = _generate("hisparse", device_buffer_size=TOP_K)
     assert minimal == gpu
+
+
+def test_chunked_prefill_equals_one_step():
+    """Prompts prefilled in chunks of 100 tokens (each attending to the earlier chunks,
+    queries scored and attended per token) give the one-step prefill's tokens."""
+    whole, _ = _generate("hisparse")
+    for placement in ("hisparse", "gpu"):
+        chunked, _ = _generate(placement, max_num_batched_tokens=100)
+        assert chunked == whole, placement
 
 
 def test_text_prompts_and_stop_strings():

@@ -28,7 +28,8 @@ others (in particular: a prefill and token-by-token decoding choose the same row
 lists positions ascending, ``-1`` padded. With ``top_k`` at least the context length every
 earlier position is chosen: attention is then exactly dense. (A batch-1 fp8 decode on the CPU
 scores in one compiled call, `_fp8_topk_one_cpu`: the same rule, sums rounded in another
-order, so a near-tie at the top-k border may fall the other way than in a prefill.)
+order, so a near-tie at the top-k border may fall the other way than in a prefill. A CPU
+prefill scores by chunked matmuls and one compiled pass per query, `_topk_prefill_cpu`.)
 
 Default ``fp8``, by measurement (SmolLM2-135M fp32, 768 tokens of the Python language reference,
 teacher-forced over the last 384, sinks 4, window 32; increase of mean NLL over dense / top-1
@@ -53,6 +54,8 @@ FP8_MAX = 448.0
 _CHUNK_ELEMENTS = 1 << 25
 #: The same bound on the CPU, where chunks that fit in the cache run faster.
 _CPU_CHUNK_ELEMENTS = 1 << 18
+#: `_scored_topk_cpu`'s bound on one chunk's logits (fp32 elements).
+_CPU_SCORE_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -449,6 +452,10 @@ def gqa_indexer_topk(
                 )
             return out
     keys = read_index_keys(pages, fmt, table, length)
+    if q.shape[0] > 1 and q.device.type == "cpu":
+        chosen = _scored_topk_cpu(q, positions, keys, fmt, cfg, scale, width, dims)
+        if chosen is not None:
+            return chosen
     h = q.shape[1]
     step = max(1, _CHUNK_ELEMENTS // max(1, h * length))
     out = []
@@ -502,6 +509,131 @@ def _fp8_topk_one_cpu(
 _FP8_TABLES_NP: dict[str, np.ndarray] = {}
 
 
+def _topk_prefill_cpu(
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    req_index: torch.Tensor,
+    pages: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: list[int],
+    fmt: GqaIndexerFormat,
+    cfg: GqaIndexerConfig,
+    scale: float,
+    width: int,
+    dims: torch.Tensor | None,
+) -> torch.Tensor:
+    """`gqa_indexer_topk_prefill` on the CPU with numba: the dense rows and the scored
+    tokens in one compiled call (`cpu_jit.dense_rows`), then each request's scored tokens
+    through `gqa_indexer_topk` (`_scored_topk_cpu`): what a dozen torch passes over
+    ``[N, width]`` did."""
+    from hisparse.runtime.ops import cpu_jit
+
+    fns = cpu_jit.jit()
+    assert fns is not None
+    n = q.shape[0]
+    out = torch.empty(n, width, dtype=torch.int32)
+    scored = torch.empty(n, dtype=torch.bool)
+    top_k = -1 if cfg.top_k is None else cfg.top_k
+    fns.dense_rows(
+        positions.contiguous().numpy(), req_index.contiguous().numpy(),
+        np.asarray(lengths, dtype=np.int64), top_k, out.numpy(), scored.numpy(),
+    )  # fmt: skip
+    tok = torch.nonzero(scored).flatten()
+    if tok.numel() == 0:
+        return out
+    req = req_index[tok]
+    for r in torch.unique(req).tolist():
+        part = tok if len(lengths) == 1 else tok[req == r]
+        out[part] = gqa_indexer_topk(
+            q[part], positions[part], pages, tables[r], lengths[r], fmt, cfg, scale, width, dims
+        )
+    return out
+
+
+def _cpu_compiled(q: torch.Tensor, fmt: GqaIndexerFormat) -> bool:
+    """Whether `_topk_prefill_cpu` serves a prefill step (numba, fp8 or lowrank keys)."""
+    from hisparse.runtime.ops import cpu_jit
+
+    return q.device.type == "cpu" and fmt.method != "quest" and cpu_jit.jit() is not None
+
+
+def _scored_topk_cpu(
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    keys: torch.Tensor,
+    fmt: GqaIndexerFormat,
+    cfg: GqaIndexerConfig,
+    scale: float,
+    width: int,
+    dims: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """`select_topk` of `approx_logits` for one request's scored CPU queries (fp8, lowrank;
+    numba): the queries in position order, in chunks; per chunk one batched matmul against
+    only the candidate keys its last query sees (the causal half of the ``[T, S]`` logits),
+    then one compiled pass per query for the softmax mass and the top-k
+    (`cpu_jit.topk_rows`, the queries split over torch's thread count) instead of a dozen
+    passes of torch ops over every chunk. The same rule; a query's selection depends on its
+    own logits only, so a chunked prefill chooses what a whole one does (BLAS rounds a
+    logit alike in any chunk of two or more queries here; tests/test_cpu_jit.py checks the
+    selections).
+    ``keys``: `read_index_keys`. ``None`` where it does not apply (a query before position
+    ``top_k``, too few columns)."""
+    from hisparse.runtime.ops import cpu_jit
+
+    fns = cpu_jit.jit()
+    top_k = cfg.top_k
+    length = keys.shape[0]
+    if fns is None or top_k is None or fmt.method == "quest" or q.device.type != "cpu":
+        return None
+    kk = min(top_k, length)
+    t, h, _ = q.shape
+    g = fmt.num_kv_heads
+    pos = positions.long()
+    if width < kk or t == 0 or h % g or int(pos.min()) < top_k or int(pos.max()) >= length:
+        return None
+    sink, window = cfg.sink_tokens, cfg.recent_window
+    # scale = D^-0.5 is a power of two for the usual head dims: exact on q or on the logits.
+    qg = q.float().view(t, g, h // g, -1) * scale
+    if fmt.method == "lowrank":
+        assert dims is not None
+        idx = dims.to(q.device)[None, :, None, :].expand(t, g, h // g, -1)
+        qg = torch.gather(qg, 3, idx)
+    in_order = bool((pos[1:] >= pos[:-1]).all())  # a prefill chunk: already ascending
+    order = None if in_order else torch.argsort(pos, stable=True)
+    if order is not None:
+        qg, pos = qg[order], pos[order]
+    qh, kd = h // g, qg.shape[-1]
+    q_t = qg.transpose(0, 1).reshape(g, t * qh, kd)  # [G, queries · heads, key_dim]
+    his = (pos - window).clamp(max=length - 1).tolist()
+    key_t = keys[sink:].permute(1, 2, 0)  # [G, key_dim, candidates]
+    out = torch.empty(t, width, dtype=torch.int32)
+    parts = cpu_jit.parts()
+    lo = 0
+    while lo < t:
+        hi = lo + 1  # the chunk grows while its logits fit the bound
+        while hi < t and (hi + 1 - lo) * h * (his[hi] - sink + 1) <= _CPU_SCORE_ELEMENTS:
+            hi += 1
+        n_cand = his[hi - 1] - sink + 1
+        qc, pc, rows = q_t[:, lo * qh : hi * qh], pos[lo:hi], out[lo:hi]
+        if hi - lo == 1:
+            # A lone query goes twice: a matmul of one query's heads rounds differently
+            # (BLAS takes another kernel), and a chunked prefill must score as a whole one.
+            qc, pc, rows = qc.repeat(1, 2, 1), pc.repeat(2), torch.empty(2, width, dtype=out.dtype)
+        m = pc.shape[0]
+        logits = torch.matmul(qc, key_t[:, :, :n_cand]).view(g, m, qh, n_cand)
+        done = fns.topk_rows(
+            logits.numpy(), pc.numpy(), length, sink, window, top_k, rows.numpy(), parts
+        )
+        if not done:
+            return None
+        if hi - lo == 1:
+            out[lo] = rows[0]
+        lo = hi
+    if order is not None:
+        out[order] = out.clone()
+    return out
+
+
 def pad_groups(group: torch.Tensor, num_groups: int) -> torch.Tensor:
     """``[num_groups, most members]`` indices of the items of each group, in item order,
     ``-1`` padded; ``group [N]`` names each item's group (``< 0``: none). One host read."""
@@ -544,6 +676,10 @@ def gqa_indexer_topk_prefill(
     (keys padded to the longest scored request, hidden by the causal mask) instead of one
     pass per request. quest (per-chunk keys) goes request by request.
     """
+    if _cpu_compiled(q, fmt):
+        return _topk_prefill_cpu(
+            q, positions, req_index, pages, tables, lengths, fmt, cfg, scale, width, dims
+        )
     valid = req_index >= 0
     out = torch.where(valid[:, None], dense_topk(positions, width), -1)
     top_k = cfg.top_k
@@ -552,7 +688,7 @@ def gqa_indexer_topk_prefill(
     lens_d = torch.tensor(lengths, device=q.device)
     req = req_index.clamp_min(0)
     scored = valid & (lens_d[req] > top_k) & (positions >= top_k)
-    if fmt.method == "quest":
+    if fmt.method == "quest":  # request by request
         for r, length in enumerate(lengths):
             tok = torch.nonzero(scored & (req_index == r)).flatten()
             if length > top_k and tok.numel():

@@ -10,6 +10,10 @@ the Triton kernel decodes the same layout in-register.
 decode alike: each query token attends to its own list of physical rows (``-1`` masked); query
 head ``h`` reads KV head ``h // (H / G)``. With every earlier position listed it is exactly
 dense causal attention (up to summation order).
+
+On the CPU a prefill's tokens skip the reference: those that attend to every earlier
+position go through torch's fused causal attention (`causal_gqa_cpu`), the others each read
+their own rows in a compiled loop (`sparse_gqa_rows_cpu`).
 """
 
 from __future__ import annotations
@@ -399,3 +403,87 @@ def _sdpa_decode_cpu(
         q.view(t, g, h // g, d), keys.transpose(1, 2), values.transpose(1, 2), scale=scale
     )
     return out.reshape(t, h, d)
+
+
+def sparse_gqa_rows_cpu(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    row_format: GqaRowFormat,
+) -> torch.Tensor | None:
+    """``out`` of `sparse_gqa_reference` for a CPU step of many tokens (a prefill), compiled:
+    each token's rows read in place from the pool by the batch-1 decode step's attention
+    (`cpu_jit.attend_rows`, ``-1`` masked), the tokens split over torch's thread count. A token
+    costs its ``K`` rows, not the whole prefix: no gathered ``[T, K, row]`` copy, no union of
+    the tokens' rows with a ``[T, U]`` mask. Per token the sums run in one fixed order
+    (`cpu_jit._dots`, then over the rows in index order), so the result does not depend on
+    the step's other tokens or on where the rows sit. ``None`` where it does not apply (no
+    numba, not fp32, a pool whose strides are not whole fp32 items); the caller then runs
+    the reference."""
+    from hisparse.runtime.ops import cpu_jit
+
+    fns = cpu_jit.jit()
+    t, h, d = q.shape
+    g = row_format.num_kv_heads
+    if (
+        fns is None
+        or q.device.type != "cpu"
+        or q.dtype != torch.float32
+        or row_format.torch_dtype != torch.float32
+        or d != row_format.head_dim
+        or h % g
+        or indices.dim() != 2
+        or indices.shape[0] != t
+        or kv_cache.dim() != 3
+        or kv_cache.shape[2] != row_format.row_bytes
+    ):
+        return None
+    rows = cpu_jit.paged_rows(kv_cache, cpu_jit.F32)
+    if rows is None:
+        return None
+    out = torch.empty(t, h, d)
+    qn = q.detach().contiguous().numpy()
+    idx = indices.contiguous().numpy()
+    fns.attend_rows_many(qn, *rows, idx, float(scale), out.numpy(), cpu_jit.parts())
+    return out
+
+
+def causal_gqa_cpu(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    row_format: GqaRowFormat,
+) -> torch.Tensor | None:
+    """``out`` of `sparse_gqa_reference` for CPU tokens of one request that each attend to
+    every position up to their own (a budget at least the context, or the tokens before
+    position ``top_k``): torch's fused causal ``scaled_dot_product_attention`` over the
+    request's rows, read once, as transformers runs it (a chunk after earlier ones masks
+    by position: the same bits). ``None`` where the rows are not such a prefix (checked
+    by `cpu_jit.is_causal_prefix`: a selection replaced in ``swap_in``) or not viewable."""
+    from hisparse.runtime.ops import cpu_jit
+
+    fns = cpu_jit.jit()
+    t, h, d = q.shape
+    g = row_format.num_kv_heads
+    typed = _typed_rows(kv_cache, row_format) if kv_cache.dim() == 3 else None
+    if fns is None or typed is None or t == 0 or q.dtype != row_format.torch_dtype:
+        return None
+    if d != row_format.head_dim or h % g or kv_cache.shape[2] != row_format.row_bytes:
+        return None
+    last = int(torch.argmax(positions))
+    length = int(positions[last]) + 1
+    ref = indices[last, :length].contiguous()
+    if not fns.is_causal_prefix(indices.contiguous().numpy(), positions.numpy(), ref.numpy()):
+        return None
+    kv = _index_rows(typed, ref, nonneg=True)  # [L, 2·G·D]
+    keys, values = (x.view(length, g, d).transpose(0, 1)[None] for x in kv.split(g * d, -1))
+    whole = t == length and bool((positions == torch.arange(length)).all())
+    mask = None if whole else torch.arange(length)[None, :] <= positions[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys, values, attn_mask=mask, is_causal=whole, scale=scale,
+        enable_gqa=True,
+    )  # fmt: skip
+    return out[0].transpose(0, 1)

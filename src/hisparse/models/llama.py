@@ -10,7 +10,7 @@ attention layer goes through the same cache protocol as the DSA model
    per query token (`gqa_indexer_topk`: training-free, shared by all heads of the layer);
 3. ``swap_in(logical_topk)`` -> physical rows (HiSparse gathers misses from the host);
 4. sparse GQA attention over those rows (`sparse_gqa_decode`: the Triton kernel on CUDA in
-   decode, the reference otherwise).
+   decode, the reference otherwise; a CPU prefill runs `LlamaAttention._attend_cpu`).
 
 Prefill and decode share this path (packed variable-length batches), so the dense test cache,
 the all-GPU placement and HiSparse differ only in where rows sit. With ``top_k=None`` or a
@@ -44,9 +44,11 @@ from hisparse.attention.gqa_indexer_reference import (
 )
 from hisparse.attention.sparse_gqa_reference import (
     GqaRowFormat,
+    causal_gqa_cpu,
     gqa_dtype_name,
     selected_gqa_varlen_reference,
     sparse_gqa_decode,
+    sparse_gqa_rows_cpu,
 )
 from hisparse.kv.row_formats import write_rows_fast
 from hisparse.models.deepseek_v32 import MLP, RMSNorm, rope_half_split
@@ -183,6 +185,39 @@ def _sdpa_one_cpu(
 _ROW_BUFFERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
+def _write_rows_cpu(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    view: torch.Tensor,
+    slots: torch.Tensor,
+    pages: torch.Tensor,
+    idx_slots: torch.Tensor,
+    rows_fmt: GqaRowFormat,
+    fmt: GqaIndexerFormat,
+) -> bool:
+    """`write_rows_fast` of the packed rows and `write_index_keys` of ``k`` on the CPU in
+    one compiled call (`cpu_jit.write_rows_many`: the same bytes; fp32 rows, fp8 keys).
+    False where it does not apply (nothing written)."""
+    fns = cpu_jit.jit()
+    if (
+        fns is None
+        or k.device.type != "cpu"
+        or fmt.method != "fp8"
+        or rows_fmt.torch_dtype != torch.float32
+        or k.dtype != torch.float32
+        or v.dtype != torch.float32
+    ):
+        return False
+    rows = cpu_jit.paged_rows(view, cpu_jit.F32)
+    keys = cpu_jit.paged_pages(pages, fmt.row_bytes)
+    if rows is None or keys is None:
+        return False
+    return fns.write_rows_many(
+        k.numpy(), v.numpy(), *rows, view.shape[0], slots.contiguous().numpy(), *keys,
+        pages.shape[0], idx_slots.contiguous().numpy(),
+    )  # fmt: skip
+
+
 class _OneTokenStep:
     """What every layer of a batch-1 CPU decode step shares (`StepPlan.memo`): the compiled
     functions, numpy views of the step's rotation tables and position, and scratch buffers
@@ -297,6 +332,14 @@ class Rotary(nn.Module):
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
+def _rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)``; in fp32 on the CPU as one ``F.rms_norm`` (the same bits as `RMSNorm`'s
+    six steps there, in one pass)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and norm.weight.dtype == x.dtype:
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+    return norm(x)
+
+
 def full_width_rope(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` of `Rotary` widened to ``[N, D]`` once per step for `rope_full_width`:
     ``[cos ‖ cos]`` and ``[-sin ‖ sin]``."""
@@ -349,7 +392,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
         #: ``lowrank`` indexer: the rotary dims kept per KV head (set by `prepare_indexer`).
         self.register_buffer("index_dims", torch.zeros(0, dtype=torch.long), persistent=False)
-        #: q, k, v projections as one weight (`fused_weight`; the CPU batch-1 decode step).
+        #: q, k, v projections as one weight (`fused_weight`; the CPU).
         self._qkv: tuple[torch.Tensor, tuple[int, ...]] | None = None
 
     def forward(
@@ -366,24 +409,22 @@ class LlamaAttention(nn.Module):
         `full_width_rope` (the CPU path: the same values in fewer ops)."""
         n = x.shape[0]
         plan = plan or StepPlan.of(step)
-        rope = rope_full_width if cos.shape[-1] == self.head_dim else rope_half_split
-        q = rope(self.q_proj(x).view(n, self.n_heads, self.head_dim), cos, sin)
-        k = rope(self.k_proj(x).view(n, self.n_kv, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
+        q, k, v = self._project(x, cos, sin)
 
-        # 1. this step's rows into the paged cache.
+        # 1. this step's rows into the paged cache, and 2. their compact keys (on the CPU
+        # both in one compiled call where it applies), then one logical top-k per token.
         kv = cache.attention(self.layer)
         view, slots = kv.write_target()
-        write_rows_fast(view, slots, cache.row_format.pack(k, v))  # no host sync off the CPU
-        kv.finish_kv_update()
-
-        # 2. compact keys, then one logical top-k per query token.
         fmt = cache.indexer_format
         dims = self.index_dims if fmt.method == "lowrank" else None
         idx = cache.indexer(self.layer)
         pages, idx_slots = idx.write_target()
-        # decode: one row per request, written without a boolean select (fewer ops)
-        write_index_keys(pages, fmt, idx_slots, k, dims, sync_free=plan.decode)
+        rows_fmt = cache.row_format
+        if not _write_rows_cpu(k, v, view, slots, pages, idx_slots, rows_fmt, fmt):
+            write_rows_fast(view, slots, rows_fmt.pack(k, v))  # no host sync off the CPU
+            # decode: one row per request, written without a boolean select (fewer ops)
+            write_index_keys(pages, fmt, idx_slots, k, dims, sync_free=plan.decode)
+        kv.finish_kv_update()
         read_pages, table = idx.read_source()
         topk = self._select(q, step, plan, read_pages, table, fmt, indexer, dims)
 
@@ -391,6 +432,23 @@ class LlamaAttention(nn.Module):
         physical = kv.swap_in(topk)
         out = self._attend(q, step, plan, view, topk, physical, cache.row_format, indexer)
         return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
+
+    def _project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated ``q [N, H, D]``, ``k [N, G, D]`` and ``v [N, G, D]``. On the CPU the three
+        projections are one matmul (`fused_weight`; the same bits as three on this BLAS, any
+        row count) and q and k rotate together (elementwise: the same bits)."""
+        n, H, G, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
+        rope = rope_full_width if cos.shape[-1] == D else rope_half_split
+        if x.device.type != "cpu":
+            q = rope(self.q_proj(x).view(n, H, D), cos, sin)
+            k = rope(self.k_proj(x).view(n, G, D), cos, sin)
+            return q, k, self.v_proj(x).view(n, G, D)
+        self._qkv = fused_weight((self.q_proj, self.k_proj, self.v_proj), self._qkv)
+        qkv = F.linear(x, self._qkv[0])
+        qk = rope(qkv[:, : (H + G) * D].view(n, H + G, D), cos, sin)
+        return qk[:, :H], qk[:, H:], qkv[:, (H + G) * D :].view(n, G, D)
 
     def forward_one_cpu(
         self,
@@ -521,14 +579,20 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """Sparse attention. A decode step (one token per request, dense or sparse alike)
         gathers each token's rows in one call (`sparse_gqa_decode`: the Triton kernel on
-        CUDA). Otherwise (prefill chunks, mixed steps) each request reads the union of its
-        tokens' rows once, in position order (so the result does not depend on where rows
-        sit), and masks each token to its own selection; all requests in one batched pass
-        (`selected_gqa_varlen_reference`): far less copying than one gather per token and no
-        loop over requests."""
+        CUDA). Otherwise (prefill chunks, mixed steps) on the CPU `_attend_cpu`: dense
+        causal tokens in one fused kernel, each other token over its own rows in place (a
+        token costs its top-k rows, not its whole prefix). Elsewhere (or without numba)
+        each request reads the union of its tokens' rows once, in position order (so the
+        result does not depend on where rows sit), and masks each token to its own
+        selection; all requests in one batched pass (`selected_gqa_varlen_reference`): far
+        less copying than one gather per token and no loop over requests."""
         if plan.decode:
             out, _ = sparse_gqa_decode(q, view, physical, self.scale, fmt, need_lse=False)
             return out
+        if q.device.type == "cpu":
+            out = self._attend_cpu(q, step, plan, view, physical, fmt, cfg)
+            if out is not None:
+                return out
         tokens = plan.tokens
         assert tokens is not None and plan.lens is not None
         n_req, longest = tokens.shape[0], max(plan.longest, 1)
@@ -562,6 +626,47 @@ class LlamaAttention(nn.Module):
         )
         out = torch.zeros_like(q)  # padding tokens (no request) stay 0
         out[tokens[live]] = o[live]
+        return out
+
+    def _attend_cpu(
+        self,
+        q: torch.Tensor,
+        step: Step,
+        plan: StepPlan,
+        view: torch.Tensor,
+        physical: torch.Tensor,
+        fmt: GqaRowFormat,
+        cfg: GqaIndexerConfig,
+    ) -> torch.Tensor | None:
+        """`_attend` of a CPU prefill step (``None``: no numba or rows it cannot read). The
+        tokens that attend to every position up to their own (all of a request that fits
+        in ``top_k``, else those before position ``top_k``) go through one fused causal
+        attention per request (`causal_gqa_cpu`, transformers' kernel); the rest (scored
+        selections, padding) each over their own rows (`sparse_gqa_rows_cpu`)."""
+        tokens, lens = plan.tokens, plan.lens
+        assert tokens is not None and lens is not None
+        out = torch.empty_like(q)
+        rest = torch.ones(q.shape[0], dtype=torch.bool)
+        for r, length in enumerate(lens):
+            tok = tokens[r][tokens[r] >= 0]
+            if cfg.top_k is not None and length > cfg.top_k:
+                tok = tok[step.positions[tok] < cfg.top_k]
+            if tok.numel() == 0:
+                continue
+            dense = causal_gqa_cpu(
+                q[tok], view, physical[tok], step.positions[tok], self.scale, fmt
+            )
+            if dense is not None:
+                out[tok] = dense
+                rest[tok] = False
+        if bool(rest.all()):
+            return sparse_gqa_rows_cpu(q, view, physical, self.scale, fmt)
+        idx = torch.nonzero(rest).flatten()
+        if idx.numel():
+            sparse = sparse_gqa_rows_cpu(q[idx], view, physical[idx], self.scale, fmt)
+            if sparse is None:
+                return None
+            out[idx] = sparse
         return out
 
     def _select(
@@ -711,12 +816,26 @@ class LlamaForCausalLM(nn.Module):
         plan = StepPlan.of(step)
         if self._decode_one_cpu_applies(x, plan) and cache.row_format.torch_dtype == torch.float32:
             return self._decode_one_cpu(x, cos, sin, step, cache, plan)  # writes fp32 rows
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             attn = layer.self_attn
-            x = x + attn(layer.input_layernorm(x), cos, sin, step, cache, self.indexer, plan)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.model.norm(x)
+            h = _rms_norm(layer.input_layernorm, x)
+            x = x + attn(h, cos, sin, step, cache, self.indexer, plan)
+            x = x + self._mlp(i, layer.mlp, _rms_norm(layer.post_attention_layernorm, x))
+        return _rms_norm(self.model.norm, x)
+
+    def _mlp(self, i: int, mlp: MLP, h: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s MLP; for one CPU row (decode) with the gate and up projections as
+        one matmul (`fused_weight`, the same bits). Many rows (a prefill) keep two: the
+        matmul costs the same, and ``silu`` and ``*`` over the halves of the fused output
+        (strided) took 3x as long as over two contiguous outputs."""
+        if h.device.type != "cpu" or h.shape[0] != 1:
+            return mlp(h)
+        fused = fused_weight((mlp.gate_proj, mlp.up_proj), self._gate_up.get(i))
+        self._gate_up[i] = fused
+        gu = F.linear(h, fused[0])
+        inter = gu.shape[1] // 2
+        return F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], mlp.down_proj.weight)
 
     def _decode_one_cpu_applies(self, x: torch.Tensor, plan: StepPlan) -> bool:
         """A batch-1 fp32 decode step on the CPU (one token, no padding row): the shape
@@ -746,7 +865,6 @@ class LlamaForCausalLM(nn.Module):
         shape = (self.config.hidden_size,)
         eps = self.config.rms_norm_eps
         eps32 = np.float32(eps)
-        gate_up = self._gate_up
         layers = self.model.layers
         norms = [ly.input_layernorm.weight for ly in layers]  # type: ignore[union-attr]
         norms.append(self.model.norm.weight)
@@ -774,11 +892,7 @@ class LlamaForCausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             a = attn.forward_one_cpu(h, cos, sin, step, cache, self.indexer, plan)
             x, h = add_norm(x, a, layer.post_attention_layernorm.weight)
-            fused = fused_weight((mlp.gate_proj, mlp.up_proj), gate_up.get(i))
-            gate_up[i] = fused
-            gu = F.linear(h, fused[0])
-            inter = gu.shape[1] // 2
-            m = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], mlp.down_proj.weight)
+            m = self._mlp(i, mlp, h)
             x, h = add_norm(x, m, norms[i + 1])
         return h
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from hisparse.runtime.batch import GroupTables, StepMetadata
+from hisparse.runtime.ops import cpu_jit, cpu_ops
 from hisparse.runtime.sparse_layer import SparseLayerRuntime, prefix_rows
 from hisparse.runtime.staging import PrefillStagingPlan
 
@@ -128,6 +129,12 @@ class CacheHandle:
         meta, tables = self._step()
         bs = self.runtime.config.block_size
         rows = logical_topk.shape[0]
+        if self.runtime.device.type == "cpu":
+            physical = _resident_rows_cpu(
+                logical_topk, meta.req_per_token[:rows], tables.resident_block_table, bs
+            )
+            if physical is not None:
+                return physical
         pos = logical_topk.long().clamp_min(0)
         req = meta.req_per_token[:rows].long()
         table = tables.resident_block_table.long()
@@ -158,3 +165,20 @@ class CacheHandle:
             assert self.runtime.device_view is not None
             return self.runtime.device_view, tables.resident_block_table
         return plan.stage(self.runtime, tables.resident_block_table), plan.block_table
+
+
+def _resident_rows_cpu(
+    logical_topk: torch.Tensor, req: torch.Tensor, table: torch.Tensor, block_size: int
+) -> torch.Tensor | None:
+    """`CacheHandle.resident_rows` in one compiled call (`cpu_jit.resident_rows`: a prefill's
+    ``[T, top_k]`` lookup in a dozen passes of torch ops fewer); ``None`` without numba or
+    where an entry is not resident (the torch path then raises)."""
+    fns = cpu_jit.jit()
+    if fns is None:
+        return None
+    out = torch.empty(logical_topk.shape, dtype=torch.int32)
+    ok = fns.resident_rows(
+        logical_topk.contiguous().numpy(), req.contiguous().numpy(), table.contiguous().numpy(),
+        block_size, out.numpy(),
+    )  # fmt: skip
+    return out if ok else None

@@ -1,10 +1,15 @@
-"""numba-compiled forms of the CPU batch-1 decode hot spots (optional: numpy/torch without it).
+"""numba-compiled forms of the CPU hot spots (optional: numpy/torch without it).
 
 A batch-1 decode step on the CPU runs every data-plane op once per layer on a few hundred
 entries; as whole-array numpy (`cpu_ops`) each op is dozens of calls of a few microseconds
 each, so the call count, not the arithmetic, is the cost. Here each op is one compiled call
-over plain loops. The results are `cpu_ops`' (hence the reference's) bit for bit: these are
-integer bookkeeping and byte copies, no floating point.
+over plain loops. The results of the bookkeeping and copies are `cpu_ops`' (hence the
+reference's) bit for bit; the floating-point kernels (selection, attention, norm) say where
+their sums round differently.
+
+A prefill's selection and attention are per token too (each query its own candidates and
+rows): `topk_rows` and `attend_rows_many` run the decode step's per-token code over all the
+tokens of a step, as numba parallel loops on torch's thread count (`parts`).
 
 numba is imported lazily, on the first `jit()` call, and only on the CPU paths: the GPU
 machine has no numba, and its absence (or ``HISPARSE_CPU_JIT=0``) makes every caller keep its
@@ -39,6 +44,22 @@ def set_enabled(enabled: bool) -> None:
     _STATE["enabled"] = enabled
 
 
+def parts() -> int:
+    """How many threads a compiled prefill kernel deals its tokens to (numba's parallel
+    loop, set here): torch's CPU thread count. numba's OpenMP layer binds to the OpenMP
+    runtime torch loaded first (its symbols come first), so the kernels and torch's ops
+    take turns on one thread pool rather than two pools competing for the cores."""
+    import numba
+
+    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n)
+    return n
+
+
+#: ``range`` in the plain-Python bodies; `_build` puts numba's parallel range in its place.
+prange = range
+
+
 #: Helpers called from compiled functions; those in `_REASSOCIATE` may sum in any order.
 _HELPERS = (
     "_argsort_stable",
@@ -47,10 +68,17 @@ _HELPERS = (
     "_dots",
     "_sum_squares",
     "_exp_shifted",
+    "_mark_best",
+    "_row_max",
+    "_row_sum",
+    "_select_row",
     "_fp8_topk_row",
+    "_attend_rows",
     "_resolve_row",
 )
-_REASSOCIATE = ("_dots", "_sum_squares")
+_REASSOCIATE = ("_dots", "_sum_squares", "_row_sum")
+#: `_mark_best`'s buckets: the top 11 bits of a non-negative fp32 (exponent, 3 mantissa bits).
+_BUCKETS = 2048
 
 
 def _build() -> SimpleNamespace | None:
@@ -59,19 +87,21 @@ def _build() -> SimpleNamespace | None:
     except ImportError:
         return None
 
-    def compile_(fn, fastmath: set[str] | bool = False):
+    def compile_(fn, fastmath: set[str] | bool = False, parallel: bool = False):
         if isinstance(fn, numba.core.dispatcher.Dispatcher):  # a helper, compiled above
             return fn
+        opts = {"nogil": True, "fastmath": fastmath, "parallel": parallel}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # NumbaWarning when no cache folder is writable
             try:
-                return numba.njit(cache=True, nogil=True, fastmath=fastmath)(fn)
+                return numba.njit(cache=True, **opts)(fn)
             except Exception:  # pragma: no cover - no cache locator at all
-                return numba.njit(nogil=True, fastmath=fastmath)(fn)
+                return numba.njit(**opts)(fn)
 
     # Helpers other compiled functions call: compiled first, in place of the module's
     # Python functions (numba resolves a callee from the module's globals at compile time).
     module = globals()
+    module["prange"] = numba.prange
     for name in _HELPERS:
         reassociate = {"reassoc", "contract"} if name in _REASSOCIATE else False
         module[name] = compile_(module[name], reassociate)
@@ -83,6 +113,12 @@ def _build() -> SimpleNamespace | None:
         gather_rows=compile_(_gather_rows),
         decode_pre=compile_(_decode_pre),
         attend_rows=compile_(_attend_rows),
+        attend_rows_many=compile_(_attend_rows_many, parallel=True),
+        topk_rows=compile_(_topk_rows, parallel=True),
+        resident_rows=compile_(_resident_rows),
+        write_rows_many=compile_(_write_rows_many),
+        dense_rows=compile_(_dense_rows),
+        is_causal_prefix=compile_(_is_causal_prefix),
         add_rms_norm=compile_(_add_rms_norm),
         fp8_encode=compile_(_fp8_encode),
         finish_decode_row=compile_(_finish_decode_row),
@@ -462,32 +498,209 @@ def _fp8_topk_row(q, pflat, play, table, lut, length, pos, sink, window, top_k, 
         for i in range(rb):
             key[i] = lut[pflat[at + i]]
         _dots(q, key, logit, c, scale)
-    # Attention mass per candidate, summed over the query heads.
-    mass = np.zeros(n_cand, np.float32)
-    scale2 = np.empty(n_cand, np.float32)
-    for h in range(H):
-        row = logit[h]
-        top = row[0]
-        for c in range(1, n_cand):
-            if row[c] > top:
-                top = row[c]
-        _exp_shifted(row, top, scale2)
-        total = np.float32(0.0)
-        for c in range(n_cand):
-            total += row[c]
-        inv = np.float32(1.0) / total
-        for c in range(n_cand):
-            mass[c] += row[c] * inv
-    # The best candidates (highest mass, earlier position on ties), then every pick ascending.
-    order = _argsort_stable(-mass)
-    keep = np.zeros(n_cand, np.bool_)
-    for i in range(kk - n_forced):
-        keep[order[i]] = True
+    mass = np.empty(n_cand, np.float32)
+    scratch = np.empty(n_cand, np.float32)
+    keep = np.empty(n_cand, np.bool_)
+    hist = np.empty(_BUCKETS, np.int64)
+    _select_row(logit.reshape((G, 1, QH, n_cand)), 0, n_cand, n_causal, sink, hi,
+                kk - n_forced, mass, scratch, keep, hist, out)  # fmt: skip
+    return True
+
+
+def _mark_best(mass, n, m, keep, hist, pool):
+    """``keep[c]`` True for the ``m`` highest of ``mass[:n]`` (finite, ``>= 0``), the earlier
+    index on ties (the first ``m`` of a stable argsort of ``-mass``), False elsewhere.
+
+    A radix select instead of a sort (which cost more than the scoring in a prefill): the
+    bits of a non-negative float order like the float, so one pass counts the values per
+    top-11-bit bucket (``hist``: 2048 int64), the bucket holding the ``m``-th largest is
+    found from the top, and only its members (copied to ``pool``, fp32 ``>= n``) are
+    partitioned for the exact value ``v``; then ``mass > v`` and the first ties ``== v``."""
+    for c in range(n):
+        keep[c] = False
+    if m <= 0:
+        return
+    if m >= n:
+        for c in range(n):
+            keep[c] = True
+        return
+    bits = mass.view(np.int32)
+    for b in range(hist.shape[0]):
+        hist[b] = 0
+    b = 0  # the highest bucket in use: the scan starts there
+    for c in range(n):
+        bucket = (bits[c] >> 20) & (_BUCKETS - 1)  # (the mask only guards memory: NaN)
+        hist[bucket] += 1
+        b = max(b, bucket)
+    above = 0
+    while above + hist[b] < m:
+        above += hist[b]
+        b -= 1
+    k = 0
+    for c in range(n):
+        if ((bits[c] >> 20) & (_BUCKETS - 1)) == b:
+            pool[k] = mass[c]
+            k += 1
+    r = m - above  # the r-th largest member of bucket b is the m-th largest overall
+    v = np.partition(pool[:k], k - r)[k - r]
+    need = m
+    for c in range(n):
+        if mass[c] > v:
+            keep[c] = True
+            need -= 1
+    for c in range(n):
+        if need == 0:
+            break
+        if mass[c] == v:
+            keep[c] = True
+            need -= 1
+
+
+def _row_max(x, n):
+    """``max(x[:n])`` (``n >= 1``, no NaN) over 16 lanes, which the compiler vectorises (a
+    running maximum does not; the maximum is exact in any order)."""
+    lanes = np.empty(16, np.float32)
+    for lane in range(16):
+        lanes[lane] = x[0]
+    full = n - n % 16
+    for i in range(0, full, 16):
+        for lane in range(16):
+            v = x[i + lane]
+            lanes[lane] = v if v > lanes[lane] else lanes[lane]
+    top = lanes[0]
+    for lane in range(1, 16):
+        if lanes[lane] > top:
+            top = lanes[lane]
+    for i in range(full, n):
+        if x[i] > top:
+            top = x[i]
+    return top
+
+
+def _row_sum(x, n):
+    """``Σ x[:n]`` in fp32, summed in whatever order vectorises (``fastmath`` reassociation)."""
+    acc = np.float32(0.0)
+    for i in range(n):
+        acc += x[i]
+    return acc
+
+
+def _select_row(lg, t, n_cand, n_causal, sink, hi, m, mass, scratch, keep, hist, out):
+    """`select_topk`'s rule for query ``t`` from its candidates' logits ``lg[:, t]`` of
+    ``lg [G, T, H/G, >= n_cand]`` (positions ``sink .. hi``, overwritten; C-contiguous: a
+    row of a non-contiguous view does not vectorise): per query head a softmax over the
+    candidates, each candidate's mass summed over the heads (``exp(l - max) / sum``), the
+    ``m`` best candidates (`_mark_best`) and every forced position (the first ``sink``, and
+    ``hi + 1 .. n_causal - 1``) written ascending to ``out``, ``-1`` after them. Each sum
+    runs in the order that vectorises. ``mass``, ``scratch`` (fp32) and ``keep`` (bool):
+    scratch of at least ``n_cand``; ``hist``: `_mark_best`'s."""
+    G, QH = lg.shape[0], lg.shape[2]
+    for g in range(G):
+        for j in range(QH):
+            row = lg[g, t, j, :n_cand]
+            _exp_shifted(row, _row_max(row, n_cand), scratch)
+            inv = np.float32(1.0) / _row_sum(row, n_cand)
+            if g == 0 and j == 0:
+                for c in range(n_cand):
+                    mass[c] = row[c] * inv
+            else:
+                for c in range(n_cand):
+                    mass[c] += row[c] * inv
+    _mark_best(mass, n_cand, m, keep, hist, scratch)
     n = 0
     for s in range(n_causal):
         if s < sink or s > hi or keep[s - sink]:
             out[n] = s
             n += 1
+    for i in range(n, out.shape[0]):
+        out[i] = -1
+
+
+def _topk_rows(logits, positions, length, sink, window, top_k, out, parts):
+    """`_select_row` for each scored query of one request (a prefill): ``logits [G, T, H/G,
+    S]`` of the candidates ``s = sink + c`` (overwritten), the queries at ``positions [T]``,
+    ``length`` keys; rows ``out [T, >= min(top_k, length)]``. The queries are dealt
+    round-robin to ``parts`` threads (`_parts`). Returns False (rows left unwritten) for a
+    query that is not scored (fewer than ``min(top_k, length)`` causal keys, no candidate,
+    more candidates than columns); the caller checks beforehand."""
+    T, S = logits.shape[1], logits.shape[3]
+    kk = min(top_k, length)
+    ok = np.ones(parts, np.bool_)
+    for part in prange(parts):
+        mass = np.empty(S, np.float32)
+        scratch = np.empty(S, np.float32)
+        keep = np.empty(S, np.bool_)
+        hist = np.empty(_BUCKETS, np.int64)
+        for t in range(part, T, parts):
+            pos = np.int64(positions[t])
+            n_causal = min(pos + 1, length)
+            hi = min(pos - window, length - 1)
+            n_cand = hi - sink + 1
+            if n_causal < kk or n_cand < 1 or n_cand > S or n_causal - n_cand > kk:
+                ok[part] = False
+                continue
+            _select_row(logits, t, n_cand, n_causal, sink, hi, kk - (n_causal - n_cand),
+                        mass, scratch, keep, hist, out[t])  # fmt: skip
+    return ok.all()
+
+
+def _dense_rows(positions, req, lens, top_k, out, scored):
+    """A prefill's selections before scoring: ``scored[t]`` whether token ``t`` is scored
+    (its request ``req[t]`` holds more than ``top_k >= 0`` keys and it sits at position
+    ``top_k`` or later); every other token's row of ``out`` is `dense_topk`'s (positions
+    ``0 .. p``, then ``-1``; all ``-1`` for padding, ``req < 0``). Scored rows are left to
+    the scoring."""
+    n, w = out.shape
+    for t in range(n):
+        r = np.int64(req[t])
+        p = np.int64(positions[t])
+        scored[t] = r >= 0 and 0 <= top_k < lens[r] and p >= top_k
+        if scored[t]:
+            continue
+        last = p if r >= 0 else -1
+        for j in range(w):
+            out[t, j] = j if j <= last else -1
+
+
+def _write_rows_many(k, v, kflat, klay, k_blocks, slots, wflat, wlay, w_blocks, islots):
+    """A prefill step's writes: for each token ``t``, the row ``[k ‖ v]`` (fp32) at
+    physical row ``slots[t]`` of the paged rows ``kflat``/``klay`` and the fp8 index key
+    (`_fp8_encode`, torch's bytes) at row ``islots[t]`` of the index pages
+    ``wflat``/``wlay`` (``< 0``: skipped; ``k_blocks``, ``w_blocks``: the views' block
+    counts); ``k``, ``v`` ``[T, G, D]`` (any strides). What `write_rows_fast` and
+    `write_index_keys` write, in one call instead of a dozen torch ops. Returns False
+    (nothing written) for a row past its view."""
+    n, G, D = k.shape
+    GD = G * D
+    for t in range(n):
+        s = np.int64(slots[t])
+        i = np.int64(islots[t])
+        if s >= k_blocks * klay[3] or i >= w_blocks * wlay[3]:
+            return False
+    key = np.empty(GD, np.float32)
+    codes = np.empty(GD, np.uint8)
+    scratch = np.empty(GD, np.float32)
+    bits = scratch.view(np.uint32)
+    for t in range(n):
+        for g in range(G):
+            for d in range(D):
+                key[g * D + d] = k[t, g, d]
+        s = np.int64(slots[t])
+        if s >= 0:
+            b = s // klay[3]
+            at = klay[0] + b * klay[1] + (s - b * klay[3]) * klay[2]
+            for c in range(GD):
+                kflat[at + c] = key[c]
+            for g in range(G):
+                for d in range(D):
+                    kflat[at + GD + g * D + d] = v[t, g, d]
+        i = np.int64(islots[t])
+        if i >= 0:
+            _fp8_encode(key, codes, scratch, bits)
+            b = i // wlay[3]
+            at = wlay[0] + b * wlay[1] + (i - b * wlay[3]) * wlay[2]
+            for c in range(GD):
+                wflat[at + c] = codes[c]
     return True
 
 
@@ -551,13 +764,21 @@ def _attend_rows(q, kflat, klay, rows, scale, out):
     """``out [H, D]``: attention of the query heads ``q [H, D]`` over the rows ``rows`` of
     the paged rows ``kflat``/``klay`` (``[k ‖ v]`` fp32, ``2·G·D`` per row, read in place;
     ``< 0``: masked), query head ``h`` on KV head ``h // (H / G)``; a head with no valid row
-    gets 0. Scores as `_dots` sums them, then ``Σ exp(s - max) · v / Σ exp(s - max)``:
-    `sparse_gqa_reference`'s math, rounded differently in the last bits."""
+    gets 0. Scores as `_dots` sums them, then ``Σ exp(s - max) · v / Σ exp(s - max)``
+    (the sums vectorised): `sparse_gqa_reference`'s math, rounded differently in the last
+    bits. Masked entries after the last valid one (a selection's padding) are skipped."""
     H, D = q.shape
     GD = klay[4] // 2
     G = GD // D
     QH = H // G
     K = rows.shape[0]
+    while K > 0 and rows[K - 1] < 0:
+        K -= 1
+    if K == 0:
+        for h in range(H):
+            for d in range(D):
+                out[h, d] = 0.0
+        return
     off, s_blk, s_row, bs = klay[0], klay[1], klay[2], klay[3]
     qg = q.reshape((G, QH, D))
     scores = np.empty((H, K), np.float32)
@@ -576,21 +797,12 @@ def _attend_rows(q, kflat, klay, rows, scale, out):
         _dots(qg, kflat[at : at + GD], scores, k, scale)
     for h in range(H):
         srow = scores[h]
-        top = -np.inf
+        _exp_shifted(srow, _row_max(srow, K), scale2)  # row K - 1 is valid: a finite max
+        inv = np.float32(1.0) / _row_sum(srow, K)
         for k in range(K):
-            if srow[k] > top:
-                top = srow[k]
-        total = np.float32(0.0)
-        if top > -np.inf:
-            _exp_shifted(srow, top, scale2)
-            for k in range(K):
-                total += srow[k]
+            srow[k] = srow[k] * inv
         for d in range(D):
             out[h, d] = 0.0
-        if total > 0:
-            inv = np.float32(1.0) / total
-            for k in range(K):
-                srow[k] = srow[k] * inv
     for k in range(K):
         at = starts[k]
         if at < 0:
@@ -603,6 +815,59 @@ def _attend_rows(q, kflat, klay, rows, scale, out):
                 o = out[h]
                 for d in range(D):
                     o[d] += p * v[d]
+
+
+def _attend_rows_many(q, kflat, klay, rows, scale, out, parts):
+    """`_attend_rows` of every token of ``q [T, H, D]``, each over its own rows
+    ``rows [T, K]`` (a prefill's per-token selections), into ``out [T, H, D]``; the tokens
+    dealt round-robin to ``parts`` threads (`_parts`)."""
+    T = q.shape[0]
+    for part in prange(parts):
+        for t in range(part, T, parts):
+            _attend_rows(q[t], kflat, klay, rows[t], scale, out[t])
+
+
+def _is_causal_prefix(rows, positions, ref):
+    """Whether each token ``t`` attends to exactly ``ref[: positions[t] + 1]``, in that
+    order (``rows[t]`` those, then only ``-1``): a dense causal prefix of the rows
+    ``ref`` of positions ``0, 1, ...``."""
+    n, k = rows.shape
+    for t in range(n):
+        p = np.int64(positions[t])
+        if p < 0 or p >= ref.shape[0] or p >= k:
+            return False
+        for j in range(p + 1):
+            if rows[t, j] != ref[j] or ref[j] < 0:
+                return False
+        for j in range(p + 1, k):
+            if rows[t, j] >= 0:
+                return False
+    return True
+
+
+def _resident_rows(topk, req, table, bs, out):
+    """`CacheHandle.resident_rows` of a prefill step: ``out[i, j]`` = the resident row of
+    logical position ``topk[i, j]`` of request ``req[i]`` through ``table`` (``[R, blocks]``,
+    0: not resident), ``-1`` where the entry or the token is padding. Returns False (the
+    caller raises) when a live entry lies past the table or on a page that is not
+    resident."""
+    n, k = topk.shape
+    nb = table.shape[1]
+    for i in range(n):
+        r = np.int64(req[i])
+        for j in range(k):
+            p = np.int64(topk[i, j])
+            if p < 0 or r < 0:
+                out[i, j] = -1
+                continue
+            b = p // bs
+            if b >= nb:
+                return False
+            blk = np.int64(table[r, b])
+            if blk <= 0:
+                return False
+            out[i, j] = blk * bs + p - b * bs
+    return True
 
 
 #: Whole storages as flat numpy arrays, by (address, bytes, item type); bounded (an entry
