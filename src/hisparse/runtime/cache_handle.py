@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from hisparse.runtime.batch import GroupTables, StepMetadata
-from hisparse.runtime.ops import cpu_jit, cpu_ops
+from hisparse.runtime.ops import cpu_jit
 from hisparse.runtime.sparse_layer import SparseLayerRuntime, prefix_rows
 from hisparse.runtime.staging import PrefillStagingPlan
 
