@@ -165,7 +165,7 @@ def test_the_fast_finish_path_is_taken(jit_mode: str) -> None:
 def test_the_fast_path_follows_the_group_ops() -> None:
     """`cpu_decode_fast_path` is re-derived whenever the group's ops change: on for `cpu_ops`,
     off for the reference and for the swap timer's wrapper (it must see every op call)."""
-    from hisparse.engine.swap_timer import SwapTimer
+    from hisparse.bench.swap_timer import SwapTimer
 
     handles, _hosts, _devs = _twin(cpu_ops, True, 0)
     group = handles[0].runtime.group
