@@ -61,7 +61,7 @@ def has_capability(ops: ModuleType | object, name: str) -> bool:
     """Whether the namespace ``ops`` itself declares capability ``name`` (`CAPABILITIES`).
 
     Read from the namespace's own attributes, not through attribute forwarding: a wrapper that
-    forwards every op (`engine.swap_timer`'s timed ops, a test's proxy) exists to see each op
+    forwards every op (`bench.swap_timer`'s timed ops, a test's proxy) exists to see each op
     call, so it does not inherit a path that skips them.
     """
     if name not in CAPABILITIES:
