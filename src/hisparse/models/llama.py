@@ -335,6 +335,10 @@ def fused_weight(
 
 
 class LlamaAttention(nn.Module):
+    #: Tensor parallelism (`hisparse.parallel.shard`): this rank's (query heads, KV heads).
+    #: The indexer scores with every head; the rows and attention hold this rank's only.
+    tp_heads: tuple[slice, slice] | None = None
+
     def __init__(self, config: LlamaConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -369,12 +373,14 @@ class LlamaAttention(nn.Module):
         rope = rope_full_width if cos.shape[-1] == self.head_dim else rope_half_split
         q = rope(self.q_proj(x).view(n, self.n_heads, self.head_dim), cos, sin)
         k = rope(self.k_proj(x).view(n, self.n_kv, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(n, -1, self.head_dim)
+        tp = self.tp_heads
+        qr, kr = (q, k) if tp is None else (q[:, tp[0]].contiguous(), k[:, tp[1]])  # this rank's
 
         # 1. this step's rows into the paged cache.
         kv = cache.attention(self.layer)
         view, slots = kv.write_target()
-        write_rows_fast(view, slots, cache.row_format.pack(k, v))  # no host sync off the CPU
+        write_rows_fast(view, slots, cache.row_format.pack(kr, v))  # no host sync off the CPU
         kv.finish_kv_update()
 
         # 2. compact keys, then one logical top-k per query token.
@@ -389,8 +395,8 @@ class LlamaAttention(nn.Module):
 
         # 3./4. physical rows, then sparse attention.
         physical = kv.swap_in(topk)
-        out = self._attend(q, step, plan, view, topk, physical, cache.row_format, indexer)
-        return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
+        out = self._attend(qr, step, plan, view, topk, physical, cache.row_format, indexer)
+        return self.o_proj(out.reshape(n, -1))
 
     def forward_one_cpu(
         self,
