@@ -125,6 +125,12 @@ class LLM:
         schedule: ``"mixed"`` (default): every step runs the decoding requests' next tokens
             first and fills the rest of ``max_num_batched_tokens`` with prompt chunks;
             ``"prefill-first"``: prompt chunks run alone while any prompt is unfinished.
+        tensor_parallel_size: ranks to shard the model over, one GPU each (on the CPU one
+            process each, gloo); it must divide the attention heads (and KV heads) and the
+            MLP widths. This object is rank 0; it spawns the others (a script needs the
+            ``if __name__ == "__main__":`` guard), or under ``torchrun`` the other processes
+            serve it. The node's ranks share one host pool. A rank that fails closes the
+            engine with `hisparse.parallel.TensorParallelError` (docs/design.md §18).
     """
 
     def __init__(
