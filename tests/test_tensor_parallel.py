@@ -120,6 +120,28 @@ def test_tp2_equals_tp1_under_preemption(checkpoint):
     assert [o.token_ids for o in two] == [o.token_ids for o in one]
 
 
+def test_tp2_lazy_mirror_and_all_gpu_placement(v32):
+    """The lazy host mirror (rows written back when their page leaves the GPU, outside the
+    forward: the other rank's next step waits on the writer's fence) and the all-GPU
+    placement give the tokens of one rank."""
+    prompts = _prompts()
+    with _engine(v32, 1) as one:
+        ref = [o.token_ids for o in one.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    lazy = LLM(
+        v32,
+        hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4, eager_host_mirror=False),
+        kv_format="bf16", max_model_len=128, max_num_seqs=4, gpu_memory_gib=0.02,
+        tensor_parallel_size=2,
+    )  # fmt: skip
+    with lazy:
+        outs = lazy.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+        assert [o.token_ids for o in outs] == ref
+        assert sum(o.metrics.misses for o in outs) > 0
+    with _engine(v32, 2, kv_placement="gpu") as gpu:
+        outs = gpu.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+        assert [o.token_ids for o in outs] == ref
+
+
 def test_smollm2_tp3_equals_tp1():
     """SmolLM2 (9 query / 3 KV heads) over 3 ranks: one KV head each, the host row of each
     token holding the three ranks' slices side by side (the one-rank pool's size)."""
