@@ -119,3 +119,48 @@ def test_missing_subcommand_is_a_usage_error():
     with pytest.raises(SystemExit) as exc:
         main([])
     assert exc.value.code == 2
+
+
+def test_plan_tensor_parallel_node(capsys):
+    """One 8-GPU node of 141 GiB: weights per rank (fp8 block-scaled), the KV budget left,
+    requests of 128K with HiSparse and all-GPU, and one host copy for the node."""
+    args = ["plan", "--model", "deepseek-v3.2", "--tensor-parallel-size", "8",
+            "--gpu-memory-gib", "141"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "671.9B parameters" in out and "83.13 GiB" in out
+    assert "= 43.77 GiB" in out  # 90% of 141 GiB less the weights
+    assert "HiSparse 37, all-GPU 7" in out
+    assert "180.83 GiB for the node, one copy shared by its 8 ranks" in out
+    assert main(["plan", "--model", "glm-5", "--tensor-parallel-size", "8",
+                 "--gpu-memory-gib", "141"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "743.4B parameters" in out and "indexer (21 layers, whole)" in out
+    # 3 does not divide 128 heads; 2 GPUs cannot hold the weights
+    assert main([*args[:4], "3", *args[5:]]) == 2
+    assert "does not divide the model's 128 attention heads" in capsys.readouterr().err
+    assert main([*args[:4], "2", *args[5:]]) == 2
+    assert "weights per rank exceed" in capsys.readouterr().err
+
+
+def test_plan_without_tensor_parallel_needs_the_pool_flags(capsys):
+    assert main(["plan", "--model", "deepseek-v3.2", "--gpu-memory-gib", "60"]) == 2
+    assert "--host-pool-gib is required" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_plan_parameter_formula_counts_the_model(arch):
+    """The planner's per-kind parameter counts add up to the model's own parameters (tiny
+    shapes of both architectures; GLM's IndexShare layers own no indexer)."""
+    import torch
+
+    from hisparse.models.deepseek_v32 import DsaForCausalLM
+    from hisparse.models.dsa_config import DsaConfig
+    from hisparse.models.tiny import tiny_config_kwargs
+    from hisparse.parallel.plan import dsa_weight_parts
+
+    cfg = DsaConfig.from_dict({"model_type": arch, **tiny_config_kwargs(arch)})
+    with torch.device("meta"):
+        model = DsaForCausalLM(cfg)
+    own = sum(p.numel() for p in model.parameters())
+    assert sum(p.params for p in dsa_weight_parts(cfg, 1)) == own

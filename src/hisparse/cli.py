@@ -9,6 +9,7 @@ the host pool; see `hisparse.cli_generate`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -37,6 +38,7 @@ from hisparse.kv.layout import (
     plan_kv_layout,
     summarize_index_groups,
 )
+from hisparse.parallel.plan import DEFAULT_GPU_MEMORY_UTILIZATION
 
 #: Exit status for bad arguments or configuration (argparse uses the same).
 EXIT_USAGE = 2
@@ -58,13 +60,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``hisparse`` script; returns the process exit status."""
+    """Entry point of the ``hisparse`` script; returns the process exit status.
+
+    Under ``torchrun`` with ``--tensor-parallel-size N > 1`` only rank 0 runs the command;
+    the other processes serve the engines it builds (`hisparse.parallel.group`)."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "builds_engine", False) and getattr(args, "tensor_parallel_size", 1) > 1:
+        _serve_rank_if_torchrun_worker(args)
     try:
         return args.handler(args)
     except (HiSparseConfigError, ValueError, OSError) as err:
         print(f"hisparse {args.command}: error: {flag_message(err, args)}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _serve_rank_if_torchrun_worker(args: argparse.Namespace) -> None:
+    """A torchrun process of rank > 0: serve rank 0's engines (never returns); its own
+    output is silenced (rank 0 prints)."""
+    from hisparse.parallel.group import serve_torchrun_ranks, torchrun_env
+
+    env = torchrun_env()
+    if env is None or env["rank"] == 0 or env["world_size"] < 2:
+        return
+    from hisparse.engine.setup import checked_device
+
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process
+    serve_torchrun_ranks(checked_device(args.device))
 
 
 def flag_message(err: Exception, args: argparse.Namespace) -> str:
@@ -99,12 +120,33 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "--gpu-memory-gib",
         type=float,
         required=True,
-        help="GPU memory for the KV cache (what is left after weights), GiB",
+        help="GPU memory for the KV cache (what is left after weights), GiB; with "
+        "--tensor-parallel-size: each GPU's whole memory",
     )
     plan.add_argument(
-        "--host-pool-gib", type=float, required=True, help="pinned host pool size, GiB"
+        "--host-pool-gib",
+        type=float,
+        help="pinned host pool size, GiB (with --tensor-parallel-size: default what the "
+        "requests that fit the GPUs need)",
     )
-    plan.add_argument("--max-model-len", type=int, required=True, help="longest request, tokens")
+    plan.add_argument(
+        "--max-model-len",
+        type=int,
+        help=f"longest request, tokens (with --tensor-parallel-size: default {TP_PLAN_LEN:,})",
+    )
+    plan.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        help="plan one node of this many GPUs: weights per rank (fp8 block-scaled), the KV "
+        "budget left per GPU, requests that fit, host RAM for one shared copy",
+    )
+    plan.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        help="with --tensor-parallel-size: the fraction of each GPU's memory weights and KV "
+        "may take (default: %(default)s; the rest for activations, CUDA and NCCL)",
+    )
     plan.add_argument(
         "--kv-format",
         choices=SUPPORTED_KV_FORMATS,
@@ -135,6 +177,15 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    if args.tensor_parallel_size is not None:
+        return _run_plan_tensor_parallel(args)
+    for flag, value in (("--host-pool-gib", args.host_pool_gib),
+                        ("--max-model-len", args.max_model_len)):  # fmt: skip
+        if value is None:
+            raise HiSparseConfigError(
+                f"{flag} is required (or pass --tensor-parallel-size to plan a node from its "
+                "GPUs' memory)"
+            )
     context_len = args.context_len if args.context_len is not None else args.max_model_len
     if not 0 < context_len <= args.max_model_len:
         raise HiSparseConfigError(
@@ -189,6 +240,110 @@ def _run_plan(args: argparse.Namespace) -> int:
     console.print(
         f"Requests of {context_len:,} tokens: HiSparse {with_hisparse:,}, all-GPU {baseline:,} "
         f"-> {verdict}"
+    )
+    return 0
+
+
+#: ``hisparse plan --tensor-parallel-size``: requests of this length unless --max-model-len.
+TP_PLAN_LEN = 131072
+
+
+def _run_plan_tensor_parallel(args: argparse.Namespace) -> int:
+    """One node of ``--tensor-parallel-size`` GPUs of ``--gpu-memory-gib`` each: weights per
+    rank, the KV budget left per GPU, the requests that fit with HiSparse and all-GPU, and
+    the host RAM that holds them once (`hisparse.parallel.plan`)."""
+    import dataclasses
+
+    from hisparse.parallel.plan import dsa_config_of, dsa_weight_parts, format_count
+
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        raise HiSparseConfigError(f"--tensor-parallel-size {tp}: must be a positive integer")
+    check_gib("--gpu-memory-gib", args.gpu_memory_gib)
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise HiSparseConfigError(
+            f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]"
+        )
+    max_len = args.max_model_len if args.max_model_len is not None else TP_PLAN_LEN
+    context_len = args.context_len if args.context_len is not None else max_len
+    if not 0 < context_len <= max_len:
+        raise HiSparseConfigError(
+            f"--context-len={context_len} must be between 1 and --max-model-len={max_len}."
+        )
+    model = load_model_cache_shape(args.model, block_size=args.block_size, kv_format=args.kv_format)
+    _check_row_alignment(model, args)
+    cfg = dsa_config_of(args.model)
+    for what, size in (("attention heads", cfg.num_attention_heads),
+                       ("expert width (moe_intermediate_size)", cfg.moe_intermediate_size),
+                       ("dense MLP width (intermediate_size)", cfg.intermediate_size)):  # fmt: skip
+        if size % tp:
+            raise HiSparseConfigError(
+                f"--tensor-parallel-size {tp} does not divide the model's {size} {what}"
+            )
+    parts = dsa_weight_parts(cfg, tp, indexer_layers=len(model.indexer_specs))
+    weights = sum(p.bytes_per_rank for p in parts)
+    usable = int(args.gpu_memory_utilization * args.gpu_memory_gib * 2**30)
+    budget = usable - weights
+    if budget <= 0:
+        raise HiSparseConfigError(
+            f"{model.name}: {format_gib(weights)} of weights per rank exceed "
+            f"{args.gpu_memory_utilization:.0%} of {args.gpu_memory_gib} GiB; raise "
+            "--tensor-parallel-size or --gpu-memory-gib."
+        )
+    config = HiSparseConfig(
+        top_k=args.top_k, device_buffer_size=args.device_buffer_size, block_size=args.block_size
+    ).resolve(model.index_topk)
+    block = sum(s.row_bytes for s in model.sparse_specs) * args.block_size
+    # The GPU side first (a host pool of one request), then the host RAM its requests need.
+    probe = dataclasses.replace(config, host_pool_bytes=config.min_host_blocks(max_len) * block)
+    gpu_side = plan_kv_layout(model.specs, probe, budget, max_len, "hisparse")
+    fits = gpu_side.max_requests_gpu(context_len)
+    host_blocks = fits * gpu_side.host_blocks_per_request(context_len) + 1
+    host_bytes = (
+        int(args.host_pool_gib * 2**30)
+        if args.host_pool_gib is not None
+        else max(host_blocks * block, probe.host_pool_bytes or 0)
+    )
+    config = dataclasses.replace(config, host_pool_bytes=host_bytes)
+    hisparse = plan_kv_layout(model.specs, config, budget, max_len, "hisparse")
+    all_gpu = plan_kv_layout(model.specs, config, budget, max_len, "gpu", check_capacity=False)
+
+    console = Console(width=max(Console().width, 100), highlight=False)
+    params = sum(p.params for p in parts)
+    console.print(
+        f"[bold]{model.name}[/bold] on {tp} GPUs of {args.gpu_memory_gib:g} GiB: "
+        f"{params / 1e9:,.1f}B parameters, fp8 block-scaled (embedding, LM head, router, "
+        "norms in bf16)"
+    )
+    table = Table(title=f"Weights per rank (tensor parallel {tp})", title_justify="left")
+    for column in ("weights", "parameters", "per rank"):
+        table.add_column(column, justify="left" if column == "weights" else "right")
+    for p in parts:
+        table.add_row(p.name, format_count(p.params), format_gib(p.bytes_per_rank))
+    table.add_row("[bold]total[/bold]", format_count(params), f"[bold]{format_gib(weights)}[/]")
+    console.print(table)
+    console.print(
+        f"KV budget per GPU: {args.gpu_memory_utilization:.0%} of {args.gpu_memory_gib:g} GiB "
+        f"- {format_gib(weights)} weights = [bold]{format_gib(budget)}[/bold]; every rank holds "
+        "every request's latent rows and indexer keys (one latent head, the same on all ranks)"
+    )
+    console.print(_capacity_table(hisparse, all_gpu, context_len))
+    with_hisparse = hisparse.max_requests(context_len)
+    baseline = all_gpu.max_requests(context_len)
+    verdict = (
+        f"{with_hisparse / baseline:.2f}x the requests of all-GPU"
+        if baseline
+        else "all-GPU cannot hold even one request of this length"
+    )
+    console.print(
+        f"Requests of {context_len:,} tokens on the node: HiSparse {with_hisparse:,}, all-GPU "
+        f"{baseline:,} -> {verdict}"
+    )
+    console.print(
+        f"Host RAM (pinned): [bold]{format_gib(hisparse.host_pool_bytes)}[/bold] for the node, "
+        f"one copy shared by its {tp} ranks ({hisparse.host_num_blocks:,} blocks x "
+        f"{hisparse.host_block_bytes:,} B); a pool per rank would take "
+        f"{format_gib(tp * hisparse.host_pool_bytes)}"
     )
     return 0
 

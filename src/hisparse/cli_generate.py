@@ -36,6 +36,7 @@ FLAGS = {
     "LLM.kv_placement": "--kv-placement",
     "LLM.device": "--device",
     "LLM.model": "--model",
+    "LLM.tensor_parallel_size": "--tensor-parallel-size",
 }
 
 
@@ -79,7 +80,13 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--max-model-len", type=int, default=4096)
     gen.add_argument("--kv-placement", choices=("hisparse", "gpu"), default="hisparse")
     gen.add_argument("--device", default=None)
-    gen.set_defaults(handler=run_generate, flags=FLAGS)
+    gen.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks to shard the model over, one GPU each (default 1); see the README for torchrun",
+    )
+    gen.set_defaults(handler=run_generate, flags=FLAGS, builds_engine=True)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -125,6 +132,7 @@ def _generate(
             gpu_memory_gib=args.gpu_memory_gib,
             device=args.device,
             max_num_seqs=1,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     load_s = time.perf_counter() - t0
     with llm:

@@ -24,6 +24,7 @@ FLAGS = {
     "LLM.kv_placement": "--kv-placement",
     "LLM.device": "--device",
     "LLM.model": "--model",
+    "LLM.tensor_parallel_size": "--tensor-parallel-size",
 }
 
 
@@ -49,8 +50,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-pool-gib", type=float, default=None)
     p.add_argument("--gpu-memory-gib", type=float, default=None)
     p.add_argument("--device", default=None)
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks to shard the model over, one GPU each (default 1); see the README for torchrun",
+    )
     p.add_argument("--log-level", default="info")
-    p.set_defaults(handler=run_serve, flags=FLAGS)
+    p.set_defaults(handler=run_serve, flags=FLAGS, builds_engine=True)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -77,6 +84,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_batched_tokens,
             gpu_memory_gib=args.gpu_memory_gib,
             device=args.device,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     name = args.served_model_name or str(args.model)
     with llm:

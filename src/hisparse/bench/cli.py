@@ -114,6 +114,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "chunks alone while any prompt is unfinished (default: %(default)s)",
     )
     bench.add_argument("--device", default=None)
+    bench.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks to shard the model over, one GPU each (default 1); see the README for torchrun",
+    )
     bench.add_argument("--dtype", default="auto")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
@@ -130,6 +136,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
     bench.set_defaults(
         handler=run_bench,
+        builds_engine=True,
         flags={
             "HiSparseConfig.top_k": "--top-k",
             "HiSparseConfig.device_buffer_size": "--hot-buffer",
@@ -142,6 +149,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
             "LLM.max_model_len": "--max-model-len",
             "LLM.max_num_batched_tokens": "--max-batched-tokens",
             "LLM.max_num_seqs": "--concurrency",
+            "LLM.tensor_parallel_size": "--tensor-parallel-size",
             "BenchHooks.seed": "--seed",
             "BenchHooks.topk_overlap": "--topk-overlap",
         },
@@ -339,6 +347,7 @@ def _make_llm(args: argparse.Namespace, cfg: dict[str, Any], placement: str) -> 
             seed=args.seed,
         ),
         schedule=args.schedule,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -385,7 +394,7 @@ def run_cell(
     """``n`` requests at once through ``llm`` (its scheduler capped at ``n`` running)."""
     from hisparse.engine.sampling import SamplingParams
 
-    llm.scheduler.max_num_seqs = n
+    llm.set_max_num_seqs(n)
     prompts = _prompts(n, args.input_len, llm.model.config.vocab_size, seed)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     t0 = time.perf_counter()

@@ -15,6 +15,7 @@ Python over the context, which at 128K tokens (2048 pages) would dominate a deco
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -59,7 +60,15 @@ class KVCacheManager:
         max_model_len: int,
         max_num_seqs: int,
         device: torch.device,
+        host_pool: Callable[[int, bool], HostPool] | None = None,
+        host_shards: int = 1,
+        host_shard: int = 0,
+        host_writer: bool = True,
     ) -> None:
+        """``host_pool(size, pin)`` makes the host pool (default: this process's own,
+        `HostPool`); tensor parallelism passes the node's shared one, with ``host_shards`` /
+        ``host_shard`` for rows sharded by KV head (`plan_kv_layout`) and ``host_writer``
+        False on the ranks that only read rows another rank mirrors (docs/design.md §18)."""
         self.config = config
         self.placement = placement
         self.offload = placement == "hisparse"
@@ -67,14 +76,18 @@ class KVCacheManager:
         self.max_num_seqs = max_num_seqs
         self.max_blocks = cdiv(max_model_len, self.block_size)
         self.device = device
+        self.host_writer = host_writer
         self.layout: KVLayout = plan_kv_layout(
             specs,
             config,
             gpu_budget_bytes,
             max_model_len,
             placement,  # type: ignore[arg-type]
+            host_shards=host_shards,
+            host_shard=host_shard,
         )
         self.host_pool: HostPool | None = None
+        self._make_host_pool = host_pool or (lambda size, pin: HostPool(size, pin=pin))
         try:
             self._allocate(max_num_seqs, device)
         except BaseException:
@@ -90,7 +103,7 @@ class KVCacheManager:
         self.gpu_blocks = BlockPool(lay.gpu_num_blocks, "GPU block pool")
         self.host_blocks: BlockPool | None = None
         if self.offload:
-            self.host_pool = HostPool(lay.host_pool_bytes, pin=device.type == "cuda")
+            self.host_pool = self._make_host_pool(lay.host_pool_bytes, device.type == "cuda")
             self.host_blocks = BlockPool(lay.host_num_blocks, "host block pool")
         self.resident_groups = list(lay.groups(GroupKind.RESIDENT))
         self.hot_groups = list(lay.groups(GroupKind.HOT))

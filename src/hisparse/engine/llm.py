@@ -4,6 +4,10 @@ pool (``kv_placement="hisparse"``) or every row on the GPU (``kv_placement="gpu"
 The sparse-attention settings (top_k, indexer) apply to both placements; ``kv_placement``
 changes only where the KV rows live, so both give the same tokens.
 
+``tensor_parallel_size=N`` shards the model over N ranks (`hisparse.parallel`,
+docs/design.md §18): this object is rank 0, the driver, and sends every request, abort and
+step to the other ranks, which run the same engine on their shards.
+
 Every argument is checked before anything is loaded (`hisparse.validation`); a constructor
 that fails releases what it took; `LLM.close` releases the host pool, the device pools and
 the model at once, and the closed object refuses further use.
@@ -15,7 +19,9 @@ import contextlib
 import dataclasses
 import gc
 import itertools
+import os
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -48,6 +54,8 @@ from hisparse.models.registry import (
     load_model,
     resolve_model,
 )
+from hisparse.parallel.group import TPGroup, deferred_sigint
+from hisparse.parallel.shard import check_tensor_parallel_size
 from hisparse.validation import (
     _fail,
     check_bool,
@@ -117,6 +125,12 @@ class LLM:
         schedule: ``"mixed"`` (default): every step runs the decoding requests' next tokens
             first and fills the rest of ``max_num_batched_tokens`` with prompt chunks;
             ``"prefill-first"``: prompt chunks run alone while any prompt is unfinished.
+        tensor_parallel_size: ranks to shard the model over, one GPU each (on the CPU one
+            process each, gloo); it must divide the attention heads (and KV heads) and the
+            MLP widths. This object is rank 0; it spawns the others (a script needs the
+            ``if __name__ == "__main__":`` guard), or under ``torchrun`` the other processes
+            serve it. The node's ranks share one host pool. A rank that fails closes the
+            engine with `hisparse.parallel.TensorParallelError` (docs/design.md §18).
     """
 
     def __init__(
@@ -136,11 +150,22 @@ class LLM:
         step_hooks: StepHooks | None = None,
         cuda_graphs: bool | None = None,
         schedule: str = "mixed",
+        tensor_parallel_size: int = 1,
     ) -> None:
+        # every rank builds the same engine from the same arguments
+        llm_kwargs = dict(
+            model=model, kv_placement=kv_placement, hisparse=hisparse,
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            gpu_memory_gib=gpu_memory_gib, dtype=dtype, device=device, kv_format=kv_format,
+            indexer=indexer, max_num_batched_tokens=max_num_batched_tokens,
+            step_hooks=step_hooks, cuda_graphs=cuda_graphs, schedule=schedule,
+            tensor_parallel_size=tensor_parallel_size,
+        )  # fmt: skip
         self._closed = False
         self.kv: KVCacheManager | None = None
         self.runner: ModelRunner | None = None
         self.model: Any = None
+        self._tp: TPGroup | None = None
         f = "LLM."
         # Every argument's type and range first: nothing is loaded for a bad one.
         check_choice(f + "schedule", schedule, SCHEDULE_POLICIES)
@@ -157,6 +182,8 @@ class LLM:
         if step_hooks is not None and not isinstance(step_hooks, StepHooks):
             _fail(f + "step_hooks", step_hooks, "a StepHooks (or None)", type_error=True)
         check_bool(f + "cuda_graphs", cuda_graphs, optional=True)
+        check_int(f + "tensor_parallel_size", tensor_parallel_size, minimum=1, maximum=4096,
+                  example=2)  # fmt: skip
         model_dtype = check_dtype(f + "dtype", dtype)
         self.device = checked_device(device)
         torch_dtype = model_dtype or (
@@ -171,9 +198,15 @@ class LLM:
                       "(DSA models only)")  # fmt: skip
         else:
             check_choice(f + "indexer", indexer, DSA_INDEXERS)
+        if tensor_parallel_size > 1:
+            check_tensor_parallel_size(path, gguf, tensor_parallel_size)
         try:
+            tp = None
+            if tensor_parallel_size > 1:
+                self._tp = tp = TPGroup.start(tensor_parallel_size, self.device, llm_kwargs)
+                self.device = tp.device
             hs = hisparse or HiSparseConfig()
-            loaded = load_model(path, hs, torch_dtype, self.device, indexer, kv_format)
+            loaded = load_model(path, hs, torch_dtype, self.device, indexer, kv_format, tp)
             self.model, self.config = loaded.model, loaded.config
             self.tokenizer, self.chat_template = loaded.tokenizer, loaded.chat_template
             self.eos_token_ids = loaded.eos_token_ids
@@ -187,10 +220,22 @@ class LLM:
             self.max_model_len = max_model_len or model_max_len
             if gpu_memory_gib is None:
                 gpu_memory_gib = default_kv_gib(self.device)
+                if tp is not None:  # the same pools on every rank: what the tightest GPU gives
+                    gpu_memory_gib = tp.agree_min(gpu_memory_gib)
             check_device_memory(self.device, gpu_memory_gib)
             specs = engine_specs(self.model, row_format, self.config.block_size)
+            # GQA rows are sharded by KV head: a host row holds every local rank's slice
+            host = self._host_sharing(gguf)
             if kv_placement == "hisparse" and self.config.host_pool_bytes is None:
-                size = default_host_pool_bytes(specs, self.config, self.max_model_len, max_num_seqs)
+                size = default_host_pool_bytes(
+                    specs,
+                    self.config,
+                    self.max_model_len,
+                    max_num_seqs,
+                    host_shards=host["host_shards"],
+                )
+                if tp is not None:
+                    size = tp.from_driver(size)  # sized from the driver's view of free memory
                 self.config = dataclasses.replace(self.config, host_pool_bytes=size)
             self.kv = KVCacheManager(
                 specs,
@@ -200,6 +245,7 @@ class LLM:
                 max_model_len=self.max_model_len,
                 max_num_seqs=max_num_seqs,
                 device=self.device,
+                **host,
             )
             self.runner = ModelRunner(
                 self.model,
@@ -210,11 +256,15 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 device=self.device,
                 hooks=step_hooks,
-                decode_path=decode_path(cuda_graphs, self.device, indexer),
+                decode_path=decode_path(cuda_graphs, self.device, indexer, tensor_parallel_size),
+                host_fence=tp.fence if tp is not None and not gguf else None,
             )
-        except BaseException:
-            self._release()  # the host pool, the device pools, the model: nothing kept
-            raise
+        except BaseException as err:
+            self._release(failed=True)  # the host pool, the device pools, the model
+            tp = self._tp
+            if tp is not None and tp.is_driver and not tp.closed:
+                raise tp.fail(err) from err  # ends the other ranks, names the one that failed
+            raise  # a worker's error goes to its driver (`worker_main`)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=max_num_seqs,
@@ -227,6 +277,23 @@ class LLM:
         self.step_stats: deque[dict[str, float]] = deque(maxlen=STEP_STATS_KEPT)
         #: every engine step of the latest `generate`
         self.last_run_stats: list[dict[str, float]] = []
+
+    def _host_sharing(self, gguf: bool) -> dict[str, Any]:
+        """`KVCacheManager`'s host-pool arguments: one pool per node under tensor parallelism
+        (docs/design.md §18), its rows written by local rank 0 (MLA rows are the same on every
+        rank) or in per-rank slices (GQA rows are sharded by KV head)."""
+        tp = self._tp
+        if tp is None:
+            return dict(host_shards=1, host_shard=0, host_writer=True)
+        from hisparse.parallel.shm import shared_host_pool
+
+        def pool(size: int, pin: bool) -> Any:
+            return shared_host_pool(size, pin, tp)
+
+        if gguf:
+            return dict(host_pool=pool, host_shards=tp.local_world_size,
+                        host_shard=tp.local_rank, host_writer=True)  # fmt: skip
+        return dict(host_pool=pool, host_shards=1, host_shard=0, host_writer=tp.local_rank == 0)
 
     # ------------------------------------------------------------------------------------
     def generate(
@@ -331,8 +398,7 @@ class LLM:
             raise ValueError(ids)
         rid = request_id if request_id is not None else str(next(self._ids))
         reqs = _completions(rid, ids, params, prompt)
-        for req in reqs:
-            self.scheduler.add(req)
+        self._queue(reqs)
         return reqs
 
     def step(self) -> list[Request]:
@@ -341,9 +407,10 @@ class LLM:
         self._check_open("step")
         sched = self.scheduler
         changed: dict[int, Request] = {}
-        for part in sched.schedule():
-            self.step_stats.append(self._run_part(part))
-            changed.update((id(r), r) for r, _ in part.batch)
+        with self._tp_section():
+            for part in self._schedule():
+                self.step_stats.append(self._run_part(part))
+                changed.update((id(r), r) for r, _ in part.batch)
         changed.update((id(r), r) for r in sched.failed)
         sched.failed.clear()
         return list(changed.values())
@@ -353,9 +420,129 @@ class LLM:
         sched = self.scheduler
         for req in [*sched.running, *sched.waiting]:
             if req.req_id == request_id:
-                sched.abort(req)
+                self._abort([req])
                 return True
         return False
+
+    def set_max_num_seqs(self, n: int) -> None:
+        """Run at most ``n`` requests at once from now on (1 to the ``max_num_seqs`` the
+        engine was built with; the pools stay as they are)."""
+        self._check_open("set_max_num_seqs")
+        check_int("LLM.set_max_num_seqs.n", n, minimum=1, maximum=self.kv.max_num_seqs)
+        with self._tp_section():
+            self.scheduler.max_num_seqs = n
+            if self._tp is not None:
+                self._tp.send(("max_num_seqs", n))
+
+    # --- tensor parallelism: what the driver sends, what the other ranks do --------------
+    def _queue(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            self.scheduler.add(req)
+        if self._tp is not None and reqs:
+            with self._tp_section():
+                specs = [(r.req_id, r.prompt_token_ids, r.params, r.index) for r in reqs]
+                self._tp.send(("add", specs))
+
+    def _abort(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            self.scheduler.abort(req)
+        if self._tp is not None and reqs:
+            with self._tp_section():
+                self._tp.send(("abort", [r.req_id for r in reqs]))
+
+    def _schedule(self) -> list[ScheduledStep]:
+        """The next engine step's parts; every rank schedules the same (the workers are told
+        to step first, and hold the same requests)."""
+        if self._tp is not None:
+            self._tp.send(("step",))
+        return self.scheduler.schedule()
+
+    @contextlib.contextmanager
+    def _tp_section(self) -> Iterator[None]:
+        """Tensor parallelism: the ranks finish this block together (Ctrl-C waits for its
+        end), and any failure inside it is fatal: the engine closes and
+        `TensorParallelError` names the rank that failed. Nothing without it."""
+        tp = self._tp
+        if tp is None:
+            yield
+            return
+        with deferred_sigint():  # a Ctrl-C it holds back is raised after the block, harmless
+            try:
+                yield
+            except BaseException as err:
+                self._closed = True
+                self._release(failed=True)
+                raise tp.fail(err) from err
+
+    def _serve_tensor_parallel(self) -> str:
+        """A rank other than 0: follow the driver's commands until it closes the engine
+        (``"close"``) or its process ends (``"exit"``, torchrun); returns which."""
+        tp = self._tp
+        assert tp is not None and not tp.is_driver
+        sched = self.scheduler
+        while True:
+            op, *args = tp.recv()
+            if op == "step":
+                for part in sched.schedule():
+                    self._run_part(part)
+                sched.failed.clear()
+                self.runner.flush_metrics()
+            elif op == "add":
+                for rid, ids, params, index in args[0]:
+                    sched.add(Request(req_id=rid, prompt_token_ids=ids, params=params,
+                                      index=index))  # fmt: skip
+            elif op == "abort":
+                ids = set(args[0])
+                for req in [r for r in [*sched.running, *sched.waiting] if r.req_id in ids]:
+                    sched.abort(req)
+            elif op == "max_num_seqs":
+                sched.max_num_seqs = args[0]
+            elif op == "state":
+                tp.gather(self._rank_state())
+            elif op in ("close", "exit"):
+                break
+            else:
+                raise RuntimeError(f"unknown tensor-parallel command {op!r}")
+        self.close()
+        return op
+
+    def _tensor_parallel_state(self) -> list[dict[str, Any]]:
+        """Every rank's `_rank_state`, in rank order (tests: one host pool per node, the same
+        selections everywhere)."""
+        self._check_open("_tensor_parallel_state")
+        if self._tp is None:
+            return [self._rank_state()]
+        with self._tp_section():
+            self._tp.send(("state",))
+            out = self._tp.gather(self._rank_state())
+        assert out is not None
+        return out
+
+    def _rank_state(self) -> dict[str, Any]:
+        """This rank's host pool (who created it, which file it maps) and digests of its hot
+        state, its GPU pool and (with such hooks) its selections."""
+
+        def crc(t: torch.Tensor) -> int:
+            return zlib.crc32(t.detach().contiguous().cpu().view(torch.uint8).numpy())
+
+        kv, runner, tp = self.kv, self.runner, self._tp
+        assert kv is not None and runner is not None
+        pool = kv.host_pool
+        leaders = [h.runtime.group for h in runner.leaders]
+        return dict(
+            rank=0 if tp is None else tp.rank,
+            pid=os.getpid(),
+            host_pool=None if pool is None else dict(
+                size=pool.size, created=pool.created, inode=pool.inode,
+                shared=pool.shared is not None,
+            ),
+            host_pool_bytes=kv.layout.host_pool_bytes,
+            host_writer=kv.host_writer,
+            hot_state=[(crc(g.hot_index), crc(g.lru)) for g in leaders if kv.offload],
+            gpu_pool=crc(kv.gpu_raw) if kv.gpu_raw.numel() <= 2**28 else None,  # test sizes
+            # step hooks that record a digest (`hisparse.testing.tp_hooks.SelectionDigest`)
+            selections=getattr(runner.hooks, "digest", None),
+        )  # fmt: skip
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work
@@ -385,18 +572,16 @@ class LLM:
         requests = [r for _, _, reqs in groups for r in reqs]
         # Queued only once every prompt was read: nothing of this call is left behind if
         # reading one fails.
-        for req in requests:
-            if not req.finished:
-                self.scheduler.add(req)
+        self._queue([req for req in requests if not req.finished])
         try:
             with _young_objects_only(self.device):
                 self._run(requests, progress, on_finish)
         except BaseException as err:
             # Whatever stopped the run (an error, Ctrl-C), the engine stays usable: this
             # call's unfinished requests leave the scheduler and give their blocks back.
-            for req in requests:
-                if not req.finished:
-                    self.scheduler.abort(req)
+            # (A failed tensor-parallel engine is closed: nothing is left to abort.)
+            if not self._closed:
+                self._abort([req for req in requests if not req.finished])
             if isinstance(err, KeyboardInterrupt) and not isinstance(err, GenerationInterrupted):
                 raise GenerationInterrupted(outputs_of(groups)) from err
             raise
@@ -425,16 +610,17 @@ class LLM:
         self.last_run_stats = run_stats = []
         try:
             while sched.has_work:
-                parts = sched.schedule()
+                with self._tp_section():
+                    parts = self._schedule()
+                    for part in parts:
+                        run_stats.append(self._run_part(part))
+                        self.step_stats.append(run_stats[-1])
                 if not parts:
                     stalls += 1
                     if stalls > len(requests) + 2:
                         raise RuntimeError("scheduler stalled: nothing fits and nothing runs")
                     continue
                 stalls = 0
-                for part in parts:
-                    run_stats.append(self._run_part(part))
-                    self.step_stats.append(run_stats[-1])
                 new_done = sum(r.finished for r in requests)
                 if bar is not None and new_done > done:
                     bar.update(new_done - done)
@@ -444,7 +630,9 @@ class LLM:
         finally:
             sched.failed.clear()
             # per-request and per-step swap counters, read from the device once per run
-            decode_stats = iter(self.runner.flush_metrics())
+            # (none left when a tensor-parallel engine failed mid-run: it is closed)
+            counters = self.runner.flush_metrics() if not self._closed else []
+            decode_stats = iter(counters)
             for row in run_stats:
                 if row["decode"]:
                     row.update(next(decode_stats, {}))
@@ -463,9 +651,16 @@ class LLM:
             tokens: list[int | None] = list(result.token_ids)
             logprobs = [{} for _ in tokens]  # no logits: a synthetic prefill's first token
         elif result.sample_reqs:
-            assert result.logits is not None
-            sampled = sample_rows(result.logits, result.sample_reqs, self.eos_token_ids)
-            tokens, logprobs = sampled.tokens, sampled.logprobs
+            n = len(result.sample_reqs)
+            tp = self._tp
+            if tp is None or tp.is_driver:
+                assert result.logits is not None
+                sampled = sample_rows(result.logits, result.sample_reqs, self.eos_token_ids)
+                tokens, logprobs = sampled.tokens, sampled.logprobs
+            else:  # rank 0 samples (its generators, its penalties); the others get its tokens
+                tokens, logprobs = [], [None] * n
+            if tp is not None:
+                tokens = tp.share_tokens(tokens, n)
         else:
             tokens, logprobs = [], []
         now = time.perf_counter()
@@ -488,12 +683,16 @@ class LLM:
         self._closed = True
         self._release()
 
-    def _release(self) -> None:
+    def _release(self, failed: bool = False) -> None:
+        """Drop everything; ``failed``: a tensor-parallel failure, whose caller ends the
+        ranks (`TPGroup.fail`)."""
         if self.kv is not None:
             self.kv.close()
         self.runner = None
         self.model = None
         self.scheduler = None
+        if self._tp is not None and not failed:
+            self._tp.shutdown()  # the driver closes its ranks; a worker drops its groups
         # The runner's layer objects refer to each other: without a collection now, the device
         # pool and the host backing they view would live on until the collector ran.
         gc.collect()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -147,7 +148,12 @@ class ModelRunner:
         device: torch.device,
         hooks: StepHooks | None = None,
         decode_path: str = "eager",
+        host_fence: Callable[[], None] | None = None,
     ) -> None:
+        """``host_fence``: tensor parallelism with one host writer per node (docs/design.md
+        §18): called at the start of the step after one whose pages were written back to the
+        host outside the forward (the lazy mirror), so no rank reads those rows before the
+        writer's copies are done."""
         if decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path={decode_path!r}: use one of {DECODE_PATHS}")
         if decode_path == "graphs" and device.type != "cuda":
@@ -176,6 +182,7 @@ class ModelRunner:
             rt.bind_device(kv.gpu_view(spec.name))
             if kv.offload:
                 rt.bind_host(kv.host_view(spec.name))
+                rt.writes_host = kv.host_writer
             handle = CacheHandle(rt)
             self.runtimes.append(rt)
             self.handles.append(handle)
@@ -222,6 +229,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(max_num_seqs, device, capture=capture)
         if hooks is not None:
             hooks.bind(self)
+        self.host_fence = host_fence
+        self._fence_pending = False
 
     def reset_slot(self, slot: int) -> None:
         for leader in self.leaders:
@@ -262,6 +271,10 @@ class ModelRunner:
         kv, bs, dev = self.kv, self.config.block_size, self.device
         while kv.pending_slot_resets:
             self.reset_slot(kv.pending_slot_resets.pop())
+        if self._fence_pending:
+            self._fence_pending = False
+            assert self.host_fence is not None
+            self.host_fence()
         if decode and self.graphs is not None and all(n == 1 for _, n in batch):
             # the fixed-shape step holds one row per request (no speculative rows)
             return self._run_static_decode([req for req, _ in batch])
@@ -521,6 +534,10 @@ class ModelRunner:
         if self.config.eager_host_mirror or not dropped:
             return
         kv, bs = self.kv, self.config.block_size
+        # every rank holds the same pages, so every rank fences the next step alike
+        self._fence_pending = self.host_fence is not None
+        if not kv.host_writer:
+            return
         host = kv.requests[req.req_id].host
         offs = torch.arange(bs, dtype=torch.int64)
         for gi, pages, blocks in dropped:

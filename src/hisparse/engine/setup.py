@@ -28,12 +28,14 @@ def default_host_pool_bytes(
     max_model_len: int,
     max_num_seqs: int,
     available: int | None = None,
+    host_shards: int = 1,
 ) -> int:
     """What ``max_num_seqs`` requests of ``max_model_len`` tokens hold on the host (their
     pages, a copy-on-write tail each, the null block), capped at half the host memory
-    ``available`` (default: now), and at least one such request."""
+    ``available`` (default: now), and at least one such request. ``host_shards``: host rows
+    hold that many ranks' slices of the specs' rows (`plan_kv_layout`)."""
     bs = config.block_size
-    block = sum(s.row_bytes for s in specs if s.kind is CacheKind.SPARSE_MLA) * bs
+    block = sum(s.row_bytes for s in specs if s.kind is CacheKind.SPARSE_MLA) * bs * host_shards
     per_request = cdiv(max_model_len, bs) + 1
     want = (max_num_seqs * per_request + 1) * block
     available = available_host_bytes() if available is None else available
@@ -79,14 +81,24 @@ def capture_blockers(device: torch.device, indexer: str) -> list[str]:
     return out
 
 
-def decode_path(cuda_graphs: bool | None, device: torch.device, indexer: str = "fp8") -> str:
+def decode_path(
+    cuda_graphs: bool | None,
+    device: torch.device,
+    indexer: str = "fp8",
+    tensor_parallel_size: int = 1,
+) -> str:
     """`ModelRunner` decode path for the ``cuda_graphs`` argument on ``device``: CUDA graphs by
     default on CUDA, unless a part of the step cannot be captured (then the same fixed-shape
-    step runs eagerly, with a warning; asking for graphs explicitly is then an error)."""
+    step runs eagerly, with a warning; asking for graphs explicitly is then an error). With
+    tensor parallelism graphs are opt-in (``cuda_graphs=True``): capturing the NCCL
+    all-reduces has not been run yet (docs/design.md §18); the default runs the same
+    fixed-shape step eagerly."""
     if cuda_graphs is False or (cuda_graphs is None and device.type != "cuda"):
         return "eager"
     if device.type != "cuda":
         return "padded"  # cuda_graphs=True on the CPU: the graphs' step, run eagerly
+    if cuda_graphs is None and tensor_parallel_size > 1:
+        return "padded"
     blockers = capture_blockers(device, indexer)
     if not blockers:
         return "graphs"

@@ -9,6 +9,11 @@ The process-wide slot that enforces "one pool" holds the live pool by weak refer
 nobody holds any more (its `LLM` dropped without ``close()``) is released by its finalizer
 (`HostPool.__del__`), and a new pool first collects such garbage once before refusing, so a
 dropped engine never blocks the next one, and two registrations never coexist.
+
+Tensor parallelism shares one backing among a node's ranks (docs/design.md §18): the pool is
+then a shared mapping of a file in ``/dev/shm`` (`SharedBacking`), created and filled with
+pages once by local rank 0 and mapped by every local rank; each process registers its own
+mapping with CUDA. `hisparse.parallel.shm` orders the creation, the mappings and the unlink.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import gc
 import os
 import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -71,10 +77,51 @@ def check_host_memory(size: int, available: int | None = None) -> None:
         )
 
 
-class HostPool:
-    """One pinned (CUDA) or plain (CPU) host backing of ``size`` bytes, one per process."""
+@dataclass(frozen=True)
+class SharedBacking:
+    """A host pool backed by the shared mapping of ``path`` (a file in ``/dev/shm``).
 
-    def __init__(self, size: int, *, pin: bool | None = None) -> None:
+    ``create``: this process makes the file (``size`` bytes, every page allocated up front, so a
+    full ``/dev/shm`` fails here and not as a SIGBUS later); otherwise it maps the file another
+    process made. The file's name may be unlinked once every process has mapped it."""
+
+    path: str
+    create: bool
+
+
+def create_shared_file(path: str, size: int) -> None:
+    """Make ``path`` (exclusive, mode 0600) of ``size`` bytes, all of them allocated."""
+    directory = os.path.dirname(path) or "."
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise HostPoolSizeError(
+            f"the shared HiSparse host pool of {size / 2**30:.2f} GiB does not fit the "
+            f"{free / 2**30:.2f} GiB free in {directory} (a tmpfs: containers need a larger "
+            f"--shm-size); set host_pool_gib <= {0.95 * free / 2**30:.2f} or enlarge {directory}.",
+            field="HiSparseConfig.host_pool_gib",
+            value=size / 2**30,
+        )
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as err:
+        os.close(fd)
+        os.unlink(path)
+        raise HostPoolError(f"cannot allocate {size} bytes for {path}: {err}") from err
+    os.close(fd)
+
+
+class HostPool:
+    """One pinned (CUDA) or plain (CPU) host backing of ``size`` bytes, one per process.
+
+    ``shared``: map a file shared with the other ranks of a node instead of allocating private
+    memory (`SharedBacking`); ``created`` and ``inode`` then say which process made it and
+    which file every process maps (what the tensor-parallel tests check)."""
+
+    def __init__(
+        self, size: int, *, pin: bool | None = None, shared: SharedBacking | None = None
+    ) -> None:
         global _live_ref
         self._backing: torch.Tensor | None = None
         self._registered = False
@@ -82,20 +129,39 @@ class HostPool:
             raise HostPoolError(f"HiSparse host pool size must be positive, got {size} bytes.")
         self.size = size
         self.pinned = torch.cuda.is_available() if pin is None else pin
+        self.shared = shared
+        self.created = shared is None or shared.create
+        self.inode: int | None = None
         if self.pinned and not torch.cuda.is_available():
             raise HostPoolError("a pinned host pool needs CUDA; use pin=False on a CPU run.")
         if live_pool() is not None:
             # a pool only garbage holds (an engine dropped inside a reference cycle) is
             # released by the collection; a pool something still holds stays and is refused
             gc.collect()
-        check_host_memory(size)
+        if self.created:
+            # a rank that maps a pool another made allocates nothing (and the pool it maps
+            # already counts against the memory available)
+            check_host_memory(size)
         with _live_lock:
             if live_pool() is not None:
                 raise HostPoolError(
                     "a HiSparse host pool already exists in this process; close() it first "
                     "(one pinned backing per process keeps registration exact and bounded)."
                 )
-            self._backing = torch.empty(size, dtype=torch.uint8)
+            if shared is None:
+                self._backing = torch.empty(size, dtype=torch.uint8)
+            else:
+                if shared.create:
+                    create_shared_file(shared.path, size)
+                if os.path.getsize(shared.path) != size:
+                    raise HostPoolError(
+                        f"{shared.path} holds {os.path.getsize(shared.path)} bytes, not the "
+                        f"{size} this rank's layout needs: the ranks disagree on the pool size."
+                    )
+                self.inode = os.stat(shared.path).st_ino
+                self._backing = torch.from_file(
+                    shared.path, shared=True, size=size, dtype=torch.uint8
+                )
             if self.pinned:
                 err = torch.cuda.cudart().cudaHostRegister(
                     self._backing.data_ptr(),

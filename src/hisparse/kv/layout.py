@@ -17,6 +17,11 @@ HiSparse placement (docs/design.md §4):
 
 "gpu" placement (the all-GPU baseline) has no host pool and no hot groups: one resident group
 holds every layer (indexer included), so each block is filled exactly and every page is resident.
+
+Tensor parallelism with rows sharded by KV head (GQA, docs/design.md §18): a host row holds
+every rank's slice side by side (``host_shards`` slices of the rank's ``row_bytes``), so the
+host pool is the one-rank pool whatever the rank count; each rank's host views address its
+own slice (``host_shard``). MLA rows are the same on every rank: one shard, one view.
 """
 
 from __future__ import annotations
@@ -71,14 +76,16 @@ class IndexGroupLayout:
     (leader first) and one host unit. Its run-time state is `sparse_layer.IndexGroupRuntime`.
 
     In a host block the group occupies ``[host_offset, host_offset + block_size *
-    token_bytes)``; token ``t``'s rows of all its layers are the span starting at
-    ``host_offset + t * token_bytes``.
+    token_bytes * shards)``; token ``t``'s rows of all its layers are the span starting at
+    ``host_offset + t * token_bytes * shards`` (with ``shards`` > 1, tensor-parallel rank ``r``'s
+    slices start ``r * token_bytes`` into it).
     """
 
     leader: str
     layers: tuple[str, ...]
     row_bytes: tuple[int, ...]
     host_offset: int
+    shards: int = 1
 
     @property
     def token_bytes(self) -> int:
@@ -212,13 +219,20 @@ def plan_kv_layout(
     placement: Placement = "hisparse",
     *,
     check_capacity: bool = True,
+    host_shards: int = 1,
+    host_shard: int = 0,
 ) -> KVLayout:
     """Plan host and GPU pools for ``specs``; raises `HiSparseConfigError` on bad settings.
 
     ``gpu_budget_bytes`` is the GPU memory left for KV after weights. With
     ``check_capacity=False`` a GPU pool too small for one ``max_model_len`` request is
     returned rather than refused (the CLI reports such a baseline as holding 0 requests).
+    ``host_shards`` > 1: ``specs`` give one tensor-parallel rank's slice of each sparse row,
+    the host rows hold ``host_shards`` such slices, and the host views are rank
+    ``host_shard``'s.
     """
+    if not 0 <= host_shard < host_shards:
+        raise ValueError(f"host_shard={host_shard} must be in [0, host_shards={host_shards})")
     if placement not in PLACEMENTS:
         raise HiSparseConfigError(f"placement {placement!r} is not one of {PLACEMENTS}.")
     if max_model_len <= 0:
@@ -235,8 +249,8 @@ def plan_kv_layout(
     hisparse = placement == "hisparse"
 
     # Host: index groups one after another, token-major inside each.
-    index_groups = _index_groups(sparse)
-    host_block_bytes = sum(g.token_bytes for g in index_groups) * bs
+    index_groups = _index_groups(sparse, host_shards)
+    host_block_bytes = sum(g.token_bytes for g in index_groups) * bs * host_shards
     host_num_blocks = config.host_pool_bytes // host_block_bytes if hisparse else 0
     if hisparse:
         _check_host_pool(config, host_block_bytes, host_num_blocks, max_model_len)
@@ -246,9 +260,9 @@ def plan_kv_layout(
             within = 0
             for name, row in zip(group.layers, group.row_bytes, strict=True):
                 host_views[name] = PagedViewSpec(
-                    offset=group.host_offset + within,
+                    offset=group.host_offset + host_shard * group.token_bytes + within,
                     block_stride=host_block_bytes,
-                    row_stride=group.token_bytes,
+                    row_stride=group.token_bytes * host_shards,
                     row_bytes=row,
                     num_blocks=host_num_blocks,
                     block_size=bs,
@@ -406,8 +420,9 @@ def _check_specs(
         )
 
 
-def _index_groups(sparse: list[LayerCacheSpec]) -> list[IndexGroupLayout]:
-    """Split sparse layers into index groups; host offsets accumulate group by group."""
+def _index_groups(sparse: list[LayerCacheSpec], shards: int = 1) -> list[IndexGroupLayout]:
+    """Split sparse layers into index groups; host offsets accumulate group by group (each
+    token's span holding ``shards`` slices of the specs' rows)."""
     groups: list[tuple[str, list[LayerCacheSpec]]] = []
     seen: set[str] = set()
     for spec in sparse:
@@ -436,8 +451,9 @@ def _index_groups(sparse: list[LayerCacheSpec]) -> list[IndexGroupLayout]:
     block_size = sparse[0].block_size if sparse else 0
     for leader, members in groups:
         rows = tuple(s.row_bytes for s in members)
-        result.append(IndexGroupLayout(leader, tuple(s.name for s in members), rows, offset))
-        offset += sum(rows) * block_size
+        names = tuple(s.name for s in members)
+        result.append(IndexGroupLayout(leader, names, rows, offset, shards))
+        offset += sum(rows) * block_size * shards
     return result
 
 

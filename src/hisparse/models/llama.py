@@ -378,6 +378,10 @@ def fused_weight(
 
 
 class LlamaAttention(nn.Module):
+    #: Tensor parallelism (`hisparse.parallel.shard`): this rank's (query heads, KV heads).
+    #: The indexer scores with every head; the rows and attention hold this rank's only.
+    tp_heads: tuple[slice, slice] | None = None
+
     def __init__(self, config: LlamaConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -410,6 +414,8 @@ class LlamaAttention(nn.Module):
         n = x.shape[0]
         plan = plan or StepPlan.of(step)
         q, k, v = self._project(x, cos, sin)
+        tp = self.tp_heads
+        qr, kr = (q, k) if tp is None else (q[:, tp[0]].contiguous(), k[:, tp[1]])  # this rank's
 
         # 1. this step's rows into the paged cache, and 2. their compact keys (on the CPU
         # both in one compiled call where it applies), then one logical top-k per token.
@@ -420,8 +426,11 @@ class LlamaAttention(nn.Module):
         idx = cache.indexer(self.layer)
         pages, idx_slots = idx.write_target()
         rows_fmt = cache.row_format
-        if not _write_rows_cpu(k, v, view, slots, pages, idx_slots, rows_fmt, fmt):
-            write_rows_fast(view, slots, rows_fmt.pack(k, v))  # no host sync off the CPU
+        # (under tensor parallelism the rows hold this rank's KV heads, the keys every head)
+        if tp is not None or not _write_rows_cpu(
+            k, v, view, slots, pages, idx_slots, rows_fmt, fmt
+        ):
+            write_rows_fast(view, slots, rows_fmt.pack(kr, v))  # no host sync off the CPU
             # decode: one row per request, written without a boolean select (fewer ops)
             write_index_keys(pages, fmt, idx_slots, k, dims, sync_free=plan.decode)
         kv.finish_kv_update()
@@ -430,8 +439,8 @@ class LlamaAttention(nn.Module):
 
         # 3./4. physical rows, then sparse attention.
         physical = kv.swap_in(topk)
-        out = self._attend(q, step, plan, view, topk, physical, cache.row_format, indexer)
-        return self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
+        out = self._attend(qr, step, plan, view, topk, physical, cache.row_format, indexer)
+        return self.o_proj(out.reshape(n, -1))
 
     def _project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -444,11 +453,12 @@ class LlamaAttention(nn.Module):
         if x.device.type != "cpu":
             q = rope(self.q_proj(x).view(n, H, D), cos, sin)
             k = rope(self.k_proj(x).view(n, G, D), cos, sin)
-            return q, k, self.v_proj(x).view(n, G, D)
+            return q, k, self.v_proj(x).view(n, -1, D)
         self._qkv = fused_weight((self.q_proj, self.k_proj, self.v_proj), self._qkv)
         qkv = F.linear(x, self._qkv[0])
         qk = rope(qkv[:, : (H + G) * D].view(n, H + G, D), cos, sin)
-        return qk[:, :H], qk[:, H:], qkv[:, (H + G) * D :].view(n, G, D)
+        # v: this rank's KV heads under tensor parallelism
+        return qk[:, :H], qk[:, H:], qkv[:, (H + G) * D :].view(n, -1, D)
 
     def forward_one_cpu(
         self,

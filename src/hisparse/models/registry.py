@@ -167,8 +167,21 @@ def load_model(
     device: torch.device,
     indexer: str,
     kv_format: str,
+    tp: Any = None,
 ) -> LoadedModel:
-    """Load the checkpoint at ``path`` (`resolve_model`) for the engine."""
+    """Load the checkpoint at ``path`` (`resolve_model`) for the engine. ``tp`` (a
+    `hisparse.parallel.TPGroup`): load on the CPU, keep this rank's shard
+    (`hisparse.parallel.shard`), then move it to ``device``."""
+    if tp is not None:
+        from hisparse.parallel.shard import shard_dsa, shard_gqa_row_format, shard_llama
+
+        loaded = load_model(path, hs, dtype, torch.device("cpu"), indexer, kv_format)
+        if isinstance(loaded.model, DsaForCausalLM):
+            loaded.model = shard_dsa(loaded.model, tp).to(device)
+        else:
+            loaded.model = shard_llama(loaded.model, tp).to(device)
+            loaded.row_format = shard_gqa_row_format(loaded.row_format, tp.world_size)
+        return loaded
     if is_gguf(path):
         # A GQA model (SmolLM2 by default): training-free indexer, K+V rows.
         from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig

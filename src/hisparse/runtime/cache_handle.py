@@ -53,6 +53,7 @@ class CacheHandle:
         meta, _ = self._step()
         return (
             self.runtime.host_view is not None
+            and self.runtime.writes_host
             and meta.host_slot_mapping is not None
             and (not meta.is_decode or self.runtime.config.eager_host_mirror)
         )

@@ -420,7 +420,9 @@ class IndexGroupRuntime:
         drop = leader and row >= 0 and 0 <= s < H
         if leader and row >= 0 and q >= 0 and (q >= step.state.shape[0] or s >= H):
             return False  # the general path raises the IndexError
-        mirror = layer.host_view is not None and layer.config.eager_host_mirror
+        mirror = (
+            layer.host_view is not None and layer.config.eager_host_mirror and layer.writes_host
+        )
         copy = False
         a = self._cpu_arrays()
         pair = self._cpu_pairs[self.layers.index(layer)] if mirror else None
@@ -618,6 +620,10 @@ class SparseLayerRuntime:
         self.staged = False
         self.device_view: torch.Tensor | None = None
         self.host_view: torch.Tensor | None = None
+        #: Does this process write the layer's host mirror? Tensor parallelism with rows that
+        #: are the same on every rank (MLA) leaves it to one rank per node (docs/design.md
+        #: §18); the others read rows that rank wrote.
+        self.writes_host = True
 
     @property
     def is_leader(self) -> bool:

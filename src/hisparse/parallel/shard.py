@@ -1,0 +1,246 @@
+"""Shard a loaded model over the ranks of a tensor-parallel engine (docs/design.md §18).
+
+Every rank loads the checkpoint on the CPU, keeps its slice of each sharded weight, moves the
+result to its device and computes its part; a forward hook all-reduces the output of each
+row-parallel piece (`TPGroup.all_reduce`). What is sharded and what is whole:
+
+* **MLA** (DeepSeek-V3.2, GLM-5): ``q_b_proj`` and ``kv_b_proj`` by head (column-parallel),
+  ``o_proj`` by head on its input (row-parallel, all-reduce; a bias stays on rank 0). The
+  q and kv down-projections, their norms, the latent row and the lightning indexer are whole:
+  every rank writes the same latent rows and picks the same top-k.
+* **GQA** (Llama, SmolLM2): ``v_proj`` by KV head, ``o_proj`` row-parallel; the rows a rank
+  caches hold its KV heads only. ``q_proj`` and ``k_proj`` stay whole because the training-free
+  indexer scores every query head against every KV head's key (its key cache is replicated,
+  like DSA's indexer); attention then uses this rank's query heads and keys.
+* **MLP** (dense layers, every routed expert, the shared experts): gate and up column-parallel,
+  down row-parallel; one all-reduce per MLP or MoE block (the experts' partial sums and the
+  shared expert's are added first). Router weights stay whole.
+* **Embedding and LM head** are whole on every rank (simplest; hidden states are identical
+  after every all-reduce). Only rank 0 samples, so the other ranks skip the LM head.
+
+`check_tensor_parallel_size` refuses a rank count that does not divide the heads (and the MLP
+widths) before anything loads.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hisparse.validation import HiSparseConfigError
+
+# -- what must divide ------------------------------------------------------------------------
+
+
+def model_dims(path: Path, gguf: bool) -> dict[str, int]:
+    """The widths tensor parallelism splits, read from the checkpoint's config only: the
+    attention heads (and KV heads of a GQA model) and the MLP widths."""
+    if gguf:
+        meta = read_gguf_scalars(
+            path,
+            ("llama.attention.head_count", "llama.attention.head_count_kv",
+             "llama.feed_forward_length"),
+        )  # fmt: skip
+        heads = int(meta["llama.attention.head_count"])
+        return {
+            "attention heads": heads,
+            "KV heads": int(meta.get("llama.attention.head_count_kv", heads)),
+            "MLP width (feed_forward_length)": int(meta["llama.feed_forward_length"]),
+        }
+    from hisparse.models.dsa_config import DsaConfig
+
+    cfg = DsaConfig.from_pretrained(path)
+    dims = {"attention heads": cfg.num_attention_heads}
+    if "dense" in cfg.mlp_layer_types:
+        dims["dense MLP width (intermediate_size)"] = cfg.intermediate_size
+    if "sparse" in cfg.mlp_layer_types:
+        dims["expert width (moe_intermediate_size)"] = cfg.moe_intermediate_size
+    return dims
+
+
+def check_tensor_parallel_size(path: Path, gguf: bool, tp: int) -> None:
+    """A `HiSparseConfigError` (a ValueError) naming the width and the rank count when
+    ``tp`` ranks cannot split the model evenly; reads the config, loads no weights."""
+    for what, size in model_dims(path, gguf).items():
+        if size % tp:
+            divisors = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
+            raise HiSparseConfigError(
+                f"LLM.tensor_parallel_size={tp} does not divide the model's {size} {what}: "
+                f"every rank must hold the same number; use one of "
+                f"{', '.join(map(str, divisors))}.",
+                field="LLM.tensor_parallel_size",
+                value=tp,
+            )
+
+
+def read_gguf_scalars(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
+    """Scalar metadata ``keys`` of a GGUF file, read from its header without parsing the rest
+    (`gguf.GGUFReader` builds every field, ~3 s for SmolLM2's vocabulary)."""
+    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
+              11: "q", 12: "d"}  # fmt: skip
+    out: dict[str, Any] = {}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        (version,) = struct.unpack_from("<I", m, 4)
+        if version < 2:
+            raise ValueError(f"{path}: GGUF version {version} is too old")
+        (n_kv,) = struct.unpack_from("<Q", m, 16)
+        pos = 24
+
+        def string(pos: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", m, pos)
+            return m[pos + 8 : pos + 8 + n].decode("utf-8", "replace"), pos + 8 + n
+
+        def skip(kind: int, pos: int) -> tuple[Any, int]:
+            if kind in scalar:
+                fmt = "<" + scalar[kind]
+                return struct.unpack_from(fmt, m, pos)[0], pos + struct.calcsize(fmt)
+            if kind == 8:
+                return string(pos)
+            if kind == 9:
+                elem, count = struct.unpack_from("<IQ", m, pos)
+                pos += 12
+                if elem in scalar:
+                    return None, pos + count * struct.calcsize("<" + scalar[elem])
+                for _ in range(count):
+                    _, pos = skip(elem, pos)
+                return None, pos
+            raise ValueError(f"{path}: unknown GGUF value type {kind}")
+
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (kind,) = struct.unpack_from("<I", m, pos)
+            value, pos = skip(kind, pos + 4)
+            if key in keys:
+                out[key] = value
+                if len(out) == len(keys):
+                    break
+    return out
+
+
+# -- sharding --------------------------------------------------------------------------------
+
+
+def _part(t: torch.Tensor, dim: int, rank: int, world: int, groups: int | None = None):
+    """Rank ``rank``'s contiguous ``1 / world`` of ``t`` along ``dim`` (``groups``: split
+    ``dim`` into that many equal groups, heads say, and keep this rank's groups)."""
+    size = t.shape[dim]
+    groups = groups or size
+    if groups % world or size % groups:
+        raise ValueError(f"cannot split {size} ({groups} groups) over {world} ranks")
+    per = size // world
+    return t.narrow(dim, rank * per, per).contiguous()
+
+
+def _set_weight(linear: nn.Linear, weight: torch.Tensor) -> None:
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    linear.out_features, linear.in_features = weight.shape
+
+
+def shard_column(linear: nn.Linear, rank: int, world: int) -> None:
+    """Keep this rank's output rows (no bias in the models sharded here)."""
+    _set_weight(linear, _part(linear.weight.data, 0, rank, world))
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(_part(linear.bias.data, 0, rank, world), requires_grad=False)
+
+
+def shard_row(linear: nn.Linear, rank: int, world: int) -> None:
+    """Keep this rank's input columns; the partial outputs add up to the whole (the bias once,
+    on rank 0)."""
+    _set_weight(linear, _part(linear.weight.data, 1, rank, world))
+    if linear.bias is not None and rank != 0:
+        linear.bias = None
+
+
+def _reduce_output(module: nn.Module, tp: Any) -> None:
+    """The module's output is a partial sum: all-reduce it (a forward hook)."""
+
+    def hook(_mod: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
+        return tp.all_reduce(output)
+
+    module.register_forward_hook(hook)
+
+
+def shard_mlp(mlp: nn.Module, rank: int, world: int) -> None:
+    shard_column(mlp.gate_proj, rank, world)
+    shard_column(mlp.up_proj, rank, world)
+    shard_row(mlp.down_proj, rank, world)
+
+
+def _skip_lm_head(model: nn.Module) -> None:
+    """Ranks other than 0 do not sample: their logits are empty (``[rows, 0]``)."""
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.new_empty((hidden.shape[0], 0))
+
+    model.logits = logits  # type: ignore[method-assign]
+
+
+def shard_dsa(model: nn.Module, tp: Any) -> nn.Module:
+    """`DsaForCausalLM` (on the CPU, loaded whole) -> this rank's shard, in place."""
+    from hisparse.models.deepseek_v32 import MLP, DecoderLayer, MLAttention, MoE
+
+    rank, world = tp.rank, tp.world_size
+    for layer in model.model.layers:
+        assert isinstance(layer, DecoderLayer)
+        attn = layer.self_attn
+        assert isinstance(attn, MLAttention)
+        heads = attn.n_heads
+        w = attn.q_b_proj.weight.data
+        _set_weight(attn.q_b_proj, _part(w, 0, rank, world, groups=heads))
+        w = attn.kv_b_proj.weight.data
+        _set_weight(attn.kv_b_proj, _part(w, 0, rank, world, groups=heads))
+        shard_row(attn.o_proj, rank, world)
+        attn.n_heads = heads // world
+        _reduce_output(attn.o_proj, tp)
+        mlp = layer.mlp
+        if isinstance(mlp, MoE):
+            for expert in mlp.experts:
+                shard_mlp(expert, rank, world)
+            shard_mlp(mlp.shared_experts, rank, world)
+        else:
+            assert isinstance(mlp, MLP)
+            shard_mlp(mlp, rank, world)
+        _reduce_output(mlp, tp)
+    if rank != 0:
+        _skip_lm_head(model)
+    return model
+
+
+def shard_llama(model: nn.Module, tp: Any) -> nn.Module:
+    """`LlamaForCausalLM` (on the CPU, loaded whole) -> this rank's shard, in place."""
+    from hisparse.models.llama import LlamaAttention, LlamaDecoderLayer
+
+    rank, world = tp.rank, tp.world_size
+    for layer in model.model.layers:
+        assert isinstance(layer, LlamaDecoderLayer)
+        attn = layer.self_attn
+        assert isinstance(attn, LlamaAttention)
+        h, g = attn.n_heads // world, attn.n_kv // world
+        shard_column(attn.v_proj, rank, world)
+        shard_row(attn.o_proj, rank, world)
+        attn.tp_heads = (slice(rank * h, (rank + 1) * h), slice(rank * g, (rank + 1) * g))
+        attn._qkv = None  # the fused CPU decode weight, if any, held the whole projections
+        _reduce_output(attn.o_proj, tp)
+        shard_mlp(layer.mlp, rank, world)
+        _reduce_output(layer.mlp, tp)
+    # The batch-1 CPU decode step runs the layers without their modules' calls (no hooks).
+    model._decode_one_cpu_applies = lambda x, plan: False  # type: ignore[method-assign]
+    # Nor does its fused one-row CPU MLP: every MLP goes through its module (the all-reduce).
+    model._mlp = lambda i, mlp, h: mlp(h)  # type: ignore[method-assign]
+    if rank != 0:
+        _skip_lm_head(model)
+    return model
+
+
+def shard_gqa_row_format(fmt: Any, world: int) -> Any:
+    """This rank's rows: its ``1 / world`` of the KV heads."""
+    from dataclasses import replace
+
+    return replace(fmt, num_kv_heads=fmt.num_kv_heads // world)
