@@ -78,3 +78,42 @@ def test_a_short_request_beside_a_long_one_gets_its_tokens_alone(checkpoint, sch
         first_decode = next(i for i, (d, _) in enumerate(steps) if d)
         last_prefill = max(i for i, (d, _) in enumerate(steps) if not d)
         assert (first_decode < last_prefill) == (schedule == "mixed"), steps
+
+
+def test_a_long_prefill_holds_at_most_the_plans_blocks_at_every_step(checkpoint):
+    """A HiSparse prefill streams its pages to the host as its chunks finish: at every step
+    (its peak, while the forward runs) a request holds at most what the planner counts for it
+    (`KVLayout.gpu_blocks_per_request`, which admission and preemption use too), at most
+    three resident pages per resident group, and never more than its decode will hold;
+    all-GPU placement holds every page, exactly the plan's figure."""
+    prompt = [_prompt(3000)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    tokens = {}
+    for placement in ("gpu", "hisparse"):
+        with _llm(checkpoint, placement, chunk=512) as llm:
+            kv, run, seen = llm.kv, llm.runner.run, []
+
+            def recording(batch, *, decode, finishing, kv=kv, run=run, seen=seen):
+                for req, n in batch:
+                    b = kv.requests[req.req_id]
+                    need = kv.layout.gpu_blocks_per_request(req.num_computed + n)
+                    seen.append((decode, kv.gpu_held(req.req_id), need,
+                                 max(len(r) for r in b.resident)))  # fmt: skip
+                return run(batch, decode=decode, finishing=finishing)
+
+            llm.runner.run = recording
+            (out,) = llm.generate(prompt_token_ids=prompt, sampling_params=params)
+            assert out.ok, out.error
+            tokens[placement] = out.token_ids
+            prefill = [s for s in seen if not s[0]]
+            assert len(prefill) == 6  # 3000 tokens in chunks of 512
+            final = kv.layout.gpu_blocks_per_request(3000)
+            for _, held, need, resident in seen:
+                if placement == "gpu":
+                    assert held == need
+                else:
+                    assert held <= need and resident <= 3
+            assert all(held <= final for _, held, _, _ in prefill)
+            if placement == "hisparse":
+                assert min(res for d, _, _, res in prefill) >= 1  # the chunk's last page
+    assert tokens["hisparse"] == tokens["gpu"]

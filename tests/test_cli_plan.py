@@ -18,10 +18,14 @@ def test_plan_deepseek_prints_layout_and_capacities(capsys):
     assert main(DEEPSEEK) == 0
     out = capsys.readouterr().out
     assert "429,324 blocks x 2,561,024 B" in out  # host pool
-    assert "125,016 blocks x 515,328 B" in out  # GPU pool
+    assert "124,847 blocks x 515,328 B" in out  # GPU pool
+    assert "prefill staging (outside the pool): 2,080 pages" in out
     assert "layers.0-11.attn" in out and "layers.0-60.indexer" in out
-    assert "HiSparse 51, all-GPU 10" in out
-    assert "5.10x" in out
+    assert "HiSparse 50, all-GPU 10" in out
+    assert "5.00x" in out
+    # a bigger prefill step reserves a bigger staging area
+    assert main([*DEEPSEEK, "--max-batched-tokens", "16384"]) == 0
+    assert "2,304 pages of one layer" in capsys.readouterr().out
 
 
 def test_plan_glm5_shorter_context_and_bf16(capsys):
@@ -70,7 +74,7 @@ def test_plan_from_config_json(tmp_path, capsys):
     ("override", "needle"),
     [
         (["--host-pool-gib", "2"], "Set host_pool_gib >= 4.89 GiB"),
-        (["--gpu-memory-gib", "1"], "Give the KV cache >= 1.18 GiB"),
+        (["--gpu-memory-gib", "1"], "Give the KV cache >= 1.26 GiB"),
         (["--device-buffer-size", "1024"], "Set device_buffer_size >= 2048"),
         (["--context-len", "200000"], "--context-len=200000 must be between 1 and"),
         (["--model", "no-such-model"], "neither a preset"),

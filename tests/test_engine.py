@@ -64,7 +64,8 @@ def _run(
     gib = 0.02
     if blocks is not None:
         with LLM(path, gpu_memory_gib=gib, **kw) as probe:
-            gib = blocks * probe.kv.layout.gpu_bytes_per_block / 2**30
+            lay = probe.kv.layout  # a pool of `blocks` blocks beside the staging area
+            gib = (blocks * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
     with LLM(path, gpu_memory_gib=gib, **kw) as llm:
         outs = llm.generate(prompt_token_ids=prompts or _prompts(), sampling_params=params)
     assert all(o.ok for o in outs), [o.error for o in outs]

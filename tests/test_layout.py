@@ -18,7 +18,13 @@ from hisparse.kv.cache_shapes import (
     indexer_schedule,
     load_model_cache_shape,
 )
-from hisparse.kv.layout import GroupKind, KVLayout, compact_layer_names, plan_kv_layout
+from hisparse.kv.layout import (
+    GroupKind,
+    KVLayout,
+    compact_layer_names,
+    plan_kv_layout,
+    staging_pages,
+)
 from hisparse.kv.paged_view import PagedViewSpec
 from hisparse.kv.specs import CacheKind, LayerCacheSpec, RowFormat, indexer_spec, sparse_mla_spec
 
@@ -42,7 +48,8 @@ def _tiny_plan(full, *, host_blocks=6, gpu_blocks=40, max_len=8, block_size=4):
         top_k=8, host_pool_gib=(host_blocks * host_block + 1) / GIB, block_size=block_size
     ).resolve()
     budget = gpu_blocks * sum(s.page_bytes for s in specs)  # blocks are never bigger than this
-    return plan_kv_layout(specs, config, budget, max_len)
+    staging = staging_pages(max_len, 8, block_size) * block_size * 656
+    return plan_kv_layout(specs, config, budget + staging, max_len, max_num_batched_tokens=8)
 
 
 # -- models ------------------------------------------------------------------------------------
@@ -323,7 +330,10 @@ def test_deepseek_capacity_from_first_principles():
     layers_per_group = indexer_page // (row * bs)  # 12 sparse pages fit beside it
     groups = math.ceil(layers / layers_per_group)  # 6 resident + 6 hot groups
     block = indexer_page  # the largest overlaying page
-    gpu_blocks = 60 * GIB // block
+    # the prefill staging area (outside the pool): one context + one step's 2048 prompt
+    # tokens of one layer's rows
+    staging = (ctx + 2048) * row
+    gpu_blocks = (60 * GIB - staging) // block
     hot_blocks = 2 * 2048 // bs  # (max_query_len + 1) * top_k rows
     # tail: 2 pages, 3 at the peak (a decode step adds the next page before trimming)
     hisparse_gpu = pages + groups * 3 + groups * hot_blocks
@@ -339,9 +349,10 @@ def test_deepseek_capacity_from_first_principles():
     assert layout.gpu_bytes_per_block == block == 515_328
     assert layout.gpu_num_blocks == gpu_blocks
     assert layout.host_block_bytes == host_block and layout.host_num_blocks == host_blocks
+    assert layout.staging_bytes == staging
     assert layout.gpu_blocks_per_request(ctx) == hisparse_gpu == 2450
     assert layout.host_blocks_per_request(ctx) == host_per_request
-    assert layout.max_requests(ctx) == expect_hisparse == 51
+    assert layout.max_requests(ctx) == expect_hisparse == 50
     assert layout.max_requests_host(ctx) == 209
     baseline = _plan(specs, placement="gpu")
     assert baseline.gpu_blocks_per_request(ctx) == 2048
@@ -427,13 +438,14 @@ def test_gpu_budget_smaller_than_one_block():
     with pytest.raises(HiSparseConfigError) as err:
         _plan(specs, gpu_gib=0.0005)
     msg = str(err.value)
-    assert "holds no usable block" in msg and "Give the KV cache >= 0.01 GiB" in msg
+    # two blocks beside the 0.08 GiB prefill staging area
+    assert "holds no usable block" in msg and "Give the KV cache >= 0.09 GiB" in msg
 
 
 def test_gpu_budget_smaller_than_one_max_len_request():
     specs = deepseek_v32_cache_shape().specs
-    need = (2444 + 1) * 515_328
-    gib = math.ceil(need * 100 / GIB) / 100  # 1.18
+    need = (2444 + 1) * 515_328 + (131072 + 2048) * 656  # + the prefill staging area
+    gib = math.ceil(need * 100 / GIB) / 100  # 1.26
     with pytest.raises(HiSparseConfigError) as err:
         _plan(specs, gpu_gib=1.0)
     msg = str(err.value)

@@ -37,34 +37,59 @@ _ENGINE = dict(kv_format="bf16", max_model_len=MAX_MODEL_LEN)
 
 
 @functools.cache
-def _sizes(path, placement: str, longest: int) -> tuple[int, int, int, int]:
-    """(GPU block bytes, host block bytes, GPU blocks one request of ``longest`` tokens needs
-    to prefill with its hot region, host blocks of the smallest pool the engine accepts)."""
+def _sizes(path, placement: str, budget: int) -> tuple[int, int, int, int, int]:
+    """(GPU block bytes, host block bytes, GPU blocks of the smallest pool the engine accepts,
+    host blocks of the smallest host pool it accepts, bytes of the prefill staging area)."""
     cfg = HiSparseConfig(host_pool_gib=0.01, **_CFG)
-    with LLM(path, kv_placement=placement, gpu_memory_gib=0.01, hisparse=cfg, **_ENGINE) as p:
+    with LLM(
+        path,
+        kv_placement=placement,
+        gpu_memory_gib=0.01,
+        hisparse=cfg,
+        max_num_batched_tokens=budget,
+        **_ENGINE,
+    ) as p:
         kv = p.kv
-        # the pool check counts one max_model_len request at its decode peak, the
-        # scheduler one request prefilled with every page resident beside its hot region
-        one = 1 + max(
-            kv.prefill_gpu_blocks(longest) + kv.hot_lease_blocks(),
-            kv.layout.gpu_blocks_per_request(MAX_MODEL_LEN),
-        )
+        # the pool check counts one max_model_len request at its peak; admission and
+        # preemption count the same figure (a prefill streams its pages to the host)
+        one = 1 + kv.layout.gpu_blocks_per_request(MAX_MODEL_LEN)
         host = kv.layout.host_block_bytes if kv.offload else 1
-        return kv.layout.gpu_bytes_per_block, host, one, kv.config.min_host_blocks(MAX_MODEL_LEN)
+        return (
+            kv.layout.gpu_bytes_per_block,
+            host,
+            one,
+            kv.config.min_host_blocks(MAX_MODEL_LEN),
+            kv.layout.staging_bytes,
+        )
 
 
-def _llm(path, placement, *, gpu_blocks, host_blocks, **kw):
-    gpu_block, host_block, _, _ = _sizes(path, placement, 1)
+def _llm(path, placement, *, gpu_blocks, host_blocks, max_num_batched_tokens, **kw):
+    gpu_block, host_block, _, _, staging = _sizes(path, placement, max_num_batched_tokens)
     cfg = HiSparseConfig(host_pool_gib=host_blocks * host_block / 2**30, **_CFG)
-    gib = gpu_blocks * gpu_block / 2**30
-    return LLM(path, kv_placement=placement, gpu_memory_gib=gib, hisparse=cfg, **_ENGINE, **kw)
+    gib = (gpu_blocks * gpu_block + staging) / 2**30
+    return LLM(
+        path,
+        kv_placement=placement,
+        gpu_memory_gib=gib,
+        hisparse=cfg,
+        max_num_batched_tokens=max_num_batched_tokens,
+        **_ENGINE,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
 def alone(checkpoint):
     """Tokens of each request run alone, in a roomy engine with the default budget."""
     cache: dict[tuple[int, ...], list[int]] = {}
-    llm = _llm(checkpoint, "gpu", gpu_blocks=400, host_blocks=1, max_num_seqs=1)
+    llm = _llm(
+        checkpoint,
+        "gpu",
+        gpu_blocks=400,
+        host_blocks=1,
+        max_num_seqs=1,
+        max_num_batched_tokens=2048,
+    )
 
     def get(prompt: list[int], params: SamplingParams) -> list[int]:
         key = (*prompt, -1, params.max_tokens)
@@ -116,7 +141,7 @@ def test_every_request_gets_its_tokens_alone_and_all_blocks_return(
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     params = params[: len(prompts)]
     # Pools from "the longest request fits alone" up: requests wait and get preempted.
-    _, _, one, host_one = _sizes(checkpoint, placement, max(lengths) + MAX_TOKENS)
+    _, _, one, host_one, _ = _sizes(checkpoint, placement, budget)
     llm = _llm(
         checkpoint,
         placement,

@@ -33,6 +33,7 @@ from hisparse.kv.cache_shapes import (
     load_model_cache_shape,
 )
 from hisparse.kv.layout import (
+    DEFAULT_PREFILL_TOKENS,
     KVLayout,
     format_gib,
     plan_kv_layout,
@@ -165,6 +166,13 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="request length for the capacity figures (default: --max-model-len)",
     )
+    plan.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=DEFAULT_PREFILL_TOKENS,
+        help="prompt tokens per engine step; sizes the HiSparse prefill staging area "
+        "(default: %(default)s, the engine's default)",
+    )
     plan.set_defaults(
         handler=_run_plan,
         flags={
@@ -202,7 +210,16 @@ def _run_plan(args: argparse.Namespace) -> int:
         block_size=args.block_size,
     ).resolve(model.index_topk)
     budget = int(args.gpu_memory_gib * 2**30)
-    hisparse = plan_kv_layout(model.specs, config, budget, args.max_model_len, "hisparse")
+    if args.max_batched_tokens < 1:
+        raise HiSparseConfigError(f"--max-batched-tokens={args.max_batched_tokens} must be >= 1.")
+    hisparse = plan_kv_layout(
+        model.specs,
+        config,
+        budget,
+        args.max_model_len,
+        "hisparse",
+        max_num_batched_tokens=args.max_batched_tokens,
+    )
     all_gpu = plan_kv_layout(
         model.specs, config, budget, args.max_model_len, "gpu", check_capacity=False
     )
@@ -227,7 +244,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     console.print(
         f"[bold]GPU pool[/bold]: {hisparse.gpu_num_blocks:,} blocks x "
         f"{hisparse.gpu_bytes_per_block:,} B = {format_gib(hisparse.gpu_pool_bytes)}\n"
-        "  block 0 is the null block; the groups below overlay each other in a block"
+        "  block 0 is the null block; the groups below overlay each other in a block\n"
+        f"  prefill staging (outside the pool): {hisparse.staging_blocks:,} pages of one layer "
+        f"= {format_gib(hisparse.staging_bytes)}"
     )
     console.print(hisparse.groups_table(context_len))
     console.print(_capacity_table(hisparse, all_gpu, context_len))

@@ -83,7 +83,8 @@ class BenchHooks(StepHooks):
     def write_prefill(self, runner: Any, index_rows: torch.Tensor, keys: torch.Tensor,
                       positions: torch.Tensor) -> None:  # fmt: skip
         assert self.synthetic is not None
-        self.synthetic.write(runner.handles, runner.indexer_pages, index_rows, keys, positions)
+        caches = runner.prefill_layer_caches()
+        self.synthetic.write(caches, runner.indexer_pages, index_rows, keys, positions)
 
     def first_tokens(self, keys: list[int], vocab_size: int) -> list[int]:
         return [first_token(self.seed, k, vocab_size) for k in keys]

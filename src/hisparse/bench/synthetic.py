@@ -2,8 +2,9 @@
 
 A 128K-token prompt through the reference prefill takes far longer than the decode a
 benchmark wants to measure. A synthetic prefill step writes each prompt token's rows exactly
-where a real prefill would (the resident pages through the same `CacheHandle.write_target`,
-then `finish_kv_update`, which mirrors them to the host pool and drops stale hot copies) and
+where a real prefill would (through the same per-layer prefill caches: `write_target`, then
+`finish_kv_update`, which mirrors them to the host pool, drops stale hot copies and keeps the
+tail pages' rows on the GPU) and
 its indexer keys into the indexer pages, all valid packed rows of the active formats made from
 pseudo-random latents. Values are a hash of (seed, request key, layer, position, element), so
 both placements hold identical caches whatever the chunking. The first output token is a hash
@@ -52,7 +53,7 @@ class SyntheticPrefill:
 
     def write(
         self,
-        handles: list,
+        caches: list,
         indexer_pages: dict[int, torch.Tensor],
         idx_slots: torch.Tensor,
         keys: torch.Tensor,
@@ -60,11 +61,12 @@ class SyntheticPrefill:
     ) -> None:
         """Write rows of tokens (``keys[t]``, ``positions[t]``) for every layer.
 
-        ``handles[i]`` is layer ``i``'s prepared `CacheHandle`; ``idx_slots`` the indexer row
-        of each token."""
+        ``caches[i]`` is layer ``i``'s cache of the step (``write_target`` /
+        ``finish_kv_update``, as the model's layer uses it); ``idx_slots`` the indexer row of
+        each token."""
         fmt_idx = self.model.indexer_format  # type: ignore[attr-defined]
-        for layer, handle in enumerate(handles):
-            view, slots = handle.write_target()
+        for layer, cache in enumerate(caches):
+            view, slots = cache.write_target()
             latent = synthetic_values(self.seed, 3 * layer, keys, positions, self.c)
             rope = synthetic_values(self.seed, 3 * layer + 1, keys, positions, self.rope)
             rows = pack_mla_rows(
@@ -73,7 +75,7 @@ class SyntheticPrefill:
                 rope.to(self.dtype),
             )
             write_rows_where(view, slots, rows)
-            handle.finish_kv_update()
+            cache.finish_kv_update()
             if layer in indexer_pages:
                 k = synthetic_values(self.seed, 3 * layer + 2, keys, positions, fmt_idx.head_dim)
                 if fmt_idx.kind == "fp8":

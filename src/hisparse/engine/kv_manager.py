@@ -1,11 +1,13 @@
 """Block accounting and the physical KV pools of one engine, for both placements.
 
 HiSparse placement: every page of every request gets a host block (the full copy, mirrored
-eagerly); on the GPU a request holds its indexer pages, its resident pages (every page while it
-prefills, the two tail pages once it decodes, three while a step opens a page) and, while it
-decodes, a leased hot region per hot group and a hot-state slot. All-GPU placement: one
-resident group holds every page of every layer, nothing on the host. Both placements run the
-same runtime code.
+eagerly); on the GPU a request holds its indexer pages, its resident pages (the two tail pages,
+three while a step opens a page: a prefill streams its older pages to the host as its chunks
+finish, so it holds no more than its decode will) and a leased hot region per hot group and a
+hot-state slot. `KVLayout.gpu_blocks_per_request` is that need, for the planner and the
+scheduler alike. A prefill step reads its earlier tokens through the prefill staging buffer
+(`staging_raw`, outside the block pool). All-GPU placement: one resident group holds every
+page of every layer, nothing on the host. Both placements run the same runtime code.
 
 Block tables live on the device, one row per hot-state slot (every admitted request holds a
 slot), and are written only when a request's blocks change (a new page, a dropped page, a
@@ -23,7 +25,13 @@ import torch
 from hisparse.config import ResolvedHiSparseConfig, cdiv
 from hisparse.kv.block_pool import BlockPool
 from hisparse.kv.host_pool import HostPool
-from hisparse.kv.layout import RESIDENT_TAIL_PAGES, GroupKind, KVLayout, plan_kv_layout
+from hisparse.kv.layout import (
+    DEFAULT_PREFILL_TOKENS,
+    RESIDENT_TAIL_PAGES,
+    GroupKind,
+    KVLayout,
+    plan_kv_layout,
+)
 from hisparse.kv.specs import LayerCacheSpec
 
 
@@ -60,6 +68,7 @@ class KVCacheManager:
         max_model_len: int,
         max_num_seqs: int,
         device: torch.device,
+        max_num_batched_tokens: int = DEFAULT_PREFILL_TOKENS,
         host_pool: Callable[[int, bool], HostPool] | None = None,
         host_shards: int = 1,
         host_shard: int = 0,
@@ -68,7 +77,8 @@ class KVCacheManager:
         """``host_pool(size, pin)`` makes the host pool (default: this process's own,
         `HostPool`); tensor parallelism passes the node's shared one, with ``host_shards`` /
         ``host_shard`` for rows sharded by KV head (`plan_kv_layout`) and ``host_writer``
-        False on the ranks that only read rows another rank mirrors (docs/design.md §18)."""
+        False on the ranks that only read rows another rank mirrors (docs/design.md §18).
+        ``device="meta"`` keeps the accounting only (no pool memory, no host pool)."""
         self.config = config
         self.placement = placement
         self.offload = placement == "hisparse"
@@ -85,6 +95,8 @@ class KVCacheManager:
             placement,  # type: ignore[arg-type]
             host_shards=host_shards,
             host_shard=host_shard,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
         )
         self.host_pool: HostPool | None = None
         self._make_host_pool = host_pool or (lambda size, pin: HostPool(size, pin=pin))
@@ -100,10 +112,14 @@ class KVCacheManager:
         # Poisoned (0xFF: NaN in every float format) so a read of a row nothing wrote shows
         # up as NaN in tests instead of passing as a plausible zero.
         self.gpu_raw.fill_(255)
+        #: the prefill staging area (HiSparse; `PrefillStaging` views it one layer at a time)
+        self.staging_raw = torch.empty(lay.staging_bytes, dtype=torch.uint8, device=device)
+        self.staging_raw.fill_(255)
         self.gpu_blocks = BlockPool(lay.gpu_num_blocks, "GPU block pool")
         self.host_blocks: BlockPool | None = None
         if self.offload:
-            self.host_pool = self._make_host_pool(lay.host_pool_bytes, device.type == "cuda")
+            if device.type != "meta":
+                self.host_pool = self._make_host_pool(lay.host_pool_bytes, device.type == "cuda")
             self.host_blocks = BlockPool(lay.host_num_blocks, "host block pool")
         self.resident_groups = list(lay.groups(GroupKind.RESIDENT))
         self.hot_groups = list(lay.groups(GroupKind.HOT))
@@ -158,26 +174,24 @@ class KVCacheManager:
         reserved = sum(r.host_reserved for r in self.requests.values())
         return self.host_blocks.num_free - reserved
 
-    def prefill_gpu_blocks(self, num_tokens: int, already: RequestBlocks | None = None) -> int:
-        """GPU blocks to add so a request holds ``num_tokens`` tokens, all pages resident."""
-        pages = cdiv(num_tokens, self.block_size)
-        have_idx = len(already.indexer) if already else 0
-        need = 0 if self.indexer_in_resident else max(pages - have_idx, 0)
-        for gi in range(len(self.resident_groups)):
-            have = len(already.resident[gi]) if already else 0
-            need += max(pages - have, 0)
-        return need
+    def gpu_need(self, num_tokens: int) -> int:
+        """GPU blocks a request of ``num_tokens`` tokens holds at its peak, prefilling or
+        decoding: `KVLayout.gpu_blocks_per_request`, the plan's own figure."""
+        return self.layout.gpu_blocks_per_request(num_tokens)
 
-    def decode_gpu_blocks(self, blocks: RequestBlocks, new_len: int) -> int:
-        """GPU blocks a decoding request must add to hold ``new_len`` tokens."""
-        page = (new_len - 1) // self.block_size
-        need = 0
-        if not self.indexer_in_resident and page >= len(blocks.indexer):
-            need += 1
-        for gi in range(len(self.resident_groups)):
-            if page not in blocks.resident[gi]:
-                need += 1
-        return need
+    def gpu_held(self, req_id: str) -> int:
+        """GPU blocks request ``req_id`` holds now (indexer, resident and hot blocks)."""
+        b = self.requests[req_id]
+        return len(b.indexer) + sum(len(r) for r in b.resident) + sum(len(h) for h in b.hot)
+
+    def staging_rows(self, num_tokens: int) -> int:
+        """Staging rows a prefill chunk ending at ``num_tokens`` takes (0 on "gpu")."""
+        return num_tokens if self.offload else 0
+
+    @property
+    def staging_capacity(self) -> int:
+        """Rows of the prefill staging area (`PrefillStaging`)."""
+        return self.layout.staging_blocks * self.block_size
 
     def hot_lease_blocks(self) -> int:
         return len(self.hot_groups) * self.config.hot_blocks_per_request
@@ -197,11 +211,17 @@ class KVCacheManager:
         self.requests[req_id] = blocks
         return blocks
 
-    def grow(self, req_id: str, new_len: int, *, keep_all_resident: bool) -> None:
-        """Make pages for tokens ``[0, new_len)`` exist (all-or-nothing on the GPU)."""
+    def grow(self, req_id: str, new_len: int, *, keep_all_resident: bool | None = None) -> None:
+        """Make pages for tokens ``[0, new_len)`` exist (all-or-nothing on the GPU).
+
+        Resident pages: all of them with ``keep_all_resident`` (the default of all-GPU
+        placement), else only the last page is added (HiSparse, prefill and decode alike: the
+        older ones live on the host; `trim_resident` drops what falls out of the tail)."""
         b = self.requests[req_id]
         bs = self.block_size
         pages = cdiv(new_len, bs)
+        if keep_all_resident is None:
+            keep_all_resident = not self.offload
         first = 0 if keep_all_resident else max(pages - 1, 0)
         wanted_resident = [
             [p for p in range(first, pages) if p not in b.resident[gi]]
@@ -229,9 +249,7 @@ class KVCacheManager:
     def trim_resident(self, req_id: str, num_tokens: int) -> list[tuple[int, list[int], list[int]]]:
         """HiSparse: the resident pages older than the tail, as ``(group, pages, blocks)`` per
         group, so the caller can write dirty rows back before `release_resident` frees them.
-
-        Per group, not per page: a 128K prompt drops ~2K pages per group when it starts
-        decoding, all of it in the request's second token."""
+        Called after every step (prefill chunks too: their rows are on the host already)."""
         if not self.offload:
             return []
         b = self.requests[req_id]
@@ -311,18 +329,19 @@ class KVCacheManager:
             setattr(self, name, None)
         self.resident_tables, self.hot_block_tables = [], []
         self.requests = {}
+        self.staging_raw = None
 
     # --- block tables --------------------------------------------------------------------
     @staticmethod
     def _write_span(table: torch.Tensor | None, slot: int, start: int, ids: list[int]) -> None:
         """``table[slot, start : start + len(ids)] = ids`` (one small host-to-device copy)."""
-        if table is None or slot < 0 or not ids:
+        if table is None or slot < 0 or not ids or table.is_meta:
             return
         table[slot, start : start + len(ids)] = torch.tensor(ids, dtype=torch.int32)
 
     @staticmethod
     def _write_pages(table: torch.Tensor, slot: int, pages: list[int], ids: list[int]) -> None:
-        if slot < 0 or not pages:
+        if slot < 0 or not pages or table.is_meta:
             return
         if pages == list(range(pages[0], pages[0] + len(pages))):
             table[slot, pages[0] : pages[0] + len(pages)] = torch.tensor(ids, dtype=torch.int32)

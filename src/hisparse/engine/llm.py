@@ -245,6 +245,7 @@ class LLM:
                 max_model_len=self.max_model_len,
                 max_num_seqs=max_num_seqs,
                 device=self.device,
+                max_num_batched_tokens=max_num_batched_tokens,
                 **host,
             )
             self.runner = ModelRunner(

@@ -2,10 +2,13 @@
 
 The runner builds the step's metadata once (token positions, block tables, write slots), binds
 it to every index group's leader, and hands the model a `DsaKVCache` whose per-layer caches are
-the runtime's `CacheHandle`s. Prefill keeps every page of the prefilling requests resident, so
-its top-k maps through the resident table; a decode step resolves against the hot buffers and
-swaps misses in. After a request's last prefill chunk its hot buffers are warmed from the
-prefill's last-token selection, then its resident pages shrink to the tail.
+the runtime's `CacheHandle`s. A HiSparse prefill step reads its requests' contexts through the
+prefill staging area (`hisparse.runtime.staging.PrefillStaging`: each layer gathers its earlier
+rows from the host, writes the chunk's rows there, mirrors them to the host and copies the
+tail pages' rows into the pool), so a prefilling request holds only its tail pages resident;
+an all-GPU prefill maps its top-k through the resident table. A decode step resolves against
+the hot buffers and swaps misses in. After a request's last prefill chunk its hot buffers are
+warmed from the host with the prefill's last-token selection.
 
 Decode steps take one of two paths: the plain eager step (any batch, the CPU default), or the
 fixed-shape step of `hisparse.engine.cuda_graphs` (batch padded to a captured size, no host
@@ -32,6 +35,7 @@ from hisparse.models.kv_access import DsaStep
 from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.cache_handle import CacheHandle
 from hisparse.runtime.sparse_layer import SparseLayerRuntime
+from hisparse.runtime.staging import PrefillStaging
 from hisparse.runtime.streams import CopyStream
 
 
@@ -47,22 +51,33 @@ class StepResult:
 
 
 class _LayerView:
-    """A step's view of one layer over its runtime handle (writes go straight through)."""
+    """A step's view of one layer over its runtime handle: writes go straight through, or
+    on a HiSparse prefill step into the step's staged cache (``staging``)."""
 
-    def __init__(self, runner: ModelRunner, handle: CacheHandle) -> None:
-        self.runner, self.handle = runner, handle
+    def __init__(
+        self, runner: ModelRunner, handle: CacheHandle, staging: PrefillStaging | None = None
+    ) -> None:
+        self.runner, self.handle, self.staging = runner, handle, staging
+        self.staged: torch.Tensor | None = None
 
     def write_target(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.handle.write_target()
+        if self.staging is None:
+            return self.handle.write_target()
+        self.staged = self.staging.stage(self.handle.runtime)
+        return self.staged, self.staging.write_rows
 
     def finish_kv_update(self) -> None:
-        self.handle.finish_kv_update()
+        if self.staging is None:
+            self.handle.finish_kv_update()
+            return
+        assert self.staged is not None, "write_target first"
+        self.handle.finish_staged_update(self.staged, self.staging.write_rows)
 
 
 class _PrefillLayerCache(_LayerView):
-    """A prefill step's view of one layer: resident rows only; records the leader's
-    last-token top-k of requests that finish their prompt (for the warm start), which the
-    step hooks may replace (`StepHooks.warm_topk`)."""
+    """A prefill step's view of one layer: HiSparse reads the step's staged cache, all-GPU
+    the resident rows; records the leader's last-token top-k of requests that finish their
+    prompt (for the warm start), which the step hooks may replace (`StepHooks.warm_topk`)."""
 
     def swap_in(self, logical_topk: torch.Tensor) -> torch.Tensor:
         runner, rt = self.runner, self.handle.runtime
@@ -72,7 +87,10 @@ class _PrefillLayerCache(_LayerView):
                 logical_topk = logical_topk.clone()
                 logical_topk[runner.warm_rows] = warm[:, : logical_topk.shape[1]]
             runner.warm_topk[rt.name] = logical_topk[runner.warm_rows].clone()
-        return self.handle.resident_rows(logical_topk)
+        if self.staging is None:
+            return self.handle.resident_rows(logical_topk)
+        meta, _ = self.handle._step()
+        return self.staging.logical_rows(logical_topk, meta.req_per_token)
 
 
 class _DecodeLayerCache(_LayerView):
@@ -101,10 +119,16 @@ class _StepCache:
     """The `DsaKVCache` the model sees during one step."""
 
     def __init__(
-        self, runner: ModelRunner, decode: bool, idx_slots: torch.Tensor, idx_table: torch.Tensor
+        self,
+        runner: ModelRunner,
+        decode: bool,
+        idx_slots: torch.Tensor,
+        idx_table: torch.Tensor,
+        staging: PrefillStaging | None = None,
     ) -> None:
         self.runner, self.decode = runner, decode
         self.idx_slots, self.idx_table = idx_slots, idx_table
+        self.staging = staging
 
     @property
     def row_format(self) -> object:
@@ -117,7 +141,7 @@ class _StepCache:
     def attention(self, layer: int) -> CacheHandle | _PrefillLayerCache | _DecodeLayerCache:
         handle = self.runner.handles[layer]
         if not self.decode:
-            return _PrefillLayerCache(self.runner, handle)
+            return _PrefillLayerCache(self.runner, handle, self.staging)
         if self.runner.hooks is None:
             return handle
         return _DecodeLayerCache(self.runner, handle)
@@ -218,6 +242,7 @@ class ModelRunner:
         self._slots = self._lens = self._keys = torch.zeros(0, dtype=torch.int64)
         self._max_len = 0
         self._warm_idx: torch.Tensor | None = None
+        self._prefill_cache: _StepCache | None = None
         #: per decode step: (requests, device int64 [R, 3] hits / misses / bytes)
         self._pending: list[tuple[list[Request], torch.Tensor]] = []
         self.decode_path = decode_path
@@ -343,9 +368,20 @@ class ModelRunner:
         )
         self.warm_topk = {}
         sample_reqs = [req for (req, _), f in zip(batch, finishing, strict=True) if f or decode]
+        staging = None
+        if not decode and kv.offload:
+            # every context page of the step's requests, one layer at a time (§6.6); a
+            # synthetic prefill only writes, so it gathers nothing
+            assert kv.staging_raw is not None
+            staging = PrefillStaging(
+                kv.staging_raw, host_bt, starts, counts, rix, pos, bs, gather_earlier=not synthetic
+            )
+        cache = _StepCache(self, decode, rows_of(idx_table), idx_table, staging)
         if synthetic:
             assert hooks is not None
+            self._prefill_cache = cache
             hooks.write_prefill(self, rows_of(idx_table), key_d[rix], pos)
+            self._prefill_cache = None
             if warm:
                 for leader in self.leaders:
                     name = leader.runtime.name
@@ -356,7 +392,6 @@ class ModelRunner:
             tokens = hooks.first_tokens([self.request_key(r) for r in sample_reqs], vocab)
             logits = None
         else:
-            cache = _StepCache(self, decode, rows_of(idx_table), idx_table)
             if hooks is not None:
                 hooks.begin_step(decode)
             hidden = self.model(packed[4 * R :], step, cache)
@@ -374,7 +409,7 @@ class ModelRunner:
                 logits = self.model.logits(hidden[rows_t])
             tokens = None
         if warm and kv.offload and self.warm_topk:
-            self._warm_start([batch[r][0] for r in warm], warm, host_bt, tables)
+            self._warm_start(warm, host_bt)
         if decode:
             self._record_hits([req for req, _ in batch])
         return StepResult(logits=logits, sample_reqs=sample_reqs, token_ids=tokens)
@@ -464,12 +499,11 @@ class ModelRunner:
             counts = torch.zeros((b, 3), dtype=torch.int64, device=dev)
         return logits, counts
 
-    def _warm_start(
-        self, reqs: list[Request], rows: list[int], host_bt: torch.Tensor, tables: list[GroupTables]
-    ) -> None:
-        """Seed the hot buffers of requests that just finished their prompt."""
+    def _warm_start(self, rows: list[int], host_bt: torch.Tensor) -> None:
+        """Seed the hot buffers of the requests (batch rows ``rows``) that just finished
+        their prompt, from the host pool (their older pages are no longer resident)."""
         dev = self.device
-        m = len(reqs)
+        m = len(rows)
         pick = torch.tensor(rows, device=dev)
         meta = StepMetadata(
             num_tokens=m,
@@ -479,15 +513,17 @@ class ModelRunner:
             source_block_table=host_bt[pick],
         )
         for leader in self.leaders:
-            name = leader.runtime.name
-            topk = self.warm_topk.get(name)
-            if topk is None:
-                continue
-            t = tables[self.kv.group_of_layer[name]]
-            sub = GroupTables(
-                resident_block_table=t.resident_block_table[pick], slot_mapping=t.slot_mapping[:0]
-            )
-            leader.runtime.group.warm_start(meta, sub, topk)
+            topk = self.warm_topk.get(leader.runtime.name)
+            if topk is not None:
+                leader.runtime.group.warm_start_from_host(meta, topk)
+
+    def prefill_layer_caches(self) -> list[_PrefillLayerCache]:
+        """The running prefill step's per-layer caches (for `StepHooks.write_prefill`: a
+        synthetic prefill writes its rows through them, as the model's layers would)."""
+        cache = self._prefill_cache
+        if cache is None:
+            raise RuntimeError("prefill_layer_caches: no prefill step is running")
+        return [cache.attention(i) for i in range(len(self.handles))]  # type: ignore[misc]
 
     def _record_hits(self, reqs: list[Request]) -> None:
         """Keep this step's per-request hits, misses and bytes swapped in on the device (read

@@ -8,9 +8,11 @@ forwards of one step: the decode part keeps its fixed-shape (CUDA-graph) path. N
 join between steps.
 Admission reserves host blocks for the prompt *and* every token the request may still
 generate, so the host pool never overflows: a full pool means waiting. The GPU pool is checked
-for the whole prompt's pages; when a decode step cannot grow, the most recently admitted
-request whose recompute still fits the GPU pool is preempted (its blocks freed, its tokens
-recomputed later); a request that cannot grow and has nobody to preempt waits a step.
+for what the prompt holds at its peak, `KVLayout.gpu_blocks_per_request` (the planner's own
+figure: a HiSparse prefill streams its pages to the host, so it holds what its decode will),
+beside what the admitted prompts still have to take. When a decode step cannot grow, the most
+recently admitted request is preempted (its blocks freed, its tokens recomputed later): its
+recompute holds what it held, so it always fits again.
 """
 
 from __future__ import annotations
@@ -89,10 +91,10 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             total = min(req.max_total_tokens, kv.max_blocks * kv.block_size)
-            need_gpu = kv.prefill_gpu_blocks(req.num_tokens) + kv.hot_lease_blocks()
+            need_gpu = kv.gpu_need(req.num_tokens)
             # Blocks the admitted prompts still have to take are spoken for.
             promised = sum(
-                kv.prefill_gpu_blocks(r.num_tokens, kv.requests[r.req_id])
+                max(kv.gpu_need(r.num_tokens) - kv.gpu_held(r.req_id), 0)
                 for r in self.running
                 if r.status is Status.PREFILLING
             )
@@ -128,53 +130,53 @@ class Scheduler:
             prefill = self._prefill_part(self.max_num_batched_tokens)
             if prefill is not None:
                 return [prefill]
-        decode, stuck = self._decode_part()
+        decode = self._decode_part()
         budget = self.max_num_batched_tokens - (len(decode.batch) if decode else 0)
         prefill = self._prefill_part(budget) if self.policy == "mixed" else None
         parts = [p for p in (decode, prefill) if p is not None]
         if not parts and self.running:
-            if stuck:
-                # Every decoding request is stuck and none can be recomputed: end the newest
-                # so the others can grow (waiting would never end).
-                self.fail_running(
-                    stuck[-1],
-                    "the GPU KV pool cannot hold this request's next page beside the others, "
-                    "and none of them fits the pool again if recomputed; raise gpu_memory_gib "
-                    "or lower max_num_seqs.",
-                )
-            else:
-                # Prompts that cannot grow and nothing decoding: free the newest to progress.
-                self.preempt(self.running[-1])
+            # Prompts that cannot grow and nothing decoding: free the newest to progress.
+            self.preempt(self.running[-1])
         return parts
 
     def _prefill_part(self, budget: int) -> ScheduledStep | None:
+        """Chunks of admitted prompts in admission order, in ``budget`` tokens. Under HiSparse
+        a step's prefill reads every context page of its requests through the staging area
+        (`PrefillStaging`): a chunk that would overflow it waits a step. None does in this
+        order: only the first request of the part can be past its first chunk, and the area
+        holds a ``max_model_len`` context plus one step's tokens."""
         batch: list[tuple[Request, int]] = []
         finishing: list[bool] = []
+        kv = self.kv
+        staged = 0
         for req in self.running:
             if req.status is not Status.PREFILLING or budget <= 0:
                 continue
             remaining = req.num_tokens - req.num_computed
             n = min(remaining, budget)
+            rows = kv.staging_rows(req.num_computed + n)
+            if batch and staged + rows > kv.staging_capacity:
+                break
             try:
-                self.kv.grow(req.req_id, req.num_computed + n, keep_all_resident=True)
+                kv.grow(req.req_id, req.num_computed + n)
             except KVCapacityError:
                 break
+            staged += rows
             batch.append((req, n))
             finishing.append(n == remaining)
             budget -= n
         return ScheduledStep(decode=False, batch=batch, finishing=finishing) if batch else None
 
-    def _decode_part(self) -> tuple[ScheduledStep | None, list[Request]]:
-        """The decode part, and the decoding requests that could not grow and had nobody to
-        preempt (they wait this step)."""
+    def _decode_part(self) -> ScheduledStep | None:
+        """One token for every decoding request; a request that cannot grow preempts the
+        newest request (itself when it is the newest) until it can."""
         batch: list[tuple[Request, int]] = []
-        stuck: list[Request] = []
         for req in [r for r in self.running if r.status is Status.DECODING]:
             if req.status is not Status.DECODING:
                 continue  # preempted below for an earlier request
             while True:
                 try:
-                    self.kv.grow(req.req_id, req.num_computed + 1, keep_all_resident=False)
+                    self.kv.grow(req.req_id, req.num_computed + 1)
                     batch.append((req, 1))
                     break
                 except KVCapacityError:
@@ -182,29 +184,21 @@ class Scheduler:
                         self.fail_running(req, "the GPU KV pool cannot hold this request alone")
                         break
                     victim = self._victim(req)
-                    if victim is None:
-                        stuck.append(req)
-                        break
                     self.preempt(victim)
                     batch = [(r, n) for r, n in batch if r is not victim]
                     if victim is req:
                         break
         if not batch:
-            return None, stuck
-        return ScheduledStep(decode=True, batch=batch, finishing=[False] * len(batch)), stuck
+            return None
+        return ScheduledStep(decode=True, batch=batch, finishing=[False] * len(batch))
 
-    def _victim(self, req: Request) -> Request | None:
-        """The request to preempt so ``req`` can grow: the most recently admitted one (``req``
-        itself when it is the newest) whose recompute fits the GPU pool again. A recompute is
-        a prefill of prompt + generated tokens with every page resident; a request grown past
-        that is never preempted (it would only fail at readmission), so ``req`` waits for
-        blocks instead (``None``)."""
-        kv = self.kv
-        for r in reversed(self.running):
-            need = kv.prefill_gpu_blocks(r.num_tokens) + kv.hot_lease_blocks()
-            if need <= kv.gpu_blocks.num_usable:
-                return r
-        return None
+    def _victim(self, req: Request) -> Request:
+        """The request to preempt so ``req`` can grow: the most recently admitted one
+        (``req`` itself when it is the newest). Its recompute is a streamed prefill that
+        holds what the request held (`KVLayout.gpu_blocks_per_request`), never more than one
+        ``max_model_len`` request, which the plan guarantees the pool holds: it always fits
+        again."""
+        return self.running[-1]
 
     def preempt(self, req: Request) -> None:
         """Free everything; the request recomputes prompt + generated tokens later."""
@@ -250,13 +244,16 @@ class Scheduler:
                 req.metrics.finished = now
                 self.finish(req, reason)
         for (req, _), fin in zip(step.batch, step.finishing, strict=True):
-            if req.finished or not (step.decode or fin):
+            if req.finished:
                 continue
-            req.status = Status.DECODING
-            # the rows are on the host: keep only the tail pages resident
+            if step.decode or fin:
+                req.status = Status.DECODING
+            # the rows are on the host: keep only the tail pages resident (a prefill streams
+            # its pages to the host chunk by chunk; nothing is trimmed on "gpu")
             dropped = self.kv.trim_resident(req.req_id, req.num_computed)
-            write_back(dropped, req)
-            self.kv.release_resident(req.req_id, dropped)
+            if dropped:
+                write_back(dropped, req)
+                self.kv.release_resident(req.req_id, dropped)
 
     def finish(self, req: Request, reason: str) -> None:
         req.status = Status.FINISHED

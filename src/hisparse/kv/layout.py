@@ -48,6 +48,9 @@ RESIDENT_TAIL_PAGES = 2
 RESIDENT_PEAK_PAGES = RESIDENT_TAIL_PAGES + 1
 #: Block id 0 is the null block in both the host and the GPU id space.
 NULL_BLOCKS = 1
+#: Prefill tokens per step the planner assumes when not told (`LLM`'s default
+#: ``max_num_batched_tokens``); it sizes the prefill staging area (docs/design.md §4.3).
+DEFAULT_PREFILL_TOKENS = 2048
 
 
 class GroupKind(Enum):
@@ -111,6 +114,12 @@ class KVLayout:
     gpu_num_blocks: int
     gpu_groups: tuple[DeviceGroup, ...]
     gpu_views: Mapping[str, PagedViewSpec]
+    #: HiSparse: pages (of ``block_size`` rows) of the prefill staging area: one layer at a
+    #: time, every prefilling request's context in a step
+    #: (`hisparse.runtime.staging.PrefillStaging`); 0 on "gpu"
+    staging_blocks: int = 0
+    #: bytes of one staged row (the widest sparse row)
+    staging_row_bytes: int = 0
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -121,12 +130,23 @@ class KVLayout:
     def gpu_pool_bytes(self) -> int:
         return self.gpu_bytes_per_block * self.gpu_num_blocks
 
+    @property
+    def staging_bytes(self) -> int:
+        """GPU bytes of the prefill staging area, outside the block pool."""
+        return self.staging_blocks * self.block_size * self.staging_row_bytes
+
     def groups(self, kind: GroupKind) -> tuple[DeviceGroup, ...]:
         return tuple(g for g in self.gpu_groups if g.kind is kind)
 
     # -- capacity ------------------------------------------------------------------------------
     def gpu_blocks_per_request(self, context_len: int) -> int:
-        """GPU blocks one request of ``context_len`` tokens holds at its peak."""
+        """GPU blocks one request of ``context_len`` tokens holds at its peak: THE per-request
+        need, the planner's capacity and the scheduler's admission and preemption alike
+        (a prefill streams its pages to the host, so it never holds more than this).
+
+        HiSparse: every indexer page, ``min(3, pages)`` pages per resident group (two tail
+        pages, plus the one a step opens before the oldest is dropped), the hot region of
+        every hot group. All-GPU: every page."""
         pages = _pages(context_len, self.block_size)
         total = 0
         for group in self.gpu_groups:
@@ -180,6 +200,12 @@ class KVLayout:
                 f"    {group.kind.value:<8} {compact_layer_names(group.layers)}: "
                 f"{group.page_bytes} B/page"
             )
+        if self.staging_blocks:
+            lines.append(
+                f"  prefill staging: {self.staging_blocks} pages x {self.block_size} rows x "
+                f"{self.staging_row_bytes} B = {format_gib(self.staging_bytes)} (one layer at a "
+                "time, outside the pool)"
+            )
         return "\n".join(lines)
 
     def groups_table(self, context_len: int | None = None) -> Table:
@@ -221,6 +247,8 @@ def plan_kv_layout(
     check_capacity: bool = True,
     host_shards: int = 1,
     host_shard: int = 0,
+    max_num_batched_tokens: int = DEFAULT_PREFILL_TOKENS,
+    max_num_seqs: int | None = None,
 ) -> KVLayout:
     """Plan host and GPU pools for ``specs``; raises `HiSparseConfigError` on bad settings.
 
@@ -230,6 +258,10 @@ def plan_kv_layout(
     ``host_shards`` > 1: ``specs`` give one tensor-parallel rank's slice of each sparse row,
     the host rows hold ``host_shards`` such slices, and the host views are rank
     ``host_shard``'s.
+    HiSparse reserves the prefill staging area out of the budget first: rows for one
+    ``max_model_len`` context plus one step's prompt tokens (``max_num_batched_tokens``, at
+    most ``max_num_seqs - 1`` other prompts' worth when given), one sparse layer's rows each
+    (docs/design.md §4.3, §6.6).
     """
     if not 0 <= host_shard < host_shards:
         raise ValueError(f"host_shard={host_shard} must be in [0, host_shards={host_shards})")
@@ -239,6 +271,10 @@ def plan_kv_layout(
         raise HiSparseConfigError(f"max_model_len={max_model_len} must be positive.")
     if gpu_budget_bytes < 0:
         raise HiSparseConfigError(f"gpu_budget_bytes={gpu_budget_bytes} must not be negative.")
+    if max_num_batched_tokens <= 0:
+        raise HiSparseConfigError(
+            f"max_num_batched_tokens={max_num_batched_tokens} must be positive."
+        )
     specs = list(specs)
     _check_specs(specs, config, placement)
     bs = config.block_size
@@ -301,6 +337,8 @@ def plan_kv_layout(
     gpu_groups = tuple(
         [g for g in (indexer_group,) if g is not None] + resident + hot + regular_groups
     )
+    staging_blocks = staging_pages(max_model_len, max_num_batched_tokens, bs, max_num_seqs)
+    staging_row = max(s.row_bytes for s in sparse)
     return _finish(
         placement,
         config,
@@ -313,7 +351,27 @@ def plan_kv_layout(
         host_block_bytes=host_block_bytes,
         host_num_blocks=host_num_blocks,
         host_views=host_views,
+        staging_blocks=staging_blocks,
+        staging_row_bytes=staging_row,
     )
+
+
+def staging_pages(
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    block_size: int,
+    max_num_seqs: int | None = None,
+) -> int:
+    """Pages (of ``block_size`` rows) of the prefill staging area: one row per context
+    position of a step's prefilling requests. In admission order only the first of them can
+    be past its first chunk (a later one gets tokens only when the earlier ones finish in the
+    same step), so a ``max_model_len`` context plus one step's prompt tokens (no more than
+    ``max_num_seqs - 1`` other prompts hold) is enough: the scheduler keeps every step within
+    it, and it never changes a schedule (docs/design.md §6.6)."""
+    others = max_num_batched_tokens
+    if max_num_seqs is not None:
+        others = min(others, max(max_num_seqs - 1, 0) * max_model_len)
+    return cdiv(max_model_len + others, block_size)
 
 
 def _finish(
@@ -329,11 +387,14 @@ def _finish(
     host_block_bytes: int,
     host_num_blocks: int,
     host_views: dict[str, PagedViewSpec],
+    staging_blocks: int = 0,
+    staging_row_bytes: int = 0,
 ) -> KVLayout:
     """Size the GPU pool for ``gpu_groups``, give every layer its view, check capacity."""
     bs = config.block_size
     bytes_per_block = max(g.page_bytes for g in gpu_groups)
-    gpu_num_blocks = gpu_budget_bytes // bytes_per_block
+    staging_bytes = staging_blocks * bs * staging_row_bytes
+    gpu_num_blocks = max(gpu_budget_bytes - staging_bytes, 0) // bytes_per_block
     gpu_views: dict[str, PagedViewSpec] = {}
     for group in gpu_groups:
         if group.kind is GroupKind.HOT or gpu_num_blocks == 0:
@@ -361,6 +422,8 @@ def _finish(
         gpu_num_blocks=gpu_num_blocks,
         gpu_groups=gpu_groups,
         gpu_views=MappingProxyType(gpu_views),
+        staging_blocks=staging_blocks,
+        staging_row_bytes=staging_row_bytes,
     )
     if check_capacity:
         _check_gpu_pool(layout, gpu_budget_bytes)
@@ -484,23 +547,25 @@ def _check_host_pool(
 
 def _check_gpu_pool(layout: KVLayout, budget: int) -> None:
     per_block = layout.gpu_bytes_per_block
+    staging = layout.staging_bytes
+    also = f" beside the {format_gib(staging)} prefill staging area" if staging else ""
     if layout.gpu_num_blocks < NULL_BLOCKS + 1:
         raise HiSparseConfigError(
             f"the GPU KV budget of {format_gib(budget)} ({budget:,} B) is smaller than two "
-            f"blocks of {per_block:,} B (block 0 is the null block), so it holds no usable "
-            f"block. Give the KV cache >= {ceil_gib(2 * per_block)} of GPU memory "
-            "(gpu_memory_gib)."
+            f"blocks of {per_block:,} B (block 0 is the null block){also}, so it holds no "
+            f"usable block. Give the KV cache >= {ceil_gib(2 * per_block + staging)} of GPU "
+            "memory (gpu_memory_gib)."
         )
     per_request = layout.gpu_blocks_per_request(layout.max_model_len)
     need = per_request + NULL_BLOCKS
     if layout.gpu_num_blocks < need:
         hint = " or a smaller device_buffer_size" if layout.placement == "hisparse" else ""
+        total = ceil_gib(need * per_block + staging)
         raise HiSparseConfigError(
             f"the GPU KV budget of {format_gib(budget)} holds {layout.gpu_num_blocks} blocks "
-            f"of {per_block:,} B, but one max_model_len={layout.max_model_len} request needs "
-            f"{per_request} blocks plus the null block ({ceil_gib(need * per_block)}). Give the "
-            f"KV cache >= {ceil_gib(need * per_block)} of GPU memory (gpu_memory_gib), or lower "
-            f"max_model_len{hint}."
+            f"of {per_block:,} B{also}, but one max_model_len={layout.max_model_len} request "
+            f"needs {per_request} blocks plus the null block. Give the KV cache >= {total} of "
+            f"GPU memory (gpu_memory_gib), or lower max_model_len{hint}."
         )
 
 

@@ -2,9 +2,10 @@
 
 An attention layer talks to HiSparse only through this: where to write the step's new KV rows
 (`write_target`), the host mirror of those rows (`finish_kv_update`), the physical rows its
-top-k resolves to (`swap_in`), and, for prefill, a cache holding every referenced row
-(`prefill_cache`). All-GPU placement is the same handle with no host rows: every page is
-resident, so `swap_in` resolves to resident rows and nothing is mirrored or gathered.
+top-k resolves to (`swap_in`), and, for a HiSparse prefill, the mirror of rows written into
+a staged cache (`finish_staged_update`, `hisparse.runtime.staging`). All-GPU placement is the
+same handle with no host rows: every page is resident, so `swap_in` resolves to resident rows
+and nothing is mirrored or gathered.
 """
 
 from __future__ import annotations
@@ -87,6 +88,25 @@ class CacheHandle:
         # itself, two elementwise kernels fewer per layer and step).
         group.ops.gather_plan(rt.device_view, rt.host_view, dev_rows, host_rows, None)
 
+    def finish_staged_update(self, staged: torch.Tensor, rows: torch.Tensor) -> None:
+        """`finish_kv_update` of a HiSparse prefill that wrote its new rows into a staged
+        cache (`PrefillStaging`) at ``rows``: the host mirror from there, and a copy into
+        the resident pages for the tokens whose page is resident (the tail the request
+        keeps; the other pages live on the host only)."""
+        meta, tables = self._step()
+        rt = self.runtime
+        group = rt.group
+        if group.layers[0] is rt:
+            group.invalidate_written(meta)
+        assert rt.host_view is not None and meta.host_slot_mapping is not None
+        n = meta.num_tokens
+        rows = prefix_rows(rows, n)
+        if rt.writes_host:  # tensor parallelism: one rank mirrors MLA rows (design §18.3)
+            group.ops.gather_plan(staged, rt.host_view, rows,
+                                  prefix_rows(meta.host_slot_mapping, n), None)  # fmt: skip
+        group.ops.gather_plan(staged, rt.device_view, rows, prefix_rows(tables.slot_mapping, n),
+                              None)  # fmt: skip
+
     def swap_in(
         self, logical_topk: torch.Tensor, *, return_valid_counts: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -120,12 +140,12 @@ class CacheHandle:
     def resident_rows(self, logical_topk: torch.Tensor) -> torch.Tensor:
         """Physical rows of ``logical_topk`` through the resident block table alone.
 
-        For prefill: the engine keeps every page of a prefilling request resident, so its
-        many query rows need no hot state and no swap (their wanted set would exceed the hot
-        buffer anyway).
+        For an all-GPU prefill: every page is resident, so its many query rows need no hot
+        state and no swap. (A HiSparse prefill reads its staged cache instead,
+        `PrefillStaging`: its pages stream to the host as chunks finish.)
 
         A page that is not resident would be attended as masked: the reference path (which
-        may synchronise) refuses it; pages that left the GPU are for `PrefillStagingPlan`.
+        may synchronise) refuses it.
         """
         meta, tables = self._step()
         bs = self.runtime.config.block_size
@@ -145,8 +165,7 @@ class CacheHandle:
         if self.runtime.device.type == "cpu" and bool((live & (blk == 0)).any()):
             raise RuntimeError(
                 f"{self.runtime.name}: a prefill top-k entry lies on a page that is not "
-                "resident; the engine must keep a prefilling request's pages on the GPU "
-                "(or stage them with PrefillStagingPlan)."
+                "resident: stage the prefill's pages (PrefillStaging) instead."
             )
         return physical
 

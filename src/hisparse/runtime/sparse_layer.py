@@ -555,6 +555,34 @@ class IndexGroupRuntime:
         for layer in self.layers if meta.is_decode else self.layers[:1]:
             layer.gather_swapped_rows()
 
+    def warm_start_from_host(self, meta: StepMetadata, topk: torch.Tensor) -> None:
+        """Fill hot slots from the host pool with a finished prefill's last selection: the
+        resolve of `warm_start` (as if nothing were resident: every selected row gets a hot
+        slot), then every layer's rows gathered from the host as a decode step gathers its
+        misses. The engine's HiSparse prefill streams its pages to the host as chunks finish
+        (docs/design.md §5.3), so the rows are there rather than on resident pages. Not
+        counted as hits or misses."""
+        self.copy.wait_for_compute()
+        with self.copy.active():
+            self._resolve(meta, None, topk, None)
+            span = self.span_gather_views()
+            if span is not None:
+                host_span, devices = span
+                self.ops.gather_compact_group(
+                    host_span, devices, self.swap_src, self.swap_dst, self.swap_count
+                )
+            else:
+                for layer in self.layers:
+                    if layer.host_view is not None:
+                        self.ops.gather_compact(
+                            layer.host_view,
+                            layer.device_view,
+                            self.swap_src,
+                            self.swap_dst,
+                            self.swap_count,
+                        )
+        self.copy.compute_waits_for_copies()
+
     def warm_start(self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor) -> None:
         """Fill hot slots from the resident pages with a finished prefill's last selection.
 
