@@ -108,7 +108,8 @@ def test_tp2_equals_tp1_under_preemption(checkpoint):
     long = SamplingParams(temperature=0, max_tokens=60)
     prompts = _prompts((20, 23, 30, 33))
     with _engine(checkpoint, 1) as probe:
-        gib = 100 * probe.kv.layout.gpu_bytes_per_block / 2**30
+        lay = probe.kv.layout  # a pool of 100 blocks beside the prefill staging area
+        gib = (100 * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
     runs = []
     for tp in (1, 2):
         with _engine(checkpoint, tp, gib=gib, top_k=4) as llm:

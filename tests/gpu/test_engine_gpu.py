@@ -112,7 +112,8 @@ def _generate(checkpoint, placement, prompts, params, *, cuda_graphs, blocks=Non
     gib = 0.05
     if blocks is not None:
         with LLM(checkpoint, gpu_memory_gib=gib, **kw) as probe:
-            gib = blocks * probe.kv.layout.gpu_bytes_per_block / 2**30
+            lay = probe.kv.layout  # a pool of `blocks` blocks beside the staging area
+            gib = (blocks * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
     with LLM(checkpoint, gpu_memory_gib=gib, **kw) as llm:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         graphs = llm.runner.graphs
