@@ -56,8 +56,8 @@ async def _one(client: httpx.AsyncClient, ids: list[int], out_len: int) -> dict:
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"] and chunk["choices"][0]["text"]:
-                times.append(time.perf_counter())
+            elif chunk["choices"]:  # one chunk per new token; its text may be empty (a
+                times.append(time.perf_counter())  # partial character, or a tiny vocabulary)
     if not times:
         return dict(error="no tokens")
     return dict(
