@@ -30,8 +30,18 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-#: prompt token ids are drawn below this (every supported model's vocabulary is larger)
+#: prompt token ids are drawn below this, or below a checkpoint's smaller vocabulary
 PROMPT_VOCAB = 1000
+
+
+def _prompt_vocab(model: str) -> int:
+    """`PROMPT_VOCAB`, capped by ``vocab_size`` of a checkpoint folder's config.json."""
+    config = Path(model) / "config.json"
+    if config.is_file():
+        return min(
+            PROMPT_VOCAB, int(json.loads(config.read_text()).get("vocab_size", PROMPT_VOCAB))
+        )
+    return PROMPT_VOCAB
 
 
 def _pct(v: list[float], q: float) -> float:
@@ -147,7 +157,7 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise SystemExit("the server did not come up in time")
                 time.sleep(0.5)
-            row = asyncio.run(_load(base, args, PROMPT_VOCAB))
+            row = asyncio.run(_load(base, args, _prompt_vocab(args.model)))
             row["placement"] = placement
             rows.append(row)
         finally:
