@@ -1,0 +1,102 @@
+"""`hisparse simulate`: its LRU against the reference resolve, its rate table, and its
+running requests and swapped bytes against a real `hisparse bench` run on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hisparse.runtime.ops import reference as ref
+from hisparse.sim.hotbuf import HotBuffers
+from hisparse.sim.pcie import DEFAULT_RATES, RateTable
+
+
+def _reference_hits(
+    sels: list[np.ndarray], resident_from: list[np.ndarray], H: int, bs: int, NB: int
+) -> list[np.ndarray]:
+    """Per step, per request (hits, misses) of the reference op on the same selections."""
+    Q, K = sels[0].shape
+    hot_index = torch.full((Q, H), -1, dtype=torch.int32)
+    lru = torch.arange(H, dtype=torch.int16).repeat(Q, 1).contiguous()
+    src = (torch.arange(Q * NB, dtype=torch.int32) + 1).view(Q, NB)  # distinct host blocks
+    hot_bt = (torch.arange(Q * (H // bs), dtype=torch.int32) + 1).view(Q, H // bs)
+    out = []
+    for sel, lo in zip(sels, resident_from, strict=True):
+        pages = torch.arange(NB)[None, :]
+        resident = torch.where(pages >= torch.as_tensor(lo)[:, None] // bs, 1000 + pages, 0)
+        hm = torch.zeros((Q, 2), dtype=torch.int32)
+        ref.resolve_residency(
+            torch.as_tensor(sel, dtype=torch.int32),
+            torch.arange(Q, dtype=torch.int32),
+            torch.arange(Q, dtype=torch.int32),
+            src,
+            resident.to(torch.int32),
+            hot_bt,
+            hot_index,
+            lru,
+            bs,
+            torch.empty((Q, K), dtype=torch.int32),
+            torch.empty((Q, H), dtype=torch.int32),
+            torch.empty((Q, H), dtype=torch.int32),
+            torch.empty(Q, dtype=torch.int32),
+            hit_miss=hm,
+        )
+        out.append(hm.numpy())
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_hot_buffer_model_matches_reference(seed: int) -> None:
+    """Random selections with partial overlap, shrinking and growing wanted sets, resident
+    tail pages: every step's hits and misses equal the reference resolve's."""
+    rng = np.random.default_rng(seed)
+    Q, K, H, bs, NB = 3, 6, 8, 4, 8
+    L = NB * bs
+    sels, los = [], []
+    prev = [rng.choice(L, K, replace=False) for _ in range(Q)]
+    for _ in range(40):
+        rows = []
+        for q in range(Q):
+            keep = prev[q][: rng.integers(0, K + 1)]
+            fresh = rng.permutation(np.setdiff1d(np.arange(L), keep))[: K - len(keep)]
+            row = rng.permutation(np.concatenate([keep, fresh]))
+            row[rng.random(K) < 0.15] = -1  # some "none" entries
+            rows.append(row)
+            prev[q] = row[row >= 0]
+        sels.append(np.array(rows, dtype=np.int64))
+        los.append(rng.integers(L // 2, L + 1, Q))  # resident from this position on
+    want = _reference_hits(sels, los, H, bs, NB)
+    model = HotBuffers(Q, H, L)
+    slots = np.arange(Q)
+    for step, (sel, lo) in enumerate(zip(sels, los, strict=True)):
+        wanted = np.where((sel >= 0) & (sel < (lo // bs * bs)[:, None]), sel, -1)
+        h, m = model.step(slots, wanted)
+        np.testing.assert_array_equal(np.stack([h, m], 1), want[step], err_msg=f"step {step}")
+
+
+def test_hot_buffer_reset_forgets() -> None:
+    hb = HotBuffers(2, 4, 16)
+    sel = np.array([[1, 2, 3, -1], [4, 5, -1, -1]])
+    hb.step(np.arange(2), sel)
+    h, m = hb.step(np.arange(2), sel)
+    assert h.tolist() == [3, 2] and m.tolist() == [0, 0]
+    hb.reset(0)
+    h, m = hb.step(np.arange(2), sel)
+    assert h.tolist() == [0, 2] and m.tolist() == [3, 0]
+
+
+def test_rate_table() -> None:
+    t = RateTable.load(None)
+    assert t.gb_s_at(656, 16384) == pytest.approx(22.7)
+    # between measured points, held at the edges, monotone in span
+    assert 13.7 < t.gb_s_at(656, 8000) < 22.7
+    assert t.gb_s_at(656, 10) == pytest.approx(13.7)
+    assert t.gb_s_at(656, 16384) < t.gb_s_at(2624, 16384) < t.gb_s_at(1 << 30, 16384)
+    assert t.seconds(656, 0) == 0.0
+    assert t.seconds(656, 16384) == pytest.approx(16384 * 656 / 22.7e9)
+    with pytest.raises(ValueError):
+        RateTable.from_dict({**DEFAULT_RATES, "gb_s": DEFAULT_RATES["gb_s"][:-1]})
+    json.dumps(DEFAULT_RATES)  # the default is a valid --pcie-rates file
