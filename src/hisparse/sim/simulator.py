@@ -29,9 +29,9 @@ from hisparse.engine.request import Request
 from hisparse.engine.sampling import SamplingParams
 from hisparse.engine.scheduler import ScheduledStep, Scheduler, StopChecker
 from hisparse.engine.setup import default_host_pool_bytes
-from hisparse.kv.cache_shapes import ModelCacheShape, load_model_cache_shape
-from hisparse.kv.layout import RESIDENT_TAIL_PAGES
-from hisparse.kv.specs import CacheKind
+from hisparse.kv.cache_shapes import PRESETS, load_model_cache_shape
+from hisparse.kv.specs import CacheKind, LayerCacheSpec
+from hisparse.models.registry import dsa_row_format, engine_specs, resolve_model
 from hisparse.sim.hotbuf import HotBuffers
 from hisparse.sim.pcie import RateTable
 from hisparse.sim.trace import TraceRequest
@@ -60,6 +60,8 @@ class SimSettings:
     hot_buffer: int | None = None
     host_pool_gib: float | None = None
     kv_format: str = "auto"
+    #: the device the engine would run on: its default dtype picks the row format
+    target: str = "cuda"
     topk_overlap: float = 0.8
     seed: int = 0
     schedule: str = "mixed"
@@ -74,15 +76,25 @@ class SimSettings:
     prefill_tok_s: float = DEFAULT_PREFILL_TOK_S
 
 
-def cache_shape(model: str, block_size: int, kv_format: str) -> ModelCacheShape:
-    """The model's cache specs from its config (as `hisparse plan` reads them); ``auto`` is
-    the engine's choice on a DSA checkpoint: fp8_ds_mla where it fits, else bf16."""
-    if kv_format != "auto":
-        return load_model_cache_shape(model, block_size=block_size, kv_format=kv_format)
-    try:
-        return load_model_cache_shape(model, block_size=block_size, kv_format="fp8_ds_mla")
-    except HiSparseConfigError:
-        return load_model_cache_shape(model, block_size=block_size, kv_format="bf16")
+def engine_cache_specs(
+    model: str, block_size: int, kv_format: str, target: str = "cuda"
+) -> tuple[list[LayerCacheSpec], int]:
+    """The cache specs and top-k the engine would use: a checkpoint folder is built on the
+    meta device and asked (`engine_specs`, the row format `LLM` picks for ``target``'s
+    default dtype: bf16 on CUDA, fp32 on the CPU); a preset name is `hisparse plan`'s shape."""
+    if model in PRESETS:
+        fmt = "fp8_ds_mla" if kv_format == "auto" else kv_format
+        shape = load_model_cache_shape(model, block_size=block_size, kv_format=fmt)
+        return shape.specs, shape.index_topk
+    from hisparse.models.deepseek_v32 import DsaConfig, DsaForCausalLM
+
+    path = resolve_model(model)
+    mcfg = DsaConfig.from_pretrained(path)
+    with torch.device("meta"):
+        net = DsaForCausalLM(mcfg, indexer_mode="fp8")
+    dtype = torch.bfloat16 if target == "cuda" else torch.float32
+    row_format = dsa_row_format(mcfg, kv_format, dtype, torch.device(target))
+    return engine_specs(net, row_format, block_size), mcfg.index_topk
 
 
 class Simulator:
@@ -92,14 +104,15 @@ class Simulator:
         if not 0.0 <= s.topk_overlap <= 1.0:
             raise HiSparseConfigError(f"top-k overlap {s.topk_overlap}: give a fraction in [0, 1]")
         self.s = s
-        shape = cache_shape(s.model, s.block_size, s.kv_format)
-        self.specs = shape.specs
+        self.specs, index_topk = engine_cache_specs(
+            s.model, s.block_size, s.kv_format, s.target
+        )
         config = HiSparseConfig(
             top_k=s.top_k,
             device_buffer_size=s.hot_buffer,
             host_pool_gib=s.host_pool_gib,
             block_size=s.block_size,
-        ).resolve(shape.index_topk)
+        ).resolve(index_topk)
         if s.placement == "hisparse" and config.host_pool_bytes is None:
             size = default_host_pool_bytes(self.specs, config, s.max_model_len, s.max_num_seqs)
             config = dataclasses.replace(config, host_pool_bytes=size)
@@ -123,6 +136,8 @@ class Simulator:
         )
         sparse = [sp for sp in self.specs if sp.kind is CacheKind.SPARSE_MLA]
         leaders = [sp.name for sp in sparse if sp.index_leader == sp.name]
+        #: resident group of each leader (its pages' residency decides what is wanted)
+        self.leader_group = [self.kv.group_of_layer[name] for name in leaders]
         #: bytes of one token's rows of each index group (the span a miss reads)
         self.group_bytes = [
             sum(sp.row_bytes for sp in sparse if sp.index_leader == name) for name in leaders
@@ -166,18 +181,27 @@ class Simulator:
         self.prev[li].index_copy_(0, slots, sel)
         return slots.numpy(), sel.numpy().astype(np.int64)
 
+    def _resident_pages(self, reqs: list[Request], group: int) -> np.ndarray:
+        """``[B, P]`` resident pages of each request in resident group ``group`` (-1: pad)."""
+        pages = [list(self.kv.requests[r.req_id].resident[group]) for r in reqs]
+        out = np.full((len(reqs), max(map(len, pages), default=0) or 1), -1, dtype=np.int64)
+        for b, p in enumerate(pages):
+            out[b, : len(p)] = p
+        return out
+
     def _decode(self, step: ScheduledStep) -> dict[str, float]:
         reqs = [r for r, _ in step.batch]
         hits = misses = 0
         nbytes = pcie = 0.0
         if self.kv.offload:
             bs = self.config.block_size
-            n = np.array([r.num_computed for r in reqs], dtype=np.int64)
-            # resident: the tail pages kept after the last step, and the page this one opens
-            lo = np.maximum(-(-n // bs) - RESIDENT_TAIL_PAGES, 0) * bs
+            n = [r.num_computed for r in reqs]
             for li, leader in enumerate(self.leaders):
-                slots, sel = self._select(li, reqs, (n + 1).tolist())
-                wanted = np.where((sel >= 0) & (sel < lo[:, None]), sel, -1)
+                slots, sel = self._select(li, reqs, [k + 1 for k in n])
+                # entries on resident pages (the manager's own: after `grow`) touch no hot state
+                res = self._resident_pages(reqs, self.leader_group[leader])
+                on_page = (sel[:, :, None] // bs == res[:, None, :]).any(2)
+                wanted = np.where((sel >= 0) & ~on_page, sel, -1)
                 h, m = self.hot[li].step(slots, wanted)
                 hits += int(h.sum())
                 misses += int(m.sum())
@@ -327,6 +351,11 @@ def simulate(
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Play ``trace`` through a fresh simulated engine of ``settings``."""
-    return Simulator(settings).run(trace, progress)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small per-step tensors: threads cost more than they give
+    try:
+        return Simulator(settings).run(trace, progress)
+    finally:
+        torch.set_num_threads(threads)
 
 
