@@ -100,3 +100,84 @@ def test_rate_table() -> None:
     with pytest.raises(ValueError):
         RateTable.from_dict({**DEFAULT_RATES, "gb_s": DEFAULT_RATES["gb_s"][:-1]})
     json.dumps(DEFAULT_RATES)  # the default is a valid --pcie-rates file
+
+
+# -- against the engine: `hisparse bench`'s own cell on the CPU ------------------------------
+
+BLOCK, INPUT, OUTPUT, N, BATCHED = 16, 100, 140, 6, 128
+
+
+@pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
+def tiny(request, tmp_path_factory) -> str:
+    from hisparse.models.tiny import make_tiny
+
+    out = tmp_path_factory.mktemp(f"sim-{request.param}")
+    make_tiny(request.param, out, seed=0)
+    return str(out)
+
+
+@pytest.mark.parametrize("gib", [0.001, 0.004])  # 0.001: decodes that cannot grow preempt
+def test_simulate_predicts_cpu_bench(tiny: str, gib: float) -> None:
+    """The bench's running requests, preemptions, hits and swapped bytes, step by step."""
+    import argparse
+
+    from hisparse.bench.cli import run_cell
+    from hisparse.bench.hooks import BenchHooks
+    from hisparse.config import HiSparseConfig
+    from hisparse.engine.llm import LLM
+    from hisparse.sim.simulator import SimSettings, simulate
+    from hisparse.sim.trace import synthetic_trace
+
+    max_len = INPUT + OUTPUT
+    with LLM(
+        tiny,
+        hisparse=HiSparseConfig(block_size=BLOCK),
+        max_num_seqs=N,
+        max_model_len=max_len,
+        gpu_memory_gib=gib,
+        max_num_batched_tokens=BATCHED,
+        step_hooks=BenchHooks(topk_overlap=0.8, synthetic_prefill=True),
+    ) as llm:
+        args = argparse.Namespace(input_len=INPUT, output_len=OUTPUT, prefill="synthetic")
+        bench = run_cell(llm, args, N, 0)
+        steps = llm.last_run_stats
+    settings = SimSettings(
+        model=tiny,
+        gpu_memory_gib=gib,
+        max_model_len=max_len,
+        max_num_seqs=N,
+        block_size=BLOCK,
+        max_num_batched_tokens=BATCHED,
+        target="cpu",
+    )
+    sim = simulate(settings, synthetic_trace(N, input_len=INPUT, output_len=OUTPUT))
+    assert bench["preemptions"] == sim["preemptions"]
+    assert (gib < 0.002) == (sim["preemptions"] > 0)  # the tight budget does preempt
+    assert sim["peak_running"] == pytest.approx(bench["peak_running"], rel=0.05)
+    assert sim["bytes_swapped"] == pytest.approx(bench["bytes_swapped"], rel=0.15)
+    assert sim["bytes_swapped"] > 0
+    # the model claims more than the tolerances: the same schedule and misses every step
+    cols = {c: i for i, c in enumerate(sim["step_columns"])}
+    got = [(bool(s[cols["decode"]]), int(s[cols["tokens"]]), int(s[cols["running"]]),
+            int(s[cols["hits"]]), int(s[cols["misses"]])) for s in sim["steps"]]  # fmt: skip
+    want = [(bool(s["decode"]), int(s["tokens"]), int(s["running"]), int(s.get("hits", 0)),
+             int(s.get("misses", 0))) for s in steps]  # fmt: skip
+    assert got == want
+
+
+def test_sampled_leaders_estimate_all(tiny: str) -> None:
+    """Simulating one leader of several and counting the others as its average stays near
+    the full simulation (every leader's replay follows one model)."""
+    from hisparse.sim.simulator import SimSettings, simulate
+    from hisparse.sim.trace import synthetic_trace
+
+    def run(k: int | None) -> dict:
+        s = SimSettings(model=tiny, gpu_memory_gib=0.001, max_model_len=INPUT + OUTPUT,
+                        max_num_seqs=N, block_size=BLOCK, max_num_batched_tokens=BATCHED,
+                        target="cpu", sim_leaders=k)  # fmt: skip
+        return simulate(s, synthetic_trace(N, input_len=INPUT, output_len=OUTPUT))
+
+    full, one = run(None), run(1)
+    assert one["leaders_simulated"] == 1 < full["leaders_simulated"]
+    assert one["peak_running"] == full["peak_running"]
+    assert one["bytes_swapped"] == pytest.approx(full["bytes_swapped"], rel=0.2)

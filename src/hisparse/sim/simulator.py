@@ -104,9 +104,7 @@ class Simulator:
         if not 0.0 <= s.topk_overlap <= 1.0:
             raise HiSparseConfigError(f"top-k overlap {s.topk_overlap}: give a fraction in [0, 1]")
         self.s = s
-        self.specs, index_topk = engine_cache_specs(
-            s.model, s.block_size, s.kv_format, s.target
-        )
+        self.specs, index_topk = engine_cache_specs(s.model, s.block_size, s.kv_format, s.target)
         config = HiSparseConfig(
             top_k=s.top_k,
             device_buffer_size=s.hot_buffer,
@@ -149,9 +147,7 @@ class Simulator:
         K, S = config.top_k, s.max_num_seqs
         self.keep = min(round(s.topk_overlap * K), K - 1)
         self.prev = torch.full((len(self.leaders), S, K), -1, dtype=torch.int32)
-        self.hot = [
-            HotBuffers(S, config.device_buffer_size, s.max_model_len) for _ in self.leaders
-        ]
+        self.hot = [HotBuffers(S, config.device_buffer_size, s.max_model_len) for _ in self.leaders]
         self._owner: dict[int, Any] = {}
 
     # --- one step ---------------------------------------------------------------------
@@ -189,10 +185,22 @@ class Simulator:
             out[b, : len(p)] = p
         return out
 
+    def _traffic(self, rows: list[int]) -> tuple[float, float]:
+        """Bytes and PCIe seconds of the simulated leaders' gathers (``rows`` each, one span
+        of its group per row); with leaders left out, every leader gathers their mean."""
+        if len(rows) == len(self.group_bytes):
+            pairs = list(zip(self.group_bytes, rows, strict=True))
+        else:
+            mean = round(sum(rows) / len(rows))
+            pairs = [(span, mean) for span in self.group_bytes]
+        nbytes = float(sum(span * n for span, n in pairs))
+        return nbytes, sum(self.s.rates.seconds(span, n) for span, n in pairs)
+
     def _decode(self, step: ScheduledStep) -> dict[str, float]:
         reqs = [r for r, _ in step.batch]
         hits = misses = 0
         nbytes = pcie = 0.0
+        per_leader: list[int] = []
         if self.kv.offload:
             bs = self.config.block_size
             n = [r.num_computed for r in reqs]
@@ -205,9 +213,8 @@ class Simulator:
                 h, m = self.hot[li].step(slots, wanted)
                 hits += int(h.sum())
                 misses += int(m.sum())
-                span = self.group_bytes[leader]
-                nbytes += int(m.sum()) * span * self.scale
-                pcie += self.s.rates.seconds(span, int(m.sum())) * self.scale
+                per_leader.append(int(m.sum()))
+            nbytes, pcie = self._traffic(per_leader)
         secs = (self.s.decode_ms + self.s.decode_ms_per_request * len(reqs)) / 1e3 + pcie
         return dict(
             hits=hits * self.scale, misses=misses * self.scale, bytes=nbytes, pcie=pcie, secs=secs
@@ -219,16 +226,15 @@ class Simulator:
         tokens = sum(n for _, n in step.batch)
         warm = [(r, n) for (r, n), f in zip(step.batch, step.finishing, strict=True) if f]
         pcie = warm_bytes = 0.0
+        per_leader: list[int] = []
         if warm and self.kv.offload:
             reqs = [r for r, _ in warm]
             lens = [r.num_computed + n for r, n in warm]
-            for li, leader in enumerate(self.leaders):
+            for li in range(len(self.leaders)):
                 slots, sel = self._select(li, reqs, lens)
                 self.hot[li].step(slots, sel)
-                rows = int((sel >= 0).sum())
-                span = self.group_bytes[leader]
-                warm_bytes += rows * span * self.scale
-                pcie += self.s.rates.seconds(span, rows) * self.scale
+                per_leader.append(int((sel >= 0).sum()))
+            warm_bytes, pcie = self._traffic(per_leader)
         secs = tokens / self.s.prefill_tok_s + pcie
         return dict(warm_bytes=warm_bytes, pcie=pcie, secs=secs)
 
@@ -357,5 +363,3 @@ def simulate(
         return Simulator(settings).run(trace, progress)
     finally:
         torch.set_num_threads(threads)
-
-
