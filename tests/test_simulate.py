@@ -181,3 +181,47 @@ def test_sampled_leaders_estimate_all(tiny: str) -> None:
     assert one["leaders_simulated"] == 1 < full["leaders_simulated"]
     assert one["peak_running"] == full["peak_running"]
     assert one["bytes_swapped"] == pytest.approx(full["bytes_swapped"], rel=0.2)
+
+
+def test_bench_id_offsets() -> None:
+    """The bench numbers its warm-up requests first: one cell per padded graph size up to
+    the cell's with CUDA graphs, the cell's own size without."""
+    from hisparse.engine.cuda_graphs import padded_sizes
+    from hisparse.sim.cli import bench_id_offsets
+
+    cuda = {"settings": {"device": "cuda"}}
+    warm = sum(b for b in padded_sizes(36) if b < 36) + 36
+    assert bench_id_offsets(cuda, [36], "cpu") == [warm]
+    assert bench_id_offsets({"settings": {"device": "cpu"}}, [4, 8], "cuda") == [4, 16]
+    assert bench_id_offsets({"settings": {"no_warmup": True}}, [4, 8], "cpu") == [0, 4]
+
+
+def test_cli_trace_file(tiny: str, tmp_path) -> None:
+    """A JSONL trace with staggered arrivals through the command: JSON out, waits counted,
+    every request done, and a plot when matplotlib is there."""
+    from hisparse.cli import main
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(
+        json.dumps({"arrival": 0.01 * i, "input_len": 60 + 7 * i, "output_len": 20 + i}) + "\n"
+        for i in range(10)
+    ))  # fmt: skip
+    out = tmp_path / "sim.json"
+    argv = ["simulate", "--model", tiny, "--trace", str(trace), "--gpu-memory-gib", "0.001",
+            "--block-size", "16", "--max-batched-tokens", "128", "--max-num-seqs", "4",
+            "--target", "cpu", "--kv-placement", "hisparse,gpu", "--json", str(out),
+            "--plot", str(tmp_path / "sim.png")]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    by = {r["placement"]: r for r in doc["results"]}
+    assert set(by) == {"hisparse", "gpu"}
+    for r in by.values():
+        assert r["completed"] == r["requests"] == 10
+        assert 1 <= r["peak_running"] <= 4
+    assert by["hisparse"]["bytes_swapped"] > 0 == by["gpu"]["bytes_swapped"]
+    assert by["gpu"]["admission_wait_max"] > 0  # all-GPU holds fewer: requests wait
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "sim.png").stat().st_size > 0
