@@ -105,6 +105,9 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
                    help="prefill tokens per second (default %(default)g)")  # fmt: skip
     m.add_argument("--sim-leaders", type=int, help="index-group leaders whose hot buffers "
                    "are simulated, the others counted as their average (default all)")  # fmt: skip
+    m.add_argument("--sample-requests", type=float, default=1.0,
+                   help="fraction of requests whose hot buffers are simulated, the others "
+                   "counted as their running mean (default 1: all, exact)")  # fmt: skip
     m.add_argument("--id-offset", type=int, help="first request id (default: what the bench "
                    "numbers after its warm-up with --compare, else 0)")  # fmt: skip
     o = p.add_argument_group("output")
@@ -176,6 +179,7 @@ def settings_for(
         seed=args.seed or 0,
         schedule=args.schedule or "mixed",
         sim_leaders=args.sim_leaders,
+        sample_requests=args.sample_requests,
         rates=RateTable.load(args.pcie_rates),
         decode_ms=args.decode_ms,
         decode_ms_per_request=args.decode_ms_per_request,

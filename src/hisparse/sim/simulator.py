@@ -68,6 +68,9 @@ class SimSettings:
     #: index-group leaders whose hot buffers are simulated (None: all); the others are
     #: counted as their average (every leader's replay follows the same model)
     sim_leaders: int | None = None
+    #: fraction of requests whose selections and hot buffers are simulated; the others'
+    #: misses are the sampled ones' running mean per decode step (1: every request, exact)
+    sample_requests: float = 1.0
     #: request ids start here (`hisparse bench` numbers its warm-up requests first)
     id_offset: int = 0
     rates: RateTable = field(default_factory=lambda: RateTable.load(None))
@@ -149,6 +152,10 @@ class Simulator:
         self.prev = torch.full((len(self.leaders), S, K), -1, dtype=torch.int32)
         self.hot = [HotBuffers(S, config.device_buffer_size, s.max_model_len) for _ in self.leaders]
         self._owner: dict[int, Any] = {}
+        if not 0.0 < s.sample_requests <= 1.0:
+            raise HiSparseConfigError(f"sample_requests={s.sample_requests}: give (0, 1]")
+        #: sampled request-steps so far and their hits and misses (all simulated leaders)
+        self._seen = [0, 0, 0]
 
     # --- one step ---------------------------------------------------------------------
     def _lease_resets(self) -> None:
@@ -185,23 +192,29 @@ class Simulator:
             out[b, : len(p)] = p
         return out
 
-    def _traffic(self, rows: list[int]) -> tuple[float, float]:
+    def _traffic(self, rows: list[float]) -> tuple[float, float]:
         """Bytes and PCIe seconds of the simulated leaders' gathers (``rows`` each, one span
         of its group per row); with leaders left out, every leader gathers their mean."""
         if len(rows) == len(self.group_bytes):
             pairs = list(zip(self.group_bytes, rows, strict=True))
         else:
-            mean = round(sum(rows) / len(rows))
+            mean = sum(rows) / len(rows)
             pairs = [(span, mean) for span in self.group_bytes]
         nbytes = float(sum(span * n for span, n in pairs))
         return nbytes, sum(self.s.rates.seconds(span, n) for span, n in pairs)
 
+    def _sampled(self, req: Request) -> bool:
+        """Whether ``req``'s hot buffers are simulated (evenly spread over the trace)."""
+        f, i = self.s.sample_requests, int(req.req_id) - self.s.id_offset
+        return f >= 1.0 or int((i + 1) * f) > int(i * f)
+
     def _decode(self, step: ScheduledStep) -> dict[str, float]:
-        reqs = [r for r, _ in step.batch]
+        every = [r for r, _ in step.batch]
+        reqs = [r for r in every if self._sampled(r)]
         hits = misses = 0
         nbytes = pcie = 0.0
-        per_leader: list[int] = []
-        if self.kv.offload:
+        per_leader: list[float] = []
+        if self.kv.offload and reqs:
             bs = self.config.block_size
             n = [r.num_computed for r in reqs]
             for li, leader in enumerate(self.leaders):
@@ -214,8 +227,21 @@ class Simulator:
                 hits += int(h.sum())
                 misses += int(m.sum())
                 per_leader.append(int(m.sum()))
+            seen = self._seen
+            seen[0] += len(reqs)
+            seen[1] += hits
+            seen[2] += misses
+        rest = len(every) - len(reqs)
+        if self.kv.offload and rest and self._seen[0]:
+            # requests not sampled: the sampled ones' mean per request-step and leader
+            n_sim, (k, h_sum, m_sum) = len(self.leaders), self._seen
+            hits += rest * h_sum / k
+            misses += rest * m_sum / k
+            per_leader = per_leader or [0.0] * n_sim
+            per_leader = [v + rest * m_sum / k / n_sim for v in per_leader]
+        if per_leader:
             nbytes, pcie = self._traffic(per_leader)
-        secs = (self.s.decode_ms + self.s.decode_ms_per_request * len(reqs)) / 1e3 + pcie
+        secs = (self.s.decode_ms + self.s.decode_ms_per_request * len(every)) / 1e3 + pcie
         return dict(
             hits=hits * self.scale, misses=misses * self.scale, bytes=nbytes, pcie=pcie, secs=secs
         )
@@ -226,14 +252,17 @@ class Simulator:
         tokens = sum(n for _, n in step.batch)
         warm = [(r, n) for (r, n), f in zip(step.batch, step.finishing, strict=True) if f]
         pcie = warm_bytes = 0.0
-        per_leader: list[int] = []
         if warm and self.kv.offload:
-            reqs = [r for r, _ in warm]
-            lens = [r.num_computed + n for r, n in warm]
-            for li in range(len(self.leaders)):
+            # a first selection holds min(top_k, length) positions: no replay needed to count
+            rows = sum(min(self.config.top_k, r.num_computed + n) for r, n in warm
+                       if not self._sampled(r))  # fmt: skip
+            per_leader: list[float] = [float(rows)] * len(self.leaders)
+            reqs = [r for r, _ in warm if self._sampled(r)]
+            lens = [r.num_computed + n for r, n in warm if self._sampled(r)]
+            for li in range(len(self.leaders) if reqs else 0):
                 slots, sel = self._select(li, reqs, lens)
                 self.hot[li].step(slots, sel)
-                per_leader.append(int((sel >= 0).sum()))
+                per_leader[li] += int((sel >= 0).sum())
             warm_bytes, pcie = self._traffic(per_leader)
         secs = tokens / self.s.prefill_tok_s + pcie
         return dict(warm_bytes=warm_bytes, pcie=pcie, secs=secs)
@@ -337,6 +366,7 @@ class Simulator:
             gpu_blocks=self.kv.gpu_blocks.num_usable,
             gpu_blocks_per_request=self.kv.gpu_need(self.s.max_model_len),
             leaders_simulated=len(self.leaders),
+            sample_requests=self.s.sample_requests,
             leaders=len(self.group_bytes),
             wall_seconds=wall,
             step_columns=list(STEP_COLUMNS),
