@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,6 +144,8 @@ class Simulator:
         self.group_bytes = [
             sum(sp.row_bytes for sp in sparse if sp.index_leader == name) for name in leaders
         ]
+        #: how many groups have each span (the leaders left out gather at their span)
+        self._span_counts = Counter(self.group_bytes)
         n = len(leaders) if s.sim_leaders is None else max(1, min(s.sim_leaders, len(leaders)))
         self.leaders = sorted({round(x) for x in np.linspace(0, len(leaders) - 1, n)})
         #: each simulated leader stands for this many
@@ -197,11 +200,14 @@ class Simulator:
         of its group per row); with leaders left out, every leader gathers their mean."""
         if len(rows) == len(self.group_bytes):
             pairs = list(zip(self.group_bytes, rows, strict=True))
-        else:
-            mean = sum(rows) / len(rows)
-            pairs = [(span, mean) for span in self.group_bytes]
-        nbytes = float(sum(span * n for span, n in pairs))
-        return nbytes, sum(self.s.rates.seconds(span, n) for span, n in pairs)
+            nbytes = float(sum(span * n for span, n in pairs))
+            return nbytes, sum(self.s.rates.seconds(span, round(n)) for span, n in pairs)
+        mean = sum(rows) / len(rows)
+        nbytes = mean * sum(self.group_bytes)
+        return nbytes, sum(
+            count * self.s.rates.seconds(span, round(mean))
+            for span, count in self._span_counts.items()
+        )
 
     def _sampled(self, req: Request) -> bool:
         """Whether ``req``'s hot buffers are simulated (evenly spread over the trace)."""
