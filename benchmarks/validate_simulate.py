@@ -5,7 +5,8 @@ Issue #22's shape on one H200 (the defaults), everything written under ``--out``
 
     PYTHONPATH=src python3 benchmarks/validate_simulate.py --out "$OUT"
 
-It makes the v32-attention tiny model (4 layers) unless ``--model`` names one, runs
+It makes the v32-attention tiny model (4 layers; in the temporary folder, not under ``--out``:
+it is 2 GB) unless ``--model`` names one, runs
 ``hisparse bench --json`` (both placements), then ``hisparse simulate --compare`` with
 ``--json`` and ``--plot``. Exit status: 0 when the running requests are within 5% and the
 swapped bytes within 15%, 1 when not, other values when a step failed.
@@ -20,6 +21,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -43,7 +45,7 @@ def _run(cmd: list[str], log: Path) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "validate_out")))
-    p.add_argument("--model", type=Path, help="a DSA checkpoint (default: make one in --out)")
+    p.add_argument("--model", type=Path, help="a DSA checkpoint (default: make one)")
     p.add_argument("--preset", default="v32-attention", help="make-tiny preset")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--input-len", type=int, default=131072)
@@ -60,7 +62,7 @@ def main() -> int:
     py = sys.executable
     model = a.model
     if model is None:
-        model = a.out / f"model-{a.preset}-{a.layers}"
+        model = Path(tempfile.gettempdir()) / f"hisparse-validate-{a.preset}-{a.layers}"
         if not (model / "config.json").is_file():
             rc = _run([py, "-m", "hisparse", "make-tiny", "--arch", "deepseek_v32", "--preset",
                        a.preset, "--layers", str(a.layers), "--force", str(model)],
