@@ -30,8 +30,18 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-#: prompt token ids are drawn below this (every supported model's vocabulary is larger)
+#: prompt token ids are drawn below this, or below a checkpoint's smaller vocabulary
 PROMPT_VOCAB = 1000
+
+
+def _prompt_vocab(model: str) -> int:
+    """`PROMPT_VOCAB`, capped by ``vocab_size`` of a checkpoint folder's config.json."""
+    config = Path(model) / "config.json"
+    if config.is_file():
+        return min(
+            PROMPT_VOCAB, int(json.loads(config.read_text()).get("vocab_size", PROMPT_VOCAB))
+        )
+    return PROMPT_VOCAB
 
 
 def _pct(v: list[float], q: float) -> float:
@@ -56,8 +66,8 @@ async def _one(client: httpx.AsyncClient, ids: list[int], out_len: int) -> dict:
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"] and chunk["choices"][0]["text"]:
-                times.append(time.perf_counter())
+            elif chunk["choices"]:  # one chunk per new token; its text may be empty (a
+                times.append(time.perf_counter())  # partial character, or a tiny vocabulary)
     if not times:
         return dict(error="no tokens")
     return dict(
@@ -147,7 +157,7 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise SystemExit("the server did not come up in time")
                 time.sleep(0.5)
-            row = asyncio.run(_load(base, args, PROMPT_VOCAB))
+            row = asyncio.run(_load(base, args, _prompt_vocab(args.model)))
             row["placement"] = placement
             rows.append(row)
         finally:

@@ -188,6 +188,9 @@ def test_bench_cli_writes_json(checkpoint, tmp_path, capsys):
         decode_ms = [ms for d, _, ms in r["step_log"] if d]
         assert len(decode_ms) == r["decode_steps"] and all(ms > 0 for ms in decode_ms)
         assert abs(sum(decode_ms) / 1e3 - r["decode_seconds"]) < 1e-3 * len(decode_ms)
+        # requests holding KV at once: every step's count, prefill steps' all admitted
+        assert r["peak_admitted"] == max(n for _, n, _ in r["step_log"])
+        assert r["peak_running"] <= r["peak_admitted"] <= r["concurrency"]
     assert rows[("hisparse", 3)]["bytes_swapped"] > 0 and rows[("gpu", 3)]["hit_rate"] is None
     assert all(r["same_tokens"] is True for r in doc["ratios"]) and len(doc["ratios"]) == 2
 

@@ -40,6 +40,7 @@ from hisparse.kv.layout import (
     summarize_index_groups,
 )
 from hisparse.parallel.plan import DEFAULT_GPU_MEMORY_UTILIZATION
+from hisparse.sim.cli import add_simulate_parser
 
 #: Exit status for bad arguments or configuration (argparse uses the same).
 EXIT_USAGE = 2
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_serve_parser(sub)
     add_make_tiny_parser(sub)
+    add_simulate_parser(sub)
     return parser
 
 

@@ -2,20 +2,11 @@
 
 For each KV placement and each concurrency the same requests (random prompts of
 ``--input-len`` tokens, ``--output-len`` new tokens each, greedy, EOS ignored) run through one
-engine per placement; the table shows requests admitted, the peak number running at once,
-decode tokens per second, time to first token and time per output token (p50 / p95), the hot
-buffers' hit rate, KV bytes swapped in and the host-to-device rate they needed, and (with
-``--timing``) time spent in resolve and gather. Then the ratios HiSparse / all-GPU per
-concurrency, a JSON file and a PNG plot.
-
-Benchmark-only modes, applied to both placements alike:
-
-* ``--topk-overlap`` replays top-k selections with that step-to-step overlap instead of the
-  random-weight indexer's choice (which changes almost completely every step, unlike any
-  trained model); ``off`` keeps the model's own selection.
-* ``--prefill synthetic`` writes the prompts' KV rows and indexer keys directly (valid rows of
-  the active format from pseudo-random latents) instead of running the prefill, so 128K-token
-  prompts cost seconds; time to first token is then not measured.
+engine per placement; the table shows requests done, the peak number holding KV at once
+(prefilling or decoding) and decoding at once, decode tokens per second, time to first token
+and time per output token (p50 / p95), the hot buffers' hit rate, KV bytes swapped in and the
+host-to-device rate they needed, and (with ``--timing``) time spent in resolve and gather.
+Then the ratios HiSparse / all-GPU per concurrency, a JSON file and a PNG plot.
 """
 
 from __future__ import annotations
@@ -277,6 +268,10 @@ def summarize(
     ttft = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
     tpot = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
     peak = max((int(s["running"]) for s in dec), default=0)
+    # Requests holding KV at once: a prefill step counts every admitted request (decoding and
+    # prefilling), the capacity `hisparse plan` promises; ``peak`` counts decoding ones only,
+    # which stays lower when requests finish before the last ones are prefilled.
+    held = max((int(s["running"]) for s in steps), default=0)
     # Steady state: decode steps with every admitted request running. The whole-run rate
     # above also counts steps that wait on other requests' (synthetic) prefill work and the
     # ramp while requests are admitted one by one.
@@ -287,6 +282,7 @@ def summarize(
         errors=[o.error for o in outs if o.error],
         preemptions=sum(o.metrics.preemptions for o in outs),
         peak_running=peak,
+        peak_admitted=held,
         decode_steps=len(dec),
         decode_seconds=dec_s,
         decode_tok_s=dec_tokens / dec_s if dec_s > 0 else 0.0,
@@ -528,7 +524,8 @@ def results_table(results: list[dict[str, Any]], synthetic: bool) -> Table:
     cols = [
         "placement",
         "conc.",
-        "admitted",
+        "done",
+        "peak held",
         "peak running",
         "decode tok/s",
         "tok/s at peak",
@@ -564,6 +561,7 @@ def results_table(results: list[dict[str, Any]], synthetic: bool) -> Table:
             PLACEMENT_NAMES[r["placement"]],
             str(r["concurrency"]),
             f"{r['completed']}/{r['requests']}",
+            str(r.get("peak_admitted", "-")),
             str(r["peak_running"]),
             _fmt(r["decode_tok_s"]),
             _fmt(r.get("peak_decode_tok_s")),

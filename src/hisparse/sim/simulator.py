@@ -1,0 +1,401 @@
+"""The engine's scheduling and swap accounting, step by step, without a model or a GPU.
+
+What is real here: the `Scheduler` (admission, chunked prefill, preemption), the
+`KVCacheManager` on the meta device (block accounting only, the plan's `KVLayout`), the
+benchmarks' replayed top-k (`hisparse.bench.replay.replay_step`, same seed, same request keys,
+so the selections are the bench's own) and the hot buffers' LRU (`hisparse.sim.hotbuf`,
+checked against the reference resolve). What is modelled: the time of a step (a fixed cost,
+a cost per decoding request, the PCIe time of its misses at measured rates, prefill tokens at a
+set rate) and nothing of the model's numerics (every sampled token is 0; requests stop at
+their output length).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hisparse.bench.replay import replay_step
+from hisparse.config import HiSparseConfig, HiSparseConfigError
+from hisparse.engine.kv_manager import KVCacheManager
+from hisparse.engine.model_runner import ModelRunner
+from hisparse.engine.request import Request
+from hisparse.engine.sampling import SamplingParams
+from hisparse.engine.scheduler import ScheduledStep, Scheduler, StopChecker
+from hisparse.engine.setup import default_host_pool_bytes
+from hisparse.kv.cache_shapes import PRESETS, load_model_cache_shape
+from hisparse.kv.specs import CacheKind, LayerCacheSpec
+from hisparse.models.registry import dsa_row_format, engine_specs, resolve_model
+from hisparse.sim.hotbuf import HotBuffers
+from hisparse.sim.pcie import RateTable
+from hisparse.sim.trace import TraceRequest
+
+#: Step-time defaults, docs/benchmarks.md §1 (v32-attention model, 128K prompts, H200):
+#: HiSparse decode steps of ~4.6 ms at one request and ~8.1 ms at 29, of which ~1.5 ms are
+#: gathers, so ~4.5 ms plus ~0.074 ms per request of other work
+DEFAULT_DECODE_MS = 4.5
+DEFAULT_DECODE_MS_PER_REQUEST = 0.074
+#: prefill tokens per second (synthetic prefill writes rows; a real prefill is slower: set it)
+DEFAULT_PREFILL_TOK_S = 1.0e6
+
+
+@dataclass
+class SimSettings:
+    """What `hisparse bench` / `LLM` would be given, plus the time model."""
+
+    model: str
+    gpu_memory_gib: float
+    max_model_len: int
+    max_num_seqs: int
+    placement: str = "hisparse"
+    max_num_batched_tokens: int = 16384
+    block_size: int = 64
+    top_k: int | None = None
+    hot_buffer: int | None = None
+    host_pool_gib: float | None = None
+    kv_format: str = "auto"
+    #: the device the engine would run on: its default dtype picks the row format
+    target: str = "cuda"
+    topk_overlap: float = 0.8
+    seed: int = 0
+    schedule: str = "mixed"
+    #: index-group leaders whose hot buffers are simulated (None: all); the others are
+    #: counted as their average (every leader's replay follows the same model)
+    sim_leaders: int | None = None
+    #: fraction of requests whose selections and hot buffers are simulated; the others'
+    #: misses are the sampled ones' running mean per decode step (1: every request, exact)
+    sample_requests: float = 1.0
+    #: request ids start here (`hisparse bench` numbers its warm-up requests first)
+    id_offset: int = 0
+    rates: RateTable = field(default_factory=lambda: RateTable.load(None))
+    decode_ms: float = DEFAULT_DECODE_MS
+    decode_ms_per_request: float = DEFAULT_DECODE_MS_PER_REQUEST
+    prefill_tok_s: float = DEFAULT_PREFILL_TOK_S
+
+
+def engine_cache_specs(
+    model: str, block_size: int, kv_format: str, target: str = "cuda"
+) -> tuple[list[LayerCacheSpec], int]:
+    """The cache specs and top-k the engine would use: a checkpoint folder is built on the
+    meta device and asked (`engine_specs`, the row format `LLM` picks for ``target``'s
+    default dtype: bf16 on CUDA, fp32 on the CPU); a preset name is `hisparse plan`'s shape."""
+    if model in PRESETS:
+        fmt = "fp8_ds_mla" if kv_format == "auto" else kv_format
+        shape = load_model_cache_shape(model, block_size=block_size, kv_format=fmt)
+        return shape.specs, shape.index_topk
+    from hisparse.models.deepseek_v32 import DsaConfig, DsaForCausalLM
+
+    path = resolve_model(model)
+    mcfg = DsaConfig.from_pretrained(path)
+    with torch.device("meta"):
+        net = DsaForCausalLM(mcfg, indexer_mode="fp8")
+    dtype = torch.bfloat16 if target == "cuda" else torch.float32
+    row_format = dsa_row_format(mcfg, kv_format, dtype, torch.device(target))
+    return engine_specs(net, row_format, block_size), mcfg.index_topk
+
+
+class Simulator:
+    """One engine's worth of state; `run` plays a trace through it."""
+
+    def __init__(self, s: SimSettings) -> None:
+        if not 0.0 <= s.topk_overlap <= 1.0:
+            raise HiSparseConfigError(f"top-k overlap {s.topk_overlap}: give a fraction in [0, 1]")
+        self.s = s
+        self.specs, index_topk = engine_cache_specs(s.model, s.block_size, s.kv_format, s.target)
+        config = HiSparseConfig(
+            top_k=s.top_k,
+            device_buffer_size=s.hot_buffer,
+            host_pool_gib=s.host_pool_gib,
+            block_size=s.block_size,
+        ).resolve(index_topk)
+        if s.placement == "hisparse" and config.host_pool_bytes is None:
+            size = default_host_pool_bytes(self.specs, config, s.max_model_len, s.max_num_seqs)
+            config = dataclasses.replace(config, host_pool_bytes=size)
+        self.config = config
+        self.kv = KVCacheManager(
+            self.specs,
+            config,
+            placement=s.placement,
+            gpu_budget_bytes=int(s.gpu_memory_gib * 2**30),
+            max_model_len=s.max_model_len,
+            max_num_seqs=s.max_num_seqs,
+            device=torch.device("meta"),
+            max_num_batched_tokens=s.max_num_batched_tokens,
+        )
+        self.sched = Scheduler(
+            self.kv,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            policy=s.schedule,
+            stops=StopChecker(None, set(), s.max_model_len),
+        )
+        sparse = [sp for sp in self.specs if sp.kind is CacheKind.SPARSE_MLA]
+        leaders = [sp.name for sp in sparse if sp.index_leader == sp.name]
+        #: resident group of each leader (its pages' residency decides what is wanted)
+        self.leader_group = [self.kv.group_of_layer[name] for name in leaders]
+        #: bytes of one token's rows of each index group (the span a miss reads)
+        self.group_bytes = [
+            sum(sp.row_bytes for sp in sparse if sp.index_leader == name) for name in leaders
+        ]
+        #: how many groups have each span (the leaders left out gather at their span)
+        self._span_counts = Counter(self.group_bytes)
+        n = len(leaders) if s.sim_leaders is None else max(1, min(s.sim_leaders, len(leaders)))
+        self.leaders = sorted({round(x) for x in np.linspace(0, len(leaders) - 1, n)})
+        #: each simulated leader stands for this many
+        self.scale = len(leaders) / len(self.leaders)
+        K, S = config.top_k, s.max_num_seqs
+        self.keep = min(round(s.topk_overlap * K), K - 1)
+        self.prev = torch.full((len(self.leaders), S, K), -1, dtype=torch.int32)
+        self.hot = [HotBuffers(S, config.device_buffer_size, s.max_model_len) for _ in self.leaders]
+        self._owner: dict[int, Any] = {}
+        if not 0.0 < s.sample_requests <= 1.0:
+            raise HiSparseConfigError(f"sample_requests={s.sample_requests}: give (0, 1]")
+        #: sampled request-steps so far and their hits and misses (all simulated leaders)
+        self._seen = [0, 0, 0]
+
+    # --- one step ---------------------------------------------------------------------
+    def _lease_resets(self) -> None:
+        """A slot leased to a new admission starts cold (the runner's `reset_slot`)."""
+        for rid, blocks in self.kv.requests.items():
+            if blocks.slot >= 0 and self._owner.get(blocks.slot) is not blocks:
+                self._owner[blocks.slot] = blocks
+                self.prev[:, blocks.slot] = -1
+                for hb in self.hot:
+                    hb.reset(blocks.slot)
+                self.admitted.setdefault(rid, self.clock)
+
+    def _select(self, li: int, batch: list[Request], lens: list[int]) -> tuple[np.ndarray, Any]:
+        slots = torch.tensor([self.kv.requests[r.req_id].slot for r in batch])
+        keys = torch.tensor([ModelRunner.request_key(r) for r in batch], dtype=torch.int64)
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        sel = replay_step(
+            self.prev[li].index_select(0, slots),
+            lens_t,
+            keys,
+            seed=self.s.seed,
+            leader=self.leaders[li],
+            keep=self.keep,
+            max_len=max(lens),
+        )
+        self.prev[li].index_copy_(0, slots, sel)
+        return slots.numpy(), sel.numpy().astype(np.int64)
+
+    def _resident_pages(self, reqs: list[Request], group: int) -> np.ndarray:
+        """``[B, P]`` resident pages of each request in resident group ``group`` (-1: pad)."""
+        pages = [list(self.kv.requests[r.req_id].resident[group]) for r in reqs]
+        out = np.full((len(reqs), max(map(len, pages), default=0) or 1), -1, dtype=np.int64)
+        for b, p in enumerate(pages):
+            out[b, : len(p)] = p
+        return out
+
+    def _traffic(self, rows: list[float]) -> tuple[float, float]:
+        """Bytes and PCIe seconds of the simulated leaders' gathers (``rows`` each, one span
+        of its group per row); with leaders left out, every leader gathers their mean."""
+        if len(rows) == len(self.group_bytes):
+            pairs = list(zip(self.group_bytes, rows, strict=True))
+            nbytes = float(sum(span * n for span, n in pairs))
+            return nbytes, sum(self.s.rates.seconds(span, round(n)) for span, n in pairs)
+        mean = sum(rows) / len(rows)
+        nbytes = mean * sum(self.group_bytes)
+        return nbytes, sum(
+            count * self.s.rates.seconds(span, round(mean))
+            for span, count in self._span_counts.items()
+        )
+
+    def _sampled(self, req: Request) -> bool:
+        """Whether ``req``'s hot buffers are simulated (evenly spread over the trace)."""
+        f, i = self.s.sample_requests, int(req.req_id) - self.s.id_offset
+        return f >= 1.0 or int((i + 1) * f) > int(i * f)
+
+    def _decode(self, step: ScheduledStep) -> dict[str, float]:
+        every = [r for r, _ in step.batch]
+        reqs = [r for r in every if self._sampled(r)]
+        hits = misses = 0
+        nbytes = pcie = 0.0
+        per_leader: list[float] = []
+        if self.kv.offload and reqs:
+            bs = self.config.block_size
+            n = [r.num_computed for r in reqs]
+            for li, leader in enumerate(self.leaders):
+                slots, sel = self._select(li, reqs, [k + 1 for k in n])
+                # entries on resident pages (the manager's own: after `grow`) touch no hot state
+                res = self._resident_pages(reqs, self.leader_group[leader])
+                on_page = (sel[:, :, None] // bs == res[:, None, :]).any(2)
+                wanted = np.where((sel >= 0) & ~on_page, sel, -1)
+                h, m = self.hot[li].step(slots, wanted)
+                hits += int(h.sum())
+                misses += int(m.sum())
+                per_leader.append(int(m.sum()))
+            seen = self._seen
+            seen[0] += len(reqs)
+            seen[1] += hits
+            seen[2] += misses
+        rest = len(every) - len(reqs)
+        if self.kv.offload and rest and self._seen[0]:
+            # requests not sampled: the sampled ones' mean per request-step and leader
+            n_sim, (k, h_sum, m_sum) = len(self.leaders), self._seen
+            hits += rest * h_sum / k
+            misses += rest * m_sum / k
+            per_leader = per_leader or [0.0] * n_sim
+            per_leader = [v + rest * m_sum / k / n_sim for v in per_leader]
+        if per_leader:
+            nbytes, pcie = self._traffic(per_leader)
+        secs = (self.s.decode_ms + self.s.decode_ms_per_request * len(every)) / 1e3 + pcie
+        return dict(
+            hits=hits * self.scale, misses=misses * self.scale, bytes=nbytes, pcie=pcie, secs=secs
+        )
+
+    def _prefill(self, step: ScheduledStep) -> dict[str, float]:
+        """Prefill chunks; a finishing prompt warms its hot buffers with the replay's first
+        selection (every selected row from the host, not counted as a miss)."""
+        tokens = sum(n for _, n in step.batch)
+        warm = [(r, n) for (r, n), f in zip(step.batch, step.finishing, strict=True) if f]
+        pcie = warm_bytes = 0.0
+        if warm and self.kv.offload:
+            # a first selection holds min(top_k, length) positions: no replay needed to count
+            rows = sum(min(self.config.top_k, r.num_computed + n) for r, n in warm
+                       if not self._sampled(r))  # fmt: skip
+            per_leader: list[float] = [float(rows)] * len(self.leaders)
+            reqs = [r for r, _ in warm if self._sampled(r)]
+            lens = [r.num_computed + n for r, n in warm if self._sampled(r)]
+            for li in range(len(self.leaders) if reqs else 0):
+                slots, sel = self._select(li, reqs, lens)
+                self.hot[li].step(slots, sel)
+                per_leader[li] += int((sel >= 0).sum())
+            warm_bytes, pcie = self._traffic(per_leader)
+        secs = tokens / self.s.prefill_tok_s + pcie
+        return dict(warm_bytes=warm_bytes, pcie=pcie, secs=secs)
+
+    # --- a whole trace ----------------------------------------------------------------
+    def run(
+        self, trace: list[TraceRequest], progress: Callable[[int, int], None] | None = None
+    ) -> dict[str, Any]:
+        """Every request of ``trace`` to the end; the bench's summary names plus the
+        simulator's own (admission waits, PCIe time) and one row per step."""
+        t_wall = time.perf_counter()
+        sched, total = self.sched, len(trace)
+        self.clock = 0.0
+        self.admitted: dict[str, float] = {}
+        reqs: list[Request] = []
+        steps: list[list[float]] = []
+        i = stalls = done = 0
+        while i < total or sched.has_work:
+            while i < total and trace[i].arrival <= self.clock:
+                t = trace[i]
+                req = Request(
+                    req_id=str(self.s.id_offset + i),
+                    prompt_token_ids=range(t.input_len),  # type: ignore[arg-type]  # only len()
+                    params=SamplingParams(temperature=0, max_tokens=t.output_len, ignore_eos=True),
+                )
+                req.metrics.arrival = t.arrival
+                sched.add(req)
+                reqs.append(req)
+                i += 1
+            if not sched.has_work:
+                self.clock = trace[i].arrival
+                continue
+            parts = sched.schedule()
+            self._lease_resets()
+            if not parts:
+                stalls += 1
+                if stalls > total + 2:
+                    raise RuntimeError("scheduler stalled: nothing fits and nothing runs")
+                continue
+            stalls = 0
+            for part in parts:
+                t0 = self.clock
+                st = self._decode(part) if part.decode else self._prefill(part)
+                self.clock += st["secs"]
+                sampled = [r for (r, _), f in zip(part.batch, part.finishing, strict=True)
+                           if part.decode or f]  # fmt: skip
+                sched.update(part, sampled, [0] * len(sampled), [None] * len(sampled),
+                             self.clock, write_back=lambda _d, _r: None)  # fmt: skip
+                steps.append([
+                    round(t0, 6), float(part.decode), sum(n for _, n in part.batch),
+                    len(part.batch) if part.decode else len(sched.running), len(sched.waiting),
+                    st.get("hits", 0.0), st.get("misses", 0.0), st.get("bytes", 0.0),
+                    st.get("warm_bytes", 0.0), round(st["pcie"], 9), round(st["secs"], 9),
+                ])  # fmt: skip
+            sched.failed.clear()
+            new_done = sum(r.finished for r in reqs)
+            if progress is not None and new_done > done:
+                progress(new_done, total)
+            done = new_done
+        return self._summary(reqs, steps, time.perf_counter() - t_wall)
+
+    def _summary(
+        self, reqs: list[Request], steps: list[list[float]], wall: float
+    ) -> dict[str, Any]:
+        dec = [s for s in steps if s[1]]
+        dec_s = sum(s[10] for s in dec)
+        hits, misses = sum(s[5] for s in dec), sum(s[6] for s in dec)
+        nbytes = sum(s[7] for s in dec)
+        waits = [self.admitted[r.req_id] - r.metrics.arrival for r in reqs
+                 if r.req_id in self.admitted]  # fmt: skip
+        ttft = [r.metrics.ttft for r in reqs if r.metrics.ttft is not None]
+
+        def pct(v: list[float], q: float) -> float | None:
+            return float(np.percentile(v, 100 * q)) if v else None
+
+        return dict(
+            placement=self.s.placement,
+            requests=len(reqs),
+            completed=sum(r.finish_reason == "length" for r in reqs),
+            errors=[r.error for r in reqs if r.error],
+            preemptions=sum(r.metrics.preemptions for r in reqs),
+            peak_running=max((int(s[3]) for s in dec), default=0),
+            mean_running=float(np.mean([s[3] for s in dec])) if dec else 0.0,
+            decode_steps=len(dec),
+            decode_seconds=dec_s,
+            decode_tok_s=sum(s[2] for s in dec) / dec_s if dec_s > 0 else 0.0,
+            hits=hits,
+            misses=misses,
+            hit_rate=hits / (hits + misses) if hits + misses else None,
+            bytes_swapped=nbytes,
+            warm_start_bytes=sum(s[8] for s in steps),
+            h2d_gb_s=nbytes / dec_s / 1e9 if dec_s > 0 else 0.0,
+            pcie_seconds=sum(s[9] for s in dec),
+            pcie_fraction=sum(s[9] for s in dec) / dec_s if dec_s > 0 else 0.0,
+            simulated_seconds=self.clock,
+            admission_wait_p50=pct(waits, 0.5),
+            admission_wait_p95=pct(waits, 0.95),
+            admission_wait_max=max(waits, default=None),
+            ttft_p50=pct(ttft, 0.5),
+            ttft_p95=pct(ttft, 0.95),
+            gpu_blocks=self.kv.gpu_blocks.num_usable,
+            gpu_blocks_per_request=self.kv.gpu_need(self.s.max_model_len),
+            leaders_simulated=len(self.leaders),
+            sample_requests=self.s.sample_requests,
+            leaders=len(self.group_bytes),
+            wall_seconds=wall,
+            step_columns=list(STEP_COLUMNS),
+            steps=steps,
+        )
+
+
+#: what each row of ``steps`` holds
+STEP_COLUMNS = (
+    "t", "decode", "tokens", "running", "waiting", "hits", "misses", "bytes_swapped",
+    "warm_start_bytes", "pcie_seconds", "seconds",
+)  # fmt: skip
+
+
+def simulate(
+    settings: SimSettings,
+    trace: list[TraceRequest],
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Play ``trace`` through a fresh simulated engine of ``settings``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small per-step tensors: threads cost more than they give
+    try:
+        return Simulator(settings).run(trace, progress)
+    finally:
+        torch.set_num_threads(threads)
