@@ -18,11 +18,13 @@ def test_plan_deepseek_prints_layout_and_capacities(capsys):
     assert main(DEEPSEEK) == 0
     out = capsys.readouterr().out
     assert "429,324 blocks x 2,561,024 B" in out  # host pool
-    assert "124,847 blocks x 515,328 B" in out  # GPU pool
+    assert "24,969 blocks x 2,576,640 B" in out  # GPU pool: blocks of 5 indexer pages
     assert "prefill staging (outside the pool): 2,080 pages" in out
-    assert "layers.0-11.attn" in out and "layers.0-60.indexer" in out
-    assert "HiSparse 50, all-GPU 10" in out
-    assert "5.00x" in out
+    assert "layers.0-60.attn" in out  # every layer in one pack
+    assert "HiSparse 52, all-GPU 10" in out
+    assert "5.20x" in out
+    assert "bytes per request = 5.13x (reached: 101%)" in out  # the byte bound
+    assert "│ 1 │ resident │ layers.0-60.attn" in out and "99.8%" in out  # fill of the total
     # a bigger prefill step reserves a bigger staging area
     assert main([*DEEPSEEK, "--max-batched-tokens", "16384"]) == 0
     assert "2,304 pages of one layer" in capsys.readouterr().out
@@ -74,7 +76,7 @@ def test_plan_from_config_json(tmp_path, capsys):
     ("override", "needle"),
     [
         (["--host-pool-gib", "2"], "Set host_pool_gib >= 4.89 GiB"),
-        (["--gpu-memory-gib", "1"], "Give the KV cache >= 1.26 GiB"),
+        (["--gpu-memory-gib", "1"], "Give the KV cache >= 1.23 GiB"),
         (["--device-buffer-size", "1024"], "Set device_buffer_size >= 2048"),
         (["--context-len", "200000"], "--context-len=200000 must be between 1 and"),
         (["--model", "no-such-model"], "neither a preset"),
@@ -134,8 +136,8 @@ def test_plan_tensor_parallel_node(capsys):
     out = capsys.readouterr().out
     assert "671.9B parameters" in out and "83.13 GiB" in out
     assert "= 43.77 GiB" in out  # 90% of 141 GiB less the weights
-    assert "HiSparse 37, all-GPU 7" in out
-    assert "180.83 GiB for the node, one copy shared by its 8 ranks" in out
+    assert "HiSparse 38, all-GPU 7" in out
+    assert "185.71 GiB for the node, one copy shared by its 8 ranks" in out
     assert main(["plan", "--model", "glm-5", "--tensor-parallel-size", "8",
                  "--gpu-memory-gib", "141"]) == 0  # fmt: skip
     out = capsys.readouterr().out

@@ -35,6 +35,13 @@ def checkpoint(request, tmp_path_factory):
     return out
 
 
+def requests_pool(requests: float):
+    """A GPU pool size (blocks, the null block included) holding ``requests`` requests of
+    max_model_len tokens at their peak: tight pools in the layout's own unit, whatever block
+    size the planner picks."""
+    return lambda lay: 1 + int(requests * lay.gpu_blocks_per_request(lay.max_model_len))
+
+
 def _prompts(lengths=(40, 23, 70, 33), seed=1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
@@ -65,7 +72,8 @@ def _run(
     if blocks is not None:
         with LLM(path, gpu_memory_gib=gib, **kw) as probe:
             lay = probe.kv.layout  # a pool of `blocks` blocks beside the staging area
-            gib = (blocks * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
+            n = blocks(lay) if callable(blocks) else blocks
+            gib = (n * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
     with LLM(path, gpu_memory_gib=gib, **kw) as llm:
         outs = llm.generate(prompt_token_ids=prompts or _prompts(), sampling_params=params)
     assert all(o.ok for o in outs), [o.error for o in outs]
@@ -103,7 +111,9 @@ def test_lossless_under_preemption_and_a_tiny_host_pool(checkpoint):
     long = SamplingParams(temperature=0, max_tokens=90)
     prompts = _prompts((20, 23, 30, 33))
     # GPU pool tight enough that decoding requests outgrow it: one is preempted and recomputed
-    tight = _run(checkpoint, "hisparse", blocks=100, top_k=4, params=long, prompts=prompts)
+    tight = _run(
+        checkpoint, "hisparse", blocks=requests_pool(1.9), top_k=4, params=long, prompts=prompts
+    )
     assert sum(o.metrics.preemptions for o in tight) > 0
     for o in tight:  # recorded at the first preemption only
         n = o.metrics.tokens_before_first_preemption
@@ -225,6 +235,54 @@ def test_persistent_block_tables_follow_every_block_change():
         kv.close()
 
 
+def test_indexer_pages_are_sub_blocks_of_shared_blocks():
+    """With m indexer pages per block (the tiny checkpoints' shapes plan m > 1), a request's
+    indexer page p is page p % m of its block p // m: cdiv(pages, m) blocks, ids b * m + i
+    no other request or group holds, every block back in the pool when it is freed, and
+    never more blocks than the plan's need."""
+    from hisparse.engine.kv_manager import KVCacheManager
+    from hisparse.kv.cache_shapes import dsa_cache_specs
+
+    specs = dsa_cache_specs(
+        [True] * 4, block_size=4, kv_format="bf16", kv_lora_rank=128, rope_dim=16,
+        index_head_dim=64,
+    )  # fmt: skip
+    cfg = HiSparseConfig(top_k=4, host_pool_gib=0.001, block_size=4).resolve()
+    kv = KVCacheManager(
+        specs, cfg, placement="hisparse", gpu_budget_bytes=2**20, max_model_len=128,
+        max_num_seqs=2, device=torch.device("cpu"),
+    )  # fmt: skip
+    m = kv.layout.indexer_pages_per_block
+    assert m > 1
+    free0 = kv.gpu_blocks.num_free
+    for rid in ("a", "b"):
+        kv.admit(rid, 128)
+        kv.lease_hot(rid)
+    for n in range(1, 120):  # both grow token by token, interleaved, as decodes do
+        for rid in ("a", "b"):
+            kv.grow(rid, n)
+            assert kv.gpu_held(rid) <= kv.gpu_need(n)
+            kv.release_resident(rid, kv.trim_resident(rid, n))
+            b = kv.requests[rid]
+            pages = -(-n // 4)
+            assert len(b.indexer) == pages and len(b.indexer_blocks) == -(-pages // m)
+            assert b.indexer == [b.indexer_blocks[p // m] * m + p % m for p in range(pages)]
+    a, b = kv.requests["a"], kv.requests["b"]
+    others = {blk for r in (a, b) for res in r.resident for blk in res.values()}
+    others |= {blk for r in (a, b) for region in r.hot for blk in region}
+    assert not (set(a.indexer_blocks) | set(b.indexer_blocks)) & others
+    assert not set(a.indexer_blocks) & set(b.indexer_blocks)
+    assert min(a.indexer + b.indexer) >= m  # block 0 (sub-ids 0 .. m-1) stays null
+    pages_view = kv.gpu_pages("layers.0.indexer")
+    assert max(a.indexer + b.indexer) < pages_view.shape[0] == kv.layout.gpu_num_blocks * m
+    slots = torch.tensor([a.slot, b.slot])
+    assert torch.equal(kv.step_tables(slots)[1], kv.block_table(["a", "b"], "indexer"))
+    kv.free("a")
+    kv.free("b")
+    assert kv.gpu_blocks.num_free == free0
+    kv.close()
+
+
 # --- the fixed-shape (padded, sync-free) decode step of the CUDA-graph path, run eagerly ----
 
 PADDED = {"cuda_graphs": True}  # on the CPU: the graphs' padded step without capture
@@ -266,7 +324,7 @@ def test_padded_decode_lossless_at_minimum_hot_buffer_and_under_preemption(check
     tight = _run(
         checkpoint,
         "hisparse",
-        blocks=84,
+        blocks=requests_pool(1.75),
         top_k=4,
         params=long,
         prompts=prompts,

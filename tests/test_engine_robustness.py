@@ -55,7 +55,8 @@ def _llm(path, placement="hisparse", blocks=None, **kw) -> LLM:
     if blocks is not None:
         with LLM(path, gpu_memory_gib=gib, **args) as probe:
             lay = probe.kv.layout  # a pool of `blocks` blocks beside the staging area
-            gib = (blocks * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
+            n = blocks(lay) if callable(blocks) else blocks
+            gib = (n * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
     return LLM(path, gpu_memory_gib=gib, **args)
 
 
@@ -138,11 +139,12 @@ def test_the_newest_request_is_preempted_even_when_it_is_the_one_growing(checkpo
         assert _idle(llm)
 
 
-@pytest.mark.parametrize("blocks", [120, 140])
-def test_a_request_grown_long_is_preempted_and_recomputed(checkpoint, blocks):
+@pytest.mark.parametrize("requests", [1.75, 1.9])
+def test_a_request_grown_long_is_preempted_and_recomputed(checkpoint, requests):
     """A recompute streams its pages to the host as a prefill does, so it holds what the
     request held before: however long a request has grown, it can be preempted and fits
     again (an all-resident recompute once could not, and such requests failed instead)."""
+    blocks = lambda lay: 1 + int(requests * lay.gpu_blocks_per_request(128))  # noqa: E731
     with _llm(checkpoint, blocks=blocks) as llm:
         outs = llm.generate(prompt_token_ids=_prompts((20, 22)), sampling_params=LONG)
         for o in outs:

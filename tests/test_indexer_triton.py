@@ -335,3 +335,24 @@ def test_model_indexer_runs_through_the_kernel(
     for a, b in zip(got_picks, ref_picks, strict=True):
         assert torch.equal(a.sort(dim=1).values, b.sort(dim=1).values)
     torch.testing.assert_close(got_logits, ref_logits, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "exact"])
+def test_pages_of_a_shared_pool_block_read_as_ordinary_pages(kind: str) -> None:
+    """The GPU pool's indexer views: one layer's page is one of the indexer group's pages
+    side by side, m of them to a block (docs/design.md §4.2), so the page view's stride is
+    the group's page, not the layer's. The kernel reads it as a contiguous page tensor."""
+    import dataclasses
+
+    case = _case(kind, [40, 21], [2, 1], seed=91, extra_blocks=3)
+    num_pages, page = case.pages.shape
+    layers, layer = 3, 1  # this layer's page sits second in a group page of three
+    pool = torch.full((num_pages * layers * page,), 255, dtype=torch.uint8)
+    strided = pool.as_strided((num_pages, page), (layers * page, 1), layer * page)
+    strided.copy_(case.pages)
+    assert strided.stride(0) != page
+    got = it.indexer_scores_paged_triton(
+        *dataclasses.replace(case, pages=strided).args(), case.softmax_scale, config=SMALL
+    )
+    want = it.indexer_scores_paged_triton(*case.args(), case.softmax_scale, config=SMALL)
+    assert torch.equal(got, want)

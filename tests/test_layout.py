@@ -22,6 +22,7 @@ from hisparse.kv.layout import (
     GroupKind,
     KVLayout,
     compact_layer_names,
+    pack,
     plan_kv_layout,
     staging_pages,
 )
@@ -166,64 +167,143 @@ def test_config_json_unsupported_model_type(tmp_path):
 # -- GPU groups --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "specs",
-    [
-        deepseek_v32_cache_shape().specs,
-        glm5_cache_shape().specs,
-        glm5_cache_shape(kv_format="bf16").specs,
-        # a unit (index group of 6 bf16 layers) larger than the single indexer page
-        _tiny_specs(
-            [True, True, False, False, False, False, False, True],
-            block_size=64,
-            fmt=RowFormat.BF16_MLA,
-        ),
-    ],
-    ids=["deepseek-v3.2", "glm-5", "glm-5-bf16", "oversized-unit"],
-)
-def test_group_packing(specs):
+def _glm16_specs():
+    """A 16-layer GLM-5 (IndexShare: 6 indexer layers): index-group pages of 4 layers are
+    larger than the indexer page, the shape one indexer page per block padded most."""
+    return cache_shape_from_hf_config(
+        {"model_type": "glm_moe_dsa", "num_hidden_layers": 16, "index_topk_freq": 4,
+         "index_skip_topk_offset": 3}
+    ).specs  # fmt: skip
+
+
+PACKING_SHAPES = {
+    "deepseek-v3.2": lambda: deepseek_v32_cache_shape().specs,
+    "glm-5": lambda: glm5_cache_shape().specs,
+    "glm-5-bf16": lambda: glm5_cache_shape(kv_format="bf16").specs,
+    "glm-16": _glm16_specs,
+    # a unit (index group of 6 bf16 layers) larger than the single indexer page
+    "oversized-unit": lambda: _tiny_specs(
+        [True, True, False, False, False, False, False, True],
+        block_size=64,
+        fmt=RowFormat.BF16_MLA,
+    ),
+}
+
+
+def _used_bytes(layout, specs, ctx):
+    """Bytes one request's pages take, from the specs alone (no block padding)."""
+    pages = math.ceil(ctx / layout.block_size)
+    idx = sum(s.page_bytes for s in specs if s.kind is CacheKind.INDEXER)
+    kv = sum(s.page_bytes for s in specs if s.kind is CacheKind.SPARSE_MLA)
+    if layout.placement == "gpu":
+        return pages * (idx + kv)
+    return pages * idx + (min(3, pages) + layout.hot_blocks_per_request) * kv
+
+
+@pytest.mark.parametrize("shape", PACKING_SHAPES)
+def test_group_packing(shape):
+    specs = PACKING_SHAPES[shape]()
     layout = _plan(specs)
     by_name = {s.name: s for s in specs}
+    block = layout.gpu_bytes_per_block
     (indexer,) = layout.groups(GroupKind.INDEXER)
     assert indexer.layers == tuple(s.name for s in specs if s.kind is CacheKind.INDEXER)
+    # the block is a whole number of indexer pages: the indexer group pads nothing
+    assert block == indexer.pages_per_block * indexer.page_bytes
     resident, hot = layout.groups(GroupKind.RESIDENT), layout.groups(GroupKind.HOT)
     assert len(resident) == len(hot) >= 1
     # order: indexer, all resident, all hot
     assert [g.kind for g in layout.gpu_groups] == (
         [GroupKind.INDEXER] + [GroupKind.RESIDENT] * len(resident) + [GroupKind.HOT] * len(hot)
     )
-    # every sparse layer exactly once, in order
-    assert [n for g in resident for n in g.layers] == [
-        s.name for s in specs if s.kind is CacheKind.SPARSE_MLA
-    ]
+    # every sparse layer exactly once, in layer order inside each pack
+    names = [n for g in resident for n in g.layers]
+    assert sorted(names) == sorted(s.name for s in specs if s.kind is CacheKind.SPARSE_MLA)
+    order = {s.name: i for i, s in enumerate(specs)}
+    for g in resident:
+        assert [order[n] for n in g.layers] == sorted(order[n] for n in g.layers)
     group_of = {n: i for i, g in enumerate(resident) for n in g.layers}
     for unit in layout.index_groups:
         assert len({group_of[n] for n in unit.layers}) == 1, f"{unit.leader}'s unit was split"
     for res, h in zip(resident, hot, strict=True):
         assert res.layers == h.layers and res.layer_offsets == h.layer_offsets
         assert res.page_bytes == h.page_bytes == sum(by_name[n].page_bytes for n in res.layers)
-        units_in = [u for u in layout.index_groups if u.layers[0] in res.layers]
-        assert h.page_bytes <= indexer.page_bytes or len(units_in) == 1
-        # greedy: the next unit would not have fitted
-    for a, b in itertools.pairwise(resident):
-        first_unit_of_b = next(u for u in layout.index_groups if u.layers[0] == b.layers[0])
-        nxt = sum(by_name[n].page_bytes for n in first_unit_of_b.layers)
-        assert a.page_bytes + nxt > indexer.page_bytes
-    assert layout.gpu_bytes_per_block == max(g.page_bytes for g in layout.gpu_groups)
+        assert res.pages_per_block == h.pages_per_block == 1
+        assert res.page_bytes <= block  # every pack fits a block
+    # first fit: no two packs would have fitted one block together
+    for a, b in itertools.combinations(resident, 2):
+        assert a.page_bytes + b.page_bytes > block
+    # a request of max_model_len pads under 5% of its blocks (the byte bound's 95%)
+    used, held = layout.gpu_bytes_per_request(131072)
+    assert used == _used_bytes(layout, specs, 131072)
+    assert held == layout.gpu_blocks_per_request(131072) * block
+    assert used / held >= 0.95
 
 
-def test_oversized_unit_forms_its_own_group():
+def test_indexer_pages_per_block_is_the_cheapest():
+    """Of every block of m indexer pages that holds the largest index group, the plan takes
+    the one whose max_model_len request holds the fewest bytes."""
+    specs = _glm16_specs()
+    layout = _plan(specs)
+    m = layout.indexer_pages_per_block
+    page = layout.groups(GroupKind.INDEXER)[0].page_bytes
+    held = layout.gpu_bytes_per_request(131072)[1]
+    unit = max(sum(s.page_bytes for s in specs if s.name in u.layers) for u in layout.index_groups)
+    assert m > 1 and (m - 1) * page >= unit  # a smaller block would have held the unit...
+    units = [[s for s in specs if s.name in u.layers] for u in layout.index_groups]
+    for other in range(math.ceil(unit / page), 3 * m):
+        packs = pack(units, other * page)
+        blocks = math.ceil(2048 / other) + len(packs) * (3 + layout.hot_blocks_per_request)
+        assert blocks * other * page >= held, f"{other} indexer pages per block are cheaper"
+
+
+def test_first_fit_decreasing_packs_whole_units():
+    specs = _glm16_specs()
+    units = [[s for s in specs if s.name in u.layers] for u in _plan(specs).index_groups]
+    sizes = [sum(s.page_bytes for s in u) for u in units]  # 1, 1, 4, 4, 4, 2 layers
+    packs = pack(units, 2 * sizes[2])
+    # largest first: two four-layer units fill a pack; the third takes the two-layer unit
+    # and both single layers, which layer order alone would have split over three packs
+    assert [[s.name for s in p] for p in packs] == [
+        ["layers.0.attn", "layers.1.attn", "layers.10.attn", "layers.11.attn", "layers.12.attn",
+         "layers.13.attn", "layers.14.attn", "layers.15.attn"],
+        [f"layers.{i}.attn" for i in range(2, 10)],
+    ]  # fmt: skip
+    # a unit larger than the limit is a pack of its own, never split
+    assert [len(p) for p in pack(units, sizes[2] - 1)] == [3, 1, 4, 4, 4]
+
+
+def test_oversized_unit_sets_the_block():
     specs = _tiny_specs(
         [True, True, False, False, False, False, False, True], block_size=64, fmt=RowFormat.BF16_MLA
     )
     layout = _plan(specs)
-    groups = [g.layers for g in layout.groups(GroupKind.RESIDENT)]
-    assert groups == [
-        ("layers.0.attn",),
-        tuple(f"layers.{i}.attn" for i in range(1, 7)),
-        ("layers.7.attn",),
-    ]
-    assert layout.gpu_bytes_per_block == 6 * 1152 * 64  # the big unit sets the block size
+    (indexer,) = layout.groups(GroupKind.INDEXER)
+    # the six-layer unit is larger than the three indexer pages: the block takes enough
+    # indexer pages to hold it
+    assert layout.gpu_bytes_per_block >= 6 * 1152 * 64
+    assert layout.gpu_bytes_per_block == indexer.pages_per_block * 3 * 132 * 64
+
+
+def test_byte_bound_reached_on_real_and_small_shapes():
+    """Requests that fit against the byte bound (all-GPU bytes per request over HiSparse
+    bytes per request, padding not counted): >= 90% for the real shapes, the 16-layer GLM-5
+    and the small checkpoints' shapes (issue #22)."""
+    shapes = {
+        "deepseek-v3.2": (deepseek_v32_cache_shape().specs, 60, 131072),
+        "glm-5": (glm5_cache_shape().specs, 60, 131072),
+        "glm-16": (_glm16_specs(), 60, 131072),
+    }
+    for arch in ("deepseek_v32", "glm_moe_dsa"):
+        for layers in (2, 4):
+            cfg = {"model_type": arch, "num_hidden_layers": layers}
+            shapes[f"{arch}-{layers}"] = (cache_shape_from_hf_config(cfg).specs, 3, 131072)
+    for name, (specs, gib, ctx) in shapes.items():
+        hisparse = _plan(specs, gpu_gib=gib, max_len=ctx)
+        baseline = _plan(specs, gpu_gib=gib, max_len=ctx, placement="gpu")
+        bound = _used_bytes(baseline, specs, ctx) / _used_bytes(hisparse, specs, ctx)
+        ratio = hisparse.max_requests(ctx) / baseline.max_requests(ctx)
+        assert ratio >= 0.9 * bound, f"{name}: {ratio:.2f}x of a {bound:.2f}x bound"
 
 
 def test_gpu_placement_has_no_hot_groups_and_no_host_pool():
@@ -292,17 +372,28 @@ def test_gpu_views_overlay_groups_and_separate_layers_within_a_group():
         for name in group.layers:
             layout.gpu_views[name].view(raw).add_(1)
         assert int(raw.max()) == 1, f"layers of {group.kind} group overlap"
-        assert int(raw.view(layout.gpu_num_blocks, -1)[:, : group.page_bytes].min()) == 1
-        assert group.layer_offsets[0] == 0  # every group starts at byte 0 of a block
+        # m pages of a group side by side from byte 0 of a block, every block alike
+        covered = group.pages_per_block * group.page_bytes
+        assert int(raw.view(layout.gpu_num_blocks, -1)[:, :covered].min()) == 1
+        assert group.layer_offsets[0] == 0
     # a layer's resident and hot rows share one view
     for res, hot in zip(
         layout.groups(GroupKind.RESIDENT), layout.groups(GroupKind.HOT), strict=True
     ):
         for name in hot.layers:
             assert layout.gpu_views[name].offset == res.layer_offsets[res.layers.index(name)]
+    # indexer pages are sub-blocks: page id b * m + i is page i of block b
+    (indexer,) = layout.groups(GroupKind.INDEXER)
+    m = indexer.pages_per_block
+    assert m > 1 and layout.gpu_bytes_per_block == m * indexer.page_bytes
     idx = layout.gpu_views["layers.0.indexer"]
-    assert idx.block_stride == layout.gpu_bytes_per_block and idx.row_bytes == 132
-    assert idx.page_view(raw).shape == (layout.gpu_num_blocks, 4 * 132)
+    assert idx.block_stride == indexer.page_bytes and idx.row_bytes == 132
+    pages = idx.page_view(raw)
+    assert pages.shape == (layout.gpu_num_blocks * m, 4 * 132)
+    base = raw.data_ptr()
+    for block, i in ((1, 0), (1, m - 1), (layout.gpu_num_blocks - 1, 1)):
+        start = pages[block * m + i].data_ptr() - base
+        assert start == block * layout.gpu_bytes_per_block + i * indexer.page_bytes
 
 
 def test_paged_view_rejects_wrong_pools():
@@ -326,17 +417,20 @@ def test_deepseek_capacity_from_first_principles():
     """60 GiB GPU, 1024 GiB host, 131072 tokens, fp8_ds_mla rows, 2048-row hot buffer."""
     layers, row, key_row, bs, ctx = 61, 656, 128 + 4, 64, 131072
     pages = ctx // bs  # 2048
-    indexer_page = layers * key_row * bs  # all 61 indexer pages in one block
-    layers_per_group = indexer_page // (row * bs)  # 12 sparse pages fit beside it
-    groups = math.ceil(layers / layers_per_group)  # 6 resident + 6 hot groups
-    block = indexer_page  # the largest overlaying page
+    indexer_page = layers * key_row * bs  # all 61 indexer pages side by side
+    hot_blocks = 2 * 2048 // bs  # (max_query_len + 1) * top_k rows
+    # A block of m indexer pages holds 12 * m sparse pages: with m < 5 the 61 layers take
+    # several packs, each holding 3 tail pages and a hot region, and every m > 5 only pads
+    # the indexer's last block more. m = 5: one pack of every layer.
+    m = math.ceil(layers * row / (indexer_page / bs))
+    block = m * indexer_page
+    assert layers * row * bs <= block < layers * row * bs + indexer_page
     # the prefill staging area (outside the pool): one context + one step's 2048 prompt
     # tokens of one layer's rows
     staging = (ctx + 2048) * row
     gpu_blocks = (60 * GIB - staging) // block
-    hot_blocks = 2 * 2048 // bs  # (max_query_len + 1) * top_k rows
     # tail: 2 pages, 3 at the peak (a decode step adds the next page before trimming)
-    hisparse_gpu = pages + groups * 3 + groups * hot_blocks
+    hisparse_gpu = math.ceil(pages / m) + 3 + hot_blocks
     host_block = layers * row * bs
     host_blocks = 1024 * GIB // host_block
     host_per_request = pages + 1
@@ -346,29 +440,32 @@ def test_deepseek_capacity_from_first_principles():
 
     specs = deepseek_v32_cache_shape().specs
     layout = _plan(specs)
-    assert layout.gpu_bytes_per_block == block == 515_328
+    assert layout.indexer_pages_per_block == m == 5
+    assert len(layout.groups(GroupKind.RESIDENT)) == 1
+    assert layout.gpu_bytes_per_block == block == 2_576_640
     assert layout.gpu_num_blocks == gpu_blocks
     assert layout.host_block_bytes == host_block and layout.host_num_blocks == host_blocks
     assert layout.staging_bytes == staging
-    assert layout.gpu_blocks_per_request(ctx) == hisparse_gpu == 2450
+    assert layout.gpu_blocks_per_request(ctx) == hisparse_gpu == 477
     assert layout.host_blocks_per_request(ctx) == host_per_request
-    assert layout.max_requests(ctx) == expect_hisparse == 50
+    assert layout.max_requests(ctx) == expect_hisparse == 52
     assert layout.max_requests_host(ctx) == 209
     baseline = _plan(specs, placement="gpu")
     assert baseline.gpu_blocks_per_request(ctx) == 2048
     assert baseline.max_requests(ctx) == expect_gpu == 10
-    # a short request holds fewer tail pages than two
-    assert layout.gpu_blocks_per_request(10) == 1 + groups * 1 + groups * hot_blocks
+    # a short request holds one indexer block and fewer tail pages than two
+    assert layout.gpu_blocks_per_request(10) == 1 + 1 + hot_blocks
+    assert layout.gpu_blocks_per_request(6 * bs) == 2 + 3 + hot_blocks
 
 
 def test_describe_and_compact_names():
     layout = _plan(glm5_cache_shape().specs)
     text = layout.describe()
-    assert "layers.[0-2,6-74 by 4].indexer" in text
-    assert "layers.2-5.attn" in text
+    assert "layers.[0-2,6-74 by 4].indexer" in text and "x 19 per block" in text
+    assert "layers.0-77.attn" in text
     assert compact_layer_names([f"layers.{i}.attn" for i in range(12)]) == "layers.0-11.attn"
     assert isinstance(layout, KVLayout)
-    assert layout.groups_table(4096).row_count == len(layout.gpu_groups)
+    assert layout.groups_table(4096).row_count == len(layout.gpu_groups) + 1  # + the total
 
 
 # -- validation messages -----------------------------------------------------------------------
@@ -444,8 +541,8 @@ def test_gpu_budget_smaller_than_one_block():
 
 def test_gpu_budget_smaller_than_one_max_len_request():
     specs = deepseek_v32_cache_shape().specs
-    need = (2444 + 1) * 515_328 + (131072 + 2048) * 656  # + the prefill staging area
-    gib = math.ceil(need * 100 / GIB) / 100  # 1.26
+    need = (477 + 1) * 2_576_640 + (131072 + 2048) * 656  # + the prefill staging area
+    gib = math.ceil(need * 100 / GIB) / 100  # 1.23
     with pytest.raises(HiSparseConfigError) as err:
         _plan(specs, gpu_gib=1.0)
     msg = str(err.value)
@@ -492,3 +589,20 @@ def test_host_pool_past_int32_rows_is_refused():
         _plan(specs, host_gib=2**31 * row / GIB, block_size=4, max_len=64)
     fit = float(str(err.value).rsplit("<= ", 1)[1].rstrip("."))
     assert _plan(specs, host_gib=fit, block_size=4, max_len=64).host_num_blocks * 4 < 2**31
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3, 4])
+def test_blocks_keep_rows_16_byte_aligned(block_size):
+    """68-byte indexer rows make an indexer page a multiple of 16 B only for some block
+    sizes: the block takes a number of indexer pages that keeps every sparse row aligned."""
+    specs = dsa_cache_specs(
+        [True] * 3, block_size=block_size, kv_format="bf16", kv_lora_rank=128, rope_dim=16,
+        index_head_dim=64,
+    )  # fmt: skip
+    config = HiSparseConfig(top_k=4, host_pool_gib=0.01, block_size=block_size).resolve()
+    layout = plan_kv_layout(specs, config, 2**22, 64)
+    assert layout.gpu_bytes_per_block % 16 == 0
+    for spec in specs:
+        if spec.kind is CacheKind.SPARSE_MLA:
+            view = layout.gpu_views[spec.name]
+            assert view.offset % 16 == view.block_stride % 16 == view.row_stride % 16 == 0

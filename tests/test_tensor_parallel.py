@@ -107,9 +107,11 @@ def test_tp2_equals_tp1_under_preemption(checkpoint):
     """A GPU pool tight enough to preempt and recompute: the same schedule and tokens."""
     long = SamplingParams(temperature=0, max_tokens=60)
     prompts = _prompts((20, 23, 30, 33))
-    with _engine(checkpoint, 1) as probe:
-        lay = probe.kv.layout  # a pool of 100 blocks beside the prefill staging area
-        gib = (100 * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
+    with _engine(checkpoint, 1, top_k=4) as probe:
+        # about two requests of max_model_len at their peak beside the prefill staging area
+        lay = probe.kv.layout
+        blocks = 1 + int(1.9 * lay.gpu_blocks_per_request(128))
+        gib = (blocks * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
     runs = []
     for tp in (1, 2):
         with _engine(checkpoint, tp, gib=gib, top_k=4) as llm:

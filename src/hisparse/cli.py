@@ -262,7 +262,19 @@ def _run_plan(args: argparse.Namespace) -> int:
         f"Requests of {context_len:,} tokens: HiSparse {with_hisparse:,}, all-GPU {baseline:,} "
         f"-> {verdict}"
     )
+    bound = byte_bound(hisparse, all_gpu, context_len)
+    reached = f" (reached: {with_hisparse / baseline / bound:.0%})" if baseline else ""
+    console.print(f"Byte bound: all-GPU bytes / HiSparse bytes per request = {bound:.2f}x{reached}")
     return 0
+
+
+def byte_bound(hisparse: KVLayout, all_gpu: KVLayout, context_len: int) -> float:
+    """The capacity ratio no block layout can beat: the bytes one all-GPU request's pages
+    take over the bytes one HiSparse request's pages take (block padding not counted)."""
+    return (
+        all_gpu.gpu_bytes_per_request(context_len)[0]
+        / hisparse.gpu_bytes_per_request(context_len)[0]
+    )
 
 
 #: ``hisparse plan --tensor-parallel-size``: requests of this length unless --max-model-len.

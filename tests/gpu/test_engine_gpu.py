@@ -113,7 +113,8 @@ def _generate(checkpoint, placement, prompts, params, *, cuda_graphs, blocks=Non
     if blocks is not None:
         with LLM(checkpoint, gpu_memory_gib=gib, **kw) as probe:
             lay = probe.kv.layout  # a pool of `blocks` blocks beside the staging area
-            gib = (blocks * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
+            n = blocks(lay) if callable(blocks) else blocks
+            gib = (n * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
     with LLM(checkpoint, gpu_memory_gib=gib, **kw) as llm:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         graphs = llm.runner.graphs
@@ -170,12 +171,12 @@ def test_cuda_graphs_under_preemption_equal_eager_and_all_gpu_until_preempted(ch
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (20, 23, 30)]
     params = SamplingParams(temperature=0, max_tokens=60)
     ref, _ = _generate(checkpoint, "gpu", prompts, params, cuda_graphs=True, top_k=4)
-    # 84 blocks: one max_model_len request needs 80 plus the null block since the capacity
-    # plan counts three resident pages per group (session 5); 84 still preempts (both archs).
+    # a pool of 1.05 max_model_len requests at their peak preempts (both archs)
+    blocks = lambda lay: 1 + int(1.05 * lay.gpu_blocks_per_request(256))  # noqa: E731
     tight, captured = _generate(checkpoint, "hisparse", prompts, params, cuda_graphs=True,
-                                blocks=84, top_k=4, device_buffer_size=4)  # fmt: skip
+                                blocks=blocks, top_k=4, device_buffer_size=4)  # fmt: skip
     eager, _ = _generate(checkpoint, "hisparse", prompts, params, cuda_graphs=False,
-                         blocks=84, top_k=4, device_buffer_size=4)  # fmt: skip
+                         blocks=blocks, top_k=4, device_buffer_size=4)  # fmt: skip
     assert captured
     assert sum(o.metrics.preemptions for o in tight) > 0
     assert [o.token_ids for o in tight] == [o.token_ids for o in eager]

@@ -1,7 +1,8 @@
 """Block accounting and the physical KV pools of one engine, for both placements.
 
 HiSparse placement: every page of every request gets a host block (the full copy, mirrored
-eagerly); on the GPU a request holds its indexer pages, its resident pages (the two tail pages,
+eagerly); on the GPU a request holds its indexer pages (several to a block: the indexer table
+holds page ids, `KVLayout.indexer_pages_per_block`), its resident pages (the two tail pages,
 three while a step opens a page: a prefill streams its older pages to the host as its chunks
 finish, so it holds no more than its decode will) and a leased hot region per hot group and a
 hot-state slot. `KVLayout.gpu_blocks_per_request` is that need, for the planner and the
@@ -44,7 +45,11 @@ class RequestBlocks:
     """Blocks one request holds. Page ``p`` covers tokens ``[p * bs, (p + 1) * bs)``."""
 
     host: list[int] = field(default_factory=list)
+    #: Indexer page ids (block-table entries): page ``i`` of GPU block ``b`` is
+    #: ``b * pages_per_block + i`` (`KVLayout.indexer_pages_per_block`).
     indexer: list[int] = field(default_factory=list)
+    #: GPU blocks holding the indexer pages, ``pages_per_block`` pages each.
+    indexer_blocks: list[int] = field(default_factory=list)
     #: Per resident group: page index -> GPU block.
     resident: list[dict[int, int]] = field(default_factory=list)
     #: Per hot group: the leased hot region (empty while not decoding).
@@ -182,7 +187,8 @@ class KVCacheManager:
     def gpu_held(self, req_id: str) -> int:
         """GPU blocks request ``req_id`` holds now (indexer, resident and hot blocks)."""
         b = self.requests[req_id]
-        return len(b.indexer) + sum(len(r) for r in b.resident) + sum(len(h) for h in b.hot)
+        held = len(b.indexer_blocks) + sum(len(r) for r in b.resident)
+        return held + sum(len(h) for h in b.hot)
 
     def staging_rows(self, num_tokens: int) -> int:
         """Staging rows a prefill chunk ending at ``num_tokens`` takes (0 on "gpu")."""
@@ -227,7 +233,9 @@ class KVCacheManager:
             [p for p in range(first, pages) if p not in b.resident[gi]]
             for gi in range(len(self.resident_groups))
         ]
-        idx_new = 0 if self.indexer_in_resident else max(pages - len(b.indexer), 0)
+        m = self.layout.indexer_pages_per_block
+        idx_pages = 0 if self.indexer_in_resident else max(pages - len(b.indexer), 0)
+        idx_new = cdiv(len(b.indexer) + idx_pages, m) - len(b.indexer_blocks)
         n_gpu = idx_new + sum(len(w) for w in wanted_resident)
         if n_gpu > self.gpu_blocks.num_free:
             raise KVCapacityError(f"GPU pool: {n_gpu} blocks wanted, {self.gpu_blocks.num_free}")
@@ -237,8 +245,12 @@ class KVCacheManager:
             self._write_span(self.host_table, b.slot, len(b.host), new)
             b.host.extend(new)
             b.host_reserved = max(b.host_reserved - n, 0)
-        new = self.gpu_blocks.allocate(idx_new)
-        self._write_span(self.indexer_table, b.slot, len(b.indexer), new)
+        b.indexer_blocks.extend(self.gpu_blocks.allocate(idx_new))
+        first_page = len(b.indexer)
+        new = [
+            b.indexer_blocks[p // m] * m + p % m for p in range(first_page, first_page + idx_pages)
+        ]
+        self._write_span(self.indexer_table, b.slot, first_page, new)
         b.indexer.extend(new)
         for gi, want in enumerate(wanted_resident):
             new = self.gpu_blocks.allocate(len(want))
@@ -306,7 +318,7 @@ class KVCacheManager:
             return
         if self.host_blocks is not None and b.host:
             self.host_blocks.free(b.host)
-        self.gpu_blocks.free(b.indexer)
+        self.gpu_blocks.free(b.indexer_blocks)
         for res in b.resident:
             self.gpu_blocks.free(res.values())
         for region in b.hot:

@@ -8,12 +8,14 @@ HiSparse placement (docs/design.md §4):
   ``[block_size][G][row_bytes]``, so a leader gathering a token for its whole group reads one
   ``G * row_bytes`` span instead of ``G`` scattered rows (docs/design.md §10: span length is
   the PCIe lever).
-* **GPU pool**: one block pool shared by overlaying groups (every group's page starts at byte 0
-  of a block; a block id belongs to one group at a time). Groups: the indexer group (every
-  indexer layer), then resident and hot groups packed from whole index groups so that a pack's
-  page never exceeds the indexer page, then regular (non-sparse) groups. A pack's resident and
-  hot group share layer order and in-page offsets, so a layer's resident and hot rows are one
-  address space and attention reads one tensor.
+* **GPU pool**: one block pool shared by overlaying groups (a block id belongs to one group at
+  a time). Groups: the indexer group (every indexer layer's page side by side, ``m`` such
+  pages per block), then resident and hot groups packed from whole index groups into the block
+  (first fit, largest first), then regular (non-sparse) groups. The block is ``m`` indexer
+  pages; ``m`` is chosen so a ``max_model_len`` request's blocks waste the fewest bytes
+  (docs/design.md §4.2). A pack's resident and hot group share layer order and in-page
+  offsets, so a layer's resident and hot rows are one address space and attention reads one
+  tensor.
 
 "gpu" placement (the all-GPU baseline) has no host pool and no hot groups: one resident group
 holds every layer (indexer included), so each block is filled exactly and every page is resident.
@@ -36,7 +38,12 @@ from typing import Literal
 
 from rich.table import Table
 
-from hisparse.config import HiSparseConfigError, ResolvedHiSparseConfig, cdiv
+from hisparse.config import (
+    ROW_ALIGNMENT_BYTES,
+    HiSparseConfigError,
+    ResolvedHiSparseConfig,
+    cdiv,
+)
 from hisparse.kv.paged_view import PagedViewSpec
 from hisparse.kv.specs import CacheKind, LayerCacheSpec
 
@@ -62,15 +69,18 @@ class GroupKind(Enum):
 
 @dataclass(frozen=True)
 class DeviceGroup:
-    """One group of the shared GPU pool: its layers' pages side by side in one block.
+    """One group of the shared GPU pool: its layers' pages side by side in one page of
+    ``page_bytes``, ``pages_per_block`` such pages per block (page ``i`` of block ``b`` at
+    byte ``i * page_bytes``; its block-table id ``b * pages_per_block + i``).
 
-    ``layer_offsets[j]`` is where layer ``layers[j]``'s page starts inside the block.
+    ``layer_offsets[j]`` is where layer ``layers[j]``'s page starts inside the page.
     """
 
     kind: GroupKind
     layers: tuple[str, ...]
     layer_offsets: tuple[int, ...]
     page_bytes: int
+    pages_per_block: int = 1
 
 
 @dataclass(frozen=True)
@@ -138,25 +148,40 @@ class KVLayout:
     def groups(self, kind: GroupKind) -> tuple[DeviceGroup, ...]:
         return tuple(g for g in self.gpu_groups if g.kind is kind)
 
+    @property
+    def indexer_pages_per_block(self) -> int:
+        """Indexer pages per GPU block (their block-table ids are sub-block ids)."""
+        return next((g.pages_per_block for g in self.groups(GroupKind.INDEXER)), 1)
+
     # -- capacity ------------------------------------------------------------------------------
     def gpu_blocks_per_request(self, context_len: int) -> int:
         """GPU blocks one request of ``context_len`` tokens holds at its peak: THE per-request
         need, the planner's capacity and the scheduler's admission and preemption alike
         (a prefill streams its pages to the host, so it never holds more than this).
 
-        HiSparse: every indexer page, ``min(3, pages)`` pages per resident group (two tail
-        pages, plus the one a step opens before the oldest is dropped), the hot region of
-        every hot group. All-GPU: every page."""
+        HiSparse: every indexer page (``pages_per_block`` to a block), ``min(3, pages)``
+        pages per resident group (two tail pages, plus the one a step opens before the
+        oldest is dropped), the hot region of every hot group. All-GPU: every page."""
+        return sum(self.group_usage(g, context_len)[0] for g in self.gpu_groups)
+
+    def group_usage(self, group: DeviceGroup, context_len: int) -> tuple[int, int]:
+        """(GPU blocks, bytes of pages in use) of ``group`` in one request of ``context_len``
+        tokens at its peak; the blocks' bytes less the pages' are the group's padding."""
         pages = _pages(context_len, self.block_size)
-        total = 0
-        for group in self.gpu_groups:
-            if group.kind is GroupKind.RESIDENT and self.placement == "hisparse":
-                total += min(RESIDENT_PEAK_PAGES, pages)
-            elif group.kind is GroupKind.HOT:
-                total += self.hot_blocks_per_request
-            else:
-                total += pages
-        return total
+        if group.kind is GroupKind.RESIDENT and self.placement == "hisparse":
+            n = min(RESIDENT_PEAK_PAGES, pages)
+        elif group.kind is GroupKind.HOT:
+            n = self.hot_blocks_per_request
+        else:
+            n = pages
+        return cdiv(n, group.pages_per_block), n * group.page_bytes
+
+    def gpu_bytes_per_request(self, context_len: int) -> tuple[int, int]:
+        """(bytes of pages in use, bytes of the blocks holding them) of one request of
+        ``context_len`` tokens at its peak. The first is the byte bound: no layout holds a
+        request in fewer GPU bytes."""
+        used = sum(self.group_usage(g, context_len)[1] for g in self.gpu_groups)
+        return used, self.gpu_blocks_per_request(context_len) * self.gpu_bytes_per_block
 
     def host_blocks_per_request(self, context_len: int) -> int:
         """Host blocks of one request: every page plus a copy-on-write tail (0 on "gpu")."""
@@ -196,9 +221,10 @@ class KVLayout:
             f"{format_gib(self.gpu_pool_bytes)} (block 0 is the null block)"
         )
         for group in self.gpu_groups:
+            per = f" x {group.pages_per_block} per block" if group.pages_per_block > 1 else ""
             lines.append(
                 f"    {group.kind.value:<8} {compact_layer_names(group.layers)}: "
-                f"{group.page_bytes} B/page"
+                f"{group.page_bytes} B/page{per}"
             )
         if self.staging_blocks:
             lines.append(
@@ -209,32 +235,44 @@ class KVLayout:
         return "\n".join(lines)
 
     def groups_table(self, context_len: int | None = None) -> Table:
-        """The GPU groups as a rich table (and blocks per request at ``context_len``)."""
-        table = Table(title=f"GPU groups ({self.placement})", title_justify="left")
+        """The GPU groups as a rich table; at ``context_len`` also one request's blocks of
+        each group, the bytes its pages use and the padding of those blocks (block bytes not
+        covered by a page)."""
+        title = f"GPU groups ({self.placement})"
+        if context_len is not None:
+            title += f", one request of {context_len:,} tokens"
+        table = Table(title=title, title_justify="left")
         table.add_column("#", justify="right")
         table.add_column("kind")
-        table.add_column("layers")
-        table.add_column("page bytes", justify="right")
+        table.add_column("layers", overflow="fold", min_width=20)
+        table.add_column("page B", justify="right")
+        table.add_column("pg/blk", justify="right")
         if context_len is not None:
-            table.add_column(f"blocks/req @{context_len}", justify="right")
-            pages = _pages(context_len, self.block_size)
+            for column in ("blocks", "used MiB", "pad MiB", "fill"):
+                table.add_column(column, justify="right")
         for i, group in enumerate(self.gpu_groups):
             row = [
                 str(i),
                 group.kind.value,
                 compact_layer_names(group.layers),
                 f"{group.page_bytes:,}",
+                str(group.pages_per_block),
             ]
             if context_len is not None:
-                if group.kind is GroupKind.HOT:
-                    n = self.hot_blocks_per_request
-                elif group.kind is GroupKind.RESIDENT and self.placement == "hisparse":
-                    n = min(RESIDENT_PEAK_PAGES, pages)
-                else:
-                    n = pages
-                row.append(f"{n:,}")
+                n, used = self.group_usage(group, context_len)
+                row += _usage_cells(n, used, n * self.gpu_bytes_per_block)
             table.add_row(*row)
+        if context_len is not None:
+            used, held = self.gpu_bytes_per_request(context_len)
+            cells = _usage_cells(self.gpu_blocks_per_request(context_len), used, held)
+            table.add_row("", "[bold]total[/bold]", "", "", "", *cells)
         return table
+
+
+def _usage_cells(blocks: int, used: int, held: int) -> list[str]:
+    """Blocks, MiB used and padding, and the fill."""
+    mib = [f"{nbytes / 2**20:,.2f}" for nbytes in (used, held - used)]
+    return [f"{blocks:,}", *mib, f"{used / held:.1%}"]
 
 
 def plan_kv_layout(
@@ -323,17 +361,18 @@ def plan_kv_layout(
             host_num_blocks=0,
             host_views={},
         )
-    indexer_group = _device_group(GroupKind.INDEXER, indexers) if indexers else None
     units = [[by_name[n] for n in g.layers] for g in index_groups]
-    unit_pages = [sum(s.page_bytes for s in unit) for unit in units]
-    limit = indexer_group.page_bytes if indexer_group else max(unit_pages, default=0)
-    packs = _pack(units, limit)
+    m, packs, regular_packs = choose_packing(
+        units,
+        indexers,
+        regular,
+        pages=cdiv(max_model_len, bs),
+        hot_pages=config.hot_blocks_per_request,
+    )
+    indexer_group = _device_group(GroupKind.INDEXER, indexers, m) if indexers else None
     resident = [_device_group(GroupKind.RESIDENT, pack) for pack in packs]
     hot = [_device_group(GroupKind.HOT, pack) for pack in packs]
-    limit = max(limit, max((s.page_bytes for s in regular), default=0))
-    regular_groups = [
-        _device_group(GroupKind.REGULAR, p) for p in _pack([[s] for s in regular], limit)
-    ]
+    regular_groups = [_device_group(GroupKind.REGULAR, p) for p in regular_packs]
     gpu_groups = tuple(
         [g for g in (indexer_group,) if g is not None] + resident + hot + regular_groups
     )
@@ -392,20 +431,24 @@ def _finish(
 ) -> KVLayout:
     """Size the GPU pool for ``gpu_groups``, give every layer its view, check capacity."""
     bs = config.block_size
-    bytes_per_block = max(g.page_bytes for g in gpu_groups)
+    bytes_per_block = max(g.page_bytes * g.pages_per_block for g in gpu_groups)
     staging_bytes = staging_blocks * bs * staging_row_bytes
     gpu_num_blocks = max(gpu_budget_bytes - staging_bytes, 0) // bytes_per_block
     gpu_views: dict[str, PagedViewSpec] = {}
     for group in gpu_groups:
         if group.kind is GroupKind.HOT or gpu_num_blocks == 0:
             continue  # a hot group repeats its resident twin's offsets
+        m = group.pages_per_block
         for name, offset in zip(group.layers, group.layer_offsets, strict=True):
+            # m pages per block: one view over every page, its "block" the page (page ids
+            # b * m + i, uniformly strided since a block is exactly m pages of the group)
+            assert m == 1 or m * group.page_bytes == bytes_per_block, "a block is m pages"
             gpu_views[name] = PagedViewSpec(
                 offset=offset,
-                block_stride=bytes_per_block,
+                block_stride=bytes_per_block if m == 1 else group.page_bytes,
                 row_stride=by_name[name].row_bytes,
                 row_bytes=by_name[name].row_bytes,
-                num_blocks=gpu_num_blocks,
+                num_blocks=gpu_num_blocks * m,
                 block_size=bs,
             )
 
@@ -578,32 +621,81 @@ def _pages(context_len: int, block_size: int) -> int:
     return cdiv(context_len, block_size)
 
 
-def _device_group(kind: GroupKind, specs: Iterable[LayerCacheSpec]) -> DeviceGroup:
+def _device_group(
+    kind: GroupKind, specs: Iterable[LayerCacheSpec], pages_per_block: int = 1
+) -> DeviceGroup:
     names, offsets = [], []
     offset = 0
     for spec in specs:
         names.append(spec.name)
         offsets.append(offset)
         offset += spec.page_bytes
-    return DeviceGroup(kind, tuple(names), tuple(offsets), offset)
+    return DeviceGroup(kind, tuple(names), tuple(offsets), offset, pages_per_block)
 
 
-def _pack(units: list[list[LayerCacheSpec]], limit: int) -> list[list[LayerCacheSpec]]:
-    """Greedy, in order: never split a unit; a pack's page stays <= ``limit`` unless one unit
-    alone exceeds it (then it is a pack by itself)."""
-    packs: list[list[LayerCacheSpec]] = []
-    current: list[LayerCacheSpec] = []
-    current_bytes = 0
-    for unit in units:
-        unit_bytes = sum(s.page_bytes for s in unit)
-        if current and current_bytes + unit_bytes > limit:
-            packs.append(current)
-            current, current_bytes = [], 0
-        current = current + unit
-        current_bytes += unit_bytes
-    if current:
-        packs.append(current)
-    return packs
+#: Most indexer pages per block `choose_packing` tries.
+MAX_INDEXER_PAGES_PER_BLOCK = 512
+
+
+def choose_packing(
+    units: list[list[LayerCacheSpec]],
+    indexers: list[LayerCacheSpec],
+    regular: list[LayerCacheSpec],
+    *,
+    pages: int,
+    hot_pages: int,
+) -> tuple[int, list[list[LayerCacheSpec]], list[list[LayerCacheSpec]]]:
+    """HiSparse GPU block: ``(m, packs of index groups, packs of regular layers)``.
+
+    A block is ``m`` indexer pages (every indexer layer's page side by side, ``G`` bytes), so
+    the indexer group pads nothing; index groups (never split) are packed into blocks of
+    ``m * G`` bytes first fit, largest first (`pack`), and so are regular layers. Of every
+    ``m`` whose block holds the largest unit, the one whose request of ``pages`` pages (its
+    indexer pages, `RESIDENT_PEAK_PAGES` per pack, ``hot_pages`` per hot pack, every regular
+    page) takes the fewest bytes wins; the smallest such ``m`` on ties (docs/design.md §4.2).
+    The block stays a multiple of `ROW_ALIGNMENT_BYTES`, so every row of every block stays
+    aligned for the kernels' 16-byte accesses.
+    """
+    sub = sum(s.page_bytes for s in indexers)
+    largest = max(
+        [sum(s.page_bytes for s in u) for u in units] + [s.page_bytes for s in regular],
+        default=0,
+    )
+    if sub == 0:  # no indexer (not a HiSparse layout the checks accept): the largest unit
+        return 1, pack(units, largest), pack([[s] for s in regular], largest)
+    tail = min(RESIDENT_PEAK_PAGES, pages)
+    best: tuple[int, int, list, list] | None = None
+    for m in range(max(cdiv(largest, sub), 1), MAX_INDEXER_PAGES_PER_BLOCK + 1):
+        block = m * sub
+        if block % ROW_ALIGNMENT_BYTES:
+            continue
+        packs = pack(units, block)
+        reg = pack([[s] for s in regular], block)
+        nbytes = block * (cdiv(pages, m) + len(packs) * (tail + hot_pages) + len(reg) * pages)
+        if best is None or nbytes < best[0]:
+            best = (nbytes, m, packs, reg)
+        if len(packs) <= 1 and len(reg) <= 1:
+            break  # one pack holds everything: a larger block only pads the indexer
+    assert best is not None
+    return best[1], best[2], best[3]
+
+
+def pack(units: list[list[LayerCacheSpec]], limit: int) -> list[list[LayerCacheSpec]]:
+    """First fit, largest first: each unit (never split) goes into the first pack it fits in
+    (``<= limit`` bytes of pages), units taken largest first (ties in layer order); a unit
+    larger than ``limit`` is a pack of its own. Inside a pack units keep layer order, and
+    packs are ordered by their first layer."""
+    sizes = [sum(s.page_bytes for s in u) for u in units]
+    packs: list[tuple[int, list[int]]] = []
+    for i in sorted(range(len(units)), key=lambda i: -sizes[i]):
+        for k, (used, members) in enumerate(packs):
+            if used + sizes[i] <= limit:
+                packs[k] = (used + sizes[i], [*members, i])
+                break
+        else:
+            packs.append((sizes[i], [i]))
+    ordered = sorted((sorted(members) for _, members in packs), key=lambda m: m[0])
+    return [[s for i in members for s in units[i]] for members in ordered]
 
 
 def format_gib(nbytes: int) -> str:
