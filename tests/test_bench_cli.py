@@ -191,6 +191,8 @@ def test_bench_cli_writes_json(checkpoint, tmp_path, capsys):
         # requests holding KV at once: every step's count, prefill steps' all admitted
         assert r["peak_admitted"] == max(n for _, n, _ in r["step_log"])
         assert r["peak_running"] <= r["peak_admitted"] <= r["concurrency"]
+        # the host pool the engine sized (HiSparse only), for `hisparse simulate --compare`
+        assert (r["host_pool_gib"] is not None) == (r["placement"] == "hisparse")
     assert rows[("hisparse", 3)]["bytes_swapped"] > 0 and rows[("gpu", 3)]["hit_rate"] is None
     assert all(r["same_tokens"] is True for r in doc["ratios"]) and len(doc["ratios"]) == 2
 

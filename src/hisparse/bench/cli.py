@@ -398,6 +398,10 @@ def run_cell(
     steps = llm.last_run_stats  # every step of this call (step_stats keeps only the latest)
     row = summarize(steps, outs, time.perf_counter() - t0, args.prefill == "synthetic")
     row["token_ids"] = [o.token_ids for o in outs]
+    # the host pool the engine sized (its default depends on this machine's memory): what a
+    # replay of this run (`hisparse simulate --compare`) must plan with
+    pool = llm.kv.layout.host_pool_bytes if llm.kv.offload else 0
+    row["host_pool_gib"] = pool / 2**30 if pool else None
     # the step-by-step schedule: tokens are comparable across placements only under the same one
     row["schedule"] = [(bool(s["decode"]), int(s["tokens"]), int(s["running"])) for s in steps]
     # every step's kind, batch and time, for reading where a whole run's time went

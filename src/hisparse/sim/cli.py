@@ -129,6 +129,10 @@ def _fill_from_bench(args: argparse.Namespace) -> dict[str, Any] | None:
     for ours, theirs in _FROM_BENCH.items():
         if getattr(args, ours) is None and bench.get(theirs) is not None:
             setattr(args, ours, bench[theirs])
+    if args.host_pool_gib is None:  # the pool the bench's engine sized, if it says
+        pools = [r["host_pool_gib"] for r in doc.get("results", []) if r.get("host_pool_gib")]
+        if pools:
+            args.host_pool_gib = max(pools)
     if args.max_batched_tokens is None and bench.get("prefill") == "model":
         args.max_batched_tokens = 2048  # the bench's default for the real prefill
     return doc
