@@ -13,7 +13,7 @@ tensor, so any write the runtime does that the contract does not call for shows 
 every step the outputs (physical rows, valid counts, swap lists, hit/miss counts), the hot
 state of every slot, the running totals and every byte of every layer's memory are compared,
 and the §5 invariants are checked. The machine runs twice: on the reference ops (the oracle)
-and on `cpu_ops` (what the runtime uses for CPU tensors), each against the same model.
+and on the CPU backend (what the runtime uses for CPU tensors), each against the same model.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from hypothesis.stateful import (
 from hisparse.config import HiSparseConfig, cdiv
 from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.cache_handle import CacheHandle
-from hisparse.runtime.ops import cpu_ops, ops_for, reference
+from hisparse.runtime.ops import cpu_backend, ops_for, reference
 from hisparse.runtime.sparse_layer import SparseLayerRuntime
 from hisparse.runtime.staging import PrefillStagingPlan
 
@@ -835,7 +835,7 @@ class RuntimeMachine(RuleBasedStateMachine):
 
 
 class CpuOpsRuntimeMachine(RuntimeMachine):
-    OPS = cpu_ops
+    OPS = cpu_backend()
 
 
 _MACHINE_SETTINGS = settings(

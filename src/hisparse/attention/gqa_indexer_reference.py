@@ -478,19 +478,19 @@ def _fp8_topk_one_cpu(
     scale: float,
     width: int,
 ) -> torch.Tensor | None:
-    """One CPU query's fp8 selection in one compiled call (`cpu_jit.fp8_topk_row`: the same
+    """One CPU query's fp8 selection in one compiled call (`fp8_topk_row` kernel: the same
     rule as `select_topk`, a dozen torch ops and a 100k-element key decode fewer per layer
     and step). ``None`` where numba is missing or the compiled path does not apply."""
-    from hisparse.runtime.ops import cpu_jit
+    from hisparse.runtime.ops import cpu_backend
 
-    fns = cpu_jit.jit()
+    fns = cpu_backend().jit()
     assert cfg.top_k is not None
     kk = min(cfg.top_k, length)
     if fns is None or width < kk:
         return None
     g, d = fmt.num_kv_heads, fmt.head_dim
     h = q.shape[1]
-    paged = cpu_jit.paged_pages(pages, g * d)
+    paged = cpu_backend().views.paged_pages(pages, g * d)
     if h % g or q.shape[2] != d or paged is None:
         return None
     qf = q if q.dtype == torch.float32 else q.float()
@@ -523,12 +523,12 @@ def _topk_prefill_cpu(
     dims: torch.Tensor | None,
 ) -> torch.Tensor:
     """`gqa_indexer_topk_prefill` on the CPU with numba: the dense rows and the scored
-    tokens in one compiled call (`cpu_jit.dense_rows`), then each request's scored tokens
+    tokens in one compiled call (`dense_rows` kernel), then each request's scored tokens
     through `gqa_indexer_topk` (`_scored_topk_cpu`): what a dozen torch passes over
     ``[N, width]`` did."""
-    from hisparse.runtime.ops import cpu_jit
+    from hisparse.runtime.ops import cpu_backend
 
-    fns = cpu_jit.jit()
+    fns = cpu_backend().jit()
     assert fns is not None
     n = q.shape[0]
     out = torch.empty(n, width, dtype=torch.int32)
@@ -552,9 +552,9 @@ def _topk_prefill_cpu(
 
 def _cpu_compiled(q: torch.Tensor, fmt: GqaIndexerFormat) -> bool:
     """Whether `_topk_prefill_cpu` serves a prefill step (numba, fp8 or lowrank keys)."""
-    from hisparse.runtime.ops import cpu_jit
+    from hisparse.runtime.ops import cpu_backend
 
-    return q.device.type == "cpu" and fmt.method != "quest" and cpu_jit.jit() is not None
+    return q.device.type == "cpu" and fmt.method != "quest" and cpu_backend().jit() is not None
 
 
 def _scored_topk_cpu(
@@ -571,16 +571,16 @@ def _scored_topk_cpu(
     numba): the queries in position order, in chunks; per chunk one batched matmul against
     only the candidate keys its last query sees (the causal half of the ``[T, S]`` logits),
     then one compiled pass per query for the softmax mass and the top-k
-    (`cpu_jit.topk_rows`, the queries split over torch's thread count) instead of a dozen
+    (`topk_rows` kernel, the queries split over torch's thread count) instead of a dozen
     passes of torch ops over every chunk. The same rule; a query's selection depends on its
     own logits only, so a chunked prefill chooses what a whole one does (BLAS rounds a
     logit alike in any chunk of two or more queries here; tests/test_cpu_jit.py checks the
     selections).
     ``keys``: `read_index_keys`. ``None`` where it does not apply (a query before position
     ``top_k``, too few columns)."""
-    from hisparse.runtime.ops import cpu_jit
+    from hisparse.runtime.ops import cpu_backend
 
-    fns = cpu_jit.jit()
+    fns = cpu_backend().jit()
     top_k = cfg.top_k
     length = keys.shape[0]
     if fns is None or top_k is None or fmt.method == "quest" or q.device.type != "cpu":
@@ -607,7 +607,7 @@ def _scored_topk_cpu(
     his = (pos - window).clamp(max=length - 1).tolist()
     key_t = keys[sink:].permute(1, 2, 0)  # [G, key_dim, candidates]
     out = torch.empty(t, width, dtype=torch.int32)
-    parts = cpu_jit.parts()
+    parts = cpu_backend().parts()
     lo = 0
     while lo < t:
         hi = lo + 1  # the chunk grows while its logits fit the bound

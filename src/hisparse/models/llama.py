@@ -19,7 +19,6 @@ the all-GPU placement and HiSparse differ only in where rows sit. With ``top_k=N
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
@@ -58,7 +57,8 @@ from hisparse.models.kv_access import (
     IndexerLayerCache,
     SparseMlaLayerCache,
 )
-from hisparse.runtime.ops import cpu_jit
+from hisparse.runtime.ops import cpu_backend
+from hisparse.runtime.ops.cpu import F32
 
 #: Step metadata of a packed batch (the same for every model family).
 Step = DsaStep
@@ -139,10 +139,6 @@ class LlamaConfig:
         return GqaRowFormat(self.num_key_value_heads, self.head_dim, gqa_dtype_name(dtype))
 
 
-#: The CPU batch-1 decode path (`LlamaForCausalLM._decode_one_cpu`) on or off.
-_CPU_FAST = [os.environ.get("HISPARSE_CPU_FAST", "1") != "0"]
-
-
 def _sdpa_one_cpu(
     q: torch.Tensor,
     view: torch.Tensor,
@@ -166,10 +162,8 @@ def _sdpa_one_cpu(
         return None
     typed = view.numpy().view(np.float32)  # [blocks, block_size, 2·G·D]
     width = typed.shape[2]
-    buf = _ROW_BUFFERS.get((k, width))
-    if buf is None:
-        buf = _ROW_BUFFERS[(k, width)] = torch.empty(k, width)
-    fns = cpu_jit.jit()
+    buf = cpu_backend().row_buffer(k, width)
+    fns = cpu_backend().jit()
     if fns is not None:
         fns.gather_rows(typed, idx, buf.numpy())
     else:
@@ -180,9 +174,6 @@ def _sdpa_one_cpu(
         q.view(1, g, h // g, d), keys.transpose(1, 2), values.transpose(1, 2), scale=scale
     )
     return out.reshape(1, h, d)
-
-
-_ROW_BUFFERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def _write_rows_cpu(
@@ -196,9 +187,9 @@ def _write_rows_cpu(
     fmt: GqaIndexerFormat,
 ) -> bool:
     """`write_rows_fast` of the packed rows and `write_index_keys` of ``k`` on the CPU in
-    one compiled call (`cpu_jit.write_rows_many`: the same bytes; fp32 rows, fp8 keys).
+    one compiled call (`write_rows_many` kernel: the same bytes; fp32 rows, fp8 keys).
     False where it does not apply (nothing written)."""
-    fns = cpu_jit.jit()
+    fns = cpu_backend().jit()
     if (
         fns is None
         or k.device.type != "cpu"
@@ -208,8 +199,8 @@ def _write_rows_cpu(
         or v.dtype != torch.float32
     ):
         return False
-    rows = cpu_jit.paged_rows(view, cpu_jit.F32)
-    keys = cpu_jit.paged_pages(pages, fmt.row_bytes)
+    rows = cpu_backend().views.paged_rows(view, F32)
+    keys = cpu_backend().views.paged_pages(pages, fmt.row_bytes)
     if rows is None or keys is None:
         return False
     return fns.write_rows_many(
@@ -227,10 +218,10 @@ class _OneTokenStep:
         self, cos: torch.Tensor, sin: torch.Tensor, step: Step, heads: int, kv_heads: int,
         head_dim: int,
     ) -> None:  # fmt: skip
-        self.fns = cpu_jit.jit()
+        self.fns = cpu_backend().jit()
         self.cos, self.sin = cos.numpy()[0], sin.numpy()[0]
         self.pos = int(step.positions.numpy()[0])
-        self.lut = _fp8_lut()
+        self.lut = cpu_backend().fp8_lut()
         width = kv_heads * head_dim
         self.codes = np.empty(width, np.uint8)
         self.scratch = np.empty(width, np.float32)
@@ -251,18 +242,6 @@ class _OneTokenStep:
         row = t.numpy()[0]
         self._rows.append((t, row))
         return row
-
-
-def _fp8_lut() -> np.ndarray:
-    """The fp32 value of each e4m3 code (torch's conversion), as numpy."""
-    lut = _FP8_LUT.get("cpu")
-    if lut is None:
-        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-        lut = _FP8_LUT["cpu"] = codes.view(FP8_DTYPE).float().numpy()
-    return lut
-
-
-_FP8_LUT: dict[str, np.ndarray] = {}
 
 
 @runtime_checkable
@@ -473,9 +452,9 @@ class LlamaAttention(nn.Module):
         """`forward` of a batch-1 decode step on the CPU (one fp32 token, `full_width_rope`
         tables), through the same cache protocol with a handful of calls: q, k and v in one
         matmul, then (with numba, fp8 index keys, fp32 rows) one compiled call for the
-        rotation, the row and index-key writes and the selection (`cpu_jit.decode_pre`) and
+        rotation, the row and index-key writes and the selection (`decode_pre` kernel) and
         one for the attention over the swapped-in rows, read in place
-        (`cpu_jit.attend_rows`). Without numba, `_forward_one_torch`.
+        (`attend_rows` kernel). Without numba, `_forward_one_torch`.
 
         The rotation and every written byte equal `forward`'s; the scored selection and the
         attention sum in another order (last-bit differences; both placements run the same
@@ -496,9 +475,10 @@ class LlamaAttention(nn.Module):
         idx = cache.indexer(self.layer)
         pages, idx_slots = idx.write_target()
         read_pages, table = idx.read_source()
-        kv_rows = cpu_jit.paged_rows(view, cpu_jit.F32)
-        written = cpu_jit.paged_pages(pages, fmt.row_bytes)
-        read = written if read_pages is pages else cpu_jit.paged_pages(read_pages, fmt.row_bytes)
+        views = cpu_backend().views
+        kv_rows = views.paged_rows(view, F32)
+        written = views.paged_pages(pages, fmt.row_bytes)
+        read = written if read_pages is pages else views.paged_pages(read_pages, fmt.row_bytes)
         if kv_rows is None or written is None or read is None:
             return self._forward_one_torch(qkv, cos, sin, step, cache, indexer, plan)
         length = plan.longest
@@ -851,7 +831,7 @@ class LlamaForCausalLM(nn.Module):
         """A batch-1 fp32 decode step on the CPU (one token, no padding row): the shape
         `_decode_one_cpu` serves. ``HISPARSE_CPU_FAST=0`` turns it off (A/B checks)."""
         return (
-            _CPU_FAST[0]
+            cpu_backend().fast_decode
             and x.device.type == "cpu"
             and x.shape[0] == 1
             and x.dtype == torch.float32
@@ -867,11 +847,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # fmt: skip
         """The layers of a batch-1 CPU decode step with fewer ops than the general loop:
         `LlamaAttention.forward_one_cpu`, gate and up projections as one matmul, and each
-        residual add with the RMS norm after it as one compiled call (`cpu_jit.add_rms_norm`;
+        residual add with the RMS norm after it as one compiled call (`add_rms_norm` kernel;
         the add is exact, the norm's sum of squares rounds in another order: last-bit
         differences). Without numba the norms are ``F.rms_norm`` (the same bits in fp32 as
         `RMSNorm`'s steps) and the whole step equals the general loop bit for bit."""
-        fns = cpu_jit.jit()
+        fns = cpu_backend().jit()
         shape = (self.config.hidden_size,)
         eps = self.config.rms_norm_eps
         eps32 = np.float32(eps)
