@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hisparse.models.layers import full_width_rope, rope_full_width
 
 from hisparse.attention.gqa_indexer_reference import (
     FP8_DTYPE,
@@ -28,7 +29,6 @@ from hisparse.attention.sparse_gqa_reference import (
     sparse_gqa_rows_cpu,
 )
 from hisparse.kv.row_formats import write_rows_fast
-from hisparse.models.llama import full_width_rope, rope_full_width
 from hisparse.runtime.ops import cpu_backend
 from hisparse.runtime.ops.cpu import F32, layer_kernels, selection_kernels
 

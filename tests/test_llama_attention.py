@@ -319,8 +319,9 @@ def test_sdpa_decode_cpu_matches_reference(strided: bool) -> None:
 
 
 def test_rope_full_width_is_bitwise_rope_half_split() -> None:
-    from hisparse.models.deepseek_v32 import rope_half_split
-    from hisparse.models.llama import LlamaConfig, Rotary, full_width_rope, rope_full_width
+    from hisparse.models.layers import full_width_rope, rope_full_width, rope_half_split
+
+    from hisparse.models.llama import LlamaConfig, Rotary
 
     cfg = LlamaConfig(64, 32, 64, 1, H, G, D)
     cos, sin = Rotary(cfg)(torch.tensor([0, 5, 700, 4095]), torch.float32)
