@@ -10,13 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hisparse.models.layers import full_width_rope, rope_full_width
 
+from hisparse.attention.gqa_indexer_cpu import scored_topk_cpu
 from hisparse.attention.gqa_indexer_reference import (
     FP8_DTYPE,
     GqaIndexerConfig,
     GqaIndexerFormat,
-    _scored_topk_cpu,
     gqa_indexer_topk,
     read_index_keys,
     selection_masks,
@@ -29,6 +28,7 @@ from hisparse.attention.sparse_gqa_reference import (
     sparse_gqa_rows_cpu,
 )
 from hisparse.kv.row_formats import write_rows_fast
+from hisparse.models.layers import full_width_rope, rope_full_width
 from hisparse.runtime.ops import cpu_backend
 from hisparse.runtime.ops.cpu import F32, layer_kernels, selection_kernels
 
@@ -287,7 +287,7 @@ def test_prefill_selection_does_not_depend_on_the_chunking() -> None:
     keys = read_index_keys(pages, fmt, table, length)
 
     def select(idx: torch.Tensor) -> torch.Tensor:
-        out = _scored_topk_cpu(q[idx], pos[idx], keys, fmt, cfg, D**-0.5, 48, None)
+        out = scored_topk_cpu(q[idx], pos[idx], keys, fmt, cfg, D**-0.5, 48, None)
         assert out is not None
         return out
 
@@ -298,7 +298,7 @@ def test_prefill_selection_does_not_depend_on_the_chunking() -> None:
     perm = torch.randperm(length - first, generator=_gen(8))
     assert torch.equal(select(perm + first), whole[perm])
     # A query before position top_k is not scored: declined.
-    assert _scored_topk_cpu(q[:3], pos[:3], keys, fmt, cfg, D**-0.5, 48, None) is None
+    assert scored_topk_cpu(q[:3], pos[:3], keys, fmt, cfg, D**-0.5, 48, None) is None
 
 
 @pytest.mark.parametrize("masked", [False, True])

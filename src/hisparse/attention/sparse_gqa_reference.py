@@ -331,42 +331,6 @@ def causal_gqa_reference(
     return selected_gqa_reference(q, kv_cache, rows, selected, scale, row_format)
 
 
-def sparse_gqa_decode(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    indices: torch.Tensor,
-    scale: float,
-    row_format: GqaRowFormat,
-    *,
-    need_lse: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Sparse GQA (contract of `sparse_gqa_reference`) on the best backend available.
-
-    ``need_lse=False`` (the model's decode step reads only ``out``): on the CPU with the
-    reference backend, `_sdpa_decode_cpu` computes ``out`` in one fused call and ``lse`` is
-    ``None``. CUDA runs what it runs with ``need_lse=True``.
-
-    The Triton kernel (`sparse_gqa_triton`) for CUDA tensors, the reference elsewhere;
-    ``HISPARSE_ATTENTION=reference|triton`` forces one, as for sparse MLA. Inputs the kernel
-    does not handle (head dims that are not a power of two, a non-contiguous byte dim) and
-    machines without Triton fall back to the reference. Triton is imported on first use.
-    """
-    from hisparse.attention import _attention_backend
-
-    if not need_lse and q.device.type == "cpu" and _attention_backend(q.device) != "triton":
-        out = _sdpa_decode_cpu(q, kv_cache, indices, scale, row_format)
-        if out is not None:
-            return out, None
-    if _attention_backend(q.device) == "triton":
-        try:
-            from hisparse.attention import sparse_gqa_triton as sgt
-        except ImportError:  # pragma: no cover - Triton missing: the reference still works
-            sgt = None
-        if sgt is not None and sgt.supports(q, kv_cache, row_format):
-            return sgt.sparse_gqa_decode_triton(q, kv_cache, indices, scale, row_format)
-    return sparse_gqa_reference(q, kv_cache, indices, scale, row_format)
-
-
 def _sdpa_decode_cpu(
     q: torch.Tensor,
     kv_cache: torch.Tensor,

@@ -21,11 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hisparse.attention import sparse_mla_decode
-from hisparse.attention.indexer_reference import (
-    hadamard_transform,
-    indexer_topk_paged,
-    quantize_indexer_fp8,
-)
+from hisparse.attention.dispatch import indexer_topk_paged
+from hisparse.attention.indexer_reference import hadamard_transform, quantize_indexer_fp8
 from hisparse.kv.row_formats import (
     IndexerCacheFormat,
     MlaFormat,

@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hisparse.attention.dispatch import gqa_indexer_topk_decode, sparse_gqa_decode
 from hisparse.attention.gqa_indexer_reference import (
     GqaIndexerConfig,
     GqaIndexerFormat,
     gqa_indexer_topk,
-    gqa_indexer_topk_decode,
     gqa_indexer_topk_prefill,
     pad_groups,
     rope_pair_dims,
@@ -45,7 +45,6 @@ from hisparse.attention.sparse_gqa_reference import (
     GqaRowFormat,
     gqa_dtype_name,
     selected_gqa_varlen_reference,
-    sparse_gqa_decode,
 )
 from hisparse.kv.row_formats import write_rows_fast
 from hisparse.models.kv_access import (
