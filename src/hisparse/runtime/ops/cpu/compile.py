@@ -36,6 +36,16 @@ _HELPERS = (
     "_resolve_row",
 )
 _REASSOCIATE = ("_dots", "_sum_squares", "_row_sum")
+#: The compiled entry points (`CpuBackend.jit`'s names), each the body ``_name`` of its module.
+_ENTRY_POINTS: tuple[tuple[ModuleType, tuple[str, ...]], ...] = (
+    (residency_kernels, ("resolve_row", "copy_rows", "resolve_decode_row", "gather_rows",
+                         "resident_rows", "finish_decode_row")),
+    (selection_kernels, ("fp8_topk_row", "topk_rows", "dense_rows")),
+    (layer_kernels, ("decode_pre", "attend_rows", "attend_rows_many", "write_rows_many",
+                     "is_causal_prefix", "add_rms_norm", "fp8_encode")),
+)  # fmt: skip
+#: Entry points that deal a prefill's tokens to threads (numba's parallel loop).
+_PARALLEL = ("attend_rows_many", "topk_rows")
 
 
 def _owner(name: str) -> ModuleType:
@@ -80,22 +90,7 @@ def build() -> SimpleNamespace | None:
         for module in KERNEL_MODULES:
             if name in vars(module):
                 setattr(module, name, compiled)
-    res, sel, lay = residency_kernels, selection_kernels, layer_kernels
-    return SimpleNamespace(
-        resolve_row=compile_(res._resolve_row),
-        copy_rows=compile_(res._copy_rows),
-        resolve_decode_row=compile_(res._resolve_decode_row),
-        fp8_topk_row=compile_(sel._fp8_topk_row),
-        gather_rows=compile_(res._gather_rows),
-        decode_pre=compile_(lay._decode_pre),
-        attend_rows=compile_(lay._attend_rows),
-        attend_rows_many=compile_(lay._attend_rows_many, parallel=True),
-        topk_rows=compile_(sel._topk_rows, parallel=True),
-        resident_rows=compile_(res._resident_rows),
-        write_rows_many=compile_(lay._write_rows_many),
-        dense_rows=compile_(sel._dense_rows),
-        is_causal_prefix=compile_(lay._is_causal_prefix),
-        add_rms_norm=compile_(lay._add_rms_norm),
-        fp8_encode=compile_(lay._fp8_encode),
-        finish_decode_row=compile_(res._finish_decode_row),
-    )
+    return SimpleNamespace(**{
+        name: compile_(getattr(module, "_" + name), parallel=name in _PARALLEL)
+        for module, names in _ENTRY_POINTS for name in names
+    })  # fmt: skip
