@@ -12,7 +12,7 @@ import time
 import torch
 import triton
 
-from bench_swap import BS, DEV, K, _dump, _med, _timed
+from bench_swap import BS, DEV, K, _cells, _dump, _med, _timed
 from hisparse.runtime.ops import reference as ref
 from hisparse.runtime.ops import triton_backend as tk
 from hisparse.runtime.ops.triton_gather import group_tile
@@ -156,10 +156,7 @@ def main_group(args: argparse.Namespace) -> None:
         if "error" in r:
             print(f"{r['G']:>2} {r['tokens']:>7} ERROR {r['error'][:90]}")
             continue
-        cells = " | ".join(
-            f"{r[k + '_us']:>7.1f} {r[k + '_gbps']:>5.1f}".rjust(14)
-            for k in ("group", "layers", "bulk")
-        )
+        cells = _cells(r, ("group", "layers", "bulk"))
         tiles = " ".join(f"{k}:{v:.1f}" for k, v in r["tiles_gbps"].items())
         print(
             f"{r['G']:>2} {r['tokens']:>7} {r['bytes'] / 1e6:>7.2f} | {cells} | "

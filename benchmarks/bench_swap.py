@@ -410,6 +410,11 @@ def bench_gather(
     return res
 
 
+def _cells(r: dict, keys: tuple[str, ...]) -> str:
+    """Table cells ``µs GB/s`` of the timed variants ``keys`` of result row ``r``."""
+    return " | ".join(f"{r[k + '_us']:>7.1f} {r[k + '_gbps']:>5.1f}".rjust(14) for k in keys)
+
+
 def _dump(result: dict, out: str) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "bench_swap.json"), "w") as f:
@@ -539,10 +544,7 @@ def main() -> None:
         if "error" in r:
             print(f"{r['row_bytes']:>5} {r['batch']:>5} {r['miss']:>6} ERROR {r['error'][:80]}")
             continue
-        cells = " | ".join(
-            f"{r[k + '_us']:>7.1f} {r[k + '_gbps']:>5.1f}".rjust(14)
-            for k in ("ours", "plain", "bulk", "naive")
-        )
+        cells = _cells(r, ("ours", "plain", "bulk", "naive"))
         print(
             f"{r['row_bytes']:>5} {r['batch']:>5} {r['miss']:>6} {r['rows']:>7} "
             f"{r['bytes'] / 1e6:>7.2f} | {cells} | {r['correct']}"
