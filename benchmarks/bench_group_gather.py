@@ -12,7 +12,7 @@ import time
 import torch
 import triton
 
-from bench_swap import BS, DEV, K, _cells, _dump, _med, _timed
+from bench_swap import BS, DEV, K, _bulk_copy, _cells, _dump, _med, _timed
 from hisparse.runtime.ops import reference as ref
 from hisparse.runtime.ops import triton_backend as tk
 from hisparse.runtime.ops.triton_gather import group_tile
@@ -58,11 +58,7 @@ def bench_group(pool: torch.Tensor, G: int, tokens: int, iters: int, H: int = 40
         for hv, dv in zip(layer_hosts, devices, strict=True):
             tk.gather_compact(hv, dv, ss, sd, sc)
 
-    bulk_dst = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
-    offs = torch.randint(0, pool.numel() - nbytes, (iters,)).tolist()
-
-    def bulk(i: int) -> None:
-        bulk_dst.copy_(pool[offs[i] : offs[i] + nbytes], non_blocking=True)
+    bulk = _bulk_copy(pool, nbytes, iters)
 
     prepare(0)
     group(0)

@@ -357,11 +357,7 @@ def bench_gather(
     def plain(i: int) -> None:
         _plain_gather[(Q * n,)](hw, dw, flat_s, flat_d, RW=rw, RWP=triton.next_power_of_2(rw))
 
-    bulk_dst = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
-    offs = torch.randint(0, pool.numel() - nbytes, (iters,)).tolist()
-
-    def bulk(i: int) -> None:
-        bulk_dst.copy_(pool[offs[i] : offs[i] + nbytes], non_blocking=True)
+    bulk = _bulk_copy(pool, nbytes, iters)
 
     prepare(0)
     ours(0)
@@ -408,6 +404,18 @@ def bench_gather(
         res[f"{k}_gbps"] = gbps(res[f"{k}_us"])
     res["all"] = {"ours": t_ours, "plain": t_plain, "bulk": t_bulk, "naive": t_naive}
     return res
+
+
+def _bulk_copy(pool: torch.Tensor, nbytes: int, iters: int) -> Callable[[int], None]:
+    """The bulk-copy ceiling: call ``i`` copies ``nbytes`` from its own random offset of the
+    pinned ``pool`` to the GPU (fresh bytes per call, as the gathers read)."""
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
+    offs = torch.randint(0, pool.numel() - nbytes, (iters,)).tolist()
+
+    def bulk(i: int) -> None:
+        dst.copy_(pool[offs[i] : offs[i] + nbytes], non_blocking=True)
+
+    return bulk
 
 
 def _cells(r: dict, keys: tuple[str, ...]) -> str:
