@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import triton.testing
 
+from hisparse.attention import dispatch
 from hisparse.attention import gqa_indexer_reference as gr
 from hisparse.attention import gqa_indexer_triton as git
 from hisparse.testing import gqa_indexer_cases as gcases
@@ -75,7 +76,7 @@ def _cases(batch: int, context: int, capacity: int | None, seed: int) -> list[gc
 def _torch_path(case: gcases.DecodeCase) -> torch.Tensor:
     os.environ["HISPARSE_GQA_INDEXER"] = "reference"
     try:
-        return gr.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)
+        return dispatch.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)
     finally:
         del os.environ["HISPARSE_GQA_INDEXER"]
 

@@ -14,11 +14,15 @@ import torch
 from hisparse.config import HiSparseConfig, cdiv
 from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.cache_handle import CacheHandle
-from hisparse.runtime.ops import cpu_jit, cpu_ops, reference
+from hisparse.runtime.ops import cpu_backend, reference
 from hisparse.runtime.sparse_layer import SparseLayerRuntime
 from hisparse.testing.ops_cases import POISON
 
 BS, TOP_K, HOT, LAYERS, W, PAGES = 4, 6, 12, 3, 32, 10
+
+
+def _set_jit(enabled: bool) -> None:
+    cpu_backend().jit_enabled = enabled
 
 
 def _twin(ops: object, eager_mirror: bool, seed: int) -> tuple[list[CacheHandle], list, list]:
@@ -60,11 +64,11 @@ def _state(handles: list[CacheHandle], hosts: list, devs: list) -> list[torch.Te
 
 @pytest.fixture(params=["jit", "numpy"])
 def jit_mode(request: pytest.FixtureRequest):
-    if request.param == "jit" and cpu_jit.jit() is None:
+    if request.param == "jit" and cpu_backend().jit() is None:
         pytest.skip("numba is not installed (or HISPARSE_CPU_JIT=0)")
-    cpu_jit.set_enabled(request.param == "jit")
+    _set_jit(request.param == "jit")
     yield request.param
-    cpu_jit.set_enabled(True)
+    _set_jit(True)
 
 
 @pytest.mark.parametrize("eager_mirror", [True, False])
@@ -73,7 +77,7 @@ def test_batch1_decode_steps_equal_the_general_path(
     seed: int, eager_mirror: bool, jit_mode: str
 ) -> None:
     rng = random.Random(seed)
-    fast = _twin(cpu_ops, eager_mirror, seed)
+    fast = _twin(cpu_backend(), eager_mirror, seed)
     slow = _twin(reference, eager_mirror, seed)
     assert all(torch.equal(a, b) for a, b in zip(_state(*fast), _state(*slow), strict=True))
     hb = cdiv(HOT, BS)
@@ -137,7 +141,7 @@ def test_batch1_decode_steps_equal_the_general_path(
 def test_the_fast_finish_path_is_taken(jit_mode: str) -> None:
     """The fast path serves a plain batch-1 decode step (it returns True), and declines a
     step of two tokens and a group on the reference ops."""
-    handles, _hosts, _devs = _twin(cpu_ops, True, 0)
+    handles, _hosts, _devs = _twin(cpu_backend(), True, 0)
     group = handles[0].runtime.group
     meta = StepMetadata(
         num_tokens=1, is_decode=True, req_per_token=torch.tensor([0], dtype=torch.int32),
@@ -163,15 +167,15 @@ def test_the_fast_finish_path_is_taken(jit_mode: str) -> None:
 
 
 def test_the_fast_path_follows_the_group_ops() -> None:
-    """`cpu_decode_fast_path` is re-derived whenever the group's ops change: on for `cpu_ops`,
+    """`cpu_decode_fast_path` is re-derived whenever the group's ops change: on for the CPU backend,
     off for the reference and for the swap timer's wrapper (it must see every op call)."""
     from hisparse.bench.swap_timer import SwapTimer
 
-    handles, _hosts, _devs = _twin(cpu_ops, True, 0)
+    handles, _hosts, _devs = _twin(cpu_backend(), True, 0)
     group = handles[0].runtime.group
     assert group.cpu_decode_fast_path
     group.ops = reference
     assert not group.cpu_decode_fast_path
-    group.ops = cpu_ops
+    group.ops = cpu_backend()
     SwapTimer(torch.device("cpu")).wrap(group)
-    assert group.ops is not cpu_ops and not group.cpu_decode_fast_path
+    assert group.ops is not cpu_backend() and not group.cpu_decode_fast_path

@@ -1,5 +1,6 @@
-"""The numba-compiled CPU batch-1 decode pieces (`cpu_jit`) against the torch code they stand
-in for: bit for bit where they claim it (fp8 encoding, rotation, written rows, index keys),
+"""The numba-compiled CPU batch-1 decode pieces (`hisparse.runtime.ops.cpu`) against the torch
+code they stand in for: bit for bit where they claim it (fp8 encoding, rotation, written rows,
+index keys),
 the same choice where only the rounding of sums differs (selection), close where the
 attention sums in another order. Fresh random inputs, outputs poisoned first; strided pools as
 the engine's (a layer's pages between other layers' pages)."""
@@ -10,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from hisparse.attention.gqa_indexer_cpu import scored_topk_cpu
 from hisparse.attention.gqa_indexer_reference import (
     FP8_DTYPE,
     GqaIndexerConfig,
     GqaIndexerFormat,
-    _scored_topk_cpu,
     gqa_indexer_topk,
     read_index_keys,
     selection_masks,
@@ -27,13 +28,18 @@ from hisparse.attention.sparse_gqa_reference import (
     sparse_gqa_rows_cpu,
 )
 from hisparse.kv.row_formats import write_rows_fast
-from hisparse.models.llama import full_width_rope, rope_full_width
-from hisparse.runtime.ops import cpu_jit
+from hisparse.models.layers import full_width_rope, rope_full_width
+from hisparse.runtime.ops import cpu_backend
+from hisparse.runtime.ops.cpu import F32, layer_kernels, selection_kernels
 
-fns = cpu_jit.jit()
+fns = cpu_backend().jit()
 pytestmark = pytest.mark.skipif(fns is None, reason="no numba (or HISPARSE_CPU_JIT=0)")
 
 G, H, D = 3, 9, 64
+
+
+def _set_jit(enabled: bool) -> None:
+    cpu_backend().jit_enabled = enabled
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -61,7 +67,7 @@ def test_fp8_encode_is_torch_conversion() -> None:
     x = np.concatenate(values).astype(np.float32)
     codes = np.full(x.shape, 0xAB, np.uint8)
     scratch = np.empty(x.shape, np.float32)
-    fns_encode = cpu_jit._fp8_encode  # compiled by jit() (a helper of decode_pre)
+    fns_encode = layer_kernels._fp8_encode  # compiled by jit() (a helper of decode_pre)
     fns_encode(x, codes, scratch, scratch.view(np.uint32))
     want = torch.from_numpy(x.copy()).clamp(-448, 448).to(FP8_DTYPE).view(torch.uint8).numpy()
     assert np.array_equal(codes, want), np.flatnonzero(codes != want)[:10]
@@ -98,9 +104,9 @@ def test_decode_pre_writes_what_torch_writes(seed: int) -> None:
     view_before, pages_before = view.clone(), pages.clone()
     ok = fns.decode_pre(
         qkv.numpy()[0], cos.numpy()[0], sin.numpy()[0], H, q_out,
-        *cpu_jit.paged_rows(view, cpu_jit.F32), slot,
-        *cpu_jit.paged_pages(pages, ifmt.row_bytes), islot, np.empty(G * D, np.uint8),
-        scratch, scratch.view(np.uint32), *cpu_jit.paged_pages(pages, ifmt.row_bytes),
+        *cpu_backend().views.paged_rows(view, F32), slot,
+        *cpu_backend().views.paged_pages(pages, ifmt.row_bytes), islot, np.empty(G * D, np.uint8),
+        scratch, scratch.view(np.uint32), *cpu_backend().views.paged_pages(pages, ifmt.row_bytes),
         np.zeros(nb, np.int32), _lut(), pos + 1, pos, 4, 16, 32, D**-0.5, False, chosen,
     )  # fmt: skip
     assert ok
@@ -139,14 +145,14 @@ def test_fp8_selection_equals_torch_selection(seed: int) -> None:
     cfg, fmt, pages, table, q = _index_case(seed, length)
     p1 = torch.tensor([length - 1])
     masks = selection_masks(p1, length, H, cfg, check=True)
-    cpu_jit.set_enabled(False)
+    _set_jit(False)
     try:
         want = gqa_indexer_topk(q, p1, pages, table, length, fmt, cfg, D**-0.5, 48, None, masks)
     finally:
-        cpu_jit.set_enabled(True)
+        _set_jit(True)
     out = np.full(48, -7, np.int32)
     ok = fns.fp8_topk_row(
-        q.view(G, H // G, D).numpy(), *cpu_jit.paged_pages(pages, fmt.row_bytes),
+        q.view(G, H // G, D).numpy(), *cpu_backend().views.paged_pages(pages, fmt.row_bytes),
         table.numpy(), _lut(), length, length - 1, 4, 16, 48, D**-0.5, out,
     )  # fmt: skip
     assert ok and out.tolist() == want[0].tolist()
@@ -156,7 +162,7 @@ def test_fp8_selection_equals_torch_selection(seed: int) -> None:
     # A query with fewer than top_k keys up to it: declined, nothing written.
     out[:] = -7
     assert not fns.fp8_topk_row(
-        q.view(G, H // G, D).numpy(), *cpu_jit.paged_pages(pages, fmt.row_bytes),
+        q.view(G, H // G, D).numpy(), *cpu_backend().views.paged_pages(pages, fmt.row_bytes),
         table.numpy(), _lut(), length, 40, 4, 16, 48, D**-0.5, out,
     )  # fmt: skip
     assert (out == -7).all()
@@ -179,22 +185,22 @@ def test_attend_rows_matches_the_reference(masked: bool) -> None:
         rows[::5] = -1
     q = torch.randn(1, H, D, generator=g)
     out = np.full((H, D), np.nan, np.float32)
-    fns.attend_rows(q[0].numpy(), *cpu_jit.paged_rows(view, cpu_jit.F32), rows.numpy(), D**-0.5,
+    fns.attend_rows(q[0].numpy(), *cpu_backend().views.paged_rows(view, F32), rows.numpy(), D**-0.5,
                     out)  # fmt: skip
     want, _ = sparse_gqa_reference(q, view, rows[None], D**-0.5, fmt)
     torch.testing.assert_close(torch.from_numpy(out), want[0], rtol=1e-5, atol=1e-6)
     none = np.full((H, D), np.nan, np.float32)
-    fns.attend_rows(q[0].numpy(), *cpu_jit.paged_rows(view, cpu_jit.F32),
+    fns.attend_rows(q[0].numpy(), *cpu_backend().views.paged_rows(view, F32),
                     np.full(4, -1, np.int32), D**-0.5, none)  # fmt: skip
     assert (none == 0).all()
 
 
 def test_paged_layouts_refuse_what_they_cannot_view() -> None:
     rows = torch.zeros(4, 16, 1536, dtype=torch.uint8)
-    assert cpu_jit.paged_rows(rows[:, :, 1:1025], cpu_jit.F32) is None  # not whole fp32 items
-    flat, layout = cpu_jit.paged_rows(rows, cpu_jit.F32)
+    assert cpu_backend().views.paged_rows(rows[:, :, 1:1025], F32) is None  # not whole fp32 items
+    flat, layout = cpu_backend().views.paged_rows(rows, F32)
     assert layout.tolist() == [0, 16 * 384, 384, 16, 384] and flat.dtype == np.float32
-    assert cpu_jit.paged_pages(torch.zeros(4, 100, dtype=torch.uint8), 192) is None
+    assert cpu_backend().views.paged_pages(torch.zeros(4, 100, dtype=torch.uint8), 192) is None
 
 
 def test_exp_shifted_is_within_an_ulp_and_zero_far_below() -> None:
@@ -204,7 +210,7 @@ def test_exp_shifted_is_within_an_ulp_and_zero_far_below() -> None:
     top = np.float32(2.5)
     y = x + top
     shifted = (y - top).astype(np.float64)  # the argument the kernel sees, exactly
-    cpu_jit._exp_shifted(y, top, np.empty_like(y))  # compiled by jit() (a helper)
+    selection_kernels._exp_shifted(y, top, np.empty_like(y))  # compiled by jit() (a helper)
     want = np.exp(shifted)
     x = shifted
     live = x > -87
@@ -261,11 +267,11 @@ def test_prefill_selection_equals_torch_selection(method: str, seed: int) -> Non
     length = [150, 201, 333][seed]
     cfg, fmt, pages, table, q, dims = _prefill_index_case(seed, length, method)
     pos = torch.arange(length)
-    cpu_jit.set_enabled(False)
+    _set_jit(False)
     try:
         want = gqa_indexer_topk(q, pos, pages, table, length, fmt, cfg, D**-0.5, 48, dims)
     finally:
-        cpu_jit.set_enabled(True)
+        _set_jit(True)
     got = gqa_indexer_topk(q, pos, pages, table, length, fmt, cfg, D**-0.5, 48, dims)
     assert torch.equal(got, want)
 
@@ -281,7 +287,7 @@ def test_prefill_selection_does_not_depend_on_the_chunking() -> None:
     keys = read_index_keys(pages, fmt, table, length)
 
     def select(idx: torch.Tensor) -> torch.Tensor:
-        out = _scored_topk_cpu(q[idx], pos[idx], keys, fmt, cfg, D**-0.5, 48, None)
+        out = scored_topk_cpu(q[idx], pos[idx], keys, fmt, cfg, D**-0.5, 48, None)
         assert out is not None
         return out
 
@@ -292,7 +298,7 @@ def test_prefill_selection_does_not_depend_on_the_chunking() -> None:
     perm = torch.randperm(length - first, generator=_gen(8))
     assert torch.equal(select(perm + first), whole[perm])
     # A query before position top_k is not scored: declined.
-    assert _scored_topk_cpu(q[:3], pos[:3], keys, fmt, cfg, D**-0.5, 48, None) is None
+    assert scored_topk_cpu(q[:3], pos[:3], keys, fmt, cfg, D**-0.5, 48, None) is None
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -324,7 +330,7 @@ def test_prefill_attention_matches_the_reference(masked: bool) -> None:
 
 
 def test_resident_rows_is_the_block_table_lookup() -> None:
-    """`cpu_jit.resident_rows`: each live entry through its request's resident block table,
+    """`resident_rows` kernel: each live entry through its request's resident block table,
     ``-1`` for padding entries and padding tokens; declined for a page that is not resident
     or lies past the table."""
     g = _gen(17)
@@ -393,7 +399,8 @@ def test_write_rows_many_writes_what_torch_writes() -> None:
     want_view, want_pages = view.clone(), pages.clone()
     write_rows_fast(want_view, slots, fmt_rows.pack(k, v))
     write_index_keys(want_pages, ifmt, islots, k)
-    rows, keys = cpu_jit.paged_rows(view, cpu_jit.F32), cpu_jit.paged_pages(pages, ifmt.row_bytes)
+    views = cpu_backend().views
+    rows, keys = views.paged_rows(view, F32), views.paged_pages(pages, ifmt.row_bytes)
     assert fns.write_rows_many(k.numpy(), v.numpy(), *rows, nb, slots.numpy(), *keys, nb,
                                islots.numpy())  # fmt: skip
     assert torch.equal(view, want_view) and torch.equal(pages, want_pages)

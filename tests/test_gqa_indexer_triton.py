@@ -25,9 +25,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from hisparse.attention import dispatch, triton_split
 from hisparse.attention import gqa_indexer_reference as gr
 from hisparse.attention import gqa_indexer_triton as git
-from hisparse.attention import triton_split
 from hisparse.attention.sparse_mla_triton import interpreting
 from hisparse.testing import gqa_indexer_cases as gcases
 
@@ -55,7 +55,7 @@ def _run(case: gcases.DecodeCase, width: int, scratch: list, cfg=CFG, **kw) -> t
     got = git.gqa_indexer_topk_decode_triton(*case.args(), cfg, SCALE, width, out=out, **kw)
     assert got.data_ptr() == out.data_ptr()
     assert not bool((got == -7).any()), "an output element was not written"
-    want = gr.gqa_indexer_topk_decode(*case.args(), cfg, SCALE, width)  # CPU: torch path
+    want = dispatch.gqa_indexer_topk_decode(*case.args(), cfg, SCALE, width)  # CPU: torch path
     ref = gcases.reference_scores(case, cfg, SCALE)
     assert gcases.selection_errors(got, want, case, cfg, ref, RTOL, ATOL) == []
     # The kernel's candidate masses themselves (its scratch row) match the reference's.
@@ -136,10 +136,10 @@ def test_dispatch_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(git, "gqa_indexer_topk_decode_triton", counted)
     monkeypatch.setenv("HISPARSE_GQA_INDEXER", "triton")
-    via = gr.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)
+    via = dispatch.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)
     assert calls == [1]
     monkeypatch.setenv("HISPARSE_GQA_INDEXER", "reference")
-    torch_path = gr.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)
+    torch_path = dispatch.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)
     assert calls == [1]
     ref = gcases.reference_scores(case, CFG, SCALE)
     assert gcases.selection_errors(via, torch_path, case, CFG, ref, RTOL, ATOL) == []
@@ -177,7 +177,7 @@ def test_scratch_past_the_bound_runs_in_request_blocks(
     assert scratch[-1][0].shape[0] == 2, "one scratch allocation of one block"
     assert not bool((got == -7).any()), "an output element was not written"
     assert torch.equal(got, whole)
-    want = gr.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)  # CPU: torch path
+    want = dispatch.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)  # CPU: torch path
     ref = gcases.reference_scores(case, CFG, SCALE)
     assert gcases.selection_errors(got, want, case, CFG, ref, RTOL, ATOL) == []
 

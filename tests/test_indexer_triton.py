@@ -25,9 +25,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from hisparse.attention import dispatch, triton_split
 from hisparse.attention import indexer_reference as ir
 from hisparse.attention import indexer_triton as it
-from hisparse.attention import triton_split
 from hisparse.attention.sparse_mla_triton import interpreting
 from hisparse.testing import indexer_cases as ic
 
@@ -277,10 +277,10 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     case = _case("exact", [30, 12], [1, 1], seed=70, extra_blocks=2)
     args = (*case.args(), case.seq_lens, 8, case.softmax_scale)
     monkeypatch.delenv("HISPARSE_INDEXER", raising=False)
-    want = ir.indexer_topk_paged(*args)
+    want = dispatch.indexer_topk_paged(*args)
     assert calls == []
     monkeypatch.setenv("HISPARSE_INDEXER", "triton")
-    got = ir.indexer_topk_paged(*args)
+    got = dispatch.indexer_topk_paged(*args)
     assert calls == [30], "the dispatch trims the scores to the longest request"
     ref = ic.reference_scores(case, 30)
     tol = ic.score_tolerance(ref, RTOL, ATOL)
@@ -290,11 +290,11 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     big = _case("fp8", [9], [1], seed=71, head_dim=256)
     big.fmt = wide
     big.q_scale = torch.ones(1, 16, 2)
-    ir.indexer_topk_paged(*big.args(), big.seq_lens, 4, big.softmax_scale)
+    dispatch.indexer_topk_paged(*big.args(), big.seq_lens, 4, big.softmax_scale)
     assert calls == [30]
     monkeypatch.setenv("HISPARSE_INDEXER", "bogus")
     with pytest.raises(ValueError, match="HISPARSE_INDEXER"):
-        ir.indexer_topk_paged(*args)
+        dispatch.indexer_topk_paged(*args)
 
 
 @pytest.mark.parametrize("indexer_mode", ["exact", "fp8"])

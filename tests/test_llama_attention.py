@@ -299,7 +299,8 @@ def test_batched_prefill_topk_equals_per_request(method):
 def test_sdpa_decode_cpu_matches_reference(strided: bool) -> None:
     """The fused CPU decode attention gives the reference's output (dense cache and a pool
     whose blocks are strided); a masked entry makes it decline (the reference then runs)."""
-    from hisparse.attention.sparse_gqa_reference import _sdpa_decode_cpu, sparse_gqa_decode
+    from hisparse.attention.dispatch import sparse_gqa_decode
+    from hisparse.attention.sparse_gqa_reference import _sdpa_decode_cpu
 
     g = _gen(21)
     fmt = GqaRowFormat(G, D, "fp32")
@@ -319,8 +320,8 @@ def test_sdpa_decode_cpu_matches_reference(strided: bool) -> None:
 
 
 def test_rope_full_width_is_bitwise_rope_half_split() -> None:
-    from hisparse.models.deepseek_v32 import rope_half_split
-    from hisparse.models.llama import LlamaConfig, Rotary, full_width_rope, rope_full_width
+    from hisparse.models.layers import full_width_rope, rope_full_width, rope_half_split
+    from hisparse.models.llama import LlamaConfig, Rotary
 
     cfg = LlamaConfig(64, 32, 64, 1, H, G, D)
     cos, sin = Rotary(cfg)(torch.tensor([0, 5, 700, 4095]), torch.float32)

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig
-from hisparse.models import llama
 from hisparse.models.llama import LlamaConfig, LlamaForCausalLM
-from hisparse.runtime.ops import cpu_jit
+from hisparse.runtime.ops import cpu_backend
 
 CONFIG = LlamaConfig(
     vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -32,9 +31,10 @@ def _model(top_k: int | None) -> LlamaForCausalLM:
 
 def _decode(model: LlamaForCausalLM, fast: bool, jit: bool) -> tuple[torch.Tensor, list[int]]:
     """Logits of a prompt's last token and of ``STEPS`` greedy decode steps."""
-    saved_fast = llama._CPU_FAST[0]
-    llama._CPU_FAST[0] = fast
-    cpu_jit.set_enabled(jit)
+    backend = cpu_backend()
+    saved_fast = backend.fast_decode
+    backend.fast_decode = fast
+    backend.jit_enabled = jit
     try:
         cache = model.new_dense_cache(max_reqs=1, max_len=PROMPT + STEPS + 1, block_size=8)
         feed = torch.randint(
@@ -50,8 +50,8 @@ def _decode(model: LlamaForCausalLM, fast: bool, jit: bool) -> tuple[torch.Tenso
                 feed = torch.tensor(tokens[-1:])
         return torch.stack(logits), tokens
     finally:
-        llama._CPU_FAST[0] = saved_fast
-        cpu_jit.set_enabled(True)
+        backend.fast_decode = saved_fast
+        backend.jit_enabled = True
 
 
 @pytest.mark.parametrize("top_k", [None, 24], ids=["dense", "sparse"])
@@ -60,7 +60,7 @@ def test_fast_decode_equals_the_general_loop(top_k: int | None) -> None:
     want, want_tokens = _decode(model, fast=False, jit=False)
     got, tokens = _decode(model, fast=True, jit=False)
     assert torch.equal(got, want)
-    if cpu_jit.jit() is None:
+    if cpu_backend().jit() is None:
         pytest.skip("numba is not installed (or HISPARSE_CPU_JIT=0)")
     got, tokens = _decode(model, fast=True, jit=True)
     assert tokens == want_tokens

@@ -1,4 +1,4 @@
-"""The CPU backend (`cpu_ops`) equals the reference exactly: outputs, state and errors.
+"""The CPU backend (`CpuBackend`) equals the reference exactly: outputs, state and errors.
 
 Same method as the Triton tests (tests/test_ops_triton.py): fresh random inputs from the shared
 generators of `hisparse.testing.ops_cases`, outputs poisoned first, every output and state
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from hisparse.runtime import ops as ops_pkg
-from hisparse.runtime.ops import cpu_jit
-from hisparse.runtime.ops import cpu_ops as cpu
+from hisparse.runtime.ops import cpu_backend
 from hisparse.runtime.ops import reference as ref
+from hisparse.runtime.ops.cpu import ops as numpy_ops
 from hisparse.testing.ops_cases import (
     POISON,
     ResolveCase,
@@ -23,6 +23,8 @@ from hisparse.testing.ops_cases import (
     next_step_topk,
     random_paged_view,
 )
+
+cpu = cpu_backend()
 
 
 def _run_both(case: ResolveCase, steps: int = 1, seed: int = 0, **kw: object) -> None:
@@ -49,14 +51,13 @@ def _pick(g: torch.Generator, xs: list) -> object:
     ids=["one-request-jit", "one-request-numpy", "batched-path"],
 )
 def one_request_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Run a test with `cpu_ops`' form for batches with one live request (compiled, where
+    """Run a test with the CPU backend's form for batches with one live request (compiled, where
     numba is installed, and numpy) and without it (the batched form)."""
-    if request.param == "jit" and cpu_jit.jit() is None:
+    if request.param == "jit" and cpu_backend().jit() is None:
         pytest.skip("numba is not installed (or HISPARSE_CPU_JIT=0)")
-    monkeypatch.setattr(cpu, "_ONE_REQUEST_PATH", request.param != "batched")
-    cpu_jit.set_enabled(request.param == "jit")
-    yield request.param != "batched"
-    cpu_jit.set_enabled(True)
+    monkeypatch.setattr(cpu, "one_request_path", request.param != "batched")
+    monkeypatch.setattr(cpu, "jit_enabled", request.param == "jit")
+    return request.param != "batched"
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -247,9 +248,9 @@ def test_resolve_two_requests_on_one_slot_follow_the_reference() -> None:
 @pytest.fixture(params=[True, False], ids=["reshape-view", "as-strided-view"])
 def reshape_has_copy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Merge block and row dimensions with ``reshape(copy=False)`` and with `as_strided`."""
-    if request.param and not cpu._RESHAPE_HAS_COPY:
+    if request.param and not numpy_ops._RESHAPE_HAS_COPY:
         pytest.skip("numpy < 2.1 has no reshape(copy=False)")
-    monkeypatch.setattr(cpu, "_RESHAPE_HAS_COPY", request.param)
+    monkeypatch.setattr(numpy_ops, "_RESHAPE_HAS_COPY", request.param)
     return request.param
 
 
@@ -389,7 +390,7 @@ def test_gather_plan_within_one_view(seed: int) -> None:
 def test_invalidate_matches_reference(
     seed: int, broadcast_max: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cpu, "_INVALIDATE_BROADCAST_MAX", broadcast_max)
+    monkeypatch.setattr(numpy_ops, "_INVALIDATE_BROADCAST_MAX", broadcast_max)
     hot, state, row_req, written = make_invalidate_case(80 + seed)
     a, b = hot.clone(), hot.clone()
     ref.invalidate_written_slots(a, state, row_req, written)
@@ -438,7 +439,7 @@ def test_invalidate_one_written_row(seed: int) -> None:
 def test_invalidate_two_requests_on_one_slot_and_bad_request(
     broadcast_max: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cpu, "_INVALIDATE_BROADCAST_MAX", broadcast_max)
+    monkeypatch.setattr(numpy_ops, "_INVALIDATE_BROADCAST_MAX", broadcast_max)
     hot, state, row_req, written = make_invalidate_case(99, S=3, Q=3)
     state[:] = torch.tensor([1, 1, 2], dtype=torch.int32)
     a, b = hot.clone(), hot.clone()

@@ -7,192 +7,41 @@ start), decode with 1..max_query_len rows each (speculative rows, some rejected 
 in the next step), spill and reload resident pages, rewrite host rows (recompute), and
 finish (host blocks freed and handed to later requests, LIFO, so reuse is quick).
 
-The model below knows nothing of the runtime's code: it implements the rules of docs/design.md §6
-from the text with lists and dicts, and keeps a byte-exact copy of every host and device
-tensor, so any write the runtime does that the contract does not call for shows up. After
-every step the outputs (physical rows, valid counts, swap lists, hit/miss counts), the hot
-state of every slot, the running totals and every byte of every layer's memory are compared,
-and the §5 invariants are checked. The machine runs twice: on the reference ops (the oracle)
-and on `cpu_ops` (what the runtime uses for CPU tensors), each against the same model.
+The model (`hisparse.testing.cache_model`) knows nothing of the runtime's code. After every
+step the outputs (physical rows, valid counts, swap lists, hit/miss counts), the hot state of
+every slot, the running totals and every byte of every layer's memory are compared, and the
+§5 invariants are checked. The machine runs twice, on the reference ops (the oracle) and on
+the CPU backend (what the runtime uses for CPU tensors), each against the same model.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
-import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    rule,
-)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from hisparse.config import HiSparseConfig, cdiv
 from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.cache_handle import CacheHandle
-from hisparse.runtime.ops import cpu_ops, ops_for, reference
+from hisparse.runtime.ops import cpu_backend, ops_for, reference
 from hisparse.runtime.sparse_layer import SparseLayerRuntime
-from hisparse.runtime.staging import PrefillStagingPlan
+from hisparse.testing.cache_model import (
+    HotModel,
+    Memory,
+    Req,
+    Resolved,
+    int32s,
+    row_bytes,
+    set_row,
+    view_bytes,
+)
 
 # ------------------------------------------------------------------------------------------
-# The model: docs/design.md §6 in plain Python (no torch).
+# Helpers (the model: `hisparse.testing.cache_model`)
 # ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Resolved:
-    """What one resolve produces, per the contract."""
-
-    physical: list[list[int]]
-    valid: list[int]
-    swaps: dict[int, list[tuple[int, int]]]  # request -> [(host row, hot physical row)]
-    hit_miss: dict[int, tuple[int, int]]
-
-
-class HotModel:
-    """One index group's hot state: ``hot[s][h]`` host row or -1, ``lru[s]`` oldest first."""
-
-    def __init__(self, num_slots: int, hot_size: int, bs: int, hot_bt: list[list[int]]) -> None:
-        self.H = hot_size
-        self.bs = bs
-        self.hot_bt = hot_bt
-        self.hot = [[-1] * hot_size for _ in range(num_slots)]
-        self.lru = [list(range(hot_size)) for _ in range(num_slots)]
-        #: Write generation of the host row when it was copied into the slot.
-        self.copied_gen = [[-1] * hot_size for _ in range(num_slots)]
-        self.totals = [0, 0, 0]
-
-    def hot_row(self, s: int, h: int) -> int:
-        return self.hot_bt[s][h // self.bs] * self.bs + h % self.bs
-
-    def reset(self, s: int) -> None:
-        self.hot[s] = [-1] * self.H
-        self.lru[s] = list(range(self.H))
-        self.copied_gen[s] = [-1] * self.H
-
-    def invalidate(self, s: int, rows: set[int]) -> None:
-        for h, g in enumerate(self.hot[s]):
-            if g in rows:
-                self.hot[s][h] = -1
-                self.copied_gen[s][h] = -1
-
-    def resolve(
-        self,
-        topk: list[list[int]],
-        row_req: list[int],
-        state: list[int],
-        src_bt: list[list[int]],
-        res_bt: list[list[int]] | None,
-        gen: dict[int, int],
-    ) -> Resolved:
-        """Rules 1-6 of resolve_residency, request by request."""
-        bs = self.bs
-        physical = [[-1] * len(r) for r in topk]
-        valid = [0] * len(topk)
-        swaps: dict[int, list[tuple[int, int]]] = {}
-        hit_miss: dict[int, tuple[int, int]] = {}
-        for q, s in enumerate(state):
-            if s < 0:
-                continue
-            my_rows = [i for i, rq in enumerate(row_req) if rq == q]
-            wanted: list[int] = []
-            seen: set[int] = set()
-            entries: list[tuple[int, int, int]] = []  # (row, col, host row) needing hot
-            for i in my_rows:
-                for j, p in enumerate(topk[i]):
-                    if p < 0:
-                        continue
-                    valid[i] += 1
-                    page, off = divmod(p, bs)
-                    g = src_bt[q][page] * bs + off
-                    if res_bt is not None and res_bt[q][page] != 0:
-                        physical[i][j] = res_bt[q][page] * bs + off
-                        continue
-                    entries.append((i, j, g))
-                    if g not in seen:
-                        seen.add(g)
-                        wanted.append(g)
-            assert len(wanted) <= self.H, "test generated more wanted rows than H"
-            if not wanted:
-                continue
-            held = {g: h for h, g in enumerate(self.hot[s]) if g >= 0}
-            hit_slots = {held[g] for g in wanted if g in held}
-            evictable = [h for h in self.lru[s] if h not in hit_slots]
-            slot_of: dict[int, int] = {}
-            filled: list[int] = []
-            for g in wanted:
-                if g in held:
-                    slot_of[g] = held[g]
-                else:
-                    h = evictable[len(filled)]
-                    filled.append(h)
-                    slot_of[g] = h
-                    self.hot[s][h] = g
-                    self.copied_gen[s][h] = gen[g]
-            self.lru[s] = (
-                evictable[len(filled) :] + filled + [h for h in self.lru[s] if h in hit_slots]
-            )
-            for i, j, g in entries:
-                physical[i][j] = self.hot_row(s, slot_of[g])
-            misses = [g for g in wanted if g not in held]
-            swaps[q] = sorted((g, self.hot_row(s, slot_of[g])) for g in misses)
-            hit_miss[q] = (len(wanted) - len(misses), len(misses))
-        return Resolved(physical, valid, swaps, hit_miss)
-
-
-class Memory:
-    """Byte-exact copy of one layer's host view and device view."""
-
-    def __init__(self, host: bytes, dev: bytes, row_bytes: int) -> None:
-        self.host = bytearray(host)
-        self.dev = bytearray(dev)
-        self.W = row_bytes
-
-    def get(self, buf: bytearray, row: int) -> bytes:
-        return bytes(buf[row * self.W : (row + 1) * self.W])
-
-    def put(self, buf: bytearray, row: int, data: bytes) -> None:
-        assert len(data) == self.W
-        buf[row * self.W : (row + 1) * self.W] = data
-
-
-@dataclass
-class Req:
-    """A live request of the scenario."""
-
-    slot: int
-    blocks: list[int]  # host block per page
-    resident: list[int]  # GPU block per page, 0 = host only
-    seq_len: int  # accepted tokens
-    recent: list[int] = field(default_factory=list)  # last selections, for reuse (hits)
-
-
-# ------------------------------------------------------------------------------------------
-# Helpers
-# ------------------------------------------------------------------------------------------
-
-
-def _i32(values: list[int] | list[list[int]]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32)
-
-
-def _view_bytes(view: torch.Tensor) -> bytes:
-    return view.contiguous().numpy().tobytes()
-
-
-def _row(view: torch.Tensor, row: int) -> bytes:
-    bs = view.shape[1]
-    return view[row // bs, row % bs].numpy().tobytes()
-
-
-def _set_row(view: torch.Tensor, row: int, data: bytes) -> None:
-    bs = view.shape[1]
-    view[row // bs, row % bs] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 @st.composite
@@ -287,12 +136,12 @@ class RuntimeMachine(RuleBasedStateMachine):
             self.handles.append(CacheHandle(rt))
             self.host_views.append(host)
             self.dev_views.append(dev)
-            self.mem.append(Memory(_view_bytes(host), _view_bytes(dev), W))
+            self.mem.append(Memory(view_bytes(host), view_bytes(dev), W))
         CacheHandle.link_index_group(self.handles)
         self.group = self.layers[0].group
         assert self.group.ops is ops_for("cpu")
         self.group.ops = self.OPS
-        self.group.bind_hot_block_table(_i32(hot_bt))
+        self.group.bind_hot_block_table(int32s(hot_bt))
         self.model = HotModel(self.S, self.H, self.bs, hot_bt)
         self.gen: dict[int, int] = {}  # host row -> write generation
         self.reqs: dict[int, Req] = {}  # slot -> live request
@@ -315,7 +164,7 @@ class RuntimeMachine(RuleBasedStateMachine):
             for off in range(self.bs):
                 data = m.get(m.host, req.blocks[page] * self.bs + off)
                 m.put(m.dev, blk * self.bs + off, data)
-                _set_row(self.dev_views[li], blk * self.bs + off, data)
+                set_row(self.dev_views[li], blk * self.bs + off, data)
 
     def _ensure_pages(self, req: Req, end: int) -> None:
         """Allocate host blocks (not resident) up to position ``end`` (exclusive)."""
@@ -342,11 +191,11 @@ class RuntimeMachine(RuleBasedStateMachine):
             for li, data in enumerate(self._new_content(rng)):
                 m = self.mem[li]
                 m.put(m.host, g, data)
-                _set_row(self.host_views[li], g, data)
+                set_row(self.host_views[li], g, data)
                 if res:
                     r = res * self.bs + p % self.bs
                     m.put(m.dev, r, data)
-                    _set_row(self.dev_views[li], r, data)
+                    set_row(self.dev_views[li], r, data)
         return rows
 
     def _invalidate_meta(
@@ -379,10 +228,10 @@ class RuntimeMachine(RuleBasedStateMachine):
         meta = StepMetadata(
             num_tokens=n + len(tail),
             is_decode=False,
-            req_per_token=_i32(req_per_token + [0] * len(tail)),
-            request_state_indices=_i32(state),
+            req_per_token=int32s(req_per_token + [0] * len(tail)),
+            request_state_indices=int32s(state),
             source_block_table=torch.zeros((len(state), self.NB), dtype=torch.int32),
-            host_slot_mapping=_i32(mapping + tail),
+            host_slot_mapping=int32s(mapping + tail),
         )
         return meta, n
 
@@ -449,7 +298,7 @@ class RuntimeMachine(RuleBasedStateMachine):
                 if p < 0:
                     continue
                 g = src_bt[q][p // self.bs] * self.bs + p % self.bs
-                assert _row(dev, physical[i][j]) == _row(host, g), (li, i, j, p)
+                assert row_bytes(dev, physical[i][j]) == row_bytes(host, g), (li, i, j, p)
 
     # --- rules -----------------------------------------------------------------------------
     @rule(seed=st.integers(0, 2**32 - 1), how=st.sampled_from(["direct", "mirror"]))
@@ -510,13 +359,13 @@ class RuntimeMachine(RuleBasedStateMachine):
         meta = StepMetadata(
             num_tokens=len(positions),
             is_decode=False,
-            req_per_token=_i32([0] * len(positions)),
-            request_state_indices=_i32([req.slot]),
-            source_block_table=_i32([self._padded(req.blocks)]),
-            host_slot_mapping=_i32(rows),
+            req_per_token=int32s([0] * len(positions)),
+            request_state_indices=int32s([req.slot]),
+            source_block_table=int32s([self._padded(req.blocks)]),
+            host_slot_mapping=int32s(rows),
         )
         tables = GroupTables(
-            resident_block_table=_i32([self._padded(req.resident)]), slot_mapping=_i32(dev_rows)
+            resident_block_table=int32s([self._padded(req.resident)]), slot_mapping=int32s(dev_rows)
         )
         self.handles[0].prepare_group_for_batch(meta, tables)
         for g in rows:
@@ -528,7 +377,7 @@ class RuntimeMachine(RuleBasedStateMachine):
             m = self.mem[li]
             for g, r in zip(rows, dev_rows, strict=True):
                 data = rng.randbytes(self.W)
-                _set_row(view, r, data)
+                set_row(view, r, data)
                 m.put(m.dev, r, data)
                 m.put(m.host, g, data)
             h.finish_kv_update()
@@ -547,17 +396,17 @@ class RuntimeMachine(RuleBasedStateMachine):
         meta = StepMetadata(
             num_tokens=rows,
             is_decode=False,
-            req_per_token=_i32([0] * rows),
-            request_state_indices=_i32([req.slot]),
-            source_block_table=_i32(src_bt),
+            req_per_token=int32s([0] * rows),
+            request_state_indices=int32s([req.slot]),
+            source_block_table=int32s(src_bt),
             host_slot_mapping=None,
         )
         tables = GroupTables(
-            resident_block_table=_i32(res_bt),
+            resident_block_table=int32s(res_bt),
             slot_mapping=torch.full((rows,), -1, dtype=torch.int32),
         )
         self.handles[0].prepare_group_for_batch(meta, tables)
-        self.handles[0].warm_start(_i32(topk))
+        self.handles[0].warm_start(int32s(topk))
         want = self.model.resolve(topk, [0] * rows, [req.slot], src_bt, None, self.gen)
         bs = self.bs
         for i, row in enumerate(topk):
@@ -721,14 +570,14 @@ class RuntimeMachine(RuleBasedStateMachine):
         meta = StepMetadata(
             num_tokens=T,
             is_decode=decode,
-            req_per_token=_i32(row_req) if T else torch.zeros(0, dtype=torch.int32),
-            request_state_indices=_i32(state) if Q else torch.zeros(0, dtype=torch.int32),
+            req_per_token=int32s(row_req) if T else torch.zeros(0, dtype=torch.int32),
+            request_state_indices=int32s(state) if Q else torch.zeros(0, dtype=torch.int32),
             source_block_table=torch.tensor(src_bt, dtype=torch.int32).reshape(Q, self.NB),
-            host_slot_mapping=_i32(host_map) if T else torch.zeros(0, dtype=torch.int32),
+            host_slot_mapping=int32s(host_map) if T else torch.zeros(0, dtype=torch.int32),
         )
         tables = GroupTables(
             resident_block_table=torch.tensor(res_bt, dtype=torch.int32).reshape(Q, self.NB),
-            slot_mapping=_i32(slot_map) if T else torch.zeros(0, dtype=torch.int32),
+            slot_mapping=int32s(slot_map) if T else torch.zeros(0, dtype=torch.int32),
         )
         # Model: the step's writes (new generation; the writer's hot copies are dropped).
         written: dict[int, set[int]] = {}
@@ -762,7 +611,7 @@ class RuntimeMachine(RuleBasedStateMachine):
             view, slots = self.handles[li].write_target()
             for i, r in enumerate(slots.tolist()):
                 if r >= 0:
-                    _set_row(view, r, contents[li][i])
+                    set_row(view, r, contents[li][i])
             self.handles[li].finish_kv_update()
 
         def attend(li: int) -> None:
@@ -820,7 +669,7 @@ class RuntimeMachine(RuleBasedStateMachine):
                 ("host", self.host_views[li], mem.host),
                 ("device", self.dev_views[li], mem.dev),
             ):
-                got = _view_bytes(view)
+                got = view_bytes(view)
                 if got != want:
                     W = self.W
                     row = next(
@@ -835,7 +684,7 @@ class RuntimeMachine(RuleBasedStateMachine):
 
 
 class CpuOpsRuntimeMachine(RuntimeMachine):
-    OPS = cpu_ops
+    OPS = cpu_backend()
 
 
 _MACHINE_SETTINGS = settings(
@@ -848,145 +697,3 @@ RuntimeMachine.TestCase.settings = _MACHINE_SETTINGS
 CpuOpsRuntimeMachine.TestCase.settings = _MACHINE_SETTINGS
 TestRuntimeAgainstModel = RuntimeMachine.TestCase
 TestRuntimeWithCpuOpsAgainstModel = CpuOpsRuntimeMachine.TestCase
-
-
-# ------------------------------------------------------------------------------------------
-# Prefill staging
-# ------------------------------------------------------------------------------------------
-
-
-@settings(max_examples=150, deadline=None)
-@given(
-    bs=st.sampled_from([1, 2, 4]),
-    layers=st.integers(1, 3),
-    num_reqs=st.integers(1, 4),
-    pages=st.integers(1, 5),
-    seed=st.integers(0, 2**32 - 1),
-)
-def test_prefill_staging_rows(bs: int, layers: int, num_reqs: int, pages: int, seed: int) -> None:
-    """Every staged row is the resident copy where the page is resident, else the host row."""
-    rng = random.Random(seed)
-    W = 16
-    num_host = rng.randint(2, 10)
-    num_dev = 1 + num_host
-    cfg = HiSparseConfig(
-        top_k=1, block_size=bs, device_buffer_size=2, host_pool_gib=0.001
-    ).resolve()
-    # Which host blocks are resident (dirty: the resident copy differs from the host row).
-    resident_of = {b: (b if rng.random() < 0.4 else 0) for b in range(1, num_host)}
-    src_bt, res_bt, ctx = [], [], []
-    for _ in range(num_reqs):
-        c = rng.randint(0, pages)
-        row = [rng.choice([*range(1, num_host), 0]) if rng.random() < 0.9 else 0 for _ in range(c)]
-        row += [rng.randint(0, num_host - 1) for _ in range(pages - c)]  # past context
-        src_bt.append(row)
-        res_bt.append(
-            [
-                resident_of.get(b, 0) if i < c else rng.randint(0, num_dev - 1)
-                for i, b in enumerate(row)
-            ]
-        )
-        ctx.append(c)
-    host_bytes = [rng.randbytes(num_host * bs * W) for _ in range(layers)]
-    dev_bytes = [rng.randbytes(num_dev * bs * W) for _ in range(layers)]
-    runtimes: list[SparseLayerRuntime] = []
-    for li in range(layers):
-        rt = SparseLayerRuntime(
-            f"l{li}",
-            cfg,
-            row_bytes=W,
-            max_num_reqs=num_reqs,
-            device="cpu",
-            index_group=runtimes[0].group if runtimes else None,
-        )
-        rt.bind_host(
-            torch.frombuffer(bytearray(host_bytes[li]), dtype=torch.uint8).reshape(num_host, bs, W)
-        )
-        rt.bind_device(
-            torch.frombuffer(bytearray(dev_bytes[li]), dtype=torch.uint8).reshape(num_dev, bs, W)
-        )
-        runtimes.append(rt)
-    handles = [CacheHandle(rt) for rt in runtimes]
-    CacheHandle.link_index_group(handles)
-    meta = StepMetadata(
-        num_tokens=0,
-        is_decode=False,
-        req_per_token=torch.zeros(0, dtype=torch.int32),
-        request_state_indices=_i32(list(range(num_reqs))),
-        source_block_table=_i32(src_bt),
-        host_slot_mapping=None,
-    )
-    tables = GroupTables(
-        resident_block_table=_i32(res_bt), slot_mapping=torch.zeros(0, dtype=torch.int32)
-    )
-    handles[0].prepare_group_for_batch(meta, tables)
-    plan = PrefillStagingPlan.build(_i32(src_bt), _i32(ctx), bs)
-
-    used = {src_bt[q][i] for q in range(num_reqs) for i in range(ctx[q]) if src_bt[q][i] > 0}
-    assert plan.num_blocks == len(used)
-    staging_of: dict[int, int] = {}
-    for q in range(num_reqs):
-        for i in range(pages):
-            b, got = src_bt[q][i], int(plan.block_table[q, i])
-            if i >= ctx[q] or b == 0:
-                assert got == -1, (q, i)
-                continue
-            assert 0 <= got < len(used)
-            assert staging_of.setdefault(b, got) == got  # one staging block per host block
-    assert len(set(staging_of.values())) == len(staging_of)
-
-    for li, h in enumerate(handles):
-        view, bt = h.prefill_cache(plan)
-        assert torch.equal(bt, plan.block_table)
-        assert tuple(view.shape) == (len(used), bs, W)
-        staged = view.contiguous().numpy().tobytes()
-        for b, sb in staging_of.items():
-            for off in range(bs):
-                r = resident_of[b]
-                src = dev_bytes[li] if r else host_bytes[li]
-                row = (r if r else b) * bs + off
-                got = staged[(sb * bs + off) * W : (sb * bs + off + 1) * W]
-                assert got == src[row * W : (row + 1) * W], (li, b, off)
-
-
-# ------------------------------------------------------------------------------------------
-# Capacity
-# ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("mql", [1, 2, 3])
-def test_too_many_rows_is_a_clear_error(mql: int) -> None:
-    """More rows than max_num_reqs * max_query_len: ValueError naming max_query_len."""
-    cfg = HiSparseConfig(
-        top_k=2, block_size=2, device_buffer_size=2 * mql, max_query_len=mql, host_pool_gib=0.001
-    ).resolve()
-    rt = SparseLayerRuntime("l0", cfg, row_bytes=16, max_num_reqs=2, device="cpu")
-    rt.bind_host(torch.zeros((4, 2, 16), dtype=torch.uint8))
-    rt.bind_device(torch.zeros((8, 2, 16), dtype=torch.uint8))
-    h = CacheHandle(rt)
-    rows = 2 * mql + 1
-    meta = StepMetadata(
-        num_tokens=rows,
-        is_decode=True,
-        req_per_token=torch.zeros(rows, dtype=torch.int32),
-        request_state_indices=_i32([0, 1]),
-        source_block_table=torch.ones((2, 2), dtype=torch.int32),
-        host_slot_mapping=torch.full((rows,), -1, dtype=torch.int32),
-    )
-    tables = GroupTables(
-        resident_block_table=torch.zeros((2, 2), dtype=torch.int32),
-        slot_mapping=torch.full((rows,), -1, dtype=torch.int32),
-    )
-    h.prepare_group_for_batch(meta, tables)
-    with pytest.raises(ValueError, match="max_query_len"):
-        h.swap_in(torch.zeros((rows, 2), dtype=torch.int32))
-    # Exactly at capacity (max_query_len rows for each request) is fine.
-    ok = torch.full((2 * mql, 2), -1, dtype=torch.int32)
-    meta.req_per_token = _i32([0] * mql + [1] * mql)
-    meta.num_tokens = 2 * mql
-    assert h.swap_in(ok).shape == (2 * mql, 2)
-    # One request bringing more than max_query_len rows could want more rows than its hot
-    # buffer holds: refused, naming the setting.
-    meta.req_per_token = _i32([0] * (mql + 1) + [1] * (mql - 1))
-    with pytest.raises(ValueError, match="max_rows_per_request"):
-        h.swap_in(ok)

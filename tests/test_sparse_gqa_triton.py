@@ -26,11 +26,8 @@ pytest.importorskip("triton")
 from hisparse.attention import sparse_gqa_triton as sgt
 from hisparse.attention import sparse_mla_triton as smt
 from hisparse.attention import triton_split
-from hisparse.attention.sparse_gqa_reference import (
-    GqaRowFormat,
-    sparse_gqa_decode,
-    sparse_gqa_reference,
-)
+from hisparse.attention.dispatch import sparse_gqa_decode
+from hisparse.attention.sparse_gqa_reference import GqaRowFormat, sparse_gqa_reference
 
 pytestmark = pytest.mark.skipif(
     not smt.interpreting(), reason="Triton kernels were defined outside the interpreter"
@@ -195,11 +192,11 @@ def test_batched_decode_indexer_equals_per_request(method: str) -> None:
     """`gqa_indexer_topk_decode` (one scoring for a whole decode step, keys padded to the
     longest request or a larger bound, unwritten pages NaN) selects what `gqa_indexer_topk`
     selects request by request."""
+    from hisparse.attention.dispatch import gqa_indexer_topk_decode
     from hisparse.attention.gqa_indexer_reference import (
         GqaIndexerConfig,
         GqaIndexerFormat,
         gqa_indexer_topk,
-        gqa_indexer_topk_decode,
         write_index_keys,
     )
 

@@ -24,6 +24,7 @@ import torch
 if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
     pytest.skip("needs CUDA", allow_module_level=True)
 
+from hisparse.attention import dispatch
 from hisparse.attention import gqa_indexer_reference as gr
 from hisparse.attention import gqa_indexer_triton as git
 from hisparse.testing import gqa_indexer_cases as gcases
@@ -59,7 +60,7 @@ def _lengths(batch: int, context: int, seed: int) -> list[int]:
 def _torch_path(case: gcases.DecodeCase, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
     monkeypatch.setenv("HISPARSE_GQA_INDEXER", "reference")
     try:
-        return gr.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)
+        return dispatch.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)
     finally:
         monkeypatch.delenv("HISPARSE_GQA_INDEXER")
 
@@ -121,7 +122,7 @@ def test_cuda_graph_replay_equals_eager() -> None:
     )  # fmt: skip
 
     def step() -> torch.Tensor:
-        return gr.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)
+        return dispatch.gqa_indexer_topk_decode(*case.args(), CFG, SCALE, TOP_K)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

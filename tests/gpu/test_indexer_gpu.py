@@ -23,6 +23,7 @@ import torch
 if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
     pytest.skip("needs CUDA", allow_module_level=True)
 
+from hisparse.attention import dispatch
 from hisparse.attention import indexer_reference as ir
 from hisparse.attention import indexer_triton as it
 from hisparse.testing import indexer_cases as ic
@@ -127,7 +128,7 @@ def test_default_config_with_other_chunks(chunk: int) -> None:
 def test_dispatch_picks_the_kernel_and_trims() -> None:
     case = _case("fp8", [40000, 9000], seed=6, extra_blocks=200)
     args = (*case.args(), case.seq_lens, K, case.softmax_scale)
-    got = ir.indexer_topk_paged(*args)
+    got = dispatch.indexer_topk_paged(*args)
     want = ir.indexer_topk_paged_reference(*args)
     ref = ic.reference_scores(case, 40000)
     tol = ic.score_tolerance(ref, RTOL, ATOL)

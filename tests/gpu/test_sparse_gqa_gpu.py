@@ -30,11 +30,8 @@ if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
 
 from hisparse.attention import sparse_gqa_triton as sgt
 from hisparse.attention import triton_split
-from hisparse.attention.sparse_gqa_reference import (
-    GqaRowFormat,
-    sparse_gqa_decode,
-    sparse_gqa_reference,
-)
+from hisparse.attention.dispatch import sparse_gqa_decode
+from hisparse.attention.sparse_gqa_reference import GqaRowFormat, sparse_gqa_reference
 
 DEV = torch.device("cuda")
 H, G, D = 9, 3, 64

@@ -27,7 +27,7 @@ kept and are left out of the softmax, so whatever they hold cannot move the choi
 others (in particular: a prefill and token-by-token decoding choose the same rows). The result
 lists positions ascending, ``-1`` padded. With ``top_k`` at least the context length every
 earlier position is chosen: attention is then exactly dense. (A batch-1 fp8 decode on the CPU
-scores in one compiled call, `_fp8_topk_one_cpu`: the same rule, sums rounded in another
+scores in one compiled call, `gqa_indexer_cpu`: the same rule, sums rounded in another
 order, so a near-tie at the top-k border may fall the other way than in a prefill. A CPU
 prefill scores by chunked matmuls and one compiled pass per query, `_topk_prefill_cpu`.)
 
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hisparse.attention.backend import env_backend
+from hisparse.attention.gqa_indexer_cpu import cpu_compiled, fp8_topk_one_cpu, scored_topk_cpu
 
 INDEXER_METHODS = ("fp8", "quest", "lowrank")
 FP8_DTYPE = torch.float8_e4m3fn
@@ -54,8 +54,6 @@ FP8_MAX = 448.0
 _CHUNK_ELEMENTS = 1 << 25
 #: The same bound on the CPU, where chunks that fit in the cache run faster.
 _CPU_CHUNK_ELEMENTS = 1 << 18
-#: `_scored_topk_cpu`'s bound on one chunk's logits (fp32 elements).
-_CPU_SCORE_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -437,7 +435,7 @@ def gqa_indexer_topk(
     if cfg.top_k is None or length <= cfg.top_k:
         return dense_topk(positions, width)
     if q.shape[0] == 1 and q.device.type == "cpu" and fmt.method == "fp8":
-        chosen = _fp8_topk_one_cpu(q, positions, pages, table, length, fmt, cfg, scale, width)
+        chosen = fp8_topk_one_cpu(q, positions, pages, table, length, fmt, cfg, scale, width)
         if chosen is not None:
             return chosen
     if q.shape[0] > 1:
@@ -453,7 +451,7 @@ def gqa_indexer_topk(
             return out
     keys = read_index_keys(pages, fmt, table, length)
     if q.shape[0] > 1 and q.device.type == "cpu":
-        chosen = _scored_topk_cpu(q, positions, keys, fmt, cfg, scale, width, dims)
+        chosen = scored_topk_cpu(q, positions, keys, fmt, cfg, scale, width, dims)
         if chosen is not None:
             return chosen
     h = q.shape[1]
@@ -465,48 +463,6 @@ def gqa_indexer_topk(
         whole = masks if lo == 0 and hi == q.shape[0] else None
         out.append(select_topk(logits, positions[lo:hi], length, cfg, width, whole))
     return out[0] if len(out) == 1 else torch.cat(out)
-
-
-def _fp8_topk_one_cpu(
-    q: torch.Tensor,
-    positions: torch.Tensor,
-    pages: torch.Tensor,
-    table: torch.Tensor,
-    length: int,
-    fmt: GqaIndexerFormat,
-    cfg: GqaIndexerConfig,
-    scale: float,
-    width: int,
-) -> torch.Tensor | None:
-    """One CPU query's fp8 selection in one compiled call (`cpu_jit.fp8_topk_row`: the same
-    rule as `select_topk`, a dozen torch ops and a 100k-element key decode fewer per layer
-    and step). ``None`` where numba is missing or the compiled path does not apply."""
-    from hisparse.runtime.ops import cpu_jit
-
-    fns = cpu_jit.jit()
-    assert cfg.top_k is not None
-    kk = min(cfg.top_k, length)
-    if fns is None or width < kk:
-        return None
-    g, d = fmt.num_kv_heads, fmt.head_dim
-    h = q.shape[1]
-    paged = cpu_jit.paged_pages(pages, g * d)
-    if h % g or q.shape[2] != d or paged is None:
-        return None
-    qf = q if q.dtype == torch.float32 else q.float()
-    out = np.full((1, width), -1, dtype=np.int32)
-    lut = _FP8_TABLES_NP.get("cpu")
-    if lut is None:
-        lut = _FP8_TABLES_NP["cpu"] = _fp8_table(torch.device("cpu")).numpy()
-    ok = fns.fp8_topk_row(
-        qf.detach().reshape(g, h // g, d).numpy(), *paged, table.numpy(), lut, length,
-        int(positions.numpy()[0]), cfg.sink_tokens, cfg.recent_window, cfg.top_k,
-        float(scale), out[0],
-    )  # fmt: skip
-    return torch.from_numpy(out) if ok else None
-
-
-_FP8_TABLES_NP: dict[str, np.ndarray] = {}
 
 
 def _topk_prefill_cpu(
@@ -523,12 +479,12 @@ def _topk_prefill_cpu(
     dims: torch.Tensor | None,
 ) -> torch.Tensor:
     """`gqa_indexer_topk_prefill` on the CPU with numba: the dense rows and the scored
-    tokens in one compiled call (`cpu_jit.dense_rows`), then each request's scored tokens
-    through `gqa_indexer_topk` (`_scored_topk_cpu`): what a dozen torch passes over
+    tokens in one compiled call (`dense_rows` kernel), then each request's scored tokens
+    through `gqa_indexer_topk` (`gqa_indexer_cpu.scored_topk_cpu`): what a dozen torch passes
     ``[N, width]`` did."""
-    from hisparse.runtime.ops import cpu_jit
+    from hisparse.runtime.ops import cpu_backend
 
-    fns = cpu_jit.jit()
+    fns = cpu_backend().jit()
     assert fns is not None
     n = q.shape[0]
     out = torch.empty(n, width, dtype=torch.int32)
@@ -547,90 +503,6 @@ def _topk_prefill_cpu(
         out[part] = gqa_indexer_topk(
             q[part], positions[part], pages, tables[r], lengths[r], fmt, cfg, scale, width, dims
         )
-    return out
-
-
-def _cpu_compiled(q: torch.Tensor, fmt: GqaIndexerFormat) -> bool:
-    """Whether `_topk_prefill_cpu` serves a prefill step (numba, fp8 or lowrank keys)."""
-    from hisparse.runtime.ops import cpu_jit
-
-    return q.device.type == "cpu" and fmt.method != "quest" and cpu_jit.jit() is not None
-
-
-def _scored_topk_cpu(
-    q: torch.Tensor,
-    positions: torch.Tensor,
-    keys: torch.Tensor,
-    fmt: GqaIndexerFormat,
-    cfg: GqaIndexerConfig,
-    scale: float,
-    width: int,
-    dims: torch.Tensor | None,
-) -> torch.Tensor | None:
-    """`select_topk` of `approx_logits` for one request's scored CPU queries (fp8, lowrank;
-    numba): the queries in position order, in chunks; per chunk one batched matmul against
-    only the candidate keys its last query sees (the causal half of the ``[T, S]`` logits),
-    then one compiled pass per query for the softmax mass and the top-k
-    (`cpu_jit.topk_rows`, the queries split over torch's thread count) instead of a dozen
-    passes of torch ops over every chunk. The same rule; a query's selection depends on its
-    own logits only, so a chunked prefill chooses what a whole one does (BLAS rounds a
-    logit alike in any chunk of two or more queries here; tests/test_cpu_jit.py checks the
-    selections).
-    ``keys``: `read_index_keys`. ``None`` where it does not apply (a query before position
-    ``top_k``, too few columns)."""
-    from hisparse.runtime.ops import cpu_jit
-
-    fns = cpu_jit.jit()
-    top_k = cfg.top_k
-    length = keys.shape[0]
-    if fns is None or top_k is None or fmt.method == "quest" or q.device.type != "cpu":
-        return None
-    kk = min(top_k, length)
-    t, h, _ = q.shape
-    g = fmt.num_kv_heads
-    pos = positions.long()
-    if width < kk or t == 0 or h % g or int(pos.min()) < top_k or int(pos.max()) >= length:
-        return None
-    sink, window = cfg.sink_tokens, cfg.recent_window
-    # scale = D^-0.5 is a power of two for the usual head dims: exact on q or on the logits.
-    qg = q.float().view(t, g, h // g, -1) * scale
-    if fmt.method == "lowrank":
-        assert dims is not None
-        idx = dims.to(q.device)[None, :, None, :].expand(t, g, h // g, -1)
-        qg = torch.gather(qg, 3, idx)
-    in_order = bool((pos[1:] >= pos[:-1]).all())  # a prefill chunk: already ascending
-    order = None if in_order else torch.argsort(pos, stable=True)
-    if order is not None:
-        qg, pos = qg[order], pos[order]
-    qh, kd = h // g, qg.shape[-1]
-    q_t = qg.transpose(0, 1).reshape(g, t * qh, kd)  # [G, queries · heads, key_dim]
-    his = (pos - window).clamp(max=length - 1).tolist()
-    key_t = keys[sink:].permute(1, 2, 0)  # [G, key_dim, candidates]
-    out = torch.empty(t, width, dtype=torch.int32)
-    parts = cpu_jit.parts()
-    lo = 0
-    while lo < t:
-        hi = lo + 1  # the chunk grows while its logits fit the bound
-        while hi < t and (hi + 1 - lo) * h * (his[hi] - sink + 1) <= _CPU_SCORE_ELEMENTS:
-            hi += 1
-        n_cand = his[hi - 1] - sink + 1
-        qc, pc, rows = q_t[:, lo * qh : hi * qh], pos[lo:hi], out[lo:hi]
-        if hi - lo == 1:
-            # A lone query goes twice: a matmul of one query's heads rounds differently
-            # (BLAS takes another kernel), and a chunked prefill must score as a whole one.
-            qc, pc, rows = qc.repeat(1, 2, 1), pc.repeat(2), torch.empty(2, width, dtype=out.dtype)
-        m = pc.shape[0]
-        logits = torch.matmul(qc, key_t[:, :, :n_cand]).view(g, m, qh, n_cand)
-        done = fns.topk_rows(
-            logits.numpy(), pc.numpy(), length, sink, window, top_k, rows.numpy(), parts
-        )
-        if not done:
-            return None
-        if hi - lo == 1:
-            out[lo] = rows[0]
-        lo = hi
-    if order is not None:
-        out[order] = out.clone()
     return out
 
 
@@ -676,7 +548,7 @@ def gqa_indexer_topk_prefill(
     (keys padded to the longest scored request, hidden by the causal mask) instead of one
     pass per request. quest (per-chunk keys) goes request by request.
     """
-    if _cpu_compiled(q, fmt):
+    if cpu_compiled(q, fmt):
         return _topk_prefill_cpu(
             q, positions, req_index, pages, tables, lengths, fmt, cfg, scale, width, dims
         )
@@ -741,7 +613,7 @@ def gqa_indexer_topk_prefill(
     return out
 
 
-def gqa_indexer_topk_decode(
+def gqa_indexer_topk_decode_reference(
     q: torch.Tensor,
     positions: torch.Tensor,
     pages: torch.Tensor,
@@ -763,17 +635,9 @@ def gqa_indexer_topk_decode(
     to ``longest``; the causal mask hides the padding, NaN garbage of unwritten pages too),
     instead of a dozen small ops per request: what makes batch-64 decode affordable on a GPU.
     Requests that fit in ``top_k`` are dense. No host read (CUDA-graph capturable), except for
-    quest (per-chunk keys), which goes request by request. fp8 on CUDA runs the fused Triton
-    kernels of `gqa_indexer_triton` (``HISPARSE_GQA_INDEXER=reference`` keeps this path).
+    quest (per-chunk keys), which goes request by request.
     """
     r, h, _ = q.shape
-    if fmt.method == "fp8" and env_backend("HISPARSE_GQA_INDEXER", q.device) == "triton":
-        from hisparse.attention import gqa_indexer_triton as git  # triton: GPU path only
-
-        if git.supports(q, pages, tables, fmt, cfg):
-            return git.gqa_indexer_topk_decode_triton(
-                q, positions, pages, tables, lengths, longest, fmt, cfg, scale, width
-            )
     dense = dense_topk(positions, width)
     if cfg.top_k is None or longest <= cfg.top_k:
         return dense

@@ -1,4 +1,4 @@
-"""Triton GQA decode indexer (``fp8`` method); `gqa_indexer_topk_decode` is the oracle.
+"""Triton GQA decode indexer (``fp8`` method); `gqa_indexer_topk_decode_reference` is the oracle.
 
 The torch path of a batch-64 decode step costs ~150 small kernels per layer (a page gather, an
 e4m3 table lookup, an sgemm, the softmax reductions, ``topk``, an index sort). Here it is two
@@ -385,7 +385,7 @@ def gqa_indexer_topk_decode_triton(
     config: GqaIndexerTritonConfig | None = None,
     out: Tensor | None = None,
 ) -> Tensor:
-    """`gqa_indexer_topk_decode` for the ``fp8`` method: ``int32 [R, width]`` ascending
+    """`gqa_indexer_topk_decode_reference` for the ``fp8`` method: ``int32 [R, width]`` ascending
     positions, ``-1`` padded (see the module docstring for the tie rule). ``out``: a caller's
     ``int32 [R, width]`` buffer, every element of which is written."""
     r, h, d = q.shape

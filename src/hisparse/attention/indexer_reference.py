@@ -14,7 +14,7 @@ The top-k keeps only keys at positions ``≤ t`` and pads with ``-1``: a token w
 ``k`` earlier keys selects all of them.
 
 `indexer_topk_paged_reference` runs both steps for a packed batch over the paged indexer
-cache (the model's indexer calls it through `indexer_topk_paged`, which picks the Triton
+cache (the model's indexer calls it through `dispatch.indexer_topk_paged`, which picks the Triton
 kernel of `hisparse.attention.indexer_triton` on CUDA).
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from hisparse.attention.backend import env_backend
 from hisparse.kv.row_formats import IndexerCacheFormat, quantize_fp8_tiles, read_indexer_keys
 
 #: DeepSeek's act_quant floors a tile's absolute maximum at this value.
@@ -177,53 +176,3 @@ def indexer_topk_paged_reference(
             out[tok] = indexer_topk(scores, positions[tok] + 1, top_k)
             del scores  # before the next block's
     return out
-
-
-def indexer_backend(device: torch.device) -> str:
-    """``triton`` or ``reference`` for tensors on ``device`` (``HISPARSE_INDEXER`` decides)."""
-    return env_backend("HISPARSE_INDEXER", device)
-
-
-def indexer_topk_paged(
-    q: torch.Tensor,
-    q_scale: torch.Tensor | None,
-    weights: torch.Tensor,
-    pages: torch.Tensor,
-    fmt: IndexerCacheFormat,
-    block_table: torch.Tensor,
-    req_index: torch.Tensor,
-    positions: torch.Tensor,
-    seq_lens: torch.Tensor,
-    top_k: int,
-    softmax_scale: float,
-    *,
-    max_len: int | None = None,
-) -> torch.Tensor:
-    """`indexer_topk_paged_reference`'s contract on the best backend available.
-
-    CUDA tensors use the Triton kernel (`hisparse.attention.indexer_triton`), others the
-    reference; ``HISPARSE_INDEXER=reference|triton`` forces one (CPU tensors with ``triton``
-    need ``TRITON_INTERPRET=1``). Inputs the kernel does not handle fall back to the
-    reference. The kernel scores keys up to ``max_len`` when the caller knows it on the host;
-    else, outside CUDA-graph capture, up to the longest request of the batch (one host read of
-    ``seq_lens``), and under capture the whole block table. Both backends score the query
-    tokens in row blocks of at most `SCORE_BLOCK_BYTES` (`score_row_blocks`), so a long
-    prefill chunk never holds its whole ``[T, S]`` scores at once; the result is the same.
-    """
-    if indexer_backend(q.device) == "triton":
-        try:
-            from hisparse.attention import indexer_triton as it
-        except ImportError:  # pragma: no cover - Triton missing: the reference still works
-            it = None
-        if it is not None and it.supports(q, q_scale, pages, fmt):
-            capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-            if max_len is None and not capturing and seq_lens.numel():
-                max_len = int(seq_lens.max())
-            return it.indexer_topk_paged_triton(
-                q, q_scale, weights, pages, fmt, block_table, req_index, positions,
-                top_k, softmax_scale, max_len=max_len,
-            )  # fmt: skip
-    return indexer_topk_paged_reference(
-        q, q_scale, weights, pages, fmt, block_table, req_index, positions, seq_lens,
-        top_k, softmax_scale,
-    )  # fmt: skip

@@ -331,42 +331,6 @@ def causal_gqa_reference(
     return selected_gqa_reference(q, kv_cache, rows, selected, scale, row_format)
 
 
-def sparse_gqa_decode(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    indices: torch.Tensor,
-    scale: float,
-    row_format: GqaRowFormat,
-    *,
-    need_lse: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Sparse GQA (contract of `sparse_gqa_reference`) on the best backend available.
-
-    ``need_lse=False`` (the model's decode step reads only ``out``): on the CPU with the
-    reference backend, `_sdpa_decode_cpu` computes ``out`` in one fused call and ``lse`` is
-    ``None``. CUDA runs what it runs with ``need_lse=True``.
-
-    The Triton kernel (`sparse_gqa_triton`) for CUDA tensors, the reference elsewhere;
-    ``HISPARSE_ATTENTION=reference|triton`` forces one, as for sparse MLA. Inputs the kernel
-    does not handle (head dims that are not a power of two, a non-contiguous byte dim) and
-    machines without Triton fall back to the reference. Triton is imported on first use.
-    """
-    from hisparse.attention import _attention_backend
-
-    if not need_lse and q.device.type == "cpu" and _attention_backend(q.device) != "triton":
-        out = _sdpa_decode_cpu(q, kv_cache, indices, scale, row_format)
-        if out is not None:
-            return out, None
-    if _attention_backend(q.device) == "triton":
-        try:
-            from hisparse.attention import sparse_gqa_triton as sgt
-        except ImportError:  # pragma: no cover - Triton missing: the reference still works
-            sgt = None
-        if sgt is not None and sgt.supports(q, kv_cache, row_format):
-            return sgt.sparse_gqa_decode_triton(q, kv_cache, indices, scale, row_format)
-    return sparse_gqa_reference(q, kv_cache, indices, scale, row_format)
-
-
 def _sdpa_decode_cpu(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -414,16 +378,17 @@ def sparse_gqa_rows_cpu(
 ) -> torch.Tensor | None:
     """``out`` of `sparse_gqa_reference` for a CPU step of many tokens (a prefill), compiled:
     each token's rows read in place from the pool by the batch-1 decode step's attention
-    (`cpu_jit.attend_rows`, ``-1`` masked), the tokens split over torch's thread count. A token
+    (`attend_rows` kernel, ``-1`` masked), the tokens split over torch's thread count. A token
     costs its ``K`` rows, not the whole prefix: no gathered ``[T, K, row]`` copy, no union of
     the tokens' rows with a ``[T, U]`` mask. Per token the sums run in one fixed order
-    (`cpu_jit._dots`, then over the rows in index order), so the result does not depend on
+    (`_dots` kernel, then over the rows in index order), so the result does not depend on
     the step's other tokens or on where the rows sit. ``None`` where it does not apply (no
     numba, not fp32, a pool whose strides are not whole fp32 items); the caller then runs
     the reference."""
-    from hisparse.runtime.ops import cpu_jit
+    from hisparse.runtime.ops import cpu_backend
+    from hisparse.runtime.ops.cpu import F32
 
-    fns = cpu_jit.jit()
+    fns = cpu_backend().jit()
     t, h, d = q.shape
     g = row_format.num_kv_heads
     if (
@@ -439,13 +404,13 @@ def sparse_gqa_rows_cpu(
         or kv_cache.shape[2] != row_format.row_bytes
     ):
         return None
-    rows = cpu_jit.paged_rows(kv_cache, cpu_jit.F32)
+    rows = cpu_backend().views.paged_rows(kv_cache, F32)
     if rows is None:
         return None
     out = torch.empty(t, h, d)
     qn = q.detach().contiguous().numpy()
     idx = indices.contiguous().numpy()
-    fns.attend_rows_many(qn, *rows, idx, float(scale), out.numpy(), cpu_jit.parts())
+    fns.attend_rows_many(qn, *rows, idx, float(scale), out.numpy(), cpu_backend().parts())
     return out
 
 
@@ -462,10 +427,10 @@ def causal_gqa_cpu(
     position ``top_k``): torch's fused causal ``scaled_dot_product_attention`` over the
     request's rows, read once, as transformers runs it (a chunk after earlier ones masks
     by position: the same bits). ``None`` where the rows are not such a prefix (checked
-    by `cpu_jit.is_causal_prefix`: a selection replaced in ``swap_in``) or not viewable."""
-    from hisparse.runtime.ops import cpu_jit
+    by `is_causal_prefix` kernel: a selection replaced in ``swap_in``) or not viewable."""
+    from hisparse.runtime.ops import cpu_backend
 
-    fns = cpu_jit.jit()
+    fns = cpu_backend().jit()
     t, h, d = q.shape
     g = row_format.num_kv_heads
     typed = _typed_rows(kv_cache, row_format) if kv_cache.dim() == 3 else None

@@ -87,3 +87,19 @@ def params_per_prompt(params: Any, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"{len(params)} sampling params for {n} prompts: give one, or one each")
     return params
+
+
+def completions(
+    rid: str, ids: list[int], params: SamplingParams, prompt: str | None
+) -> list[Request]:
+    """The ``params.n`` requests of one prompt (ids ``rid``, or ``rid.0`` .. ``rid.{n-1}``)."""
+    return [
+        Request(
+            req_id=rid if params.n == 1 else f"{rid}.{j}",
+            prompt_token_ids=ids,
+            params=params,
+            prompt=prompt,
+            index=j,
+        )
+        for j in range(params.n)
+    ]

@@ -19,9 +19,7 @@ import contextlib
 import dataclasses
 import gc
 import itertools
-import os
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -31,7 +29,13 @@ import torch
 
 from hisparse.config import HiSparseConfig, check_gib
 from hisparse.engine.hooks import StepHooks
-from hisparse.engine.inputs import outputs_of, params_per_prompt, text_inputs, token_inputs
+from hisparse.engine.inputs import (
+    completions,
+    outputs_of,
+    params_per_prompt,
+    text_inputs,
+    token_inputs,
+)
 from hisparse.engine.kv_manager import KVCacheManager
 from hisparse.engine.model_runner import ModelRunner
 from hisparse.engine.request import Request, RequestOutput, Status
@@ -44,6 +48,7 @@ from hisparse.engine.setup import (
     default_host_pool_bytes,
     default_kv_gib,
 )
+from hisparse.engine.tp_follower import rank_state
 from hisparse.models.registry import (
     DSA_INDEXERS,
     GQA_KV_FORMATS,
@@ -398,7 +403,7 @@ class LLM:
         if isinstance(ids, str):
             raise ValueError(ids)
         rid = request_id if request_id is not None else str(next(self._ids))
-        reqs = _completions(rid, ids, params, prompt)
+        reqs = completions(rid, ids, params, prompt)
         self._queue(reqs)
         return reqs
 
@@ -475,75 +480,17 @@ class LLM:
                 self._release(failed=True)
                 raise tp.fail(err) from err
 
-    def _serve_tensor_parallel(self) -> str:
-        """A rank other than 0: follow the driver's commands until it closes the engine
-        (``"close"``) or its process ends (``"exit"``, torchrun); returns which."""
-        tp = self._tp
-        assert tp is not None and not tp.is_driver
-        sched = self.scheduler
-        while True:
-            op, *args = tp.recv()
-            if op == "step":
-                for part in sched.schedule():
-                    self._run_part(part)
-                sched.failed.clear()
-                self.runner.flush_metrics()
-            elif op == "add":
-                for rid, ids, params, index in args[0]:
-                    sched.add(Request(req_id=rid, prompt_token_ids=ids, params=params,
-                                      index=index))  # fmt: skip
-            elif op == "abort":
-                ids = set(args[0])
-                for req in [r for r in [*sched.running, *sched.waiting] if r.req_id in ids]:
-                    sched.abort(req)
-            elif op == "max_num_seqs":
-                sched.max_num_seqs = args[0]
-            elif op == "state":
-                tp.gather(self._rank_state())
-            elif op in ("close", "exit"):
-                break
-            else:
-                raise RuntimeError(f"unknown tensor-parallel command {op!r}")
-        self.close()
-        return op
-
     def _tensor_parallel_state(self) -> list[dict[str, Any]]:
-        """Every rank's `_rank_state`, in rank order (tests: one host pool per node, the same
+        """Every rank's `rank_state`, in rank order (tests: one host pool per node, the same
         selections everywhere)."""
         self._check_open("_tensor_parallel_state")
         if self._tp is None:
-            return [self._rank_state()]
+            return [rank_state(self)]
         with self._tp_section():
             self._tp.send(("state",))
-            out = self._tp.gather(self._rank_state())
+            out = self._tp.gather(rank_state(self))
         assert out is not None
         return out
-
-    def _rank_state(self) -> dict[str, Any]:
-        """This rank's host pool (who created it, which file it maps) and digests of its hot
-        state, its GPU pool and (with such hooks) its selections."""
-
-        def crc(t: torch.Tensor) -> int:
-            return zlib.crc32(t.detach().contiguous().cpu().view(torch.uint8).numpy())
-
-        kv, runner, tp = self.kv, self.runner, self._tp
-        assert kv is not None and runner is not None
-        pool = kv.host_pool
-        leaders = [h.runtime.group for h in runner.leaders]
-        return dict(
-            rank=0 if tp is None else tp.rank,
-            pid=os.getpid(),
-            host_pool=None if pool is None else dict(
-                size=pool.size, created=pool.created, inode=pool.inode,
-                shared=pool.shared is not None,
-            ),
-            host_pool_bytes=kv.layout.host_pool_bytes,
-            host_writer=kv.host_writer,
-            hot_state=[(crc(g.hot_index), crc(g.lru)) for g in leaders if kv.offload],
-            gpu_pool=crc(kv.gpu_raw) if kv.gpu_raw.numel() <= 2**28 else None,  # test sizes
-            # step hooks that record a digest (`hisparse.testing.tp_hooks.SelectionDigest`)
-            selections=getattr(runner.hooks, "digest", None),
-        )  # fmt: skip
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work
@@ -564,7 +511,7 @@ class LLM:
             ids = self._token_ids(text, ids) if error is None else []
             if isinstance(ids, str):
                 error, ids = ids, []
-            reqs = _completions(rid, ids, p, text)
+            reqs = completions(rid, ids, p, text)
             if error is not None:
                 for req in reqs:
                     req.status, req.finish_reason, req.error = Status.FINISHED, "error", error
@@ -743,19 +690,3 @@ def _progress(total: int, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, desc="requests", unit="req")
-
-
-def _completions(
-    rid: str, ids: list[int], params: SamplingParams, prompt: str | None
-) -> list[Request]:
-    """The ``params.n`` requests of one prompt (ids ``rid``, or ``rid.0`` .. ``rid.{n-1}``)."""
-    return [
-        Request(
-            req_id=rid if params.n == 1 else f"{rid}.{j}",
-            prompt_token_ids=ids,
-            params=params,
-            prompt=prompt,
-            index=j,
-        )
-        for j in range(params.n)
-    ]

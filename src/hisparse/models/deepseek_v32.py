@@ -21,11 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hisparse.attention import sparse_mla_decode
-from hisparse.attention.indexer_reference import (
-    hadamard_transform,
-    indexer_topk_paged,
-    quantize_indexer_fp8,
-)
+from hisparse.attention.dispatch import indexer_topk_paged
+from hisparse.attention.indexer_reference import hadamard_transform, quantize_indexer_fp8
 from hisparse.kv.row_formats import (
     IndexerCacheFormat,
     MlaFormat,
@@ -35,6 +32,7 @@ from hisparse.kv.row_formats import (
 )
 from hisparse.models.dsa_config import DsaConfig
 from hisparse.models.kv_access import DenseDsaCache, DsaKVCache, DsaStep
+from hisparse.models.layers import MLP, RMSNorm, rope_half_split, rope_interleaved
 
 INDEXER_MODES = ("exact", "fp8")
 
@@ -42,21 +40,6 @@ INDEXER_MODES = ("exact", "fp8")
 # ---------------------------------------------------------------------------------------------
 # Small pieces
 # ---------------------------------------------------------------------------------------------
-class RMSNorm(nn.Module):
-    """RMS norm computed in fp32, cast back, then scaled (transformers' order)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
-
-
 class Rotary(nn.Module):
     """cos/sin of the rotary slice at given positions (YaRN-scaled when configured)."""
 
@@ -70,39 +53,6 @@ class Rotary(nn.Module):
         """``(cos, sin)``, each ``[N, R / 2]`` (one angle per rotated pair)."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         return (freqs.cos() * self.factor).to(dtype), (freqs.sin() * self.factor).to(dtype)
-
-
-def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs ``(x[2i], x[2i+1])`` by angle ``i``; output keeps the interleaved layout.
-
-    ``x [N, ..., R]``, ``cos/sin [N, R / 2]``. transformers returns the same values
-    de-interleaved (evens then odds); dot products are the same, and keeping DeepSeek's own
-    layout makes the cached RoPE bytes match other DeepSeek inference stacks.
-    """
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    c, s = cos.view(shape), sin.view(shape)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
-
-
-def rope_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``(x[i], x[i + R/2])`` by angle ``i`` (the non-interleaved, "rotate_half" form)."""
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    c, s = cos.view(shape), sin.view(shape)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Router(nn.Module):

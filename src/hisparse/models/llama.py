@@ -12,6 +12,8 @@ attention layer goes through the same cache protocol as the DSA model
 4. sparse GQA attention over those rows (`sparse_gqa_decode`: the Triton kernel on CUDA in
    decode, the reference otherwise; a CPU prefill runs `LlamaAttention._attend_cpu`).
 
+The CPU forms of a layer (the batch-1 decode step, a prefill's attention) are in `llama_cpu`.
+
 Prefill and decode share this path (packed variable-length batches), so the dense test cache,
 the all-GPU placement and HiSparse differ only in where rows sit. With ``top_k=None`` or a
 ``top_k`` at least the context length, every earlier token is chosen and attention is dense.
@@ -19,7 +21,6 @@ the all-GPU placement and HiSparse differ only in where rows sit. With ``top_k=N
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
@@ -29,13 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hisparse.attention.dispatch import gqa_indexer_topk_decode, sparse_gqa_decode
 from hisparse.attention.gqa_indexer_reference import (
-    FP8_DTYPE,
-    FP8_MAX,
     GqaIndexerConfig,
     GqaIndexerFormat,
     gqa_indexer_topk,
-    gqa_indexer_topk_decode,
     gqa_indexer_topk_prefill,
     pad_groups,
     rope_pair_dims,
@@ -44,21 +43,26 @@ from hisparse.attention.gqa_indexer_reference import (
 )
 from hisparse.attention.sparse_gqa_reference import (
     GqaRowFormat,
-    causal_gqa_cpu,
     gqa_dtype_name,
     selected_gqa_varlen_reference,
-    sparse_gqa_decode,
-    sparse_gqa_rows_cpu,
 )
 from hisparse.kv.row_formats import write_rows_fast
-from hisparse.models.deepseek_v32 import MLP, RMSNorm, rope_half_split
 from hisparse.models.kv_access import (
     DenseBlockTables,
     DsaStep,
     IndexerLayerCache,
     SparseMlaLayerCache,
 )
-from hisparse.runtime.ops import cpu_jit
+from hisparse.models.layers import (
+    MLP,
+    RMSNorm,
+    full_width_rope,
+    rms_norm,
+    rope_full_width,
+    rope_half_split,
+)
+from hisparse.models.llama_cpu import LlamaAttentionCpu, fused_weight, write_rows_cpu
+from hisparse.runtime.ops import cpu_backend
 
 #: Step metadata of a packed batch (the same for every model family).
 Step = DsaStep
@@ -139,132 +143,6 @@ class LlamaConfig:
         return GqaRowFormat(self.num_key_value_heads, self.head_dim, gqa_dtype_name(dtype))
 
 
-#: The CPU batch-1 decode path (`LlamaForCausalLM._decode_one_cpu`) on or off.
-_CPU_FAST = [os.environ.get("HISPARSE_CPU_FAST", "1") != "0"]
-
-
-def _sdpa_one_cpu(
-    q: torch.Tensor,
-    view: torch.Tensor,
-    physical: torch.Tensor,
-    scale: float,
-    fmt: GqaRowFormat,
-) -> torch.Tensor | None:
-    """`_sdpa_decode_cpu` of one query whose rows are all valid: the same SDPA call on the
-    same values, the rows gathered by one compiled copy (numpy without numba) into a buffer
-    that every layer reuses. ``None`` where it does not apply."""
-    g, d = fmt.num_kv_heads, fmt.head_dim
-    h = q.shape[1]
-    if fmt.torch_dtype != torch.float32 or q.dtype != torch.float32 or physical.shape[0] != 1:
-        return None
-    idx = physical.numpy()[0]
-    k = idx.shape[0]
-    if k == 0 or int(idx.min()) < 0 or view.dim() != 3 or view.shape[2] != fmt.row_bytes:
-        return None
-    strides = view.stride()
-    if strides[-1] != 1 or view.storage_offset() % 4 or any(st % 4 for st in strides[:-1]):
-        return None
-    typed = view.numpy().view(np.float32)  # [blocks, block_size, 2·G·D]
-    width = typed.shape[2]
-    buf = _ROW_BUFFERS.get((k, width))
-    if buf is None:
-        buf = _ROW_BUFFERS[(k, width)] = torch.empty(k, width)
-    fns = cpu_jit.jit()
-    if fns is not None:
-        fns.gather_rows(typed, idx, buf.numpy())
-    else:
-        bs = typed.shape[1]
-        buf.numpy()[:] = typed[idx // bs, idx % bs]
-    keys, values = buf.view(1, k, 2, g, d).unbind(2)
-    out = F.scaled_dot_product_attention(
-        q.view(1, g, h // g, d), keys.transpose(1, 2), values.transpose(1, 2), scale=scale
-    )
-    return out.reshape(1, h, d)
-
-
-_ROW_BUFFERS: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _write_rows_cpu(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    view: torch.Tensor,
-    slots: torch.Tensor,
-    pages: torch.Tensor,
-    idx_slots: torch.Tensor,
-    rows_fmt: GqaRowFormat,
-    fmt: GqaIndexerFormat,
-) -> bool:
-    """`write_rows_fast` of the packed rows and `write_index_keys` of ``k`` on the CPU in
-    one compiled call (`cpu_jit.write_rows_many`: the same bytes; fp32 rows, fp8 keys).
-    False where it does not apply (nothing written)."""
-    fns = cpu_jit.jit()
-    if (
-        fns is None
-        or k.device.type != "cpu"
-        or fmt.method != "fp8"
-        or rows_fmt.torch_dtype != torch.float32
-        or k.dtype != torch.float32
-        or v.dtype != torch.float32
-    ):
-        return False
-    rows = cpu_jit.paged_rows(view, cpu_jit.F32)
-    keys = cpu_jit.paged_pages(pages, fmt.row_bytes)
-    if rows is None or keys is None:
-        return False
-    return fns.write_rows_many(
-        k.numpy(), v.numpy(), *rows, view.shape[0], slots.contiguous().numpy(), *keys,
-        pages.shape[0], idx_slots.contiguous().numpy(),
-    )  # fmt: skip
-
-
-class _OneTokenStep:
-    """What every layer of a batch-1 CPU decode step shares (`StepPlan.memo`): the compiled
-    functions, numpy views of the step's rotation tables and position, and scratch buffers
-    each layer reuses (written and read within one layer's `forward_one_cpu`)."""
-
-    def __init__(
-        self, cos: torch.Tensor, sin: torch.Tensor, step: Step, heads: int, kv_heads: int,
-        head_dim: int,
-    ) -> None:  # fmt: skip
-        self.fns = cpu_jit.jit()
-        self.cos, self.sin = cos.numpy()[0], sin.numpy()[0]
-        self.pos = int(step.positions.numpy()[0])
-        self.lut = _fp8_lut()
-        width = kv_heads * head_dim
-        self.codes = np.empty(width, np.uint8)
-        self.scratch = np.empty(width, np.float32)
-        self.scratch_bits = self.scratch.view(np.uint32)
-        self.q_rot = np.empty((heads, head_dim), np.float32)
-        self.out_t = torch.empty(1, heads * head_dim)
-        self.out = self.out_t.numpy().reshape(heads, head_dim)
-        #: (step tensor, its first row as numpy): read once per step, not once per layer
-        #: (every layer gets the same slot mappings and block table).
-        self._rows: list[tuple[torch.Tensor, np.ndarray]] = []
-
-    def row0(self, t: torch.Tensor) -> np.ndarray:
-        """``t.numpy()[0]`` of a tensor of this step (the step's tensors are not written
-        while its layers run), made once per tensor."""
-        for known, row in self._rows:
-            if known is t:
-                return row
-        row = t.numpy()[0]
-        self._rows.append((t, row))
-        return row
-
-
-def _fp8_lut() -> np.ndarray:
-    """The fp32 value of each e4m3 code (torch's conversion), as numpy."""
-    lut = _FP8_LUT.get("cpu")
-    if lut is None:
-        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-        lut = _FP8_LUT["cpu"] = codes.view(FP8_DTYPE).float().numpy()
-    return lut
-
-
-_FP8_LUT: dict[str, np.ndarray] = {}
-
-
 @runtime_checkable
 class GqaKVCache(Protocol):
     """The model-level view of a GQA model's caches (like `DsaKVCache`)."""
@@ -332,52 +210,7 @@ class Rotary(nn.Module):
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
-def _rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """``norm(x)``; in fp32 on the CPU as one ``F.rms_norm`` (the same bits as `RMSNorm`'s
-    six steps there, in one pass)."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and norm.weight.dtype == x.dtype:
-        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
-    return norm(x)
-
-
-def full_width_rope(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)`` of `Rotary` widened to ``[N, D]`` once per step for `rope_full_width`:
-    ``[cos ‖ cos]`` and ``[-sin ‖ sin]``."""
-    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-
-
-def rope_full_width(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`rope_half_split` of ``x [N, heads, D]`` with `full_width_rope` tables, in 4 ops instead
-    of 9: ``x·[c‖c] + [x2‖x1]·[-s‖s]`` is ``[x1·c - x2·s ‖ x2·c + x1·s]`` bit for bit
-    (``a + (-b)`` is ``a - b`` in IEEE arithmetic, and each sum adds the same two products)."""
-    c, s = cos[:, None, :], sin[:, None, :]
-    return x * c + x.roll(x.shape[-1] // 2, dims=-1) * s
-
-
-def fused_weight(
-    mods: Sequence[nn.Linear], cached: tuple[torch.Tensor, tuple[int, ...]] | None
-) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """``(weight, addresses)``: one ``[Σ out, in]`` weight whose row blocks ARE the weights
-    of ``mods`` (their parameters become views of it; one matmul instead of several, no
-    extra memory), and the addresses of those views.
-
-    ``cached`` (the last result) is returned while the modules' weights still sit at its
-    addresses (the fused tensor keeps that memory, so nothing else can be there); after a
-    load or a ``.to()`` replaced them, the weights are fused again. For one input row on the
-    CPU, each output of the fused matmul equals the separate one bit for bit
-    (tests/test_llama_cpu_decode.py checks the whole model)."""
-    if cached is not None and tuple(m.weight.data_ptr() for m in mods) == cached[1]:
-        return cached
-    fused = torch.cat([m.weight.detach() for m in mods])
-    row = 0
-    for m in mods:
-        n = m.weight.shape[0]
-        m.weight = nn.Parameter(fused[row : row + n], requires_grad=m.weight.requires_grad)
-        row += n
-    return fused, tuple(m.weight.data_ptr() for m in mods)
-
-
-class LlamaAttention(nn.Module):
+class LlamaAttention(LlamaAttentionCpu, nn.Module):
     #: Tensor parallelism (`hisparse.parallel.shard`): this rank's (query heads, KV heads).
     #: The indexer scores with every head; the rows and attention hold this rank's only.
     tp_heads: tuple[slice, slice] | None = None
@@ -427,9 +260,7 @@ class LlamaAttention(nn.Module):
         pages, idx_slots = idx.write_target()
         rows_fmt = cache.row_format
         # (under tensor parallelism the rows hold this rank's KV heads, the keys every head)
-        if tp is not None or not _write_rows_cpu(
-            k, v, view, slots, pages, idx_slots, rows_fmt, fmt
-        ):
+        if tp is not None or not write_rows_cpu(k, v, view, slots, pages, idx_slots, rows_fmt, fmt):
             write_rows_fast(view, slots, rows_fmt.pack(kr, v))  # no host sync off the CPU
             # decode: one row per request, written without a boolean select (fewer ops)
             write_index_keys(pages, fmt, idx_slots, k, dims, sync_free=plan.decode)
@@ -459,122 +290,6 @@ class LlamaAttention(nn.Module):
         qk = rope(qkv[:, : (H + G) * D].view(n, H + G, D), cos, sin)
         # v: this rank's KV heads under tensor parallelism
         return qk[:, :H], qk[:, H:], qkv[:, (H + G) * D :].view(n, -1, D)
-
-    def forward_one_cpu(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        step: Step,
-        cache: GqaKVCache,
-        indexer: GqaIndexerConfig,
-        plan: StepPlan,
-    ) -> torch.Tensor:
-        """`forward` of a batch-1 decode step on the CPU (one fp32 token, `full_width_rope`
-        tables), through the same cache protocol with a handful of calls: q, k and v in one
-        matmul, then (with numba, fp8 index keys, fp32 rows) one compiled call for the
-        rotation, the row and index-key writes and the selection (`cpu_jit.decode_pre`) and
-        one for the attention over the swapped-in rows, read in place
-        (`cpu_jit.attend_rows`). Without numba, `_forward_one_torch`.
-
-        The rotation and every written byte equal `forward`'s; the scored selection and the
-        attention sum in another order (last-bit differences; both placements run the same
-        code, so HiSparse stays lossless against the all-GPU placement)."""
-        fmt = cache.indexer_format
-        rows_fmt = cache.row_format
-        H, G, D = self.n_heads, self.n_kv, self.head_dim
-        self._qkv = fused_weight((self.q_proj, self.k_proj, self.v_proj), self._qkv)
-        qkv = F.linear(x, self._qkv[0])
-        one = plan.memo.get("cpu_one")
-        if one is None:
-            one = plan.memo["cpu_one"] = _OneTokenStep(cos, sin, step, H, G, D)
-        fns = one.fns
-        if fns is None or fmt.method != "fp8" or rows_fmt.torch_dtype != torch.float32:
-            return self._forward_one_torch(qkv, cos, sin, step, cache, indexer, plan)
-        kv = cache.attention(self.layer)
-        view, slots = kv.write_target()
-        idx = cache.indexer(self.layer)
-        pages, idx_slots = idx.write_target()
-        read_pages, table = idx.read_source()
-        kv_rows = cpu_jit.paged_rows(view, cpu_jit.F32)
-        written = cpu_jit.paged_pages(pages, fmt.row_bytes)
-        read = written if read_pages is pages else cpu_jit.paged_pages(read_pages, fmt.row_bytes)
-        if kv_rows is None or written is None or read is None:
-            return self._forward_one_torch(qkv, cos, sin, step, cache, indexer, plan)
-        length = plan.longest
-        top_k = indexer.top_k
-        scored = top_k is not None and length > top_k
-        width = min(top_k, length) if scored else length  # type: ignore[type-var]
-        chosen = np.empty((1, width), np.int32)
-        q_rot = one.q_rot
-        ok = fns.decode_pre(
-            qkv.numpy()[0], one.cos, one.sin, H, q_rot, *kv_rows, int(one.row0(slots)),
-            *written, int(one.row0(idx_slots)), one.codes, one.scratch, one.scratch_bits,
-            *read, one.row0(table), one.lut, length, one.pos, indexer.sink_tokens,
-            indexer.recent_window, top_k or 0, self.scale, scored, chosen[0],
-        )  # fmt: skip
-        topk = torch.from_numpy(chosen)
-        if not ok:
-            q = torch.from_numpy(q_rot.copy()).view(1, H, D)
-            topk = self._select(q, step, plan, read_pages, table, fmt, indexer, None)
-        kv.finish_kv_update()
-        physical = kv.swap_in(topk)
-        fns.attend_rows(q_rot, *kv_rows, physical.numpy()[0], self.scale, one.out)
-        return F.linear(one.out_t, self.o_proj.weight)
-
-    def _forward_one_torch(
-        self,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        step: Step,
-        cache: GqaKVCache,
-        indexer: GqaIndexerConfig,
-        plan: StepPlan,
-    ) -> torch.Tensor:
-        """`forward_one_cpu` in torch and numpy (no numba, or formats it does not cover): the
-        same values as `forward` bit for bit (the selection aside, compiled where numba is)."""
-        H, G, D = self.n_heads, self.n_kv, self.head_dim
-        qk = rope_full_width(qkv[:, : (H + G) * D].view(1, H + G, D), cos, sin)
-        q, k = qk[:, :H], qk[:, H:]
-        v = qkv[:, (H + G) * D :]
-
-        # 1. this step's row into the paged cache (k then v, fp32).
-        kv = cache.attention(self.layer)
-        view, slots = kv.write_target()
-        slot = int(slots.numpy()[0])
-        if slot >= 0:
-            bs = view.shape[1]
-            row = view[slot // bs, slot % bs].numpy().view(np.float32)
-            row[: G * D] = k.numpy().reshape(-1)
-            row[G * D :] = v.numpy().reshape(-1)
-        kv.finish_kv_update()
-
-        # 2. the index key (fp8 codes, as `write_index_keys`), then the logical top-k.
-        fmt = cache.indexer_format
-        idx = cache.indexer(self.layer)
-        pages, idx_slots = idx.write_target()
-        read_pages, table = idx.read_source()
-        dims = self.index_dims if fmt.method == "lowrank" else None
-        if fmt.method != "fp8":
-            write_index_keys(pages, fmt, idx_slots, k, dims, sync_free=True)
-        else:
-            islot = int(idx_slots.numpy()[0])
-            if islot >= 0:
-                codes = k.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
-                rb = fmt.row_bytes
-                bs = pages.shape[1] // rb
-                start = (islot % bs) * rb
-                pages[islot // bs].numpy()[start : start + rb] = codes.numpy().reshape(-1)
-        # (`gqa_indexer_topk` scores one CPU fp8 query in its compiled call where numba is)
-        topk = self._select(q, step, plan, read_pages, table, fmt, indexer, dims)
-
-        # 3./4. physical rows, then attention over them (one SDPA, as `_sdpa_decode_cpu`).
-        physical = kv.swap_in(topk)
-        out = _sdpa_one_cpu(q, view, physical, self.scale, cache.row_format)
-        if out is None:
-            out = self._attend(q, step, plan, view, topk, physical, cache.row_format, indexer)
-        return F.linear(out.reshape(1, H * D), self.o_proj.weight)
 
     def _attend(
         self,
@@ -636,47 +351,6 @@ class LlamaAttention(nn.Module):
         )
         out = torch.zeros_like(q)  # padding tokens (no request) stay 0
         out[tokens[live]] = o[live]
-        return out
-
-    def _attend_cpu(
-        self,
-        q: torch.Tensor,
-        step: Step,
-        plan: StepPlan,
-        view: torch.Tensor,
-        physical: torch.Tensor,
-        fmt: GqaRowFormat,
-        cfg: GqaIndexerConfig,
-    ) -> torch.Tensor | None:
-        """`_attend` of a CPU prefill step (``None``: no numba or rows it cannot read). The
-        tokens that attend to every position up to their own (all of a request that fits
-        in ``top_k``, else those before position ``top_k``) go through one fused causal
-        attention per request (`causal_gqa_cpu`, transformers' kernel); the rest (scored
-        selections, padding) each over their own rows (`sparse_gqa_rows_cpu`)."""
-        tokens, lens = plan.tokens, plan.lens
-        assert tokens is not None and lens is not None
-        out = torch.empty_like(q)
-        rest = torch.ones(q.shape[0], dtype=torch.bool)
-        for r, length in enumerate(lens):
-            tok = tokens[r][tokens[r] >= 0]
-            if cfg.top_k is not None and length > cfg.top_k:
-                tok = tok[step.positions[tok] < cfg.top_k]
-            if tok.numel() == 0:
-                continue
-            dense = causal_gqa_cpu(
-                q[tok], view, physical[tok], step.positions[tok], self.scale, fmt
-            )
-            if dense is not None:
-                out[tok] = dense
-                rest[tok] = False
-        if bool(rest.all()):
-            return sparse_gqa_rows_cpu(q, view, physical, self.scale, fmt)
-        idx = torch.nonzero(rest).flatten()
-        if idx.numel():
-            sparse = sparse_gqa_rows_cpu(q[idx], view, physical[idx], self.scale, fmt)
-            if sparse is None:
-                return None
-            out[idx] = sparse
         return out
 
     def _select(
@@ -829,10 +503,10 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             attn = layer.self_attn
-            h = _rms_norm(layer.input_layernorm, x)
+            h = rms_norm(layer.input_layernorm, x)
             x = x + attn(h, cos, sin, step, cache, self.indexer, plan)
-            x = x + self._mlp(i, layer.mlp, _rms_norm(layer.post_attention_layernorm, x))
-        return _rms_norm(self.model.norm, x)
+            x = x + self._mlp(i, layer.mlp, rms_norm(layer.post_attention_layernorm, x))
+        return rms_norm(self.model.norm, x)
 
     def _mlp(self, i: int, mlp: MLP, h: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s MLP; for one CPU row (decode) with the gate and up projections as
@@ -851,7 +525,7 @@ class LlamaForCausalLM(nn.Module):
         """A batch-1 fp32 decode step on the CPU (one token, no padding row): the shape
         `_decode_one_cpu` serves. ``HISPARSE_CPU_FAST=0`` turns it off (A/B checks)."""
         return (
-            _CPU_FAST[0]
+            cpu_backend().fast_decode
             and x.device.type == "cpu"
             and x.shape[0] == 1
             and x.dtype == torch.float32
@@ -867,11 +541,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # fmt: skip
         """The layers of a batch-1 CPU decode step with fewer ops than the general loop:
         `LlamaAttention.forward_one_cpu`, gate and up projections as one matmul, and each
-        residual add with the RMS norm after it as one compiled call (`cpu_jit.add_rms_norm`;
+        residual add with the RMS norm after it as one compiled call (`add_rms_norm` kernel;
         the add is exact, the norm's sum of squares rounds in another order: last-bit
         differences). Without numba the norms are ``F.rms_norm`` (the same bits in fp32 as
         `RMSNorm`'s steps) and the whole step equals the general loop bit for bit."""
-        fns = cpu_jit.jit()
+        fns = cpu_backend().jit()
         shape = (self.config.hidden_size,)
         eps = self.config.rms_norm_eps
         eps32 = np.float32(eps)

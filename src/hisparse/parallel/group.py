@@ -435,6 +435,7 @@ def serve_torchrun_ranks(device: torch.device) -> None:
     assert env is not None and env["rank"] > 0
     _, control = torchrun_groups(_rank_device(device, env["local_rank"]))
     from hisparse.engine.llm import LLM
+    from hisparse.engine.tp_follower import serve_tensor_parallel
 
     status = 0
     try:
@@ -448,7 +449,7 @@ def serve_torchrun_ranks(device: torch.device) -> None:
                 llm = LLM(**box[0][1])
             finally:
                 _TORCHRUN_WORKER = False
-            if llm._serve_tensor_parallel() == "exit":
+            if serve_tensor_parallel(llm) == "exit":
                 break
     except BaseException:
         status = 1
@@ -538,10 +539,11 @@ def worker_main(spec: WorkerSpec, report: Any) -> None:
         report.send(("up",))
         _WORKER = spec
         from hisparse.engine.llm import LLM
+        from hisparse.engine.tp_follower import serve_tensor_parallel
 
         llm = LLM(**spec.llm_kwargs)
         _WORKER = None
-        llm._serve_tensor_parallel()
+        serve_tensor_parallel(llm)
     except BaseException:
         status = 1
         text = traceback.format_exc()

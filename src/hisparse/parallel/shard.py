@@ -184,7 +184,8 @@ def _skip_lm_head(model: nn.Module) -> None:
 
 def shard_dsa(model: nn.Module, tp: Any) -> nn.Module:
     """`DsaForCausalLM` (on the CPU, loaded whole) -> this rank's shard, in place."""
-    from hisparse.models.deepseek_v32 import MLP, DecoderLayer, MLAttention, MoE
+    from hisparse.models.deepseek_v32 import DecoderLayer, MLAttention, MoE
+    from hisparse.models.layers import MLP
 
     rank, world = tp.rank, tp.world_size
     for layer in model.model.layers:

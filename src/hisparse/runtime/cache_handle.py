@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from hisparse.runtime.batch import GroupTables, StepMetadata
-from hisparse.runtime.ops import cpu_jit
+from hisparse.runtime.ops import cpu_backend
 from hisparse.runtime.sparse_layer import SparseLayerRuntime, prefix_rows
 from hisparse.runtime.staging import PrefillStagingPlan
 
@@ -190,10 +190,10 @@ class CacheHandle:
 def _resident_rows_cpu(
     logical_topk: torch.Tensor, req: torch.Tensor, table: torch.Tensor, block_size: int
 ) -> torch.Tensor | None:
-    """`CacheHandle.resident_rows` in one compiled call (`cpu_jit.resident_rows`: a prefill's
+    """`CacheHandle.resident_rows` in one compiled call (`resident_rows` kernel: a prefill's
     ``[T, top_k]`` lookup in a dozen passes of torch ops fewer); ``None`` without numba or
     where an entry is not resident (the torch path then raises)."""
-    fns = cpu_jit.jit()
+    fns = cpu_backend().jit()
     if fns is None:
         return None
     out = torch.empty(logical_topk.shape, dtype=torch.int32)

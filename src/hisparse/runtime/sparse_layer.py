@@ -21,7 +21,8 @@ import torch
 from hisparse.config import ResolvedHiSparseConfig
 from hisparse.kv.host_pool import is_host_pool_memory
 from hisparse.runtime.batch import GroupTables, StepMetadata
-from hisparse.runtime.ops import cpu_jit, has_capability, ops_for
+from hisparse.runtime.ops import cpu_backend, has_capability, ops_for
+from hisparse.runtime.ops.cpu.numpy_views import np_rows
 from hisparse.runtime.streams import CopyStream, LayerEvent
 
 
@@ -30,73 +31,8 @@ def prefix_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t if t.shape[0] == n else t[:n]
 
 
-def _np_rows(view: torch.Tensor) -> np.ndarray:
-    """A paged ``[blocks, block_size, W]`` uint8 view as numpy, in 8-byte words where the
-    strides allow (a compiled row copy then moves W / 8 words instead of W bytes)."""
-    for dtype in (torch.int64, torch.int32):
-        size = dtype.itemsize
-        if (
-            view.stride(-1) == 1
-            and view.shape[-1] % size == 0
-            and all(st % size == 0 for st in view.stride()[:-1])
-            and view.storage_offset() % size == 0
-        ):
-            return view.view(dtype).numpy()
-    return view.numpy()
-
-
-class _StepArrays:
-    """numpy views of one step's metadata, made once per step for every layer, and of the
-    resident block table of each group's `GroupTables` (`resident_of`)."""
-
-    __slots__ = ("_dev_rows", "_resident", "host_row", "meta", "q", "slot", "source", "state")
-
-    def __init__(self, meta: StepMetadata) -> None:
-        self.meta = meta
-        self.q = int(meta.req_per_token.numpy()[0]) if meta.req_per_token.shape[0] else -1
-        self.state = meta.request_state_indices.numpy()
-        self.source = meta.source_block_table.numpy()
-        written = meta.host_slot_mapping
-        self.host_row = int(written.numpy()[0]) if written is not None and written.shape[0] else -1
-        #: The state slot of request ``q`` (``-1``: none, or ``q`` outside the state list).
-        self.slot = int(self.state[self.q]) if 0 <= self.q < self.state.shape[0] else -1
-        self._resident: list[tuple[GroupTables, np.ndarray | None]] = []
-        self._dev_rows: list[tuple[GroupTables, int]] = []
-
-    def resident_of(self, tables: GroupTables) -> np.ndarray | None:
-        for known, array in self._resident:
-            if known is tables:
-                return array
-        table = tables.resident_block_table
-        array = None if table is None else table.numpy()
-        self._resident.append((tables, array))
-        return array
-
-    def dev_row_of(self, tables: GroupTables) -> int:
-        """The resident row the step's one new token is written to (``-1``: none)."""
-        for known, row in self._dev_rows:
-            if known is tables:
-                return row
-        mapping = tables.slot_mapping
-        row = int(mapping.numpy()[0]) if mapping.shape[0] else -1
-        self._dev_rows.append((tables, row))
-        return row
-
-
-#: The arguments `cpu_jit.finish_decode_row` takes for a layer without host rows (no copy).
+#: The arguments the compiled `finish_decode_row` takes for a layer without host rows.
 _NO_PAIR = (np.zeros((1, 1, 1), np.int64), np.zeros((1, 1, 1), np.int64), 0, 0)
-
-#: The last step's `_StepArrays` (the layers of a step share one metadata object).
-_LAST_STEP: list[_StepArrays] = []
-
-
-def _step_arrays(meta: StepMetadata) -> _StepArrays:
-    last = _LAST_STEP[0] if _LAST_STEP else None
-    if last is not None and last.meta is meta:
-        return last
-    arrays = _StepArrays(meta)
-    _LAST_STEP[:] = [arrays]
-    return arrays
 
 
 class IndexGroupRuntime:
@@ -172,7 +108,7 @@ class IndexGroupRuntime:
     @ops.setter
     def ops(self, ops: Any) -> None:
         self._ops = ops
-        #: Batch-1 CPU decode steps may take the compiled path (`cpu_jit`) instead of ``ops``:
+        #: Batch-1 CPU decode steps may take the compiled path (`CpuBackend.jit`), not ``ops``:
         #: set with the ops, so a wrapper that wants to see every op call (the swap timer)
         #: turns it off.
         self.cpu_decode_fast_path = self.device.type == "cpu" and has_capability(
@@ -226,7 +162,7 @@ class IndexGroupRuntime:
             return
         if n == 1 and self.cpu_decode_fast_path and meta.is_decode:
             # A batch-1 decode step: the written host row out of the slot set, in numpy.
-            step = _step_arrays(meta)
+            step = cpu_backend().step_arrays(meta)
             q, row = step.q, step.host_row
             if row >= 0 and 0 <= q < step.state.shape[0]:
                 s = int(step.state[q])
@@ -335,8 +271,8 @@ class IndexGroupRuntime:
             for i, ly in enumerate(self.layers):
                 pair = None
                 if ly.host_view is not None and ly.device_view is not None:
-                    host = arrays[f"host{i}"] = _np_rows(ly.host_view)
-                    dev = arrays[f"dev{i}"] = _np_rows(ly.device_view)
+                    host = arrays[f"host{i}"] = np_rows(ly.host_view)
+                    dev = arrays[f"dev{i}"] = np_rows(ly.device_view)
                     pair = (host, dev, host.shape[0] * host.shape[1], dev.shape[0] * dev.shape[1])
                 pairs.append(pair)
             self._cpu_pairs = pairs
@@ -362,17 +298,17 @@ class IndexGroupRuntime:
 
     def _cpu_decode_one(self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor) -> bool:
         """A decode step with one query row on the CPU (`cpu_decode_fast_path`): resolve, count
-        and gather every layer of the group in compiled calls (`cpu_jit`), with the results
+        and gather every layer of the group in compiled calls (`CpuBackend.jit`), with the results
         of `_resolve`, `_count_step` and the layers' `gather_swapped_rows` bit for bit.
         ``False``: not such a step, or an input the general path must handle (it then runs
         from the same state)."""
-        fns = cpu_jit.jit()
+        fns = cpu_backend().jit()
         if fns is None or not meta.is_decode or topk.shape[0] != 1 or not topk.is_cpu:
             return False
         if self.config.max_query_len < 1 or not self.totals.is_cpu:
             return False
         self.check_rows(topk)
-        step = _step_arrays(meta)
+        step = cpu_backend().step_arrays(meta)
         q, s, S = step.q, step.slot, self.max_num_reqs
         if s < 0:
             return False  # padding (the general path only clears the outputs)
@@ -413,7 +349,7 @@ class IndexGroupRuntime:
             return False
         if meta.host_slot_mapping is None:
             return True  # nothing written to the host: no invalidation, no mirror
-        step = _step_arrays(meta)
+        step = cpu_backend().step_arrays(meta)
         row, q, s = step.host_row, step.q, step.slot
         H = self.hot_index.shape[0]
         leader = layer is self.layers[0]
@@ -436,7 +372,7 @@ class IndexGroupRuntime:
                 return False  # out of range: the general path raises
         else:
             pair = _NO_PAIR
-        fns = cpu_jit.jit()
+        fns = cpu_backend().jit()
         if fns is not None:
             fns.finish_decode_row(a["hot_index"], drop, s, row, pair[1], pair[0], dev_row,
                                   row, copy)  # fmt: skip

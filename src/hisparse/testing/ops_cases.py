@@ -1,6 +1,6 @@
 """Random inputs for comparing a data-plane ops backend with the reference (`runtime.ops`).
 
-Used by the CPU tests (cpu_ops, the Triton kernels under the interpreter), the GPU tests and
+Used by the CPU tests (the CPU backend, the Triton kernels under the interpreter), the GPU tests and
 the GPU benchmark (bench_swap), so all draw cases the same way. Imports no Triton.
 """
 

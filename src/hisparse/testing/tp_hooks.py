@@ -11,8 +11,8 @@ from hisparse.engine.hooks import StepHooks, StepRequests
 
 class SelectionDigest(StepHooks):
     """A running CRC-32 of every decode top-k every index-group leader used (the engine's
-    `LLM._rank_state` reports ``digest``: equal on every rank when every rank selected the
-    same rows bit for bit). Changes nothing."""
+    `tp_follower.rank_state` reports ``digest``: equal on every rank when every rank selected
+    the same rows bit for bit). Changes nothing."""
 
     def __init__(self) -> None:
         self.digest = 0

@@ -1,11 +1,12 @@
 """One dispatch point for the data-plane ops (docs/design.md §6).
 
 Every op exists as a plain-PyTorch reference (`reference`) and may have a kernel backend
-registered for a device type: the Triton kernels register for ``cuda``, the vectorised numpy
-ops of `cpu_ops` for ``cpu`` (the reference's per-request loops of small torch ops dominated a
-CPU decode step). Callers ask `ops_for(device)` once and call the returned namespace;
+registered for a device type: the Triton kernels register for ``cuda``, the CPU backend
+(`cpu.CpuBackend`: vectorised numpy ops and the compiled batch-1 fast paths) for ``cpu`` (the
+reference's per-request loops of small torch ops dominated a CPU decode step). Callers ask
+`ops_for(device)` once and call the returned namespace;
 ``HISPARSE_OPS=reference`` forces the reference everywhere (debugging, A/B checks).
-``HISPARSE_OPS=cpu`` forces `cpu_ops` (which hands non-CPU tensors to the reference).
+``HISPARSE_OPS=cpu`` forces the CPU backend (which hands non-CPU tensors to the reference).
 ``HISPARSE_OPS=triton`` forces the Triton kernels on every device: on CPU tensors that needs
 ``TRITON_INTERPRET=1`` set before Triton is first imported (the CPU tests do this).
 
@@ -15,7 +16,7 @@ Triton resolve's own switches (``HISPARSE_RESOLVE_IMPL``, ``HISPARSE_RESOLVE_SPL
 ``HISPARSE_RESOLVE_SORT_WINDOW``) live with it, in `triton_resolve`.
 
 What the rest of the runtime may rely on beyond the ops' results is declared by each backend
-as module-level flags (`CAPABILITIES`) and read with `has_capability`, never by asking which
+as flags on its namespace (`CAPABILITIES`) and read with `has_capability`, never by asking which
 backend it is.
 """
 
@@ -27,7 +28,8 @@ from typing import Protocol
 
 import torch
 
-from hisparse.runtime.ops import cpu_ops, reference
+from hisparse.runtime.ops import reference
+from hisparse.runtime.ops.cpu import CpuBackend
 
 
 class DataPlaneOps(Protocol):
@@ -50,8 +52,8 @@ OP_NAMES: tuple[str, ...] = (
 #: Flags a backend namespace may declare (``True``; missing or anything else: not declared):
 #: ``CUDA_GRAPH_CAPTURABLE``: no host sync and no grid sized by data, so a decode step calling
 #: the ops can be captured in a CUDA graph;
-#: ``CPU_DECODE_FAST_PATH``: the runtime's compiled batch-1 decode path (`cpu_jit`) may run in
-#: place of the ops on CPU tensors, with their results bit for bit.
+#: ``CPU_DECODE_FAST_PATH``: the runtime's compiled batch-1 decode path (`CpuBackend.jit`) may
+#: run in place of the ops on CPU tensors, with their results bit for bit.
 CAPABILITIES: tuple[str, ...] = ("CUDA_GRAPH_CAPTURABLE", "CPU_DECODE_FAST_PATH")
 
 _backends: dict[str, ModuleType | object] = {}
@@ -106,7 +108,7 @@ def ops_for(device: torch.device | str) -> ModuleType | object:
     if choice == "reference":
         return reference
     if choice == "cpu":
-        return cpu_ops
+        return cpu_backend()
     if choice == "triton":
         return triton_ops()
     kind = torch.device(device).type
@@ -115,13 +117,23 @@ def ops_for(device: torch.device | str) -> ModuleType | object:
     return _backends.get(kind, reference)
 
 
-register_backend("cpu", cpu_ops)
+def cpu_backend() -> CpuBackend:
+    """The CPU backend registered for ``cpu``: its ops, kernels and fast-path switches, used by
+    the CPU fast paths whichever ops a caller was handed (``HISPARSE_OPS`` picks ops only)."""
+    backend = _backends["cpu"]
+    if not isinstance(backend, CpuBackend):
+        raise TypeError(f"the backend registered for 'cpu' is {backend!r}, not a CpuBackend")
+    return backend
+
+
+register_backend("cpu", CpuBackend())
 
 __all__ = [
     "CAPABILITIES",
     "OP_NAMES",
+    "CpuBackend",
     "DataPlaneOps",
-    "cpu_ops",
+    "cpu_backend",
     "has_capability",
     "ops_for",
     "reference",

@@ -18,22 +18,17 @@ to the reference itself: the same result, or the same error after the same parti
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 
-from hisparse.runtime.ops import cpu_jit, reference
+from hisparse.runtime.ops import reference
 
 Tensor = torch.Tensor
 
-#: These ops synchronise with the host (numpy on the tensors' memory): no graph capture.
-CUDA_GRAPH_CAPTURABLE = False
-#: The runtime's compiled batch-1 decode path (`cpu_jit`, numpy without numba) may stand in for
-#: these ops on CPU tensors: its results equal theirs bit for bit (tests/test_cpu_decode_step.py).
-CPU_DECODE_FAST_PATH = True
-
 __all__ = [
-    "CPU_DECODE_FAST_PATH",
-    "CUDA_GRAPH_CAPTURABLE",
     "gather_compact",
     "gather_compact_group",
     "gather_plan",
@@ -256,11 +251,6 @@ def invalidate_written_slots(
         hot[touched] = sub
 
 
-#: One request in the batch (every decode step at batch 1): `_resolve_one_request`, fewer
-#: and smaller ops than the batched form (which tests also run on such batches).
-_ONE_REQUEST_PATH = True
-
-
 def _resolve_one_request(
     q: int,
     s: int,
@@ -347,8 +337,15 @@ def resolve_residency(
     hit_miss: Tensor | None = None,
     *,
     max_rows_per_request: int | None = None,
+    one_request_path: bool = True,
+    jit: Callable[[], SimpleNamespace | None] | None = None,
 ) -> None:
     """`reference.resolve_residency` for the whole batch at once (same contract, same bits).
+
+    ``one_request_path``: a batch with one live request (every decode step at batch 1) takes
+    `_resolve_one_request`, fewer and smaller ops than the batched form (which tests also run
+    on such batches); with ``jit`` (`CpuBackend.jit`: the compiled kernels, or ``None``) one
+    query row is one compiled call.
 
     Every request's entries are handled together: the wanted sets are the distinct
     (request, host row) keys, hits are found by searching the touched slots' held rows among
@@ -386,7 +383,7 @@ def resolve_residency(
     if hm is not None:
         hm[...] = 0
 
-    if R == 1 and _ONE_REQUEST_PATH and row_req.shape[0] >= 1:
+    if R == 1 and one_request_path and row_req.shape[0] >= 1:
         # One query row (a batch-1 decode step): scalars and 1-D arrays, fewer ops.
         q = int(_np(row_req)[0])
         if q < 0 or q >= Q or int(state[q]) < 0:
@@ -395,7 +392,7 @@ def resolve_residency(
         if s >= S or (max_rows_per_request is not None and max_rows_per_request < 1):
             oracle()
             return
-        fns = cpu_jit.jit()
+        fns = None if jit is None else jit()
         if fns is not None and q < min(source_block_table.shape[0], swap_src.shape[0]):
             src_bt = _np(source_block_table)
             res_bt = src_bt if resident_block_table is None else _np(resident_block_table)
@@ -497,7 +494,7 @@ def resolve_residency(
     if int(e_g.min()) < 0:
         oracle()
         return
-    if slots_of_reqs.size == 1 and _ONE_REQUEST_PATH:
+    if slots_of_reqs.size == 1 and one_request_path:
         q0 = int(q_of_row[0])
         if not _resolve_one_request(
             q0, int(state[q0]), entries, e_g, phys, hot_index, lru, hot_block_table, bs,
