@@ -18,14 +18,14 @@ from hisparse.kv.cache_shapes import (
     indexer_schedule,
     load_model_cache_shape,
 )
+from hisparse.kv.layer_names import compact_layer_names
 from hisparse.kv.layout import (
     GroupKind,
     KVLayout,
-    compact_layer_names,
-    pack,
     plan_kv_layout,
     staging_pages,
 )
+from hisparse.kv.packing import pack
 from hisparse.kv.paged_view import PagedViewSpec
 from hisparse.kv.specs import CacheKind, LayerCacheSpec, RowFormat, indexer_spec, sparse_mla_spec
 

@@ -29,7 +29,6 @@ own slice (``host_shard``). MLA rows are the same on every rank: one shard, one 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -39,11 +38,12 @@ from typing import Literal
 from rich.table import Table
 
 from hisparse.config import (
-    ROW_ALIGNMENT_BYTES,
     HiSparseConfigError,
     ResolvedHiSparseConfig,
     cdiv,
 )
+from hisparse.kv.layer_names import compact_layer_names, summarize_index_groups
+from hisparse.kv.packing import choose_packing
 from hisparse.kv.paged_view import PagedViewSpec
 from hisparse.kv.specs import CacheKind, LayerCacheSpec
 
@@ -368,6 +368,7 @@ def plan_kv_layout(
         regular,
         pages=cdiv(max_model_len, bs),
         hot_pages=config.hot_blocks_per_request,
+        tail_pages=min(RESIDENT_PEAK_PAGES, cdiv(max_model_len, bs)),
     )
     indexer_group = _device_group(GroupKind.INDEXER, indexers, m) if indexers else None
     resident = [_device_group(GroupKind.RESIDENT, pack) for pack in packs]
@@ -633,71 +634,6 @@ def _device_group(
     return DeviceGroup(kind, tuple(names), tuple(offsets), offset, pages_per_block)
 
 
-#: Most indexer pages per block `choose_packing` tries.
-MAX_INDEXER_PAGES_PER_BLOCK = 512
-
-
-def choose_packing(
-    units: list[list[LayerCacheSpec]],
-    indexers: list[LayerCacheSpec],
-    regular: list[LayerCacheSpec],
-    *,
-    pages: int,
-    hot_pages: int,
-) -> tuple[int, list[list[LayerCacheSpec]], list[list[LayerCacheSpec]]]:
-    """HiSparse GPU block: ``(m, packs of index groups, packs of regular layers)``.
-
-    A block is ``m`` indexer pages (every indexer layer's page side by side, ``G`` bytes), so
-    the indexer group pads nothing; index groups (never split) are packed into blocks of
-    ``m * G`` bytes first fit, largest first (`pack`), and so are regular layers. Of every
-    ``m`` whose block holds the largest unit, the one whose request of ``pages`` pages (its
-    indexer pages, `RESIDENT_PEAK_PAGES` per pack, ``hot_pages`` per hot pack, every regular
-    page) takes the fewest bytes wins; the smallest such ``m`` on ties (docs/design.md §4.2).
-    The block stays a multiple of `ROW_ALIGNMENT_BYTES`, so every row of every block stays
-    aligned for the kernels' 16-byte accesses.
-    """
-    sub = sum(s.page_bytes for s in indexers)
-    largest = max(
-        [sum(s.page_bytes for s in u) for u in units] + [s.page_bytes for s in regular],
-        default=0,
-    )
-    if sub == 0:  # no indexer (not a HiSparse layout the checks accept): the largest unit
-        return 1, pack(units, largest), pack([[s] for s in regular], largest)
-    tail = min(RESIDENT_PEAK_PAGES, pages)
-    best: tuple[int, int, list, list] | None = None
-    for m in range(max(cdiv(largest, sub), 1), MAX_INDEXER_PAGES_PER_BLOCK + 1):
-        block = m * sub
-        if block % ROW_ALIGNMENT_BYTES:
-            continue
-        packs = pack(units, block)
-        reg = pack([[s] for s in regular], block)
-        nbytes = block * (cdiv(pages, m) + len(packs) * (tail + hot_pages) + len(reg) * pages)
-        if best is None or nbytes < best[0]:
-            best = (nbytes, m, packs, reg)
-        if len(packs) <= 1 and len(reg) <= 1:
-            break  # one pack holds everything: a larger block only pads the indexer
-    assert best is not None
-    return best[1], best[2], best[3]
-
-
-def pack(units: list[list[LayerCacheSpec]], limit: int) -> list[list[LayerCacheSpec]]:
-    """First fit, largest first: each unit (never split) goes into the first pack it fits in
-    (``<= limit`` bytes of pages), units taken largest first (ties in layer order); a unit
-    larger than ``limit`` is a pack of its own. Inside a pack units keep layer order, and
-    packs are ordered by their first layer."""
-    sizes = [sum(s.page_bytes for s in u) for u in units]
-    packs: list[tuple[int, list[int]]] = []
-    for i in sorted(range(len(units)), key=lambda i: -sizes[i]):
-        for k, (used, members) in enumerate(packs):
-            if used + sizes[i] <= limit:
-                packs[k] = (used + sizes[i], [*members, i])
-                break
-        else:
-            packs.append((sizes[i], [i]))
-    ordered = sorted((sorted(members) for _, members in packs), key=lambda m: m[0])
-    return [[s for i in members for s in units[i]] for members in ordered]
-
-
 def format_gib(nbytes: int) -> str:
     """GiB with two decimals; small pools (tests, tiny models) in MiB / KiB instead of 0.00."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -709,60 +645,3 @@ def format_gib(nbytes: int) -> str:
 def ceil_gib(nbytes: int) -> str:
     """``nbytes`` rounded *up* to 0.01 GiB, so the suggested value is enough."""
     return f"{math.ceil(nbytes * 100 / 2**30) / 100:,.2f} GiB"
-
-
-_NUMBERED = re.compile(r"^(.*?)(\d+)(\D.*)?$")
-
-
-def compact_layer_names(names: Sequence[str]) -> str:
-    """``layers.0.attn .. layers.11.attn`` -> ``layers.0-11.attn``; gaps -> ``layers.[0-2,6].x``."""
-    runs: list[tuple[tuple[str, str] | None, list]] = []
-    for name in names:
-        m = _NUMBERED.match(name)
-        key = (m.group(1), m.group(3) or "") if m else None
-        if key is not None and runs and runs[-1][0] == key:
-            runs[-1][1].append(int(m.group(2)))  # type: ignore[union-attr]
-        else:
-            runs.append((key, [int(m.group(2))] if m else [name]))
-    parts = []
-    for key, items in runs:
-        if key is None:
-            parts.append(str(items[0]))
-            continue
-        ranges = _ranges(items)
-        body = ranges if len(ranges.split(",")) == 1 else f"[{ranges}]"
-        parts.append(f"{key[0]}{body}{key[1]}")
-    return ", ".join(parts)
-
-
-def _ranges(numbers: list[int]) -> str:
-    """``[0, 1, 2, 6, 10, 14]`` -> ``"0-2,6-14 by 4"`` (IndexShare schedules stay short)."""
-    out: list[str] = []
-    i = 0
-    while i < len(numbers):
-        j = i + 1
-        if j < len(numbers) and numbers[j] > numbers[i]:
-            step = numbers[j] - numbers[i]
-            while j + 1 < len(numbers) and numbers[j + 1] - numbers[j] == step:
-                j += 1
-            run = j - i + 1
-            if step == 1 or run >= 3:
-                suffix = "" if step == 1 else f" by {step}"
-                out.append(f"{numbers[i]}-{numbers[j]}{suffix}")
-                i = j + 1
-                continue
-        out.append(str(numbers[i]))
-        i += 1
-    return ",".join(out)
-
-
-def summarize_index_groups(groups: Sequence[IndexGroupLayout]) -> str:
-    """``"21 (19 of 4 layers, 2 of 1 layer)"``: how the sparse layers share top-k."""
-    sizes: dict[int, int] = {}
-    for group in groups:
-        sizes[len(group.layers)] = sizes.get(len(group.layers), 0) + 1
-    detail = ", ".join(
-        f"{count} of {size} layer{'s' if size > 1 else ''}"
-        for size, count in sorted(sizes.items(), reverse=True)
-    )
-    return f"{len(groups)} ({detail})"
