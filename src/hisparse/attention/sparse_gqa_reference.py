@@ -1,6 +1,6 @@
 """Reference sparse GQA attention over paged KV rows, and the GQA row format.
 
-A GQA/MHA layer's cache row (DESIGN.md §2) is one token's K then V of every KV head, in the
+A GQA/MHA layer's cache row (docs/design.md §3) is one token's K then V of every KV head, in the
 model dtype: ``[K_0 … K_{G-1} ‖ V_0 … V_{G-1}]``, ``row_bytes = 2 · G · D · itemsize``
 (SmolLM2, G = 3, D = 64: 768 B in bf16, 1536 B in fp32; both multiples of 16). Every tier
 stores these same bytes, so `GqaRowFormat.pack` / `unpack` are the single source of truth and
