@@ -227,6 +227,19 @@ def test_cli_trace_file(tiny: str, tmp_path) -> None:
     assert (tmp_path / "sim.png").stat().st_size > 0
 
 
+def test_compare_refuses_a_bench_of_the_models_own_top_k(tiny: str, tmp_path, capsys) -> None:
+    """A bench run with ``--topk-overlap off`` has no replayable selections: a clear error
+    naming the flag (exit 2), not a traceback."""
+    from hisparse.cli import main
+
+    bench = tmp_path / "bench.json"
+    settings = dict(model=tiny, input_len=64, output_len=8, concurrency="2",
+                    kv_placement="hisparse", topk_overlap="off", gpu_memory_gib=0.001)  # fmt: skip
+    bench.write_text(json.dumps({"settings": settings, "results": []}))
+    assert main(["simulate", "--compare", str(bench), "--target", "cpu"]) == 2
+    assert "--topk-overlap='off'" in capsys.readouterr().err
+
+
 def test_sampled_requests_estimate_all(tiny: str) -> None:
     """Simulating every other request's hot buffers and counting the rest as their mean
     keeps the schedule exact and the bytes near the full simulation."""

@@ -162,11 +162,27 @@ def bench_id_offsets(bench: dict[str, Any], conc: list[int], target: str) -> lis
     return out
 
 
+def _overlap(value: object) -> float:
+    """``--topk-overlap`` (or a bench's) as a fraction; the model's own selections (a bench
+    run with ``--topk-overlap off``) cannot be replayed without the model."""
+    try:
+        overlap = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise HiSparseConfigError(
+            f"--topk-overlap={value!r}: the simulator replays selections with a step overlap in "
+            "[0, 1] (the bench's --topk-overlap); a run with the model's own top-k cannot be "
+            "simulated: give --topk-overlap 0.8, say"
+        ) from None
+    if not 0.0 <= overlap <= 1.0:
+        raise HiSparseConfigError(f"--topk-overlap={value!r} must be in [0, 1]")
+    return overlap
+
+
 def settings_for(
     args: argparse.Namespace, placement: str, n: int | None, trace: list[TraceRequest]
 ) -> SimSettings:
     longest = max(t.input_len + t.output_len for t in trace)
-    overlap = 0.8 if args.topk_overlap is None else float(args.topk_overlap)
+    overlap = 0.8 if args.topk_overlap is None else _overlap(args.topk_overlap)
     return SimSettings(
         model=str(args.model),
         placement=placement,
