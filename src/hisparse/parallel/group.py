@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import os
 import signal
 import sys
@@ -361,6 +362,7 @@ class TPGroup:
             unlink_pool_file(self)
             if not graceful:
                 _drop_torchrun_groups()
+            self.group = self.control = None  # the process's groups: `_drop_torchrun_groups`
             return
         if self.is_driver and graceful and self.workers:
             with contextlib.suppress(Exception):
@@ -418,11 +420,17 @@ def _release_torchrun_ranks() -> None:
 
 
 def _drop_torchrun_groups() -> None:
+    """Destroy this process's groups now, while the interpreter still runs: a group whose C++
+    object outlives `destroy_process_group` (a closed engine still referring to it) keeps its
+    gloo threads, and one that frees its last collective's tensors during finalization aborts
+    the process ("terminate called without an active exception"). Every engine drops its
+    references in `TPGroup.shutdown`; the collection frees those held in cycles."""
     global _TORCHRUN_GROUPS
     _TORCHRUN_GROUPS = None
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+    gc.collect()
 
 
 def serve_torchrun_ranks(device: torch.device) -> None:
