@@ -123,6 +123,29 @@ def test_tp2_equals_tp1_under_preemption(checkpoint):
     assert [o.token_ids for o in two] == [o.token_ids for o in one]
 
 
+def test_tp2_offload_under_pressure_with_the_lazy_mirror(v32):
+    """``offload="under_pressure"`` in a pool too small for every page: the ranks demote the
+    same requests at the same steps (rank 0 writes the lazy mirror back first, the other
+    waits on its fence) and give one rank's tokens."""
+    prompts = _prompts((40, 23, 70, 33))
+    hs = HiSparseConfig(host_pool_gib=0.01, block_size=4, eager_host_mirror=False,
+                        offload="under_pressure")  # fmt: skip
+    kw = dict(hisparse=hs, kv_format="bf16", max_model_len=128, max_num_seqs=4)
+    with LLM(v32, gpu_memory_gib=0.02, **kw) as probe:
+        lay = probe.kv.layout
+        blocks = 1 + int(4.2 * lay.gpu_blocks_per_request(128))
+        gib = (blocks * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
+    runs = []
+    for tp in (1, 2):
+        with LLM(v32, gpu_memory_gib=gib, tensor_parallel_size=tp, **kw) as llm:
+            runs.append(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY))
+            runs.append(llm.scheduler.demotions)
+    one, one_demoted, two, two_demoted = runs
+    assert all(o.ok for o in two), [o.error for o in two]
+    assert one_demoted == two_demoted > 0
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+
+
 def test_tp2_lazy_mirror_and_all_gpu_placement(v32):
     """The lazy host mirror (rows written back when their page leaves the GPU, outside the
     forward: the other rank's next step waits on the writer's fence) and the all-GPU

@@ -31,6 +31,7 @@ FLAGS = {
     "HiSparseConfig.top_k": "--top-k",
     "HiSparseConfig.device_buffer_size": "--device-buffer-size",
     "HiSparseConfig.host_pool_gib": "--host-pool-gib",
+    "HiSparseConfig.offload": "--offload",
     "LLM.gpu_memory_gib": "--gpu-memory-gib",
     "LLM.max_model_len": "--max-model-len",
     "LLM.kv_placement": "--kv-placement",
@@ -76,6 +77,11 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument(
         "--host-pool-gib", type=float, default=None, help="default: what the request needs"
     )
+    gen.add_argument(
+        "--offload",
+        default="always",
+        help="always: tail pages only on the GPU; under_pressure: all while room",
+    )
     gen.add_argument("--gpu-memory-gib", type=float, default=None)
     gen.add_argument("--max-model-len", type=int, default=4096)
     gen.add_argument("--kv-placement", choices=("hisparse", "gpu"), default="hisparse")
@@ -102,6 +108,7 @@ def run_generate(args: argparse.Namespace) -> int:
         top_k=top_k,
         device_buffer_size=args.device_buffer_size,
         host_pool_gib=args.host_pool_gib,
+        offload=args.offload,
     )
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed

@@ -17,6 +17,7 @@ FLAGS = {
     "HiSparseConfig.top_k": "--top-k",
     "HiSparseConfig.device_buffer_size": "--device-buffer-size",
     "HiSparseConfig.host_pool_gib": "--host-pool-gib",
+    "HiSparseConfig.offload": "--offload",
     "LLM.gpu_memory_gib": "--gpu-memory-gib",
     "LLM.max_model_len": "--max-model-len",
     "LLM.max_num_seqs": "--max-num-seqs",
@@ -48,6 +49,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=None, help="rows each token attends to")
     p.add_argument("--device-buffer-size", type=int, default=None, help="hot rows per layer")
     p.add_argument("--host-pool-gib", type=float, default=None)
+    p.add_argument(
+        "--offload",
+        default="always",
+        help="always: tail pages only on the GPU; under_pressure: all while room",
+    )
     p.add_argument("--gpu-memory-gib", type=float, default=None)
     p.add_argument("--device", default=None)
     p.add_argument(
@@ -71,7 +77,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting {args.max_waiting}: must be >= 0")
     config = HiSparseConfig(
         top_k=args.top_k, device_buffer_size=args.device_buffer_size,
-        host_pool_gib=args.host_pool_gib,
+        host_pool_gib=args.host_pool_gib, offload=args.offload,
     )  # fmt: skip
     console = Console()
     with console.status("loading the model"):

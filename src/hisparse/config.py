@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from hisparse.validation import HiSparseConfigError as HiSparseConfigError  # re-exported
 from hisparse.validation import HiSparseTypeError as HiSparseTypeError
-from hisparse.validation import check_bool, check_int
+from hisparse.validation import check_bool, check_choice, check_int
 from hisparse.validation import check_gib as _check_gib
 
 #: The LRU order is stored as int16 slot numbers, so a hot buffer holds at most this many rows.
@@ -20,6 +20,8 @@ MAX_DEVICE_BUFFER_SIZE = 32768
 MAX_BLOCK_SIZE = 4096
 #: Rows are copied with 16-byte accesses.
 ROW_ALIGNMENT_BYTES = 16
+#: `HiSparseConfig.offload`: when a request's older pages leave the GPU
+OFFLOAD_POLICIES = ("always", "under_pressure")
 
 
 def check_gib(name: str, value: float) -> None:
@@ -47,6 +49,12 @@ class HiSparseConfig:
         eager_host_mirror: copy each decode step's new rows to the host in the same step
             (otherwise rows are written back when their resident page is spilled).
         max_query_len: most rows one request brings to a decode step (1 + speculative tokens).
+        offload: ``"always"`` (default): a request keeps only its tail pages on the GPU and
+            reads the rest through its hot buffer; ``"under_pressure"``: a request keeps every
+            page it writes resident while the GPU pool has free blocks, and its older pages
+            go to the host (it starts reading through the hot buffer) only when another
+            request needs the room. Same tokens either way; capacity is the same (the plan
+            counts the tail pages).
     """
 
     top_k: int | None = None
@@ -55,6 +63,7 @@ class HiSparseConfig:
     block_size: int = 64
     eager_host_mirror: bool = True
     max_query_len: int = 1
+    offload: str = "always"
 
     def __post_init__(self) -> None:
         """Types and ranges of each field (`hisparse.validation`); `resolve` checks how they
@@ -66,6 +75,7 @@ class HiSparseConfig:
         check_int(f + "block_size", self.block_size, minimum=1, maximum=MAX_BLOCK_SIZE, example=64)
         check_bool(f + "eager_host_mirror", self.eager_host_mirror)
         check_int(f + "max_query_len", self.max_query_len, minimum=1, example=1)
+        check_choice(f + "offload", self.offload, OFFLOAD_POLICIES)
 
     def resolve(self, model_top_k: int | None = None) -> ResolvedHiSparseConfig:
         """Fill in defaults and check every limit; raises `HiSparseConfigError`."""
@@ -107,6 +117,7 @@ class HiSparseConfig:
             block_size=self.block_size,
             eager_host_mirror=self.eager_host_mirror,
             max_query_len=self.max_query_len,
+            offload=self.offload,
         )
 
 
@@ -121,6 +132,7 @@ class ResolvedHiSparseConfig:
     block_size: int
     eager_host_mirror: bool
     max_query_len: int
+    offload: str = "always"
 
     @property
     def hot_blocks_per_request(self) -> int:

@@ -89,6 +89,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="hot rows per request and layer (default (max_query_len+1)*top_k)",
     )
     bench.add_argument("--top-k", type=int, default=None, help="default: the model's index_topk")
+    bench.add_argument(
+        "--offload",
+        default="always",
+        help="always: tail pages only on the GPU; under_pressure: all while room",
+    )
     bench.add_argument("--kv-format", default="auto", help="fp8_ds_mla (auto), bf16, fp32")
     bench.add_argument("--block-size", type=int, default=64)
     bench.add_argument(
@@ -132,6 +137,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
             "HiSparseConfig.top_k": "--top-k",
             "HiSparseConfig.device_buffer_size": "--hot-buffer",
             "HiSparseConfig.host_pool_gib": "--host-pool-gib",
+            "HiSparseConfig.offload": "--offload",
             "HiSparseConfig.block_size": "--block-size",
             "LLM.kv_format": "--kv-format",
             "LLM.dtype": "--dtype",
@@ -324,6 +330,7 @@ def _make_llm(args: argparse.Namespace, cfg: dict[str, Any], placement: str) -> 
         device_buffer_size=args.hot_buffer,
         host_pool_gib=args.host_pool_gib,  # None: the engine's default, sized to the run
         block_size=args.block_size,
+        offload=args.offload,
     )
     return LLM(
         args.model,
@@ -393,6 +400,7 @@ def run_cell(
     llm.set_max_num_seqs(n)
     prompts = _prompts(n, args.input_len, llm.model.config.vocab_size, seed)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    demoted = llm.scheduler.demotions
     t0 = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, on_finish=on_finish)
     steps = llm.last_run_stats  # every step of this call (step_stats keeps only the latest)
@@ -402,6 +410,9 @@ def run_cell(
     # replay of this run (`hisparse simulate --compare`) must plan with
     pool = llm.kv.layout.host_pool_bytes if llm.kv.offload else 0
     row["host_pool_gib"] = pool / 2**30 if pool else None
+    if llm.kv.offload:  # `HiSparseConfig.offload` and the requests it demoted in this run
+        row["offload"] = llm.kv.config.offload
+        row["demotions"] = llm.scheduler.demotions - demoted
     # the step-by-step schedule: tokens are comparable across placements only under the same one
     row["schedule"] = [(bool(s["decode"]), int(s["tokens"]), int(s["running"])) for s in steps]
     # every step's kind, batch and time, for reading where a whole run's time went

@@ -87,6 +87,9 @@ class KVCacheManager:
         self.config = config
         self.placement = placement
         self.offload = placement == "hisparse"
+        #: HiSparse with ``offload="under_pressure"``: written pages stay resident while the
+        #: pool has room; `demote` sends a request's older pages to the host when it has not
+        self.sticky = self.offload and config.offload == "under_pressure"
         self.block_size = config.block_size
         self.max_num_seqs = max_num_seqs
         self.max_blocks = cdiv(max_model_len, self.block_size)
@@ -222,20 +225,34 @@ class KVCacheManager:
 
         Resident pages: all of them with ``keep_all_resident`` (the default of all-GPU
         placement), else only the last page is added (HiSparse, prefill and decode alike: the
-        older ones live on the host; `trim_resident` drops what falls out of the tail)."""
+        older ones live on the host; `trim_resident` drops what falls out of the tail). With
+        ``offload="under_pressure"`` every page the new tokens fall on is added while the pool
+        has room for them (the step writes their rows there), else the last page only."""
         b = self.requests[req_id]
         bs = self.block_size
         pages = cdiv(new_len, bs)
         if keep_all_resident is None:
             keep_all_resident = not self.offload
-        first = 0 if keep_all_resident else max(pages - 1, 0)
-        wanted_resident = [
-            [p for p in range(first, pages) if p not in b.resident[gi]]
-            for gi in range(len(self.resident_groups))
-        ]
         m = self.layout.indexer_pages_per_block
         idx_pages = 0 if self.indexer_in_resident else max(pages - len(b.indexer), 0)
         idx_new = cdiv(len(b.indexer) + idx_pages, m) - len(b.indexer_blocks)
+
+        def wanted(first: int) -> list[list[int]]:
+            return [
+                [p for p in range(first, pages) if p not in b.resident[gi]]
+                for gi in range(len(self.resident_groups))
+            ]
+
+        if keep_all_resident:
+            wanted_resident = wanted(0)
+        else:
+            wanted_resident = wanted(max(pages - 1, 0))
+            if self.sticky:
+                # the pages this step writes (from the one holding the first new token; the
+                # pages before it are resident or already on the host only)
+                every = wanted(max(len(b.indexer) - 1, 0))
+                if idx_new + sum(len(w) for w in every) <= self.gpu_blocks.num_free:
+                    wanted_resident = every
         n_gpu = idx_new + sum(len(w) for w in wanted_resident)
         if n_gpu > self.gpu_blocks.num_free:
             raise KVCapacityError(f"GPU pool: {n_gpu} blocks wanted, {self.gpu_blocks.num_free}")
@@ -258,11 +275,14 @@ class KVCacheManager:
                 b.resident[gi][p] = blk
             self._write_pages(self.resident_tables[gi], b.slot, want, new)
 
-    def trim_resident(self, req_id: str, num_tokens: int) -> list[tuple[int, list[int], list[int]]]:
+    def trim_resident(
+        self, req_id: str, num_tokens: int, *, demote: bool = False
+    ) -> list[tuple[int, list[int], list[int]]]:
         """HiSparse: the resident pages older than the tail, as ``(group, pages, blocks)`` per
         group, so the caller can write dirty rows back before `release_resident` frees them.
-        Called after every step (prefill chunks too: their rows are on the host already)."""
-        if not self.offload:
+        Called after every step (prefill chunks too: their rows are on the host already);
+        under ``offload="under_pressure"`` only to ``demote`` a request (`Scheduler`)."""
+        if not self.offload or (self.sticky and not demote):
             return []
         b = self.requests[req_id]
         pages = cdiv(num_tokens, self.block_size)
@@ -285,6 +305,20 @@ class KVCacheManager:
                 del res[p]
             self.gpu_blocks.free(blocks)
             self._write_pages(self.resident_tables[gi], b.slot, pages, [0] * len(pages))
+
+    def reclaimable(self, req_id: str, num_tokens: int) -> int:
+        """GPU blocks `trim_resident` with ``demote`` would free: resident pages older than
+        the tail (0 unless ``offload="under_pressure"`` kept them)."""
+        if not self.sticky:
+            return 0
+        keep_from = max(cdiv(num_tokens, self.block_size) - RESIDENT_TAIL_PAGES, 0)
+        return sum(1 for res in self.requests[req_id].resident for p in res if p < keep_from)
+
+    def fully_resident(self, req_id: str, num_tokens: int) -> bool:
+        """Every page of the request's first ``num_tokens`` tokens is resident in every
+        resident group (its reads need no hot buffer)."""
+        pages = cdiv(num_tokens, self.block_size)
+        return all(len(res) >= pages for res in self.requests[req_id].resident)
 
     def lease_hot(self, req_id: str) -> int:
         """Give a request a hot-state slot and its hot regions (HiSparse) for decoding.

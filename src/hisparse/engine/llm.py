@@ -277,6 +277,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             policy=schedule,
             stops=StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len),
+            write_back=self.runner.write_back,
         )
         self._ids = itertools.count()
         #: the last `STEP_STATS_KEPT` engine steps (all `generate` calls)
@@ -612,8 +613,7 @@ class LLM:
         else:
             tokens, logprobs = [], []
         now = time.perf_counter()
-        self.scheduler.update(step, result.sample_reqs, tokens, logprobs, now,
-                              write_back=self.runner.write_back)  # fmt: skip
+        self.scheduler.update(step, result.sample_reqs, tokens, logprobs, now)
         return dict(
             decode=float(step.decode),
             tokens=sum(n for _, n in step.batch),

@@ -409,7 +409,12 @@ class ModelRunner:
                 logits = self.model.logits(hidden[rows_t])
             tokens = None
         if warm and kv.offload and self.warm_topk:
-            self._warm_start(warm, host_bt)
+            # ``offload="under_pressure"``: a request whose every page stayed resident reads
+            # no row through its hot buffer (until it is demoted): nothing to warm
+            ends = [(batch[r][0].req_id, starts[r] + counts[r]) for r in warm]
+            cold = [i for i, e in enumerate(ends) if not (kv.sticky and kv.fully_resident(*e))]
+            if cold:
+                self._warm_start(warm, cold, host_bt)
         if decode:
             self._record_hits([req for req, _ in batch])
         return StepResult(logits=logits, sample_reqs=sample_reqs, token_ids=tokens)
@@ -499,12 +504,14 @@ class ModelRunner:
             counts = torch.zeros((b, 3), dtype=torch.int64, device=dev)
         return logits, counts
 
-    def _warm_start(self, rows: list[int], host_bt: torch.Tensor) -> None:
-        """Seed the hot buffers of the requests (batch rows ``rows``) that just finished
-        their prompt, from the host pool (their older pages are no longer resident)."""
+    def _warm_start(self, warm: list[int], cold: list[int], host_bt: torch.Tensor) -> None:
+        """Seed the hot buffers of the requests that just finished their prompt (batch rows
+        ``warm``; those at indices ``cold`` of it), from the host pool (their older pages are
+        no longer resident)."""
         dev = self.device
-        m = len(rows)
-        pick = torch.tensor(rows, device=dev)
+        m = len(cold)
+        pick = torch.tensor([warm[i] for i in cold], device=dev)
+        sub = None if m == len(warm) else torch.tensor(cold, device=dev)
         meta = StepMetadata(
             num_tokens=m,
             is_decode=True,
@@ -515,7 +522,7 @@ class ModelRunner:
         for leader in self.leaders:
             topk = self.warm_topk.get(leader.runtime.name)
             if topk is not None:
-                leader.runtime.group.warm_start_from_host(meta, topk)
+                leader.runtime.group.warm_start_from_host(meta, topk if sub is None else topk[sub])
 
     def prefill_layer_caches(self) -> list[_PrefillLayerCache]:
         """The running prefill step's per-layer caches (for `StepHooks.write_prefill`: a

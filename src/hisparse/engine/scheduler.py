@@ -12,7 +12,10 @@ for what the prompt holds at its peak, `KVLayout.gpu_blocks_per_request` (the pl
 figure: a HiSparse prefill streams its pages to the host, so it holds what its decode will),
 beside what the admitted prompts still have to take. When a decode step cannot grow, the most
 recently admitted request is preempted (its blocks freed, its tokens recomputed later): its
-recompute holds what it held, so it always fits again.
+recompute holds what it held, so it always fits again. With ``offload="under_pressure"`` the
+requests keep older pages resident while the pool has room; those blocks count as free for
+admission, and a request that needs them first demotes others (their older pages to the host,
+`demote`) before anything waits or is preempted.
 """
 
 from __future__ import annotations
@@ -48,12 +51,18 @@ class Scheduler:
         max_num_batched_tokens: int,
         policy: str = "mixed",
         stops: StopChecker | None = None,
+        write_back: Callable[[list, Request], None] | None = None,
     ) -> None:
+        """``write_back(dropped, req)`` copies the dirty rows of resident pages about to be
+        freed to the host (a lazy mirror; `ModelRunner.write_back`)."""
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule={policy!r}: use one of {SCHEDULE_POLICIES}.")
         self.policy = policy
         self.stops = stops or StopChecker(None, set(), 1 << 62)
         self.kv = kv
+        self.write_back = write_back or (lambda _dropped, _req: None)
+        #: requests whose older pages went to the host to make room (``under_pressure``)
+        self.demotions = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -106,6 +115,8 @@ class Scheduler:
                     f"{kv.gpu_blocks.num_usable}; raise gpu_memory_gib or shorten the prompt.",
                 )
                 continue
+            while need_gpu > kv.gpu_blocks.num_free - promised and self.demote():
+                pass
             if need_gpu > kv.gpu_blocks.num_free - promised:
                 break
             try:
@@ -157,9 +168,7 @@ class Scheduler:
             rows = kv.staging_rows(req.num_computed + n)
             if batch and staged + rows > kv.staging_capacity:
                 break
-            try:
-                kv.grow(req.req_id, req.num_computed + n)
-            except KVCapacityError:
+            if not self._grow(req, req.num_computed + n):
                 break
             staged += rows
             batch.append((req, n))
@@ -175,22 +184,48 @@ class Scheduler:
             if req.status is not Status.DECODING:
                 continue  # preempted below for an earlier request
             while True:
-                try:
-                    self.kv.grow(req.req_id, req.num_computed + 1)
+                if self._grow(req, req.num_computed + 1):
                     batch.append((req, 1))
                     break
-                except KVCapacityError:
-                    if len(self.running) == 1:
-                        self.fail_running(req, "the GPU KV pool cannot hold this request alone")
-                        break
-                    victim = self._victim(req)
-                    self.preempt(victim)
-                    batch = [(r, n) for r, n in batch if r is not victim]
-                    if victim is req:
-                        break
+                if len(self.running) == 1:
+                    self.fail_running(req, "the GPU KV pool cannot hold this request alone")
+                    break
+                victim = self._victim(req)
+                self.preempt(victim)
+                batch = [(r, n) for r, n in batch if r is not victim]
+                if victim is req:
+                    break
         if not batch:
             return None
         return ScheduledStep(decode=True, batch=batch, finishing=[False] * len(batch))
+
+    def _grow(self, req: Request, new_len: int) -> bool:
+        """`KVCacheManager.grow`, demoting other requests while that makes room; False: the
+        pool cannot give it the blocks now."""
+        while True:
+            try:
+                self.kv.grow(req.req_id, new_len)
+                return True
+            except KVCapacityError:
+                if not self.demote():
+                    return False
+
+    def demote(self) -> bool:
+        """``offload="under_pressure"``: send the older resident pages of the request holding
+        the most of them to the host (written back first where the mirror is lazy), so it
+        reads them through its hot buffer from now on. False: no request has any."""
+        kv = self.kv
+        if not kv.sticky:
+            return False
+        best = max(self.running, key=lambda r: kv.reclaimable(r.req_id, r.num_computed),
+                   default=None)  # fmt: skip
+        if best is None or kv.reclaimable(best.req_id, best.num_computed) == 0:
+            return False
+        dropped = kv.trim_resident(best.req_id, best.num_computed, demote=True)
+        self.write_back(dropped, best)
+        kv.release_resident(best.req_id, dropped)
+        self.demotions += 1
+        return True
 
     def _victim(self, req: Request) -> Request:
         """The request to preempt so ``req`` can grow: the most recently admitted one
@@ -223,13 +258,11 @@ class Scheduler:
         tokens: list[int | None],
         logprobs: list[dict[int, float] | None],
         now: float,
-        *,
-        write_back: Callable[[list, Request], None],
     ) -> None:
         """What a forward of ``step`` changed: computed tokens, the sampled token of each
         request in ``sampled`` (``None``: its logits were not finite, it fails alone), stops,
         prompts that start decoding, and the resident pages a request no longer needs (written
-        back to the host by ``write_back`` where the mirror is lazy, then freed)."""
+        back to the host by `write_back` where the mirror is lazy, then freed)."""
         for req, n in step.batch:
             req.num_computed += n
         for req, tok, lp in zip(sampled, tokens, logprobs, strict=True):
@@ -252,7 +285,7 @@ class Scheduler:
             # its pages to the host chunk by chunk; nothing is trimmed on "gpu")
             dropped = self.kv.trim_resident(req.req_id, req.num_computed)
             if dropped:
-                write_back(dropped, req)
+                self.write_back(dropped, req)
                 self.kv.release_resident(req.req_id, dropped)
 
     def finish(self, req: Request, reason: str) -> None:

@@ -315,8 +315,7 @@ class Simulator:
                 self.clock += st["secs"]
                 sampled = [r for (r, _), f in zip(part.batch, part.finishing, strict=True)
                            if part.decode or f]  # fmt: skip
-                sched.update(part, sampled, [0] * len(sampled), [None] * len(sampled),
-                             self.clock, write_back=lambda _d, _r: None)  # fmt: skip
+                sched.update(part, sampled, [0] * len(sampled), [None] * len(sampled), self.clock)
                 steps.append([
                     round(t0, 6), float(part.decode), sum(n for _, n in part.batch),
                     len(part.batch) if part.decode else len(sched.running), len(sched.waiting),

@@ -1,0 +1,137 @@
+"""``HiSparseConfig(offload="under_pressure")``: pages stay resident while the GPU pool has
+room, and go to the host only when another request needs the blocks (CPU).
+
+Lossless against the all-GPU placement on both DSA architectures and on SmolLM2's real weights,
+with room (nothing read through the hot buffer) and under pressure (requests demoted, their
+rows read back through the hot buffer), with the eager and the lazy host mirror, under both
+schedules; and the pressure never costs capacity: the same requests run at once as with
+``offload="always"``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hisparse import HiSparseConfig
+from hisparse.config import HiSparseConfigError
+from hisparse.engine.llm import LLM
+from hisparse.engine.sampling import SamplingParams
+
+pytest.importorskip("transformers")
+
+from hisparse.models.tiny import make_tiny
+from test_engine import _prompts, _run, _tokens, requests_pool
+
+LONG = SamplingParams(temperature=0, max_tokens=40)
+
+
+@pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
+def checkpoint(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    make_tiny(request.param, out, seed=0)
+    return out
+
+
+def _run_probe(path, placement, *, blocks=None, params=LONG, prompts=None, llm_kw=None, **hs):
+    """`test_engine._run`, and the engine's demotions and most requests decoding at once."""
+    cfg = HiSparseConfig(host_pool_gib=0.01, block_size=4, **hs)
+    kw = dict(kv_placement=placement, hisparse=cfg, kv_format="bf16", max_model_len=128,
+              max_num_seqs=4, **(llm_kw or {}))  # fmt: skip
+    gib = 0.02
+    if blocks is not None:
+        with LLM(path, gpu_memory_gib=gib, **kw) as probe:
+            lay = probe.kv.layout
+            gib = (blocks(lay) * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
+    with LLM(path, gpu_memory_gib=gib, **kw) as llm:
+        outs = llm.generate(prompt_token_ids=prompts or _prompts(), sampling_params=params)
+        running = max((s["running"] for s in llm.step_stats if s["decode"]), default=0)
+        seen = dict(demotions=llm.scheduler.demotions, running=running)
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    return outs, seen
+
+
+def test_with_room_nothing_is_read_through_the_hot_buffer(checkpoint):
+    gpu = _run(checkpoint, "gpu", params=LONG)
+    outs, seen = _run_probe(checkpoint, "hisparse", params=LONG, offload="under_pressure")
+    assert _tokens(outs) == _tokens(gpu)
+    assert seen["demotions"] == 0
+    # every row attended came from a resident page: no miss, no hit of the hot buffer
+    assert sum(o.metrics.misses for o in outs) == 0
+    assert sum(o.metrics.hits for o in outs) == 0
+    always = _run(checkpoint, "hisparse", params=LONG)
+    assert sum(o.metrics.misses for o in always) > 0  # the same run offloads by default
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager-mirror", "lazy-mirror"])
+@pytest.mark.parametrize("schedule", ["mixed", "prefill-first"])
+def test_under_pressure_requests_are_demoted_and_stay_lossless(checkpoint, eager, schedule):
+    prompts = _prompts((40, 23, 70, 33))
+    llm_kw = dict(schedule=schedule)
+    # the plan holds the four requests at once, their resident pages do not fit
+    pool = requests_pool(4.2)
+    ref = _run(checkpoint, "gpu", params=LONG, prompts=prompts, llm_kw=llm_kw)
+    outs, seen = _run_probe(checkpoint, "hisparse", blocks=pool, params=LONG, prompts=prompts,
+                            llm_kw=llm_kw, offload="under_pressure",
+                            eager_host_mirror=eager)  # fmt: skip
+    assert _tokens(outs) == _tokens(ref)
+    assert seen["demotions"] > 0
+    assert sum(o.metrics.misses for o in outs) > 0  # demoted rows came back from the host
+    always, seen_always = _run_probe(checkpoint, "hisparse", blocks=pool, params=LONG,
+                                     prompts=prompts, llm_kw=llm_kw,
+                                     eager_host_mirror=eager)  # fmt: skip
+    assert seen["running"] == seen_always["running"] == len(prompts)
+    assert sum(o.metrics.preemptions for o in outs) == sum(o.metrics.preemptions for o in always)
+
+
+def test_pressure_with_preemption_stays_lossless(checkpoint):
+    """A pool below four requests' plan: demotions first, then preemption with recompute."""
+    long = SamplingParams(temperature=0, max_tokens=90)
+    prompts = _prompts((20, 23, 30, 33))
+    tight, seen = _run_probe(checkpoint, "hisparse", blocks=requests_pool(1.9), top_k=4,
+                             params=long, prompts=prompts, offload="under_pressure")  # fmt: skip
+    assert seen["demotions"] > 0 and sum(o.metrics.preemptions for o in tight) > 0
+    ref = _run(checkpoint, "gpu", params=long, prompts=prompts, top_k=4)
+    assert _tokens(tight) == _tokens(ref)
+
+
+def test_offload_policy_is_checked():
+    with pytest.raises(HiSparseConfigError, match=r"offload.*'always', 'under_pressure'"):
+        HiSparseConfig(offload="never")
+
+
+smollm2 = pytest.importorskip("hisparse.models.smollm2")
+
+
+def test_smollm2_real_weights_with_room_and_under_pressure():
+    try:
+        smollm2.smollm2_gguf_path()
+    except FileNotFoundError as err:  # pragma: no cover - `make test` installs it
+        pytest.skip(str(err))
+    from pydoc_data.topics import topics
+
+    def generate(placement, gib, **hs):
+        cfg = HiSparseConfig(top_k=96, host_pool_gib=0.25, block_size=16, **hs)
+        with LLM("smollm2", kv_placement=placement, hisparse=cfg, max_model_len=1024,
+                 gpu_memory_gib=gib, max_num_seqs=3,
+                 max_num_batched_tokens=256) as llm:  # fmt: skip
+            texts = [topics["for"][:1100], topics["while"][:900], topics["if"][:700]]
+            prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": t}])
+                       for t in texts]  # fmt: skip
+            outs = llm.generate(
+                prompt_token_ids=prompts,
+                sampling_params=SamplingParams(temperature=0, max_tokens=12),
+            )
+            assert all(o.ok for o in outs), [o.error for o in outs]
+            lay = llm.kv.layout
+            demoted = llm.scheduler.demotions
+        return [o.token_ids for o in outs], outs, lay, demoted, [len(p) for p in prompts]
+
+    gpu, _, _, _, lens = generate("gpu", 0.25)
+    roomy, outs, lay, demoted, _ = generate("hisparse", 0.25, offload="under_pressure")
+    assert roomy == gpu and demoted == 0 and sum(o.metrics.misses for o in outs) == 0
+    # a pool holding what the plan counts for the three requests, not their every page
+    blocks = 1 + sum(lay.gpu_blocks_per_request(n + 12) for n in lens)
+    gib = (blocks * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
+    tight, outs, _, demoted, _ = generate("hisparse", gib, offload="under_pressure")
+    assert tight == gpu
+    assert demoted > 0 and sum(o.metrics.misses for o in outs) > 0
