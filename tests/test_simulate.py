@@ -140,6 +140,7 @@ def test_simulate_predicts_cpu_bench(tiny: str, gib: float) -> None:
     ) as llm:
         args = argparse.Namespace(input_len=INPUT, output_len=OUTPUT, prefill="synthetic")
         bench = run_cell(llm, args, N, 0)
+        assert bench["first_request_id"] == 0  # the engine's first requests
         steps = llm.last_run_stats
     settings = SimSettings(
         model=tiny,
@@ -194,6 +195,13 @@ def test_bench_id_offsets() -> None:
     assert bench_id_offsets(cuda, [36], "cpu") == [warm]
     assert bench_id_offsets({"settings": {"device": "cpu"}}, [4, 8], "cuda") == [4, 16]
     assert bench_id_offsets({"settings": {"no_warmup": True}}, [4, 8], "cpu") == [0, 4]
+    # what the bench recorded wins over the reckoning, per placement
+    cells = (("hisparse", 4, 7), ("hisparse", 8, 19), ("gpu", 4, 5), ("gpu", 8, 9))
+    rows = [dict(placement=p, concurrency=n, first_request_id=i) for p, n, i in cells]
+    recorded = {**cuda, "results": rows}
+    assert bench_id_offsets(recorded, [4, 8], "cuda", "hisparse") == [7, 19]
+    assert bench_id_offsets(recorded, [4, 8], "cuda", "gpu") == [5, 9]
+    assert bench_id_offsets(recorded, [4, 16], "cuda", "gpu")[1] != 9  # not recorded: reckoned
 
 
 def test_cli_trace_file(tiny: str, tmp_path) -> None:

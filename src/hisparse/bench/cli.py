@@ -406,6 +406,8 @@ def run_cell(
     steps = llm.last_run_stats  # every step of this call (step_stats keeps only the latest)
     row = summarize(steps, outs, time.perf_counter() - t0, args.prefill == "synthetic")
     row["token_ids"] = [o.token_ids for o in outs]
+    # the first request id of the cell: the top-k replay is keyed by it (`hisparse simulate`)
+    row["first_request_id"] = min(int(o.request_id) for o in outs) if outs else None
     # the host pool the engine sized (its default depends on this machine's memory): what a
     # replay of this run (`hisparse simulate --compare`) must plan with
     pool = llm.kv.layout.host_pool_bytes if llm.kv.offload else 0

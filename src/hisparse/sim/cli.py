@@ -138,12 +138,22 @@ def _fill_from_bench(args: argparse.Namespace) -> dict[str, Any] | None:
     return doc
 
 
-def bench_id_offsets(bench: dict[str, Any], conc: list[int], target: str) -> list[int]:
-    """The first request id of each timed cell of a `hisparse bench` run: its warm-up cells
-    (one per padded decode-graph size up to the cell's, or just the cell's size without
+def bench_id_offsets(
+    bench: dict[str, Any], conc: list[int], target: str, placement: str | None = None
+) -> list[int]:
+    """The first request id of each timed cell of a `hisparse bench` run: recorded in its
+    rows (``first_request_id``), or for older runs reckoned from its settings: its warm-up
+    cells (one per padded decode-graph size up to the cell's, or just the cell's size without
     graphs) take ids first, and every cell of one engine continues the count."""
     from hisparse.engine.cuda_graphs import padded_sizes
 
+    recorded = {
+        r.get("concurrency"): r.get("first_request_id")
+        for r in bench.get("results", [])
+        if placement is None or r.get("placement") == placement
+    }
+    if all(recorded.get(n) is not None for n in conc):
+        return [int(recorded[n]) for n in conc]  # type: ignore[arg-type]
     s = bench.get("settings", {})
     # CUDA graphs: a CUDA device (the bench's --device, else the device simulated)
     graphs = (s.get("device") or target).startswith("cuda") and not s.get("timing")
@@ -253,7 +263,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     ) as progress:  # fmt: skip
         for placement in placements:
             offsets = (
-                bench_id_offsets(bench, conc, args.target)
+                bench_id_offsets(bench, conc, args.target, placement)
                 if bench is not None and args.id_offset is None and conc
                 else [args.id_offset or 0] * len(cells)
             )
