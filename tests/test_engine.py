@@ -100,6 +100,34 @@ def test_lossless_with_lazy_host_mirror(checkpoint):
     assert _tokens(hs) == _tokens(gpu)
 
 
+def test_lazy_mirror_writes_back_decode_pages_only(checkpoint):
+    """A chunked prefill mirrors its rows itself: its trimmed pages are not copied again; the
+    pages decode rows reach only on the GPU are, once each, when they leave the tail."""
+    prompts = _prompts((70, 41))
+    cfg = HiSparseConfig(host_pool_gib=0.01, block_size=4, eager_host_mirror=False)
+    kw = dict(hisparse=cfg, kv_format="bf16", max_model_len=128, max_num_seqs=4,
+              gpu_memory_gib=0.02, max_num_batched_tokens=16)  # fmt: skip
+    for max_tokens, want in ((2, 0), (30, None)):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        with LLM(checkpoint, **kw) as llm:
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+            written = llm.runner.pages_written_back
+            groups = len(llm.kv.resident_groups)
+        ref = _run(checkpoint, "gpu", params=params, prompts=prompts)
+        assert _tokens(outs) == _tokens(ref)
+        if want is not None:
+            assert written == want  # prefill pages trimmed chunk after chunk, none copied
+        else:
+            # every page holding a decode row that left the two-page tail, once per group
+            bs = 4
+            dropped = [
+                set(range(len(p) // bs, (len(p) + max_tokens - 1) // bs + 1))
+                & set(range(max(-(-(len(p) + max_tokens - 1) // bs) - 2, 0)))
+                for p in prompts
+            ]
+            assert written == groups * sum(len(d) for d in dropped) > 0
+
+
 def test_lossless_at_minimum_hot_buffer(checkpoint):
     gpu = _run(checkpoint, "gpu")
     top_k = 16  # the tiny preset's index_topk

@@ -58,6 +58,8 @@ class RequestBlocks:
     slot: int = -1
     #: Host blocks promised at admission but not yet allocated.
     host_reserved: int = 0
+    #: Pages with decode rows not yet on the host (the lazy mirror; `mark_written`).
+    dirty: set[int] = field(default_factory=set)
 
 
 class KVCacheManager:
@@ -294,12 +296,34 @@ class KVCacheManager:
                 dropped.append((gi, old, [res[p] for p in old]))
         return dropped
 
+    def mark_written(self, req_id: str, start: int, count: int) -> None:
+        """A decode step wrote rows ``[start, start + count)`` to resident pages only (the
+        lazy mirror: `eager_host_mirror=False`); their pages must reach the host before they
+        are freed. A prefill mirrors every row itself."""
+        if self.offload and not self.config.eager_host_mirror and count > 0:
+            bs = self.block_size
+            self.requests[req_id].dirty.update(range(start // bs, (start + count - 1) // bs + 1))
+
+    def dirty_pages(
+        self, req_id: str, dropped: list[tuple[int, list[int], list[int]]]
+    ) -> list[tuple[int, list[int], list[int]]]:
+        """The pages of ``dropped`` (`trim_resident`'s) whose rows are not on the host yet:
+        what a lazy mirror writes back."""
+        dirty = self.requests[req_id].dirty
+        out = []
+        for gi, pages, blocks in dropped:
+            keep = [(p, blk) for p, blk in zip(pages, blocks, strict=True) if p in dirty]
+            if keep:
+                out.append((gi, [p for p, _ in keep], [blk for _, blk in keep]))
+        return out
+
     def release_resident(
         self, req_id: str, dropped: list[tuple[int, list[int], list[int]]]
     ) -> None:
         """Free what `trim_resident` returned: one pool call and one table write per group."""
         b = self.requests[req_id]
         for gi, pages, blocks in dropped:
+            b.dirty.difference_update(pages)
             res = b.resident[gi]
             for p in pages:
                 del res[p]

@@ -256,6 +256,8 @@ class ModelRunner:
             hooks.bind(self)
         self.host_fence = host_fence
         self._fence_pending = False
+        #: pages the lazy mirror copied to the host (`write_back`), counted per resident group
+        self.pages_written_back = 0
 
     def reset_slot(self, slot: int) -> None:
         for leader in self.leaders:
@@ -573,10 +575,15 @@ class ModelRunner:
         return steps
 
     def write_back(self, dropped: list[tuple[int, list[int], list[int]]], req: Request) -> None:
-        """Lazy mirroring: copy dirty resident pages to their host blocks before release."""
+        """Lazy mirroring: copy dirty resident pages (decode rows only there) to their host
+        blocks before release; pages a prefill wrote are on the host already."""
+        kv, bs = self.kv, self.config.block_size
         if self.config.eager_host_mirror or not dropped:
             return
-        kv, bs = self.kv, self.config.block_size
+        dropped = kv.dirty_pages(req.req_id, dropped)
+        if not dropped:
+            return
+        self.pages_written_back += sum(len(pages) for _, pages, _ in dropped)
         # every rank holds the same pages, so every rank fences the next step alike
         self._fence_pending = self.host_fence is not None
         if not kv.host_writer:

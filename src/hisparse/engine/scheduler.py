@@ -264,6 +264,8 @@ class Scheduler:
         prompts that start decoding, and the resident pages a request no longer needs (written
         back to the host by `write_back` where the mirror is lazy, then freed)."""
         for req, n in step.batch:
+            if step.decode:
+                self.kv.mark_written(req.req_id, req.num_computed, n)
             req.num_computed += n
         for req, tok, lp in zip(sampled, tokens, logprobs, strict=True):
             if tok is None:
