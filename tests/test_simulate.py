@@ -116,9 +116,12 @@ def tiny(request, tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.mark.parametrize("offload", ["always", "under_pressure"])
 @pytest.mark.parametrize("gib", [0.001, 0.004])  # 0.001: decodes that cannot grow preempt
-def test_simulate_predicts_cpu_bench(tiny: str, gib: float) -> None:
-    """The bench's running requests, preemptions, hits and swapped bytes, step by step."""
+def test_simulate_predicts_cpu_bench(tiny: str, gib: float, offload: str) -> None:
+    """The bench's running requests, preemptions, hits and swapped bytes, step by step; with
+    ``offload="under_pressure"`` too (pages kept resident while there is room, demoted when
+    not: the simulator runs the engine's own manager)."""
     import argparse
 
     from hisparse.bench.cli import run_cell
@@ -131,7 +134,7 @@ def test_simulate_predicts_cpu_bench(tiny: str, gib: float) -> None:
     max_len = INPUT + OUTPUT
     with LLM(
         tiny,
-        hisparse=HiSparseConfig(block_size=BLOCK),
+        hisparse=HiSparseConfig(block_size=BLOCK, offload=offload),
         max_num_seqs=N,
         max_model_len=max_len,
         gpu_memory_gib=gib,
@@ -150,6 +153,7 @@ def test_simulate_predicts_cpu_bench(tiny: str, gib: float) -> None:
         block_size=BLOCK,
         max_num_batched_tokens=BATCHED,
         target="cpu",
+        offload=offload,
     )
     sim = simulate(settings, synthetic_trace(N, input_len=INPUT, output_len=OUTPUT))
     assert bench["preemptions"] == sim["preemptions"]
@@ -157,6 +161,7 @@ def test_simulate_predicts_cpu_bench(tiny: str, gib: float) -> None:
     assert sim["peak_running"] == pytest.approx(bench["peak_running"], rel=0.05)
     assert sim["bytes_swapped"] == pytest.approx(bench["bytes_swapped"], rel=0.15)
     assert sim["bytes_swapped"] > 0
+    assert (bench["demotions"] > 0) == (offload == "under_pressure")  # the pool is tight
     # the model claims more than the tolerances: the same schedule and misses every step
     cols = {c: i for i, c in enumerate(sim["step_columns"])}
     got = [(bool(s[cols["decode"]]), int(s[cols["tokens"]]), int(s[cols["running"]]),

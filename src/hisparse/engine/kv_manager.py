@@ -184,6 +184,10 @@ class KVCacheManager:
         reserved = sum(r.host_reserved for r in self.requests.values())
         return self.host_blocks.num_free - reserved
 
+    def host_fits(self, total_tokens: int) -> bool:
+        """`admit` would find host blocks for a request of ``total_tokens`` tokens."""
+        return not self.offload or self.host_pages_for(total_tokens) <= self.host_available()
+
     def gpu_need(self, num_tokens: int) -> int:
         """GPU blocks a request of ``num_tokens`` tokens holds at its peak, prefilling or
         decoding: `KVLayout.gpu_blocks_per_request`, the plan's own figure."""
@@ -222,14 +226,22 @@ class KVCacheManager:
         self.requests[req_id] = blocks
         return blocks
 
-    def grow(self, req_id: str, new_len: int, *, keep_all_resident: bool | None = None) -> None:
+    def grow(
+        self,
+        req_id: str,
+        new_len: int,
+        *,
+        keep_all_resident: bool | None = None,
+        reserve: int = 0,
+    ) -> None:
         """Make pages for tokens ``[0, new_len)`` exist (all-or-nothing on the GPU).
 
         Resident pages: all of them with ``keep_all_resident`` (the default of all-GPU
         placement), else only the last page is added (HiSparse, prefill and decode alike: the
         older ones live on the host; `trim_resident` drops what falls out of the tail). With
         ``offload="under_pressure"`` every page the new tokens fall on is added while the pool
-        has room for them (the step writes their rows there), else the last page only."""
+        has room for them beside ``reserve`` blocks (what other requests are promised; the
+        step writes the pages' rows there), else the last page only."""
         b = self.requests[req_id]
         bs = self.block_size
         pages = cdiv(new_len, bs)
@@ -253,7 +265,7 @@ class KVCacheManager:
                 # the pages this step writes (from the one holding the first new token; the
                 # pages before it are resident or already on the host only)
                 every = wanted(max(len(b.indexer) - 1, 0))
-                if idx_new + sum(len(w) for w in every) <= self.gpu_blocks.num_free:
+                if idx_new + sum(len(w) for w in every) <= self.gpu_blocks.num_free - reserve:
                     wanted_resident = every
         n_gpu = idx_new + sum(len(w) for w in wanted_resident)
         if n_gpu > self.gpu_blocks.num_free:

@@ -101,12 +101,7 @@ class Scheduler:
             req = self.waiting[0]
             total = min(req.max_total_tokens, kv.max_blocks * kv.block_size)
             need_gpu = kv.gpu_need(req.num_tokens)
-            # Blocks the admitted prompts still have to take are spoken for.
-            promised = sum(
-                max(kv.gpu_need(r.num_tokens) - kv.gpu_held(r.req_id), 0)
-                for r in self.running
-                if r.status is Status.PREFILLING
-            )
+            promised = self._promised()
             if need_gpu > kv.gpu_blocks.num_usable:
                 self.waiting.popleft()
                 self._fail(
@@ -115,6 +110,9 @@ class Scheduler:
                     f"{kv.gpu_blocks.num_usable}; raise gpu_memory_gib or shorten the prompt.",
                 )
                 continue
+            if not kv.free_slots or not kv.host_fits(total):
+                break  # wait for a request to finish (demoting would not make this room)
+            # demotions leave `promised` as it is: it counts no reclaimable block
             while need_gpu > kv.gpu_blocks.num_free - promised and self.demote():
                 pass
             if need_gpu > kv.gpu_blocks.num_free - promised:
@@ -128,6 +126,18 @@ class Scheduler:
             self.waiting.popleft()
             req.status = Status.PREFILLING
             self.running.append(req)
+
+    def _promised(self, exclude: Request | None = None) -> int:
+        """GPU blocks the admitted prompts (but ``exclude``) still have to take of their
+        plan's need: spoken for. Blocks kept beyond the plan (`KVCacheManager.reclaimable`)
+        do not count as taken."""
+        kv = self.kv
+        return sum(
+            max(kv.gpu_need(r.num_tokens) - kv.gpu_held(r.req_id)
+                + kv.reclaimable(r.req_id, r.num_computed), 0)
+            for r in self.running
+            if r.status is Status.PREFILLING and r is not exclude
+        )  # fmt: skip
 
     def schedule(self) -> list[ScheduledStep]:
         """The next engine step: its decode part (one token for every decoding request that
@@ -202,9 +212,11 @@ class Scheduler:
     def _grow(self, req: Request, new_len: int) -> bool:
         """`KVCacheManager.grow`, demoting other requests while that makes room; False: the
         pool cannot give it the blocks now."""
+        # pages kept beyond the plan may not take what other prompts are promised
+        reserve = self._promised(exclude=req) if self.kv.sticky else 0
         while True:
             try:
-                self.kv.grow(req.req_id, new_len)
+                self.kv.grow(req.req_id, new_len, reserve=reserve)
                 return True
             except KVCapacityError:
                 if not self.demote():

@@ -44,7 +44,7 @@ _FROM_BENCH = {
     "host_pool_gib": "host_pool_gib", "max_model_len": "max_model_len",
     "hot_buffer": "hot_buffer", "top_k": "top_k", "kv_format": "kv_format",
     "block_size": "block_size", "max_batched_tokens": "max_batched_tokens",
-    "schedule": "schedule", "seed": "seed",
+    "schedule": "schedule", "seed": "seed", "offload": "offload",
 }  # fmt: skip
 
 #: what `--compare` sets side by side: (bench / simulate key, label, relative tolerance)
@@ -89,6 +89,8 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--block-size", type=int)
     e.add_argument("--max-batched-tokens", type=int, help="default 16384 (the synthetic bench's)")
     e.add_argument("--schedule", choices=("mixed", "prefill-first"))
+    e.add_argument("--offload", help="HiSparseConfig.offload: always (default) or "
+                   "under_pressure")  # fmt: skip
     e.add_argument("--topk-overlap", help="replayed top-k step overlap (default 0.8)")
     e.add_argument("--seed", type=int)
     e.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
@@ -208,6 +210,7 @@ def settings_for(
         topk_overlap=overlap,
         seed=args.seed or 0,
         schedule=args.schedule or "mixed",
+        offload=args.offload or "always",
         sim_leaders=args.sim_leaders,
         sample_requests=args.sample_requests,
         rates=RateTable.load(args.pcie_rates),

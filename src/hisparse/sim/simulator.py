@@ -66,6 +66,9 @@ class SimSettings:
     topk_overlap: float = 0.8
     seed: int = 0
     schedule: str = "mixed"
+    #: `HiSparseConfig.offload` (the manager keeps or demotes resident pages, and resident
+    #: entries touch no hot state, so the model follows without more)
+    offload: str = "always"
     #: index-group leaders whose hot buffers are simulated (None: all); the others are
     #: counted as their average (every leader's replay follows the same model)
     sim_leaders: int | None = None
@@ -114,6 +117,7 @@ class Simulator:
             device_buffer_size=s.hot_buffer,
             host_pool_gib=s.host_pool_gib,
             block_size=s.block_size,
+            offload=s.offload,
         ).resolve(index_topk)
         if s.placement == "hisparse" and config.host_pool_bytes is None:
             size = default_host_pool_bytes(self.specs, config, s.max_model_len, s.max_num_seqs)
@@ -254,21 +258,30 @@ class Simulator:
 
     def _prefill(self, step: ScheduledStep) -> dict[str, float]:
         """Prefill chunks; a finishing prompt warms its hot buffers with the replay's first
-        selection (every selected row from the host, not counted as a miss)."""
+        selection (every selected row from the host, not counted as a miss), unless every
+        page of it stayed resident (``offload="under_pressure"``: the engine's rule; its
+        first selection is drawn all the same, as the engine's hooks draw it)."""
         tokens = sum(n for _, n in step.batch)
         warm = [(r, n) for (r, n), f in zip(step.batch, step.finishing, strict=True) if f]
         pcie = warm_bytes = 0.0
         if warm and self.kv.offload:
+            kv = self.kv
+
+            def cold(r: Request, n: int) -> bool:
+                return not (kv.sticky and kv.fully_resident(r.req_id, r.num_computed + n))
+
             # a first selection holds min(top_k, length) positions: no replay needed to count
             rows = sum(min(self.config.top_k, r.num_computed + n) for r, n in warm
-                       if not self._sampled(r))  # fmt: skip
+                       if not self._sampled(r) and cold(r, n))  # fmt: skip
             per_leader: list[float] = [float(rows)] * len(self.leaders)
             reqs = [r for r, _ in warm if self._sampled(r)]
             lens = [r.num_computed + n for r, n in warm if self._sampled(r)]
+            keep = np.array([cold(r, n) for r, n in warm if self._sampled(r)], dtype=bool)
             for li in range(len(self.leaders) if reqs else 0):
                 slots, sel = self._select(li, reqs, lens)
-                self.hot[li].step(slots, sel)
-                per_leader[li] += int((sel >= 0).sum())
+                if keep.any():
+                    self.hot[li].step(slots[keep], sel[keep])
+                    per_leader[li] += int((sel[keep] >= 0).sum())
             warm_bytes, pcie = self._traffic(per_leader)
         secs = tokens / self.s.prefill_tok_s + pcie
         return dict(warm_bytes=warm_bytes, pcie=pcie, secs=secs)
