@@ -347,8 +347,14 @@ class KVCacheManager:
         the tail (0 unless ``offload="under_pressure"`` kept them)."""
         if not self.sticky:
             return 0
-        keep_from = max(cdiv(num_tokens, self.block_size) - RESIDENT_TAIL_PAGES, 0)
-        return sum(1 for res in self.requests[req_id].resident for p in res if p < keep_from)
+        pages = cdiv(num_tokens, self.block_size)
+        keep_from = max(pages - RESIDENT_TAIL_PAGES, 0)
+        # every resident page but the few of the tail (and one a step opened): O(tail), not
+        # O(context), as the scheduler asks for every request at every step
+        return sum(
+            len(res) - sum(1 for p in range(keep_from, pages + 1) if p in res)
+            for res in self.requests[req_id].resident
+        )
 
     def fully_resident(self, req_id: str, num_tokens: int) -> bool:
         """Every page of the request's first ``num_tokens`` tokens is resident in every

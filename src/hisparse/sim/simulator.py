@@ -191,12 +191,14 @@ class Simulator:
         self.prev[li].index_copy_(0, slots, sel)
         return slots.numpy(), sel.numpy().astype(np.int64)
 
-    def _resident_pages(self, reqs: list[Request], group: int) -> np.ndarray:
-        """``[B, P]`` resident pages of each request in resident group ``group`` (-1: pad)."""
-        pages = [list(self.kv.requests[r.req_id].resident[group]) for r in reqs]
-        out = np.full((len(reqs), max(map(len, pages), default=0) or 1), -1, dtype=np.int64)
-        for b, p in enumerate(pages):
-            out[b, : len(p)] = p
+    def _resident_mask(self, reqs: list[Request], group: int, pages: int) -> np.ndarray:
+        """``[B, pages]`` whether each page of each request is resident in resident group
+        ``group`` (a lookup per selected entry, not a comparison with every resident page:
+        a request may keep thousands, ``offload="under_pressure"``)."""
+        out = np.zeros((len(reqs), pages), dtype=bool)
+        for b, r in enumerate(reqs):
+            res = np.fromiter(self.kv.requests[r.req_id].resident[group], dtype=np.int64)
+            out[b, res[res < pages]] = True
         return out
 
     def _traffic(self, rows: list[float]) -> tuple[float, float]:
@@ -230,8 +232,9 @@ class Simulator:
             for li, leader in enumerate(self.leaders):
                 slots, sel = self._select(li, reqs, [k + 1 for k in n])
                 # entries on resident pages (the manager's own: after `grow`) touch no hot state
-                res = self._resident_pages(reqs, self.leader_group[leader])
-                on_page = (sel[:, :, None] // bs == res[:, None, :]).any(2)
+                page = np.where(sel >= 0, sel // bs, 0)
+                res = self._resident_mask(reqs, self.leader_group[leader], int(page.max()) + 1)
+                on_page = np.take_along_axis(res, page, axis=1)
                 wanted = np.where((sel >= 0) & ~on_page, sel, -1)
                 h, m = self.hot[li].step(slots, wanted)
                 hits += int(h.sum())
