@@ -210,3 +210,26 @@ def test_cuda_graphs_replay_the_same_selections(checkpoint):
             runs[placement, graphs] = ([o.token_ids for o in outs], log)
     assert runs["hisparse", True] == runs["hisparse", False]
     assert runs["gpu", True] == runs["gpu", False] == runs["hisparse", True]
+
+
+@pytest.mark.parametrize("eager_mirror", [True, False], ids=["eager-mirror", "lazy-mirror"])
+def test_offload_under_pressure_with_graphs_equals_all_gpu(checkpoint, eager_mirror):
+    """``offload="under_pressure"`` on CUDA with graphs: with room nothing is read through the
+    hot buffers; in a pool of the plan's requests the prompts keep pages in the slack and the
+    decodes demote them (write-back first with the lazy mirror, on the compute stream before
+    the replay); the tokens are all-GPU's under the same schedule (no preemption here)."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 23, 70, 33)]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    hs = dict(top_k=4, offload="under_pressure", eager_host_mirror=eager_mirror)
+    ref, _ = _generate(checkpoint, "gpu", prompts, params, cuda_graphs=True, top_k=4)
+    roomy, captured = _generate(checkpoint, "hisparse", prompts, params, cuda_graphs=True, **hs)
+    assert captured
+    assert sum(o.metrics.misses + o.metrics.hits for o in roomy) == 0
+    assert [o.token_ids for o in roomy] == [o.token_ids for o in ref]
+    blocks = lambda lay: 1 + int(4.2 * lay.gpu_blocks_per_request(256))  # noqa: E731
+    tight, _ = _generate(checkpoint, "hisparse", prompts, params, cuda_graphs=True,
+                         blocks=blocks, **hs)  # fmt: skip
+    assert sum(o.metrics.preemptions for o in tight) == 0
+    assert sum(o.metrics.misses for o in tight) > 0  # demoted rows came back from the host
+    assert [o.token_ids for o in tight] == [o.token_ids for o in ref]
