@@ -137,3 +137,28 @@ def test_smollm2_real_weights_with_room_and_under_pressure():
     tight, outs, _, demoted, _ = generate("hisparse", gib, offload="under_pressure")
     assert tight == gpu
     assert demoted > 0 and sum(o.metrics.misses for o in outs) > 0
+
+
+def test_server_metrics_count_demotions(checkpoint):
+    """`/metrics`' ``hisparse:num_demotions`` follows the scheduler's count (prometheus-client
+    registry of the server, fed by a real engine's steps)."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import generate_latest
+
+    from hisparse.serve.metrics import ServerMetrics
+
+    cfg = HiSparseConfig(host_pool_gib=0.01, block_size=4, offload="under_pressure")
+    kw = dict(hisparse=cfg, kv_format="bf16", max_model_len=128, max_num_seqs=4)
+    with LLM(checkpoint, gpu_memory_gib=0.02, **kw) as probe:
+        lay = probe.kv.layout
+        gib = (requests_pool(4.2)(lay) * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
+    metrics = ServerMetrics("tiny")
+    with LLM(checkpoint, gpu_memory_gib=gib, **kw) as llm:
+        for prompt in _prompts((40, 23, 70, 33)):
+            llm.add_request(prompt, LONG)
+        while llm.has_unfinished_requests():
+            metrics.after_step(llm, llm.step())
+        demoted = llm.scheduler.demotions
+    text = generate_latest(metrics.registry).decode()
+    line = next(x for x in text.splitlines() if x.startswith("hisparse:num_demotions_total{"))
+    assert demoted > 0 and float(line.rsplit(" ", 1)[1]) == demoted

@@ -29,6 +29,12 @@ class ServerMetrics:
             "hisparse:num_preemptions", "Requests preempted (recomputed later)", label, registry=r
         )
         self.aborted = Counter("hisparse:request_aborted", "Requests aborted", label, registry=r)
+        self.demotions = Counter(
+            "hisparse:num_demotions",
+            "Requests whose older pages went to the host to make room (offload=under_pressure)",
+            label,
+            registry=r,
+        )
         self.finished = Counter(
             "hisparse:request_success", "Requests finished", [*label, "finished_reason"], registry=r
         )
@@ -78,6 +84,7 @@ class ServerMetrics:
         self.flush_every = flush_every
         self._last_flush = time.monotonic()
         self._seen_tokens: dict[int, int] = {}
+        self._seen_demotions = 0
 
     def _l(self, metric):
         return metric.labels(model_name=self.model)
@@ -89,6 +96,9 @@ class ServerMetrics:
         self._l(self.waiting).set(len(sched.waiting))
         if aborted:
             self._l(self.aborted).inc(aborted)
+        if sched.demotions > self._seen_demotions:
+            self._l(self.demotions).inc(sched.demotions - self._seen_demotions)
+            self._seen_demotions = sched.demotions
         any_done = False
         for req in changed:
             key = id(req)
