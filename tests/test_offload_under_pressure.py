@@ -162,3 +162,32 @@ def test_server_metrics_count_demotions(checkpoint):
     text = generate_latest(metrics.registry).decode()
     line = next(x for x in text.splitlines() if x.startswith("hisparse:num_demotions_total{"))
     assert demoted > 0 and float(line.rsplit(" ", 1)[1]) == demoted
+
+
+def test_reclaimable_counts_what_a_demotion_frees(checkpoint, monkeypatch):
+    """`KVCacheManager.reclaimable` (counted from the tail, not over the context) equals the
+    pages a demotion would drop, after every schedule: prompt chunks grown past the computed
+    tokens included."""
+    from hisparse.config import cdiv
+    from hisparse.engine.scheduler import Scheduler
+    from hisparse.kv.layout import RESIDENT_TAIL_PAGES
+
+    original = Scheduler.schedule
+    checked = []
+
+    def schedule(self):
+        parts = original(self)
+        kv = self.kv
+        for r in self.running:
+            keep_from = max(cdiv(r.num_computed, kv.block_size) - RESIDENT_TAIL_PAGES, 0)
+            res = kv.requests[r.req_id].resident
+            want = sum(1 for pages in res for p in pages if p < keep_from)
+            assert kv.reclaimable(r.req_id, r.num_computed) == want
+            checked.append(want)
+        return parts
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    _, seen = _run_probe(checkpoint, "hisparse", blocks=requests_pool(4.2),
+                            prompts=_prompts((40, 23, 70, 33)), offload="under_pressure",
+                            llm_kw=dict(max_num_batched_tokens=16))  # fmt: skip
+    assert seen["demotions"] > 0 and max(checked) > 0

@@ -347,13 +347,14 @@ class KVCacheManager:
         the tail (0 unless ``offload="under_pressure"`` kept them)."""
         if not self.sticky:
             return 0
-        pages = cdiv(num_tokens, self.block_size)
-        keep_from = max(pages - RESIDENT_TAIL_PAGES, 0)
-        # every resident page but the few of the tail (and one a step opened): O(tail), not
-        # O(context), as the scheduler asks for every request at every step
+        b = self.requests[req_id]
+        keep_from = max(cdiv(num_tokens, self.block_size) - RESIDENT_TAIL_PAGES, 0)
+        # every resident page less those from the tail on (pages this step grew included: all
+        # below the indexer's page count): O(tail + step), not O(context), as the scheduler
+        # asks for every request at every step
+        end = len(b.indexer)
         return sum(
-            len(res) - sum(1 for p in range(keep_from, pages + 1) if p in res)
-            for res in self.requests[req_id].resident
+            len(res) - sum(1 for p in range(keep_from, end) if p in res) for res in b.resident
         )
 
     def fully_resident(self, req_id: str, num_tokens: int) -> bool:

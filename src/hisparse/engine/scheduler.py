@@ -234,6 +234,8 @@ class Scheduler:
         if best is None or kv.reclaimable(best.req_id, best.num_computed) == 0:
             return False
         dropped = kv.trim_resident(best.req_id, best.num_computed, demote=True)
+        if not dropped:  # cannot be (reclaimable counts what trim drops): never loop on it
+            return False
         self.write_back(dropped, best)
         kv.release_resident(best.req_id, dropped)
         self.demotions += 1
