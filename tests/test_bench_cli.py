@@ -197,6 +197,23 @@ def test_bench_cli_writes_json(checkpoint, tmp_path, capsys):
     assert all(r["same_tokens"] is True for r in doc["ratios"]) and len(doc["ratios"]) == 2
 
 
+def test_bench_offload_under_pressure(checkpoint, tmp_path, capsys, monkeypatch):
+    """``--offload under_pressure``: the JSON rows say so and count demotions, the table
+    labels the row, the tokens are all-GPU's."""
+    monkeypatch.setenv("COLUMNS", "400")  # the table's rows on one line each
+    argv = _bench_argv(checkpoint, tmp_path, "--offload", "under_pressure")
+    assert main(argv) == 0
+    assert "HiSparse (under pressure," in capsys.readouterr().out
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    hs = [r for r in doc["results"] if r["placement"] == "hisparse"]
+    assert hs and all(r["offload"] == "under_pressure" and r["demotions"] >= 0 for r in hs)
+    assert doc["settings"]["offload"] == "under_pressure"
+    assert all(r["same_tokens"] is True for r in doc["ratios"])
+    bad = _bench_argv(checkpoint, tmp_path, "--offload", "never")
+    assert main(bad) == 2
+    assert "--offload never: must be one of 'always', 'under_pressure'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [

@@ -574,8 +574,11 @@ def results_table(results: list[dict[str, Any]], synthetic: bool) -> Table:
                 "-" if r.get("prefill_mfu") is None else f"{100 * r['prefill_mfu']:.0f}%",
             ]
         )
+        label = PLACEMENT_NAMES[r["placement"]]
+        if r.get("offload") == "under_pressure":
+            label += f" (under pressure, {r.get('demotions', 0)} demoted)"
         t.add_row(
-            PLACEMENT_NAMES[r["placement"]],
+            label,
             str(r["concurrency"]),
             f"{r['completed']}/{r['requests']}",
             str(r.get("peak_admitted", "-")),
