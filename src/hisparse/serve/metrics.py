@@ -96,9 +96,9 @@ class ServerMetrics:
         self._l(self.waiting).set(len(sched.waiting))
         if aborted:
             self._l(self.aborted).inc(aborted)
-        if sched.demotions > self._seen_demotions:
-            self._l(self.demotions).inc(sched.demotions - self._seen_demotions)
-            self._seen_demotions = sched.demotions
+        # every step, by 0 too: the series is on /metrics from the start
+        self._l(self.demotions).inc(sched.demotions - self._seen_demotions)
+        self._seen_demotions = sched.demotions
         any_done = False
         for req in changed:
             key = id(req)
