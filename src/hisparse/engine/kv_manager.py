@@ -357,11 +357,14 @@ class KVCacheManager:
             len(res) - sum(1 for p in range(keep_from, end) if p in res) for res in b.resident
         )
 
-    def fully_resident(self, req_id: str, num_tokens: int) -> bool:
-        """Every page of the request's first ``num_tokens`` tokens is resident in every
-        resident group (its reads need no hot buffer)."""
+    def needs_warm_start(self, req_id: str, num_tokens: int) -> bool:
+        """A HiSparse request that finished its ``num_tokens``-token prompt reads rows through
+        its hot buffer, which the warm start seeds: not so where ``offload="under_pressure"``
+        kept every page resident in every resident group (until it is demoted)."""
+        if not self.offload:
+            return False
         pages = cdiv(num_tokens, self.block_size)
-        return all(len(res) >= pages for res in self.requests[req_id].resident)
+        return not (self.sticky and all(len(r) >= pages for r in self.requests[req_id].resident))
 
     def lease_hot(self, req_id: str) -> int:
         """Give a request a hot-state slot and its hot regions (HiSparse) for decoding.

@@ -411,10 +411,8 @@ class ModelRunner:
                 logits = self.model.logits(hidden[rows_t])
             tokens = None
         if warm and kv.offload and self.warm_topk:
-            # ``offload="under_pressure"``: a request whose every page stayed resident reads
-            # no row through its hot buffer (until it is demoted): nothing to warm
             ends = [(batch[r][0].req_id, starts[r] + counts[r]) for r in warm]
-            cold = [i for i, e in enumerate(ends) if not (kv.sticky and kv.fully_resident(*e))]
+            cold = [i for i, e in enumerate(ends) if kv.needs_warm_start(*e)]
             if cold:
                 self._warm_start(warm, cold, host_bt)
         if decode:

@@ -178,7 +178,8 @@ class Scheduler:
             rows = kv.staging_rows(req.num_computed + n)
             if batch and staged + rows > kv.staging_capacity:
                 break
-            if not self._grow(req, req.num_computed + n):
+            reserve = self._promised(exclude=req) if kv.sticky else 0
+            if not self._grow(req, req.num_computed + n, reserve):
                 break
             staged += rows
             batch.append((req, n))
@@ -190,11 +191,13 @@ class Scheduler:
         """One token for every decoding request; a request that cannot grow preempts the
         newest request (itself when it is the newest) until it can."""
         batch: list[tuple[Request, int]] = []
+        # what the prompts are promised: demotions and decode growth leave it as it is
+        reserve = self._promised() if self.kv.sticky else 0
         for req in [r for r in self.running if r.status is Status.DECODING]:
             if req.status is not Status.DECODING:
                 continue  # preempted below for an earlier request
             while True:
-                if self._grow(req, req.num_computed + 1):
+                if self._grow(req, req.num_computed + 1, reserve):
                     batch.append((req, 1))
                     break
                 if len(self.running) == 1:
@@ -209,11 +212,10 @@ class Scheduler:
             return None
         return ScheduledStep(decode=True, batch=batch, finishing=[False] * len(batch))
 
-    def _grow(self, req: Request, new_len: int) -> bool:
+    def _grow(self, req: Request, new_len: int, reserve: int) -> bool:
         """`KVCacheManager.grow`, demoting other requests while that makes room; False: the
-        pool cannot give it the blocks now."""
-        # pages kept beyond the plan may not take what other prompts are promised
-        reserve = self._promised(exclude=req) if self.kv.sticky else 0
+        pool cannot give it the blocks now. Pages kept beyond the plan leave ``reserve``
+        blocks (what the other prompts are promised) free."""
         while True:
             try:
                 self.kv.grow(req.req_id, new_len, reserve=reserve)

@@ -271,7 +271,7 @@ class Simulator:
             kv = self.kv
 
             def cold(r: Request, n: int) -> bool:
-                return not (kv.sticky and kv.fully_resident(r.req_id, r.num_computed + n))
+                return kv.needs_warm_start(r.req_id, r.num_computed + n)
 
             # a first selection holds min(top_k, length) positions: no replay needed to count
             rows = sum(min(self.config.top_k, r.num_computed + n) for r, n in warm
