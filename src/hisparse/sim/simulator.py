@@ -229,12 +229,16 @@ class Simulator:
         if self.kv.offload and reqs:
             bs = self.config.block_size
             n = [r.num_computed for r in reqs]
+            masks: dict[int, np.ndarray] = {}  # per resident group: leaders may share one
+            width = max(n) // bs + 1  # every selectable page
             for li, leader in enumerate(self.leaders):
                 slots, sel = self._select(li, reqs, [k + 1 for k in n])
                 # entries on resident pages (the manager's own: after `grow`) touch no hot state
+                group = self.leader_group[leader]
+                if group not in masks:
+                    masks[group] = self._resident_mask(reqs, group, width)
                 page = np.where(sel >= 0, sel // bs, 0)
-                res = self._resident_mask(reqs, self.leader_group[leader], int(page.max()) + 1)
-                on_page = np.take_along_axis(res, page, axis=1)
+                on_page = np.take_along_axis(masks[group], page, axis=1)
                 wanted = np.where((sel >= 0) & ~on_page, sel, -1)
                 h, m = self.hot[li].step(slots, wanted)
                 hits += int(h.sum())
@@ -339,7 +343,7 @@ class Simulator:
                     st.get("warm_bytes", 0.0), round(st["pcie"], 9), round(st["secs"], 9),
                 ])  # fmt: skip
             sched.failed.clear()
-            new_done = sum(r.finished for r in reqs)
+            new_done = len(reqs) - len(sched.running) - len(sched.waiting)  # O(1) a step
             if progress is not None and new_done > done:
                 progress(new_done, total)
             done = new_done

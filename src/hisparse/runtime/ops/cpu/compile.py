@@ -42,7 +42,7 @@ _ENTRY_POINTS: tuple[tuple[ModuleType, tuple[str, ...]], ...] = (
                          "resident_rows", "finish_decode_row")),
     (selection_kernels, ("fp8_topk_row", "topk_rows", "dense_rows")),
     (layer_kernels, ("decode_pre", "attend_rows", "attend_rows_many", "write_rows_many",
-                     "is_causal_prefix", "add_rms_norm", "fp8_encode")),
+                     "is_causal_prefix", "add_rms_norm")),
 )  # fmt: skip
 #: Entry points that deal a prefill's tokens to threads (numba's parallel loop).
 _PARALLEL = ("attend_rows_many", "topk_rows")
