@@ -5,8 +5,12 @@
 #   2. equal concurrency, 29 x 128K with memory for both (synthetic prefill): tok/s ratio;
 #   3. a 3 GiB budget, 44 x 128K, prefill-first: capacity and tok/s at peak, with demotions.
 # Each writes JSON under $OUT; the last lines are the tables.
-#   OUT=/tmp/out bash benchmarks/gpu_offload_policy.sh [MODEL_DIR]
+# PARTS picks the parts (default all: "batch1 equal29 cap3"; "split" adds an eager --timing run
+# of the equal-concurrency cell: the step's resolve and gather time).
+#   OUT=/tmp/out [PARTS="batch1 equal29"] bash benchmarks/gpu_offload_policy.sh [MODEL_DIR]
 set -uo pipefail
+PARTS=${PARTS:-batch1 equal29 cap3}
+has() { [[ " $PARTS " == *" $1 "* ]]; }
 OUT=${OUT:-/tmp/hisparse-offload}
 MODEL=${1:-/tmp/v32}
 mkdir -p "$OUT"
@@ -17,16 +21,20 @@ if [ ! -f "$MODEL/config.json" ]; then
 fi
 B="$PY -m hisparse bench --model $MODEL --input-len 131072 --kv-placement hisparse,gpu --topk-overlap 0.8"
 for off in always under_pressure; do
-  timeout 150 $B --prefill model --max-batched-tokens 16384 --gpu-memory-gib 40 --output-len 256 \
+  has batch1 && timeout 150 $B --prefill model --max-batched-tokens 16384 --gpu-memory-gib 40 --output-len 256 \
     --concurrency 1 --offload $off --json "$OUT/batch1_$off.json" >"$OUT/batch1_$off.log" 2>&1 \
     || echo "batch1 $off: rc $?"
-  timeout 150 $B --prefill synthetic --gpu-memory-gib 16 --output-len 96 --concurrency 29 \
+  has equal29 && timeout 150 $B --prefill synthetic --gpu-memory-gib 16 --output-len 96 --concurrency 29 \
     --schedule prefill-first --offload $off --json "$OUT/equal29_$off.json" \
     >"$OUT/equal29_$off.log" 2>&1 || echo "equal29 $off: rc $?"
 done
-timeout 150 $B --prefill synthetic --gpu-memory-gib 3 --output-len 96 --concurrency 44 \
+has split && timeout 200 $B --prefill synthetic --gpu-memory-gib 16 --output-len 96 --concurrency 29 \
+  --schedule prefill-first --timing --json "$OUT/equal29_split.json" >"$OUT/equal29_split.log" 2>&1 \
+  || echo "split: rc $?"
+has cap3 && timeout 150 $B --prefill synthetic --gpu-memory-gib 3 --output-len 96 --concurrency 44 \
   --schedule prefill-first --offload under_pressure --json "$OUT/cap3_under_pressure.json" \
   >"$OUT/cap3_under_pressure.log" 2>&1 || echo "cap3: rc $?"
 for f in "$OUT"/batch1_*.log "$OUT"/equal29_*.log "$OUT"/cap3_*.log; do
+  [ -f "$f" ] || continue
   echo "== $f"; tail -n 12 "$f"
 done

@@ -58,8 +58,8 @@ def test_with_room_nothing_is_read_through_the_hot_buffer(checkpoint):
     # every row attended came from a resident page: no miss, no hit of the hot buffer
     assert sum(o.metrics.misses for o in outs) == 0
     assert sum(o.metrics.hits for o in outs) == 0
-    always = _run(checkpoint, "hisparse", params=LONG)
-    assert sum(o.metrics.misses for o in always) > 0  # the same run offloads by default
+    always = _run(checkpoint, "hisparse", params=LONG, offload="always")
+    assert sum(o.metrics.misses for o in always) > 0  # the same run with offload="always"
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager-mirror", "lazy-mirror"])
@@ -94,9 +94,26 @@ def test_pressure_with_preemption_stays_lossless(checkpoint):
     assert _tokens(tight) == _tokens(ref)
 
 
-def test_offload_policy_is_checked():
+def test_offload_policy_is_checked(monkeypatch):
     with pytest.raises(HiSparseConfigError, match=r"offload.*'always', 'under_pressure'"):
         HiSparseConfig(offload="never")
+    monkeypatch.setenv("HISPARSE_OFFLOAD", "never")
+    with pytest.raises(HiSparseConfigError, match=r"HISPARSE_OFFLOAD='never'.*'always'"):
+        HiSparseConfig(top_k=4).resolve()
+    assert HiSparseConfig(top_k=4, offload="always").resolve().offload == "always"
+
+
+def test_default_is_under_pressure(checkpoint, monkeypatch):
+    """Unset (as a user leaves it; the suite's conftest sets ``HISPARSE_OFFLOAD=always``), the
+    policy is "under_pressure": with room nothing is read through the hot buffer."""
+    monkeypatch.delenv("HISPARSE_OFFLOAD")
+    assert HiSparseConfig(top_k=4).resolve().offload == "under_pressure"
+    outs, seen = _run_probe(checkpoint, "hisparse")
+    assert _tokens(outs) == _tokens(_run(checkpoint, "gpu", params=LONG))
+    assert sum(o.metrics.misses + o.metrics.hits for o in outs) == 0 and seen["demotions"] == 0
+    monkeypatch.setenv("HISPARSE_OFFLOAD", "always")
+    outs, _ = _run_probe(checkpoint, "hisparse")
+    assert sum(o.metrics.misses for o in outs) > 0
 
 
 smollm2 = pytest.importorskip("hisparse.models.smollm2")

@@ -79,8 +79,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     )
     gen.add_argument(
         "--offload",
-        default="always",
-        help="always: tail pages only on the GPU; under_pressure: all while room",
+        default=None,
+        help="under_pressure (default): pages stay on the GPU while there is room; "
+        "always: only tail pages on the GPU",
     )
     gen.add_argument("--gpu-memory-gib", type=float, default=None)
     gen.add_argument("--max-model-len", type=int, default=4096)

@@ -51,8 +51,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-pool-gib", type=float, default=None)
     p.add_argument(
         "--offload",
-        default="always",
-        help="always: tail pages only on the GPU; under_pressure: all while room",
+        default=None,
+        help="under_pressure (default): pages stay on the GPU while there is room; "
+        "always: only tail pages on the GPU",
     )
     p.add_argument("--gpu-memory-gib", type=float, default=None)
     p.add_argument("--device", default=None)

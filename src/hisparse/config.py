@@ -7,6 +7,7 @@ bad value fails at start with a message that names the field and a value that wo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from hisparse.validation import HiSparseConfigError as HiSparseConfigError  # re-exported
@@ -22,6 +23,18 @@ MAX_BLOCK_SIZE = 4096
 ROW_ALIGNMENT_BYTES = 16
 #: `HiSparseConfig.offload`: when a request's older pages leave the GPU
 OFFLOAD_POLICIES = ("always", "under_pressure")
+#: The policy when `HiSparseConfig.offload` is unset; the environment variable of this name
+#: overrides it (the CPU test suite sets "always" so its lossless tests read through the hot
+#: buffers even where the GPU pool has room).
+OFFLOAD_ENV = "HISPARSE_OFFLOAD"
+DEFAULT_OFFLOAD = "under_pressure"
+
+
+def default_offload() -> str:
+    """`DEFAULT_OFFLOAD`, or the policy ``$HISPARSE_OFFLOAD`` names (checked)."""
+    value = os.environ.get(OFFLOAD_ENV) or DEFAULT_OFFLOAD
+    check_choice(OFFLOAD_ENV, value, OFFLOAD_POLICIES)
+    return value
 
 
 def check_gib(name: str, value: float) -> None:
@@ -49,12 +62,12 @@ class HiSparseConfig:
         eager_host_mirror: copy each decode step's new rows to the host in the same step
             (otherwise rows are written back when their resident page is spilled).
         max_query_len: most rows one request brings to a decode step (1 + speculative tokens).
-        offload: ``"always"`` (default): a request keeps only its tail pages on the GPU and
-            reads the rest through its hot buffer; ``"under_pressure"``: a request keeps every
-            page it writes resident while the GPU pool has free blocks, and its older pages
-            go to the host (it starts reading through the hot buffer) only when another
-            request needs the room. Same tokens either way; capacity is the same (the plan
-            counts the tail pages).
+        offload: ``"under_pressure"`` (default, ``None``; ``$HISPARSE_OFFLOAD`` overrides): a
+            request keeps every page it writes resident while the GPU pool has free blocks,
+            and its older pages go to the host (it starts reading through the hot buffer)
+            only when another request needs the room; ``"always"``: a request keeps only its
+            tail pages on the GPU and reads the rest through its hot buffer from the start.
+            Same tokens either way; capacity is the same (the plan counts the tail pages).
     """
 
     top_k: int | None = None
@@ -63,7 +76,7 @@ class HiSparseConfig:
     block_size: int = 64
     eager_host_mirror: bool = True
     max_query_len: int = 1
-    offload: str = "always"
+    offload: str | None = None
 
     def __post_init__(self) -> None:
         """Types and ranges of each field (`hisparse.validation`); `resolve` checks how they
@@ -75,7 +88,8 @@ class HiSparseConfig:
         check_int(f + "block_size", self.block_size, minimum=1, maximum=MAX_BLOCK_SIZE, example=64)
         check_bool(f + "eager_host_mirror", self.eager_host_mirror)
         check_int(f + "max_query_len", self.max_query_len, minimum=1, example=1)
-        check_choice(f + "offload", self.offload, OFFLOAD_POLICIES)
+        if self.offload is not None:
+            check_choice(f + "offload", self.offload, OFFLOAD_POLICIES)
 
     def resolve(self, model_top_k: int | None = None) -> ResolvedHiSparseConfig:
         """Fill in defaults and check every limit; raises `HiSparseConfigError`."""
@@ -117,7 +131,7 @@ class HiSparseConfig:
             block_size=self.block_size,
             eager_host_mirror=self.eager_host_mirror,
             max_query_len=self.max_query_len,
-            offload=self.offload,
+            offload=self.offload if self.offload is not None else default_offload(),
         )
 
 
@@ -132,7 +146,7 @@ class ResolvedHiSparseConfig:
     block_size: int
     eager_host_mirror: bool
     max_query_len: int
-    offload: str = "always"
+    offload: str = DEFAULT_OFFLOAD
 
     @property
     def hot_blocks_per_request(self) -> int:

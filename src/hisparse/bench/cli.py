@@ -21,7 +21,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from hisparse.config import HiSparseConfigError, check_gib
+from hisparse.config import HiSparseConfigError, check_gib, default_offload
 
 PLACEMENT_NAMES = {"hisparse": "HiSparse", "gpu": "all-GPU"}
 
@@ -91,8 +91,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--top-k", type=int, default=None, help="default: the model's index_topk")
     bench.add_argument(
         "--offload",
-        default="always",
-        help="always: tail pages only on the GPU; under_pressure: all while room",
+        default=None,
+        help="under_pressure (default): pages stay on the GPU while there is room; "
+        "always: only tail pages on the GPU",
     )
     bench.add_argument("--kv-format", default="auto", help="fp8_ds_mla (auto), bf16, fp32")
     bench.add_argument("--block-size", type=int, default=64)
@@ -194,6 +195,8 @@ def parse_args_checked(args: argparse.Namespace) -> dict[str, Any]:
             f"--output-len={args.output_len} must be >= 2 (time per output token needs two)"
         )
     check_gib("--gpu-memory-gib", args.gpu_memory_gib)
+    if args.offload is None:  # the JSON's settings name the policy the run used
+        args.offload = default_offload()
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None:
             _check_output_path(flag, Path(path))
@@ -575,8 +578,10 @@ def results_table(results: list[dict[str, Any]], synthetic: bool) -> Table:
             ]
         )
         label = PLACEMENT_NAMES[r["placement"]]
-        if r.get("offload") == "under_pressure":
-            label += f" (under pressure, {r.get('demotions', 0)} demoted)"
+        if r.get("offload") == "always":
+            label += " (offload always)"
+        elif r.get("offload") == "under_pressure":
+            label += f" ({r.get('demotions', 0)} demoted)"
         t.add_row(
             label,
             str(r["concurrency"]),

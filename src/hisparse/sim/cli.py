@@ -89,8 +89,8 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--block-size", type=int)
     e.add_argument("--max-batched-tokens", type=int, help="default 16384 (the synthetic bench's)")
     e.add_argument("--schedule", choices=("mixed", "prefill-first"))
-    e.add_argument("--offload", help="HiSparseConfig.offload: always (default) or "
-                   "under_pressure")  # fmt: skip
+    e.add_argument("--offload", help="HiSparseConfig.offload: under_pressure (default) or "
+                   "always")  # fmt: skip
     e.add_argument("--topk-overlap", help="replayed top-k step overlap (default 0.8)")
     e.add_argument("--seed", type=int)
     e.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
@@ -210,7 +210,7 @@ def settings_for(
         topk_overlap=overlap,
         seed=args.seed or 0,
         schedule=args.schedule or "mixed",
-        offload=args.offload or "always",
+        offload=args.offload,
         sim_leaders=args.sim_leaders,
         sample_requests=args.sample_requests,
         rates=RateTable.load(args.pcie_rates),

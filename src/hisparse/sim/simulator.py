@@ -67,8 +67,8 @@ class SimSettings:
     seed: int = 0
     schedule: str = "mixed"
     #: `HiSparseConfig.offload` (the manager keeps or demotes resident pages, and resident
-    #: entries touch no hot state, so the model follows without more)
-    offload: str = "always"
+    #: entries touch no hot state, so the model follows without more); None: the default
+    offload: str | None = None
     #: index-group leaders whose hot buffers are simulated (None: all); the others are
     #: counted as their average (every leader's replay follows the same model)
     sim_leaders: int | None = None
