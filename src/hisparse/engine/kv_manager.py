@@ -193,6 +193,16 @@ class KVCacheManager:
         decoding: `KVLayout.gpu_blocks_per_request`, the plan's own figure."""
         return self.layout.gpu_blocks_per_request(num_tokens)
 
+    def reserved_len(self, num_tokens: int, total_tokens: int) -> int:
+        """The length whose `gpu_need` admission keeps in reserve for a request of
+        ``num_tokens`` tokens now and ``total_tokens`` at most: one page more (at most the
+        total). The page a decode opens at a page boundary (a tail page in every resident
+        group, an indexer page) is then there when it comes, and a prompt admitted beside
+        requests about to cross a boundary does not preempt them a step later. Further
+        growth is optimistic (vLLM's admission): reserving every request's whole output up
+        front would admit far fewer short requests than fit."""
+        return min(total_tokens, num_tokens + self.block_size)
+
     def gpu_held(self, req_id: str) -> int:
         """GPU blocks request ``req_id`` holds now (indexer, resident and hot blocks)."""
         b = self.requests[req_id]

@@ -8,14 +8,16 @@ forwards of one step: the decode part keeps its fixed-shape (CUDA-graph) path. N
 join between steps.
 Admission reserves host blocks for the prompt *and* every token the request may still
 generate, so the host pool never overflows: a full pool means waiting. The GPU pool is checked
-for what the prompt holds at its peak, `KVLayout.gpu_blocks_per_request` (the planner's own
-figure: a HiSparse prefill streams its pages to the host, so it holds what its decode will),
-beside what the admitted prompts still have to take. When a decode step cannot grow, the most
-recently admitted request is preempted (its blocks freed, its tokens recomputed later): its
+for what the request holds at its peak, `KVLayout.gpu_blocks_per_request` (the planner's own
+figure: a HiSparse prefill streams its pages to the host, so it holds what its decode will)
+one page past its length (`KVCacheManager.reserved_len`), beside what the admitted requests
+may still take up to that length: a prompt its pages, a decode the page it opens at the next
+boundary. Growth beyond is optimistic: when a decode step cannot grow, the most recently
+admitted request is preempted (its blocks freed, its tokens recomputed later): its
 recompute holds what it held, so it always fits again. With ``offload="under_pressure"`` the
 requests keep older pages resident while the pool has room; those blocks count as free for
-admission, and a request that needs them first demotes others (their older pages to the host,
-`demote`) before anything waits or is preempted.
+admission, and a request that needs them first demotes others (their older pages to the
+host, `demote`) before anything waits or is preempted.
 """
 
 from __future__ import annotations
@@ -99,8 +101,8 @@ class Scheduler:
         kv = self.kv
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            total = min(req.max_total_tokens, kv.max_blocks * kv.block_size)
-            need_gpu = kv.gpu_need(req.num_tokens)
+            total = self._total(req)
+            need_gpu = kv.gpu_need(kv.reserved_len(req.num_tokens, total))
             promised = self._promised()
             if need_gpu > kv.gpu_blocks.num_usable:
                 self.waiting.popleft()
@@ -127,16 +129,22 @@ class Scheduler:
             req.status = Status.PREFILLING
             self.running.append(req)
 
+    def _total(self, req: Request) -> int:
+        """The most tokens ``req`` can reach."""
+        return min(req.max_total_tokens, self.kv.max_blocks * self.kv.block_size)
+
     def _promised(self, exclude: Request | None = None) -> int:
-        """GPU blocks the admitted prompts (but ``exclude``) still have to take of their
-        plan's need: spoken for. Blocks kept beyond the plan (`KVCacheManager.reclaimable`)
-        do not count as taken."""
+        """GPU blocks the admitted requests (but ``exclude``) may still take of their plan's
+        need at the length admission reserved for (`KVCacheManager.reserved_len`): spoken
+        for. A prompt's streamed prefill takes its pages, a decode the page it opens at the
+        next page boundary. Blocks kept beyond the plan (`KVCacheManager.reclaimable`) do not
+        count as taken."""
         kv = self.kv
         return sum(
-            max(kv.gpu_need(r.num_tokens) - kv.gpu_held(r.req_id)
-                + kv.reclaimable(r.req_id, r.num_computed), 0)
+            max(kv.gpu_need(kv.reserved_len(r.num_tokens, self._total(r)))
+                - kv.gpu_held(r.req_id) + kv.reclaimable(r.req_id, r.num_computed), 0)
             for r in self.running
-            if r.status is Status.PREFILLING and r is not exclude
+            if r is not exclude
         )  # fmt: skip
 
     def schedule(self) -> list[ScheduledStep]:

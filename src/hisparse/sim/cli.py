@@ -135,6 +135,8 @@ def _fill_from_bench(args: argparse.Namespace) -> dict[str, Any] | None:
         pools = [r["host_pool_gib"] for r in doc.get("results", []) if r.get("host_pool_gib")]
         if pools:
             args.host_pool_gib = max(pools)
+    if args.offload is None and "offload" not in bench:
+        args.offload = "always"  # a bench JSON from before the policy existed
     if args.max_batched_tokens is None and bench.get("prefill") == "model":
         args.max_batched_tokens = 2048  # the bench's default for the real prefill
     return doc
