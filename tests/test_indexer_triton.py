@@ -9,8 +9,8 @@ What "equal" means (`indexer_cases.selection_errors`): scores agree with the ref
 ``tol = 1e-6 + 1e-5 * max |score|`` of the token (the interpreter's dots are fp32, so only
 the summation order differs; measured differences are ~1e-7 relative), ``-inf`` exactly past
 each token's causal limit; the top-k has the right ``-1`` padding, distinct positions under
-the limit, every pick within ``tol`` of the reference's k-th best score, best first within
-``tol``, and exactly the reference's set wherever the k-th and (k+1)-th reference scores are
+the limit, every pick within ``tol`` of the reference's k-th best score (in any order), and
+exactly the reference's set wherever the k-th and (k+1)-th reference scores are
 more than ``tol`` apart.
 """
 
@@ -239,8 +239,7 @@ def test_selection_checker_catches_wrong_picks() -> None:
     bad = good.clone()
     bad[0, 7] = bad[0, 0]
     assert any("twice" in e for e in ic.selection_errors(bad, ref, case.limits, 8, tol))
-    bad = good.flip(1)
-    assert any("best first" in e for e in ic.selection_errors(bad, ref, case.limits, 8, tol))
+    assert ic.selection_errors(good.flip(1), ref, case.limits, 8, tol) == []  # any order
     bad = good.clone()
     bad[0, 7] = -1
     assert any("padding" in e for e in ic.selection_errors(bad, ref, case.limits, 8, tol))

@@ -1,7 +1,8 @@
 """The attention and indexer dispatch points: each op's Triton kernel for CUDA tensors, its
 reference elsewhere, unless an environment variable forces one for A/B checks and debugging
 (``HISPARSE_ATTENTION``: sparse MLA and sparse GQA; ``HISPARSE_INDEXER``: the lightning
-indexer; ``HISPARSE_GQA_INDEXER``: the fused GQA decode indexer). ``triton`` on CPU tensors
+indexer; ``HISPARSE_GQA_INDEXER``: the fused GQA decode indexer; ``HISPARSE_TOPK``: the
+lightning indexer's top-k, Triton's radix select or ``torch.topk``). ``triton`` on CPU tensors
 needs ``TRITON_INTERPRET=1`` set before Triton is imported. Triton modules are imported on
 first use, so importing this module never imports Triton; inputs a kernel does not handle and
 machines without Triton fall back to the reference.

@@ -16,19 +16,21 @@ Two stages:
    batch >= 8 this reads ~55-62% of a copy's bandwidth (bench_indexer.py); the fp8-MMA
    variant, with no conversions and about 100 fewer instructions per tile, reads more, so
    the per-tile instruction count (conversions, masks, addresses) looks like the limit.
-2. ``torch.topk`` over each row, ``-inf`` picks turned into ``-1``: the reference's own
-   selection code, run on the same scores up to float summation order.
+2. the exact top-k of each row: on CUDA the Triton radix select (`topk_triton`: six
+   launches over a (row, part) grid, each row read only up to its token's causal limit; ties
+   at the k-th score to the lowest positions, picks in ascending positions), elsewhere or with
+   ``HISPARSE_TOPK=reference`` ``torch.topk`` (the reference's selection code; picks best
+   first). Both run on the same scores and give the same set wherever the k-th score is not
+   tied.
 
 A top-k call runs both stages per block of query tokens whose scores stay under
 `indexer_reference.SCORE_BLOCK_BYTES` (a 64K-token prefill chunk at 128K keys would otherwise
 hold 32 GiB of scores); more than 65535 key chunks (grid axis 1) get longer chunks.
 
-Why ``torch.topk`` rather than a Triton select: it is the reference's selection (ties and
-order behave alike), it needs no host synchronisation and no data-dependent shape (a decode
-step calling it can be captured in a CUDA graph), and it reads ``4 B`` of scores per key
-where the score kernel reads the 132-byte key. bench_indexer.py times both stages: at 128K
-``torch.topk`` takes 120-240 µs per call whatever the batch, as much as the score stage up to
-batch ~29, so a cheaper exact select is the next step.
+Why a select of our own: ``torch.topk`` over a 128K row took 120-240 µs per call whatever the
+batch (bench_indexer.py), as much as the score stage up to batch ~29, mostly radix-sort
+kernels that leave the GPU idle at small batches. The select needs no host synchronisation
+and no data-dependent shape either, so a decode step still captures it in its CUDA graph.
 
 Numerics, per mode (the reference's operation order is kept where it costs nothing):
 
@@ -53,7 +55,9 @@ import triton.language as tl
 
 from hisparse.attention import indexer_reference as _ref
 from hisparse.attention import triton_split
+from hisparse.attention.dispatch import env_backend
 from hisparse.attention.sparse_mla_triton import interpreting
+from hisparse.attention.topk_triton import topk_select_triton
 from hisparse.attention.triton_split import num_sms
 from hisparse.kv.row_formats import IndexerCacheFormat
 
@@ -348,9 +352,20 @@ def score_cols(
     return cols if max_len is None else min(cols, max_len)
 
 
-def topk_from_scores(scores: Tensor, top_k: int, out: Tensor | None = None) -> Tensor:
+def topk_from_scores(
+    scores: Tensor,
+    top_k: int,
+    out: Tensor | None = None,
+    *,
+    positions: Tensor | None = None,
+    req_index: Tensor | None = None,
+) -> Tensor:
     """``int32 [T, top_k]`` best positions of each row, ``-inf`` picks and padding ``-1``;
-    written into ``out`` (every element) when given."""
+    written into ``out`` (every element) when given. On CUDA the Triton radix select
+    (`topk_triton`; ``HISPARSE_TOPK=reference`` keeps ``torch.topk``), which reads each row
+    only up to the token's causal limit when ``positions`` (and ``req_index``) are given."""
+    if env_backend("HISPARSE_TOPK", scores.device) == "triton":
+        return topk_select_triton(scores, top_k, out, positions=positions, req_index=req_index)
     t, s = scores.shape
     kk = min(top_k, s)
     if out is None:
@@ -396,7 +411,7 @@ def indexer_topk_paged_triton(
             q, q_scale, weights, pages, fmt, block_table, req_index, positions, softmax_scale,
             max_len=max_len, config=config, chunk=chunk,
         )  # fmt: skip
-        return topk_from_scores(scores, top_k)
+        return topk_from_scores(scores, top_k, positions=positions, req_index=req_index)
     cfg = config or default_config(fmt.kind)
     chunk = chunk or chunk_for(t, cols, cfg.block_n, q.device)
     out = torch.empty((t, top_k), dtype=torch.int32, device=q.device)
@@ -409,6 +424,8 @@ def indexer_topk_paged_triton(
             ),
             top_k,
             out=out[lo:hi],
+            positions=positions[lo:hi],
+            req_index=req_index[lo:hi],
         )  # fmt: skip
     return out
 

@@ -145,9 +145,10 @@ def selection_errors(
 
     Equal to the reference means, per token with ``n = min(top_k, limit)`` and ``v_n`` the
     reference's n-th best score: the first ``n`` entries are distinct positions below the
-    limit and the rest ``-1``; every pick scores at least ``v_n - tol``; picks come best first
-    (each at most ``tol`` above the previous); and where ``v_n - v_{n+1} > tol`` the picks are
-    exactly the reference's ``n`` best. Closer scores may swap through summation order.
+    limit and the rest ``-1``; every pick scores at least ``v_n - tol``; and where
+    ``v_n - v_{n+1} > tol`` the picks are exactly the reference's ``n`` best. Closer scores may
+    swap through summation order. The order of the picks is free (``torch.topk`` writes them
+    best first, the Triton select in ascending positions).
     """
     errors: list[str] = []
     t = out.shape[0]
@@ -173,8 +174,6 @@ def selection_errors(
     picked = ref.gather(1, out.clamp(min=0))
     if ((picked < v_n - tol) & should).any():
         errors.append("a pick scores below the n-th best reference score by more than tol")
-    if ((picked[:, 1:] > picked[:, :-1] + tol) & should[:, 1:]).any():
-        errors.append("picks are not ordered best first (within tol)")
     if kk > top_k:
         nxt = best[:, top_k : top_k + 1]
         separated = (n_sel == top_k)[:, None] & (v_n - nxt > tol)

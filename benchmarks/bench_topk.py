@@ -1,0 +1,89 @@
+"""The lightning indexer's top-k: the Triton radix select against ``torch.topk``.
+
+Rows of 128K (and 32K) fp32 scores, ``top_k`` 2048, at the decode batches of one layer (1, 8,
+29, 64 rows) and a prefill row block (2048 rows). Each case first checks the select against
+`topk_select_reference` (exact) and against ``torch.topk``'s set, then times, as medians of
+CUDA-graph replays (what a captured decode step pays; `triton.testing.do_bench`):
+
+- ``torch``: ``torch.topk`` + the ``-inf`` -> ``-1`` mapping (the path before the select);
+- ``select``: `topk_select_triton`;
+- ``read``: the bytes the select must read once (``rows x keys x 4 B``) at the HBM copy rate
+  measured in the same run (1 GiB copy): the floor of any top-k.
+
+Writes ``$OUT/bench_topk.json`` when ``OUT`` is set; prints the table last.
+
+    PYTHONPATH=src python3 benchmarks/bench_topk.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import triton.testing
+
+from hisparse.attention.indexer_triton import topk_from_scores
+from hisparse.attention.topk_triton import topk_select_reference, topk_select_triton
+
+K = 2048
+CASES = [(1, 131072), (8, 131072), (29, 131072), (64, 131072), (2048, 131072), (1, 32768),
+         (29, 32768)]  # fmt: skip
+
+
+def _graph_us(fn) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return 1e3 * triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
+
+
+def _torch_topk(x: torch.Tensor, out: torch.Tensor) -> None:
+    vals, idx = x.topk(K, dim=-1)
+    out.copy_(torch.where(torch.isneginf(vals), -1, idx).to(torch.int32))
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    src = torch.empty(2**28, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src)
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    copy_gb_s = 2 * src.numel() * 4 / copy_ms / 1e6  # read + write
+    src = dst = None  # freed
+    rows = []
+    for t, s in CASES:
+        g = torch.Generator(device=dev).manual_seed(t * 7 + s)
+        x = torch.randn(t, s, generator=g, device=dev)
+        out = torch.full((t, K), -7777, dtype=torch.int32, device=dev)
+        topk_select_triton(x, K, out)
+        exact = torch.equal(out, topk_select_reference(x, K))
+        same_set = torch.equal(out.sort(dim=1).values, x.topk(K, dim=1).indices.sort(dim=1).values)
+        assert topk_from_scores(x, K).equal(out), "the indexer's dispatch did not take the select"
+        t_torch = _graph_us(lambda x=x, out=out: _torch_topk(x, out))
+        t_sel = _graph_us(lambda x=x, out=out: topk_select_triton(x, K, out))
+        read_us = t * s * 4 / copy_gb_s / 1e3
+        rows.append(dict(rows=t, keys=s, exact=exact, same_set_as_torch=same_set,
+                         torch_us=t_torch, select_us=t_sel, read_us=read_us,
+                         speedup=t_torch / t_sel, copy_gb_s=copy_gb_s))  # fmt: skip
+        print(rows[-1], flush=True)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_topk.json").write_text(json.dumps(rows, indent=2))
+    print(f"\nHBM copy {copy_gb_s:.0f} GB/s; top_k {K}; medians of CUDA-graph replays, µs")
+    head = ["rows", "keys", "exact", "torch.topk µs", "select µs", "speedup", "read floor µs",
+            "select / floor"]  # fmt: skip
+    print("| " + " | ".join(head) + " |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['rows']} | {r['keys']} | {r['exact'] and r['same_set_as_torch']} | "
+              f"{r['torch_us']:.1f} | {r['select_us']:.1f} | {r['speedup']:.2f}x | "
+              f"{r['read_us']:.2f} | {r['select_us'] / r['read_us']:.1f}x |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""Exact top-k of score rows by radix select in six Triton launches, for the lightning indexer.
+
+`topk_select_reference` is the contract: per row the ``k`` largest finite scores (``-inf`` and
+NaN never picked; with fewer than ``k`` finite scores, all of them), ties at the k-th value
+going to the lowest positions, written in ascending position order and ``-1`` padded.
+``torch.topk`` picks the same set wherever the k-th score is not tied (it orders best first
+and leaves its tie order unspecified); nothing downstream reads the order of a selection.
+
+Why: ``torch.topk`` over a 128K row costs ~100 µs of radix-sort kernels per layer and step
+(most of them busy on one row), far more than reading the row's 512 KB. Here a score's
+fp32 bits, flipped so that their unsigned order is the float order, are found one byte at a
+time over a ``(row, part)`` grid, each program reading a part of the row:
+
+1. four histogram launches: each program adds its part's 256-bin histogram of the next byte,
+   among the keys whose higher bytes equal those found so far, to the row's histogram in
+   global memory (``tl.histogram``, then 256 atomic adds). Every program re-derives the bytes
+   found so far from the earlier histograms (a 256-bin scan each), so no launch is spent on
+   scans; after the fourth the exact k-th key and how many keys equal to it to take are known;
+2. a count launch: each part's keys above it and equal to it;
+3. a write launch: each part's output offset from prefix sums over the parts before it, then
+   its picks in position order (ties: the first ones by position).
+
+Launch boundaries are the only barriers (nothing spins), the grid depends on shapes alone and
+nothing synchronises with the host, so a decode step captures it in its CUDA graph. Rows may
+end early (``limits``: a token's causal limit), so a graph captured at the block table's width
+reads only each row's own keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from hisparse.attention.triton_split import num_sms
+from hisparse.runtime.ops import triton_common  # noqa: F401  (the interpreter's loop-bound fix)
+
+#: Elements one program reads per iteration.
+BLOCK = 2048
+#: Bytes of a key found per histogram launch (four launches: 32 bits).
+DIGIT_BITS = 8
+BINS = 1 << DIGIT_BITS
+PASSES = 32 // DIGIT_BITS
+#: Fewest elements per program worth a part of its own.
+MIN_PART = 4096
+INT32_MIN = tl.constexpr(-(2**31))
+
+
+def topk_select_reference(scores: Tensor, top_k: int, limits: Tensor | None = None) -> Tensor:
+    """The contract (see the module docstring): ``int32 [T, top_k]``, ascending positions,
+    ``-1`` padded; row ``t`` reads positions below ``limits[t]`` only, when given."""
+    t, s = scores.shape
+    x = scores.float().clone()
+    x[torch.isnan(x)] = float("-inf")
+    if limits is not None:
+        pos = torch.arange(s, device=x.device)
+        x[pos[None, :] >= limits.to(x.device).long()[:, None]] = float("-inf")
+    out = torch.full((t, top_k), -1, dtype=torch.int32, device=scores.device)
+    kk = min(top_k, s)
+    if t == 0 or kk == 0:
+        return out
+    # a stable descending sort keeps equal scores in position order: ties go to the lowest
+    order = torch.sort(x, dim=1, descending=True, stable=True).indices[:, :kk]
+    keep = x.gather(1, order) > float("-inf")
+    picks = torch.where(keep, order, s).sort(dim=1).values
+    out[:, :kk] = torch.where(picks < s, picks, -1).to(torch.int32)
+    return out
+
+
+@triton.jit
+def _keys(row, offs, hi):
+    """Scores ``row[offs]`` (``offs < hi``) as int32 bits whose unsigned order is the float
+    order, and which of them are finite picks (not ``-inf``, not NaN, in range). ``-0.0``
+    counts as ``0.0``, as the float compare (and ``torch.topk``) has it."""
+    m = offs < hi
+    x = tl.load(row + offs, mask=m, other=float("-inf"))
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    # negative floats: flip all bits; positive: flip the sign bit
+    return bits ^ ((bits >> 31) | INT32_MIN), m & (x > float("-inf"))  # NaN compares false
+
+
+@triton.jit
+def _row_len(limits, req_index, t, S, LIMITS: tl.constexpr):
+    """Keys row ``t`` may pick: all ``S``; ``limits[t]`` (LIMITS 1); a token's causal limit
+    ``limits[t] + 1``, none for a padding token (``req_index[t] < 0``) (LIMITS 2)."""
+    n = S
+    if LIMITS == 1:
+        n = tl.load(limits + t).to(tl.int32)
+    if LIMITS == 2:
+        n = tl.load(limits + t).to(tl.int32) + 1
+        n = tl.where(tl.load(req_index + t) >= 0, n, 0)
+    return tl.minimum(tl.maximum(n, 0), S)
+
+
+@triton.jit
+def _descend(hist_row, k, NPASS: tl.constexpr, BINS: tl.constexpr, DIGIT_BITS: tl.constexpr):
+    """The key bytes found by the first ``NPASS`` histograms of a row, how many of the keys
+    sharing them are still to take, and the row's count of finite scores."""
+    bins = tl.arange(0, BINS)
+    total = tl.sum(tl.load(hist_row + bins), axis=0)
+    rem = tl.minimum(k, total)
+    prefix = total * 0
+    for p in tl.static_range(NPASS):
+        h = tl.load(hist_row + p * BINS + bins)
+        at_least = tl.cumsum(h, axis=0, reverse=True)  # keys whose byte is >= each bin
+        d = tl.max(tl.where(at_least >= rem, bins, 0), axis=0)
+        above = tl.sum(tl.where(bins > d, h, 0), axis=0)
+        rem = rem - above
+        prefix = (prefix << DIGIT_BITS) | d
+    return prefix, rem, total
+
+
+@triton.jit
+def _hist_kernel(
+    scores, stride_s, S, limits, req_index, hist, k, PART,
+    PASS: tl.constexpr, LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
+    DIGIT_BITS: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    part = tl.program_id(1)
+    n = _row_len(limits, req_index, t, S, LIMITS)
+    lo = part * PART
+    hi = tl.minimum(lo + PART, n)
+    row = scores + t.to(tl.int64) * stride_s
+    hist_row = hist + t.to(tl.int64) * (4 * BINS)
+    prefix, rem, _total = _descend(hist_row, k, PASS, BINS, DIGIT_BITS)
+    go = lo < hi
+    if PASS > 0:
+        go = go & (rem > 0)  # rem == 0: the row has no finite score
+    if go:
+        acc = tl.zeros([BINS], dtype=tl.int32)
+        for start in range(lo, hi, BLOCK):
+            u, take = _keys(row, start + tl.arange(0, BLOCK), hi)
+            if PASS > 0:
+                high = (u >> (32 - DIGIT_BITS * PASS)) & ((1 << (DIGIT_BITS * PASS)) - 1)
+                take = take & (high == prefix)
+            digit = (u >> (32 - DIGIT_BITS * (PASS + 1))) & (BINS - 1)
+            acc += tl.histogram(digit, BINS, mask=take)
+        tl.atomic_add(hist_row + PASS * BINS + tl.arange(0, BINS), acc, sem="relaxed")
+
+
+@triton.jit
+def _part_counts(row, lo, hi, kth, BLOCK: tl.constexpr):
+    """Keys above ``kth`` and equal to it in ``[lo, hi)`` (finite scores only)."""
+    gt = tl.full([], 0, tl.int32)
+    eq = tl.full([], 0, tl.int32)
+    for start in range(lo, hi, BLOCK):
+        u, ok = _keys(row, start + tl.arange(0, BLOCK), hi)
+        u = u ^ INT32_MIN  # signed order = float order
+        gt += tl.sum((ok & (u > kth)).to(tl.int32), axis=0)
+        eq += tl.sum((ok & (u == kth)).to(tl.int32), axis=0)
+    return gt, eq
+
+
+@triton.jit
+def _count_kernel(
+    scores, stride_s, S, limits, req_index, hist, counts, k, PART, NPARTS,
+    LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
+    DIGIT_BITS: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    part = tl.program_id(1)
+    n = _row_len(limits, req_index, t, S, LIMITS)
+    lo = part * PART
+    hi = tl.minimum(lo + PART, n)
+    row = scores + t.to(tl.int64) * stride_s
+    prefix, rem, _total = _descend(hist + t.to(tl.int64) * (4 * BINS), k, 4, BINS, DIGIT_BITS)
+    gt, eq = _part_counts(row, lo, hi, prefix ^ INT32_MIN, BLOCK)
+    gt = tl.where(rem > 0, gt, 0)  # rem == 0: no finite score in the row, nothing to take
+    eq = tl.where(rem > 0, eq, 0)
+    c = counts + (t.to(tl.int64) * NPARTS + part) * 2
+    tl.store(c, gt)
+    tl.store(c + 1, eq)
+
+
+@triton.jit
+def _write_kernel(
+    scores, stride_s, S, limits, req_index, hist, counts, out, stride_o, k, top_k, PART, NPARTS,
+    LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
+    DIGIT_BITS: tl.constexpr, PARTS_P2: tl.constexpr, PAD_BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    part = tl.program_id(1)
+    n = _row_len(limits, req_index, t, S, LIMITS)
+    lo = part * PART
+    hi = tl.minimum(lo + PART, n)
+    row = scores + t.to(tl.int64) * stride_s
+    orow = out + t.to(tl.int64) * stride_o
+    prefix, need_eq, total = _descend(hist + t.to(tl.int64) * (4 * BINS), k, 4, BINS, DIGIT_BITS)
+    kth = prefix ^ INT32_MIN
+    taken_all = tl.minimum(k, total)
+    # where this part's picks start: the picks and ties of the parts before it
+    j = tl.arange(0, PARTS_P2)
+    before = j < part
+    c = counts + (t.to(tl.int64) * NPARTS + j) * 2
+    gt_j = tl.load(c, mask=before, other=0)
+    eq_j = tl.load(c + 1, mask=before, other=0)
+    eq_seen = tl.sum(eq_j, axis=0)
+    eq_excl = tl.cumsum(eq_j, axis=0) - eq_j
+    ties_j = tl.minimum(tl.maximum(need_eq - eq_excl, 0), eq_j)
+    slot = tl.sum(gt_j + ties_j, axis=0)
+    if need_eq > 0:
+        for start in range(lo, hi, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            u, ok = _keys(row, offs, hi)
+            u = u ^ INT32_MIN
+            is_eq = (ok & (u == kth)).to(tl.int32)
+            eq_rank = eq_seen + tl.cumsum(is_eq, axis=0) - is_eq
+            take = (ok & (u > kth)) | ((is_eq != 0) & (eq_rank < need_eq))
+            ti = take.to(tl.int32)
+            dst = slot + tl.cumsum(ti, axis=0) - ti
+            tl.store(orow + dst, offs.to(tl.int32), mask=take)
+            slot += tl.sum(ti, axis=0)
+            eq_seen += tl.sum(is_eq, axis=0)
+    if part == 0:  # the padding after the row's picks
+        for start in range(0, top_k, PAD_BLOCK):
+            cols = start + tl.arange(0, PAD_BLOCK)
+            tl.store(orow + cols, tl.full([PAD_BLOCK], -1, tl.int32),
+                     mask=(cols >= taken_all) & (cols < top_k))  # fmt: skip
+
+
+def _parts(t: int, s: int, device: torch.device) -> int:
+    """Programs per row: about two per SM over the whole call, none shorter than `MIN_PART`."""
+    sms = num_sms(device)
+    return max(1, min(triton.cdiv(2 * sms, max(t, 1)), triton.cdiv(s, MIN_PART)))
+
+
+def topk_select_triton(
+    scores: Tensor,
+    top_k: int,
+    out: Tensor | None = None,
+    limits: Tensor | None = None,
+    *,
+    positions: Tensor | None = None,
+    req_index: Tensor | None = None,
+    parts: int | None = None,
+) -> Tensor:
+    """`topk_select_reference`'s contract, written into ``out`` (every element) when given.
+    ``scores``: fp32 ``[T, S]``; row ``t`` reads keys below ``limits[t]``, or below a
+    token's causal limit ``positions[t] + 1`` (none where ``req_index[t] < 0``): the same
+    picks as without, where the scores past those limits are ``-inf``, read in less time."""
+    t, s = scores.shape
+    if out is None:
+        out = torch.empty((t, top_k), dtype=torch.int32, device=scores.device)
+    if t == 0 or top_k == 0:
+        return out
+    if scores.dtype != torch.float32 or scores.stride(1) != 1:
+        scores = scores.float().contiguous()
+    p = parts or _parts(t, s, scores.device)
+    part = triton.cdiv(triton.cdiv(max(s, 1), p), BLOCK) * BLOCK
+    p = max(1, triton.cdiv(s, part))
+    hist = torch.zeros((t, PASSES, BINS), dtype=torch.int32, device=scores.device)
+    counts = torch.empty((t, p, 2), dtype=torch.int32, device=scores.device)
+    mode, lim, req = 0, hist, hist  # (pointers not read in mode 0)
+    if limits is not None:
+        mode, lim = 1, limits
+    elif positions is not None:
+        mode, lim = 2, positions
+        req = req_index if req_index is not None else positions  # positions >= 0: all real
+    k = min(top_k, s)
+    common = dict(LIMITS=mode, BLOCK=BLOCK, BINS=BINS, DIGIT_BITS=DIGIT_BITS)
+    grid = (t, p)
+    head = (scores, scores.stride(0), s, lim, req, hist)
+    for pas in range(PASSES):
+        _hist_kernel[grid](*head, k, part, PASS=pas, **common)
+    _count_kernel[grid](*head, counts, k, part, p, **common)
+    _write_kernel[grid](
+        *head, counts, out, out.stride(0), k, top_k, part, p,
+        PARTS_P2=triton.next_power_of_2(p), PAD_BLOCK=min(1024, triton.next_power_of_2(top_k)),
+        **common,
+    )  # fmt: skip
+    return out
+
+
+__all__ = ["topk_select_reference", "topk_select_triton"]

@@ -1,0 +1,133 @@
+"""The Triton radix select (`topk_triton`) equals `topk_select_reference` exactly (Triton's
+CPU interpreter, CI): fresh random rows of every sign, ``-inf`` tails and whole ``-inf``
+rows, NaN, ``±0.0``, heavy ties, ``k`` above the row length, rows split into one or many
+parts, the three limit modes, a poisoned output, and the engine's largest decode row (128K
+keys, ``top_k`` 2048). Then the lightning indexer's Triton top-k with the select switched on
+(``HISPARSE_TOPK=triton``) passes the reference's selection check.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hisparse.attention import indexer_reference as ir
+from hisparse.attention import indexer_triton as it
+from hisparse.attention.sparse_mla_triton import interpreting
+from hisparse.attention.topk_triton import BLOCK, topk_select_reference, topk_select_triton
+from hisparse.testing import indexer_cases as ic
+
+pytestmark = pytest.mark.skipif(
+    not interpreting(), reason="Triton kernels were defined outside the interpreter"
+)
+
+
+def _rows(t: int, s: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, s, generator=g) * 10.0 ** torch.randint(-3, 4, (t, 1), generator=g)
+    x[:, torch.randperm(s, generator=g)[: s // 7]] *= -1
+    if t > 1:
+        x[1, s // 3 :] = float("-inf")  # a causal tail
+    return x
+
+
+def _poisoned(t: int, k: int) -> torch.Tensor:
+    return torch.full((t, k), -7777, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "t,s,k,parts",
+    [(1, 1, 1, None), (1, 7, 4, None), (3, 300, 8, None), (4, 100, 200, None),
+     (2, 5000, 64, None), (2, 5000, 64, 1), (3, 3 * BLOCK + 5, 100, 3), (5, 9000, 2048, None)],
+)  # fmt: skip
+def test_random_rows_equal_the_reference(t: int, s: int, k: int, parts: int | None) -> None:
+    x = _rows(t, s, seed=t * 1000 + s + k)
+    got = topk_select_triton(x, k, out=_poisoned(t, k), parts=parts)
+    assert torch.equal(got, topk_select_reference(x, k))
+    # the set torch.topk picks, where the k-th score is not tied (random floats: not)
+    kk = min(k, s)
+    vals, idx = x.topk(kk, dim=1)
+    for r in range(t):
+        want = set(idx[r][vals[r] > float("-inf")].tolist())
+        assert set(got[r][got[r] >= 0].tolist()) == want
+
+
+def test_ties_go_to_the_lowest_positions() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 3, (3, 1000), generator=g).float()
+    x[1] = float("-inf")  # nothing to pick
+    x[2, ::2] = -0.0  # -0.0 ties with 0.0, as the float compare has it
+    for k in (1, 10, 333, 999, 1000, 1200):
+        got = topk_select_triton(x, k, out=_poisoned(3, k), parts=3)
+        assert torch.equal(got, topk_select_reference(x, k)), k
+    assert (got[1] == -1).all()
+
+
+def test_nan_and_infinities() -> None:
+    x = torch.tensor([[float("nan"), 1.0, -0.0, 0.0, float("inf"), -5.0, float("-inf")]])
+    assert topk_select_triton(x, 3).tolist() == [[1, 2, 4]]  # -0.0 at 2 before 0.0 at 3
+    assert topk_select_triton(x, 7).tolist() == [[1, 2, 3, 4, 5, -1, -1]]
+    assert torch.equal(topk_select_triton(x, 7), topk_select_reference(x, 7))
+
+
+def test_limits_positions_and_padding_tokens() -> None:
+    """``limits`` bounds each row; ``positions`` + ``req_index`` give a token's causal limit
+    ``position + 1`` and none to a padding token: the picks of the rows cut to those limits."""
+    t, s, k = 4, 3000, 50
+    x = _rows(t, s, seed=9)
+    limits = torch.tensor([1, 3000, 17, 2500])
+    want = topk_select_reference(x, k, limits)
+    assert torch.equal(topk_select_triton(x, k, _poisoned(t, k), limits, parts=2), want)
+    positions = limits - 1
+    req_index = torch.tensor([0, 1, -1, 2])
+    got = topk_select_triton(x, k, _poisoned(t, k), positions=positions, req_index=req_index)
+    want[2] = -1
+    assert torch.equal(got, want)
+
+
+def test_writes_into_a_strided_output_view() -> None:
+    x = _rows(3, 700, seed=4)
+    out = torch.full((5, 40), -7777, dtype=torch.int32)
+    topk_select_triton(x, 40, out=out[1:4])
+    assert torch.equal(out[1:4], topk_select_reference(x, 40))
+    assert (out[0] == -7777).all() and (out[4] == -7777).all()
+
+
+def test_empty_calls() -> None:
+    assert topk_select_triton(torch.empty(0, 10), 4).shape == (0, 4)
+    assert topk_select_triton(torch.full((2, 5), float("-inf")), 3).tolist() == [[-1] * 3] * 2
+
+
+def test_largest_decode_row() -> None:
+    """A 128K-token request's row at the block table's capacity, ``top_k`` 2048."""
+    x = _rows(2, 131168, seed=5)
+    got = topk_select_triton(x, 2048, out=_poisoned(2, 2048))
+    assert torch.equal(got, topk_select_reference(x, 2048))
+
+
+@pytest.mark.parametrize("kind", ["fp8", "exact"])
+def test_indexer_with_the_select(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The paged indexer's top-k with the Triton select passes the reference's check: decode
+    tokens, a prefill chunk and padding tokens."""
+    monkeypatch.setenv("HISPARSE_TOPK", "triton")
+    case = ic.random_indexer_case(
+        kind, [24, 60, 41, 130], [24, 9, 1, 1], heads=16, head_dim=64, block_size=8,
+        device="cpu", seed=31, pad_tokens=2, extra_blocks=2,
+    )  # fmt: skip
+    top_k = 16
+    small = it.IndexerConfig(block_n=16)
+    out = it.indexer_topk_paged_triton(*case.args(), top_k, case.softmax_scale, config=small)
+    ref = ic.reference_scores(case, case.block_table.shape[1] * 8)
+    tol = ic.score_tolerance(ref, 1e-5, 1e-6)
+    assert ic.selection_errors(out, ref, case.limits, top_k, tol) == []
+    want = ir.indexer_topk_paged_reference(*case.args(), case.seq_lens, top_k, case.softmax_scale)
+    monkeypatch.setenv("HISPARSE_TOPK", "reference")
+    torch_topk = it.indexer_topk_paged_triton(*case.args(), top_k, case.softmax_scale, config=small)
+    assert torch.equal(out.sort(dim=1).values, torch_topk.sort(dim=1).values)
+    assert ic.selection_errors(want, ref, case.limits, top_k, tol) == []
