@@ -352,6 +352,11 @@ def score_cols(
     return cols if max_len is None else min(cols, max_len)
 
 
+#: Rows up to which the Triton select beats ``torch.topk`` on the H200 (bench_topk.py: 2x at
+#: 1-8 rows of 128K, even at 29, slower from 64: its per-row work is not split finer).
+SELECT_MAX_ROWS = 16
+
+
 def topk_from_scores(
     scores: Tensor,
     top_k: int,
@@ -361,10 +366,12 @@ def topk_from_scores(
     req_index: Tensor | None = None,
 ) -> Tensor:
     """``int32 [T, top_k]`` best positions of each row, ``-inf`` picks and padding ``-1``;
-    written into ``out`` (every element) when given. On CUDA the Triton radix select
-    (`topk_triton`; ``HISPARSE_TOPK=reference`` keeps ``torch.topk``), which reads each row
-    only up to the token's causal limit when ``positions`` (and ``req_index``) are given."""
-    if env_backend("HISPARSE_TOPK", scores.device) == "triton":
+    written into ``out`` (every element) when given. On CUDA, up to `SELECT_MAX_ROWS` rows,
+    the Triton radix select (`topk_triton`; ``HISPARSE_TOPK=reference`` keeps ``torch.topk``),
+    which reads each row only up to the token's causal limit when ``positions`` (and
+    ``req_index``) are given."""
+    choice = env_backend("HISPARSE_TOPK", scores.device)
+    if choice == "triton" and (scores.shape[0] <= SELECT_MAX_ROWS or not scores.is_cuda):
         return topk_select_triton(scores, top_k, out, positions=positions, req_index=req_index)
     t, s = scores.shape
     kk = min(top_k, s)
