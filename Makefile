@@ -35,7 +35,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(VENV)/bin/hisparse generate
+	$(VENV)/bin/hisparse generate --offload always
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -186,12 +186,17 @@ def summary_line(llm: object, out: object, load_s: float) -> str:
         host_b = cdiv(ctx, bs) * layout.host_block_bytes
         gpu_b = layout.gpu_blocks_per_request(ctx) * layout.gpu_bytes_per_block
         where = (
-            f"KV on host {host_b / 2**20:.1f} MiB, on GPU {gpu_b / 2**20:.1f} MiB "
-            f"(hot buffer {cfg.device_buffer_size} rows/layer for {ctx} tokens)"
+            f"KV on host {host_b / 2**20:.1f} MiB, on GPU {gpu_b / 2**20:.1f} MiB when "
+            f"offloaded (hot buffer {cfg.device_buffer_size} rows/layer for {ctx} tokens)"
         )
         if m.hits + m.misses:
             rate = m.hits / (m.hits + m.misses)
             hits = f"hit rate {100 * rate:.1f}% ({m.misses} rows swapped in)"
+        elif cfg.offload == "under_pressure":
+            hits = (
+                "no swaps (the GPU pool had room, so every page stayed resident; "
+                "--offload always reads older pages through the hot buffer)"
+            )
         else:
             hits = "no swaps (every row it read was resident)"
     else:
