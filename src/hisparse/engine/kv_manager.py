@@ -109,6 +109,7 @@ class KVCacheManager:
             max_num_seqs=max_num_seqs,
         )
         self.host_pool: HostPool | None = None
+        self._need_by_pages: dict[int, int] = {}
         self._make_host_pool = host_pool or (lambda size, pin: HostPool(size, pin=pin))
         try:
             self._allocate(max_num_seqs, device)
@@ -190,8 +191,13 @@ class KVCacheManager:
 
     def gpu_need(self, num_tokens: int) -> int:
         """GPU blocks a request of ``num_tokens`` tokens holds at its peak, prefilling or
-        decoding: `KVLayout.gpu_blocks_per_request`, the plan's own figure."""
-        return self.layout.gpu_blocks_per_request(num_tokens)
+        decoding: `KVLayout.gpu_blocks_per_request`, the plan's own figure (a function of the
+        page count, remembered per count: the scheduler asks for every request each step)."""
+        pages = cdiv(num_tokens, self.block_size)
+        need = self._need_by_pages.get(pages)
+        if need is None:
+            need = self._need_by_pages[pages] = self.layout.gpu_blocks_per_request(num_tokens)
+        return need
 
     def reserved_len(self, num_tokens: int, total_tokens: int) -> int:
         """The length whose `gpu_need` admission keeps in reserve for a request of

@@ -99,11 +99,13 @@ class Scheduler:
 
     def _admit(self) -> None:
         kv = self.kv
+        promised = None
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             total = self._total(req)
             need_gpu = kv.gpu_need(kv.reserved_len(req.num_tokens, total))
-            promised = self._promised()
+            if promised is None:
+                promised = self._promised()
             if need_gpu > kv.gpu_blocks.num_usable:
                 self.waiting.popleft()
                 self._fail(
@@ -128,24 +130,25 @@ class Scheduler:
             self.waiting.popleft()
             req.status = Status.PREFILLING
             self.running.append(req)
+            promised += self._promise(req)
 
     def _total(self, req: Request) -> int:
         """The most tokens ``req`` can reach."""
         return min(req.max_total_tokens, self.kv.max_blocks * self.kv.block_size)
 
-    def _promised(self, exclude: Request | None = None) -> int:
-        """GPU blocks the admitted requests (but ``exclude``) may still take of their plan's
-        need at the length admission reserved for (`KVCacheManager.reserved_len`): spoken
-        for. A prompt's streamed prefill takes its pages, a decode the page it opens at the
-        next page boundary. Blocks kept beyond the plan (`KVCacheManager.reclaimable`) do not
-        count as taken."""
+    def _promise(self, r: Request) -> int:
+        """GPU blocks admitted request ``r`` may still take of its plan's need at the length
+        admission reserved for (`KVCacheManager.reserved_len`): spoken for. A prompt's
+        streamed prefill takes its pages, a decode the page it opens at the next page
+        boundary. Blocks kept beyond the plan (`KVCacheManager.reclaimable`) do not count as
+        taken."""
         kv = self.kv
-        return sum(
-            max(kv.gpu_need(kv.reserved_len(r.num_tokens, self._total(r)))
-                - kv.gpu_held(r.req_id) + kv.reclaimable(r.req_id, r.num_computed), 0)
-            for r in self.running
-            if r is not exclude
-        )  # fmt: skip
+        need = kv.gpu_need(kv.reserved_len(r.num_tokens, self._total(r)))
+        return max(need - kv.gpu_held(r.req_id) + kv.reclaimable(r.req_id, r.num_computed), 0)
+
+    def _promised(self) -> int:
+        """`_promise` summed over the admitted requests."""
+        return sum(self._promise(r) for r in self.running)
 
     def schedule(self) -> list[ScheduledStep]:
         """The next engine step: its decode part (one token for every decoding request that
@@ -155,20 +158,24 @@ class Scheduler:
         prefill chunks alone while any prompt is unfinished. Empty: nothing could run this
         time (a request was preempted or failed to make room)."""
         self._admit()
+        # what the admitted requests are promised, once a step: pages kept beyond the plan
+        # (under_pressure) leave it free. Growth in the step only lowers it, so the figure
+        # stays on the safe side for the rest of the step.
+        reserve = self._promised() if self.kv.sticky else 0
         if self.policy == "prefill-first":
-            prefill = self._prefill_part(self.max_num_batched_tokens)
+            prefill = self._prefill_part(self.max_num_batched_tokens, reserve)
             if prefill is not None:
                 return [prefill]
-        decode = self._decode_part()
+        decode = self._decode_part(reserve)
         budget = self.max_num_batched_tokens - (len(decode.batch) if decode else 0)
-        prefill = self._prefill_part(budget) if self.policy == "mixed" else None
+        prefill = self._prefill_part(budget, reserve) if self.policy == "mixed" else None
         parts = [p for p in (decode, prefill) if p is not None]
         if not parts and self.running:
             # Prompts that cannot grow and nothing decoding: free the newest to progress.
             self.preempt(self.running[-1])
         return parts
 
-    def _prefill_part(self, budget: int) -> ScheduledStep | None:
+    def _prefill_part(self, budget: int, reserve: int) -> ScheduledStep | None:
         """Chunks of admitted prompts in admission order, in ``budget`` tokens. Under HiSparse
         a step's prefill reads every context page of its requests through the staging area
         (`PrefillStaging`): a chunk that would overflow it waits a step. None does in this
@@ -186,8 +193,8 @@ class Scheduler:
             rows = kv.staging_rows(req.num_computed + n)
             if batch and staged + rows > kv.staging_capacity:
                 break
-            reserve = self._promised(exclude=req) if kv.sticky else 0
-            if not self._grow(req, req.num_computed + n, reserve):
+            others = reserve - self._promise(req) if kv.sticky else 0  # the others' promise
+            if not self._grow(req, req.num_computed + n, others):
                 break
             staged += rows
             batch.append((req, n))
@@ -195,12 +202,10 @@ class Scheduler:
             budget -= n
         return ScheduledStep(decode=False, batch=batch, finishing=finishing) if batch else None
 
-    def _decode_part(self) -> ScheduledStep | None:
+    def _decode_part(self, reserve: int) -> ScheduledStep | None:
         """One token for every decoding request; a request that cannot grow preempts the
         newest request (itself when it is the newest) until it can."""
         batch: list[tuple[Request, int]] = []
-        # what the prompts are promised: demotions and decode growth leave it as it is
-        reserve = self._promised() if self.kv.sticky else 0
         for req in [r for r in self.running if r.status is Status.DECODING]:
             if req.status is not Status.DECODING:
                 continue  # preempted below for an earlier request
