@@ -281,3 +281,30 @@ def test_sampled_requests_estimate_all(tiny: str) -> None:
     assert half["bytes_swapped"] == pytest.approx(full["bytes_swapped"], rel=0.1)
     assert half["warm_start_bytes"] == full["warm_start_bytes"]
     assert half["bytes_swapped"] != full["bytes_swapped"]  # an estimate, not the same run
+
+
+@pytest.mark.parametrize("offload", ["always", "under_pressure"])
+@pytest.mark.parametrize("plan", [3, 5, 8])
+def test_prompts_at_a_page_boundary_run_the_plan_without_preemption(
+    tiny: str, plan: int, offload: str
+) -> None:
+    """Prompts that end on a page boundary, in a pool of exactly ``plan`` requests at
+    ``max_model_len``: the engine's scheduler (run by the simulator) holds the plan and
+    preempts nobody. Without the page of growth admission keeps in reserve, a prompt admitted
+    while the others' decodes were one step from opening a page ran the plan + 1 and was
+    preempted a step later (as on the H200's GLM-5 run)."""
+    from hisparse.sim.simulator import SimSettings, Simulator
+    from hisparse.sim.trace import synthetic_trace
+
+    inp, out = 8 * BLOCK, 8
+    kw = dict(model=tiny, max_model_len=inp + out, max_num_seqs=16, block_size=BLOCK,
+              target="cpu", offload=offload, schedule="prefill-first",
+              max_num_batched_tokens=4096)  # fmt: skip
+    lay = Simulator(SimSettings(gpu_memory_gib=0.01, **kw)).kv.layout
+    blocks = 1 + plan * lay.gpu_blocks_per_request(inp + out)  # + the null block
+    gib = (blocks * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
+    sim = Simulator(SimSettings(gpu_memory_gib=gib, **kw))
+    assert sim.kv.layout.max_requests_gpu(inp + out) == plan
+    run = sim.run(synthetic_trace(plan + 3, input_len=inp, output_len=out))
+    assert run["peak_running"] == plan
+    assert run["preemptions"] == 0
