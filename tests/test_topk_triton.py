@@ -99,6 +99,16 @@ def test_writes_into_a_strided_output_view() -> None:
     assert (out[0] == -7777).all() and (out[4] == -7777).all()
 
 
+def test_strided_limits_and_a_transposed_output() -> None:
+    x = _rows(3, 500, seed=6)
+    limits = torch.tensor([[5, 0], [70, 0], [500, 0]])[:, 0]  # stride 2
+    want = topk_select_reference(x, 8, limits)
+    assert torch.equal(topk_select_triton(x, 8, limits=limits), want)
+    out = torch.full((8, 3), -7777, dtype=torch.int32).t()  # column stride 3
+    topk_select_triton(x, 8, out=out, limits=limits)
+    assert torch.equal(out, want)
+
+
 def test_empty_calls() -> None:
     assert topk_select_triton(torch.empty(0, 10), 4).shape == (0, 4)
     assert topk_select_triton(torch.full((2, 5), float("-inf")), 3).tolist() == [[-1] * 3] * 2

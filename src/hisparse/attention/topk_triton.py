@@ -246,8 +246,16 @@ def topk_select_triton(
         out = torch.empty((t, top_k), dtype=torch.int32, device=scores.device)
     if t == 0 or top_k == 0:
         return out
+    if out.stride(1) != 1 or out.dtype != torch.int32:  # the kernel writes int32 rows
+        out.copy_(topk_select_triton(scores, top_k, None, limits, positions=positions,
+                                     req_index=req_index, parts=parts))  # fmt: skip
+        return out
     if scores.dtype != torch.float32 or scores.stride(1) != 1:
         scores = scores.float().contiguous()
+    # per-row values are read at offset t: contiguous (a no-op on the engine's own tensors)
+    limits, positions, req_index = (
+        None if v is None else v.contiguous() for v in (limits, positions, req_index)
+    )
     p = parts or _parts(t, s, scores.device)
     part = triton.cdiv(triton.cdiv(max(s, 1), p), BLOCK) * BLOCK
     p = max(1, triton.cdiv(s, part))

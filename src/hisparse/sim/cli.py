@@ -25,7 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from hisparse.config import HiSparseConfigError, check_gib
+from hisparse.config import HiSparseConfigError, check_gib, default_offload
 from hisparse.sim.pcie import RateTable
 from hisparse.sim.simulator import (
     DEFAULT_DECODE_MS,
@@ -255,6 +255,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.model is None or args.gpu_memory_gib is None:
         raise HiSparseConfigError("give --model and --gpu-memory-gib (or --compare BENCH_JSON)")
     check_gib("--gpu-memory-gib", args.gpu_memory_gib)
+    if args.offload is None:  # the JSON's settings name the policy simulated
+        args.offload = default_offload()
     placements = [p.strip() for p in str(args.kv_placement or "hisparse").split(",") if p]
     if not placements or any(p not in ("hisparse", "gpu") for p in placements):
         raise HiSparseConfigError(f"--kv-placement={args.kv_placement!r}: hisparse, gpu or both")
