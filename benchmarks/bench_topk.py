@@ -24,24 +24,13 @@ from pathlib import Path
 import torch
 import triton.testing
 
+from bench_indexer import _graph_us  # (this script's folder is on sys.path)
 from hisparse.attention.indexer_triton import topk_from_scores
 from hisparse.attention.topk_triton import topk_select_reference, topk_select_triton
 
 K = 2048
 CASES = [(1, 131072), (8, 131072), (29, 131072), (64, 131072), (2048, 131072), (1, 32768),
          (29, 32768)]  # fmt: skip
-
-
-def _graph_us(fn) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return 1e3 * triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
 
 
 def _torch_topk(x: torch.Tensor, out: torch.Tensor) -> None:

@@ -82,16 +82,21 @@ def _keys(row, offs, hi):
 
 
 @triton.jit
-def _row_len(limits, req_index, t, S, LIMITS: tl.constexpr):
-    """Keys row ``t`` may pick: all ``S``; ``limits[t]`` (LIMITS 1); a token's causal limit
+def _program(scores, stride_s, S, limits, req_index, PART, LIMITS: tl.constexpr):
+    """This program's row ``t``, part, its keys ``[lo, hi)`` and the row's scores. Row ``t``
+    may pick: all ``S`` keys; ``limits[t]`` (LIMITS 1); a token's causal limit
     ``limits[t] + 1``, none for a padding token (``req_index[t] < 0``) (LIMITS 2)."""
+    t = tl.program_id(0)
+    part = tl.program_id(1)
     n = S
     if LIMITS == 1:
         n = tl.load(limits + t).to(tl.int32)
     if LIMITS == 2:
         n = tl.load(limits + t).to(tl.int32) + 1
         n = tl.where(tl.load(req_index + t) >= 0, n, 0)
-    return tl.minimum(tl.maximum(n, 0), S)
+    n = tl.minimum(tl.maximum(n, 0), S)
+    lo = part * PART
+    return t, part, lo, tl.minimum(lo + PART, n), scores + t.to(tl.int64) * stride_s
 
 
 @triton.jit
@@ -118,12 +123,7 @@ def _hist_kernel(
     PASS: tl.constexpr, LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
     DIGIT_BITS: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
-    part = tl.program_id(1)
-    n = _row_len(limits, req_index, t, S, LIMITS)
-    lo = part * PART
-    hi = tl.minimum(lo + PART, n)
-    row = scores + t.to(tl.int64) * stride_s
+    t, _part, lo, hi, row = _program(scores, stride_s, S, limits, req_index, PART, LIMITS)
     hist_row = hist + t.to(tl.int64) * (4 * BINS)
     prefix, rem, _total = _descend(hist_row, k, PASS, BINS, DIGIT_BITS)
     go = lo < hi
@@ -160,12 +160,7 @@ def _count_kernel(
     LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
     DIGIT_BITS: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
-    part = tl.program_id(1)
-    n = _row_len(limits, req_index, t, S, LIMITS)
-    lo = part * PART
-    hi = tl.minimum(lo + PART, n)
-    row = scores + t.to(tl.int64) * stride_s
+    t, part, lo, hi, row = _program(scores, stride_s, S, limits, req_index, PART, LIMITS)
     prefix, rem, _total = _descend(hist + t.to(tl.int64) * (4 * BINS), k, 4, BINS, DIGIT_BITS)
     gt, eq = _part_counts(row, lo, hi, prefix ^ INT32_MIN, BLOCK)
     gt = tl.where(rem > 0, gt, 0)  # rem == 0: no finite score in the row, nothing to take
@@ -181,12 +176,7 @@ def _write_kernel(
     LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
     DIGIT_BITS: tl.constexpr, PARTS_P2: tl.constexpr, PAD_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
-    part = tl.program_id(1)
-    n = _row_len(limits, req_index, t, S, LIMITS)
-    lo = part * PART
-    hi = tl.minimum(lo + PART, n)
-    row = scores + t.to(tl.int64) * stride_s
+    t, part, lo, hi, row = _program(scores, stride_s, S, limits, req_index, PART, LIMITS)
     orow = out + t.to(tl.int64) * stride_o
     prefix, need_eq, total = _descend(hist + t.to(tl.int64) * (4 * BINS), k, 4, BINS, DIGIT_BITS)
     kth = prefix ^ INT32_MIN
