@@ -21,6 +21,7 @@ kernel and copy intervals in the trace). The summary table comes last. Under ``-
 from __future__ import annotations
 
 import argparse
+import collections
 import gzip
 import io
 import itertools
@@ -89,6 +90,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-format", default="auto", help="fp8_ds_mla (auto), bf16")
     p.add_argument("--device", default=None)
     p.add_argument("--top-ops", type=int, default=12)
+    p.add_argument("--top-kernels", type=int, default=40, help="kernel names listed per run")
     p.add_argument("--out", type=Path, default=None, help="default: $OUT, else a temp dir")
     args = p.parse_args()
     if args.output < args.skip + args.active + 3:
@@ -218,6 +220,9 @@ def profile_run(
     trace_file.unlink()
     ka = prof.key_averages()
     n = max(args.active, 1)
+    kernel_names = collections.Counter(
+        e["name"][:90] for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"
+    )
 
     def count(names: tuple[str, ...]) -> float:
         return sum(e.count for e in ka if e.key in names) / n
@@ -248,6 +253,8 @@ def profile_run(
         scalar_reads_per_step=count(SCALAR_READS),
         launches_per_step=count(LAUNCHES),
         graph_launches_per_step=count(GRAPH_LAUNCHES),
+        kernels_by_name=[(k, c / n) for k, c in kernel_names.most_common(args.top_kernels)],
+        roofline_ms=roofline_ms(llm, batch, args.context) if cuda else None,
         hit_rate=hits / (hits + misses) if hits + misses else None,
         wall_s=wall,
         graphs_captured=sorted(runner.graphs.graphs) if runner.graphs is not None else [],
@@ -269,7 +276,47 @@ def profile_run(
         print("top self CUDA (ms per step, calls in window):")
         for k, c, t in row["top_self_cuda"]:
             print(f"  {t:9.3f}  {c:6d}  {k[:100]}")
+        print("kernels per step by name:")
+        for k, c in row["kernels_by_name"]:
+            print(f"  {c:7.1f}  {k}")
     return row
+
+
+_COPY_GBPS: list[float] = []
+
+
+def hbm_copy_gbps() -> float:
+    """Bytes read + written per second by a 1 GiB device-to-device copy (median of 10)."""
+    if not _COPY_GBPS:
+        a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+        b = torch.empty_like(a)
+        times = []
+        for _ in range(12):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            b.copy_(a)
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        _COPY_GBPS.append(2 * a.numel() / statistics.median(times[2:]) / 1e9)
+        del a, b
+    return _COPY_GBPS[0]
+
+
+def roofline_ms(llm: Any, batch: int, context: int) -> float:
+    """The step's must-read bytes at the measured copy rate: every weight but the embedding,
+    each request's indexer keys (full-indexer layers) and its top-k MLA rows (every layer)."""
+    from hisparse.kv.row_formats import mla_row_bytes
+
+    model = llm.model
+    cfg = model.config
+    embed = model.model.embed_tokens.weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights -= embed.numel() * embed.element_size()
+    row = mla_row_bytes(llm.runner.row_format, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    idx = model.indexer_format.row_bytes * context * sum(cfg.indexer_full)
+    mla = row * min(cfg.index_topk, context) * cfg.num_hidden_layers
+    return (weights + batch * (idx + mla)) / (hbm_copy_gbps() * 1e9) * 1e3
 
 
 def main() -> int:
@@ -322,9 +369,10 @@ def main() -> int:
     print("\nsame tokens across placements and paths, per batch:", same)
     print(
         "\n| placement | path | batch | step ms (median) | min | max | GPU busy ms/step | "
-        "syncs/step | scalar reads/step | launches/step | graph launches/step | hit rate |"
+        "syncs/step | scalar reads/step | launches/step | graph launches/step | hit rate | "
+        "GPU kernels/layer | roofline ms | step / roofline |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def f(v: Any, fmt: str = ".2f") -> str:
         return "-" if v is None else format(v, fmt)
@@ -338,7 +386,9 @@ def main() -> int:
             f"{f(r['step_ms_min'])} | {f(r['step_ms_max'])} | {f(r['gpu_busy_ms_per_step'])} | "
             f"{f(r['syncs_per_step'], '.1f')} | {f(r['scalar_reads_per_step'], '.1f')} | "
             f"{f(r['launches_per_step'], '.0f')} | {f(r['graph_launches_per_step'], '.1f')} | "
-            f"{f(r['hit_rate'], '.3f')} |"
+            f"{f(r['hit_rate'], '.3f')} | {r['gpu_kernels_per_step'] / args.layers:.0f} | "
+            f"{f(r['roofline_ms'], '.3f')} | "
+            f"{f(r['step_ms_median'] / r['roofline_ms'] if r['roofline_ms'] else None)} |"
         )
     for b in batches:
         for path in paths:
