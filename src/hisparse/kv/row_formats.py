@@ -91,6 +91,16 @@ def _from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return b.contiguous().view(dtype)
 
 
+def ceil_pow2(x: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two ``>= x`` for normal fp32 ``x > 0`` (subnormals give the least
+    normal, ``2^-126``), from the exponent bits
+    (DeepSeek's ue8m0 rounding; ``exp2(ceil(log2(x)))`` can round ``log2`` down to an integer
+    just above a power of two)."""
+    bits = x.float().contiguous().view(torch.int32)
+    exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exp << 23).view(torch.float32)
+
+
 def quantize_fp8_tiles(
     x: torch.Tensor, tile: int = MLA_TILE, *, pow2_scale: bool = False, min_amax: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +119,7 @@ def quantize_fp8_tiles(
         amax = amax.clamp(min=min_amax)
     scale = amax / FP8_MAX
     if pow2_scale:
-        scale = torch.where(scale > 0, torch.exp2(torch.ceil(torch.log2(scale))), scale)
+        scale = torch.where(scale > 0, ceil_pow2(scale), scale)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (xt / safe.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.reshape(x.shape), scale

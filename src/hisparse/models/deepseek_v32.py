@@ -22,14 +22,8 @@ from torch import nn
 
 from hisparse.attention import sparse_mla_decode
 from hisparse.attention.dispatch import indexer_topk_paged
-from hisparse.attention.indexer_reference import hadamard_transform, quantize_indexer_fp8
-from hisparse.kv.row_formats import (
-    IndexerCacheFormat,
-    MlaFormat,
-    pack_mla_rows,
-    write_indexer_keys,
-    write_rows_where,
-)
+from hisparse.kv.row_formats import IndexerCacheFormat, MlaFormat, write_indexer_keys
+from hisparse.models import fused
 from hisparse.models.dsa_config import DsaConfig
 from hisparse.models.kv_access import DenseDsaCache, DsaKVCache, DsaStep
 from hisparse.models.layers import MLP, RMSNorm, rope_half_split, rope_interleaved
@@ -101,6 +95,11 @@ class MoE(nn.Module):
     every expert's weights each step: negligible for the few-expert presets, not for a
     256-expert model (a grouped-GEMM kernel would be the fix there). A row's value may differ
     from the per-expert form in float bits only through the matmul's row count (``M``).
+
+    After `stack_experts`, on CUDA (`fused.fused_on`), the sync-free form runs all experts as
+    two batched matmuls over stacked weights (the experts' parameters become views of them)
+    instead of a dozen kernels per expert; with two experts per token the sum is the same one
+    rounding of two terms.
     """
 
     def __init__(self, config: DsaConfig) -> None:
@@ -109,9 +108,48 @@ class MoE(nn.Module):
         self.gate = Router(config)
         self.experts = nn.ModuleList(MLP(h, i) for _ in range(config.n_routed_experts))
         self.shared_experts = MLP(h, i * config.n_shared_experts)
+        self.w_gate_up: torch.Tensor | None = None  # [E, 2I, H] after stack_experts
+        self.w_down: torch.Tensor | None = None  # [E, H, I]
+
+    def stack_experts(self) -> None:
+        """Move the routed experts' weights into two stacked tensors (no extra memory: each
+        expert's parameters become views of them) for the batched sync-free form."""
+        experts = [e for e in self.experts if isinstance(e, MLP)]
+        inter = experts[0].gate_proj.weight.shape[0]
+        gate_up = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in experts])
+        down = torch.stack([e.down_proj.weight for e in experts])
+        for i, e in enumerate(experts):
+            e.gate_proj.weight = nn.Parameter(gate_up[i, :inter], requires_grad=False)
+            e.up_proj.weight = nn.Parameter(gate_up[i, inter:], requires_grad=False)
+            e.down_proj.weight = nn.Parameter(down[i], requires_grad=False)
+        self.w_gate_up, self.w_down = gate_up, down
+
+    def _stacked(self) -> bool:
+        """Stacked weights that still back the experts (a later ``.to()`` copies them apart)."""
+        first = self.experts[0]
+        return (
+            self.w_gate_up is not None
+            and isinstance(first, MLP)
+            and first.gate_proj.weight.data_ptr() == self.w_gate_up.data_ptr()
+        )
+
+    def _batched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        assert self.w_gate_up is not None and self.w_down is not None
+        e, inter = self.w_gate_up.shape[0], self.w_down.shape[2]
+        w = torch.zeros(x.shape[0], e, dtype=weights.dtype, device=x.device)
+        w.scatter_(1, ids, weights)  # a row's chosen experts' weights, 0 elsewhere
+        chosen = torch.zeros(x.shape[0], e, dtype=torch.bool, device=x.device)
+        chosen.scatter_(1, ids, True)
+        gate_up = torch.matmul(x, self.w_gate_up.transpose(1, 2))  # [E, N, 2I]
+        h = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+        y = torch.bmm(h, self.w_down.transpose(1, 2))  # [E, N, H]
+        y = (y * w.t().unsqueeze(-1)).to(x.dtype)
+        return torch.where(chosen.t().unsqueeze(-1), y, 0.0).sum(0)
 
     def forward(self, x: torch.Tensor, *, sync_free: bool = False) -> torch.Tensor:
         weights, ids = self.gate(x)
+        if sync_free and self._stacked() and fused.fused_on(x):
+            return self._batched(x, weights, ids) + self.shared_experts(x)
         out = torch.zeros_like(x)
         if sync_free:
             for e, expert in enumerate(self.experts):
@@ -167,20 +205,22 @@ class Indexer(nn.Module):
     ) -> torch.Tensor:
         """Write this step's keys, then return logical top-k ``[N, index_topk]`` int32 (-1 pad)."""
         n = x.shape[0]
-        q = self._rope(self.wq_b(q_resid).view(n, self.n_heads, self.head_dim), cos, sin)
-        k = self._rope(self.k_norm(self.wk(x)), cos, sin)
+        q = self.wq_b(q_resid).view(n, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(x))
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
         pages, slots = pages_write
         q_scale = None
         if mode == "fp8":
-            if fmt.kind != "fp8":
-                raise ValueError("the fp8 indexer mode needs fp8 indexer pages")
-            q, q_scale = quantize_indexer_fp8(hadamard_transform(q.float()), fmt.tile)
-            k_fp8, k_scale = quantize_indexer_fp8(hadamard_transform(k.float()), fmt.tile)
-            write_indexer_keys(pages, fmt, slots, k_fp8, k_scale)
+            q, q_scale = fused.indexer_fp8_query(
+                q, cos, sin, self.rope_dim, self.interleaved, fmt.tile
+            )
+            fused.indexer_fp8_write_keys(
+                k, cos, sin, self.rope_dim, self.interleaved, pages, fmt, slots
+            )
         else:
             if fmt.kind != "fp32":
                 raise ValueError("the exact indexer mode needs fp32 indexer pages")
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             write_indexer_keys(pages, fmt, slots, k.float())
         read_pages, table = pages_read
         return indexer_topk_paged(
@@ -228,18 +268,18 @@ class MLAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(output [N, hidden], logical top-k [N, K])`` (the top-k feeds IndexShare layers)."""
         n = x.shape[0]
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        _, q_resid = fused.add_rms_norm(self.q_a_layernorm, self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(n, self.n_heads, self.nope + self.rope_dim)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
-        q_pe = rope_interleaved(q_pe, cos, sin)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.c, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)
-        k_pe = rope_interleaved(k_pe, cos, sin)
+        q_pe = fused.rope(q_pe, cos, sin, interleaved=True)
 
-        # 1. this step's rows into the paged cache.
+        # 1. this step's rows (normed latent, rotated rope part) into the paged cache.
         kv = cache.attention(self.layer)
         view, slots = kv.write_target()
-        write_rows_where(view, slots, pack_mla_rows(cache.row_format, latent, k_pe))
+        fused.write_mla_rows(
+            self.kv_a_proj_with_mqa(x), self.kv_a_layernorm, cos, sin, view, slots,
+            cache.row_format,
+        )  # fmt: skip
         kv.finish_kv_update()
 
         # 2. logical top-k: own indexer, or the index-group leader's selection.
@@ -318,6 +358,13 @@ class DsaForCausalLM(nn.Module):
         """The indexer key pages this model's indexer mode reads and writes."""
         return IndexerCacheFormat.for_mode(self.indexer_mode, self.config.index_head_dim)
 
+    def stack_experts(self) -> DsaForCausalLM:
+        """`MoE.stack_experts` on every MoE layer (call once the weights sit where they run)."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.stack_experts()
+        return self
+
     def keep_fp32_parts(self) -> DsaForCausalLM:
         """Router and indexer head weights stay fp32 in any model dtype (as in transformers)."""
         for module in self.modules():
@@ -333,17 +380,18 @@ class DsaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(step.positions, x.dtype)
         topk: torch.Tensor | None = None
-        for layer in self.model.layers:
-            assert isinstance(layer, DecoderLayer)
-            attn, topk = layer.self_attn(
-                layer.input_layernorm(x), cos, sin, step, cache, topk, self.indexer_mode
-            )
-            x = x + attn
-            h = layer.post_attention_layernorm(x)
-            x = x + (
-                layer.mlp(h, sync_free=step.static) if isinstance(layer.mlp, MoE) else layer.mlp(h)
-            )
-        return self.model.norm(x)
+        layers = [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
+        # Each residual add is fused with the norm that follows it (the next layer's input
+        # norm, or the final norm after the last layer).
+        _, h = fused.add_rms_norm(layers[0].input_layernorm, x)
+        for i, layer in enumerate(layers):
+            attn, topk = layer.self_attn(h, cos, sin, step, cache, topk, self.indexer_mode)
+            x, h = fused.add_rms_norm(layer.post_attention_layernorm, x, attn)
+            moe = isinstance(layer.mlp, MoE)
+            mlp = layer.mlp(h, sync_free=step.static) if moe else layer.mlp(h)
+            after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, h = fused.add_rms_norm(after, x, mlp)
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -177,7 +177,7 @@ def load_model(
 
         loaded = load_model(path, hs, dtype, torch.device("cpu"), indexer, kv_format)
         if isinstance(loaded.model, DsaForCausalLM):
-            loaded.model = shard_dsa(loaded.model, tp).to(device)
+            loaded.model = shard_dsa(loaded.model, tp).to(device).stack_experts()
         else:
             loaded.model = shard_llama(loaded.model, tp).to(device)
             loaded.row_format = shard_gqa_row_format(loaded.row_format, tp.world_size)
@@ -205,6 +205,7 @@ def load_model(
     from hisparse.models.tokenizer import load_chat_template
 
     model = load_dsa_model(path, dtype=dtype, device=device, indexer_mode=indexer)
+    model.stack_experts()  # the batched sync-free MoE (a TP rank restacks its shard above)
     mcfg = model.config
     config = hs.resolve(model_top_k=mcfg.index_topk)
     if config.top_k != mcfg.index_topk:

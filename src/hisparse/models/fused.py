@@ -1,0 +1,144 @@
+"""A DSA layer's fused ops, one dispatch point each: the Triton kernel of `fused_triton` for
+CUDA tensors, the torch composition it replaces (the reference) elsewhere.
+
+Why: a decode step's layer launched hundreds of one- or two-microsecond torch kernels (norm,
+rotary, Hadamard, quantisation and paged writes are each a chain of them), so the step ran
+far above what its bytes cost. Each function here computes exactly what its reference does
+(up to the order of the RMS norm's sum); the lossless rule holds because both placements run
+the same kernels. ``HISPARSE_FUSED=reference`` keeps the torch compositions on CUDA, and the
+MoE's per-expert loop instead of its batched form (A/B runs: the model's eager code as it was);
+``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``. Inputs a kernel does not handle
+fall back to the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from hisparse.attention.dispatch import env_backend
+from hisparse.attention.indexer_reference import hadamard_transform, quantize_indexer_fp8
+from hisparse.kv.row_formats import (
+    IndexerCacheFormat,
+    MlaFormat,
+    RowFormat,
+    mla_format_name,
+    pack_mla_rows,
+    write_indexer_keys,
+    write_rows_where,
+)
+from hisparse.models.layers import RMSNorm, rope_half_split, rope_interleaved
+from hisparse.models.layers import rms_norm as rms_norm_reference
+
+
+def fused_on(t: Tensor) -> bool:
+    """Whether ops on ``t``'s device take the fused forms (CUDA by default)."""
+    return env_backend("HISPARSE_FUSED", t.device) == "triton"
+
+
+def _triton(*tensors: Tensor) -> bool:
+    return fused_on(tensors[0]) and all(t.stride(-1) == 1 for t in tensors)
+
+
+def _kernels():  # type: ignore[no-untyped-def]
+    from hisparse.models import fused_triton
+
+    return fused_triton
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def add_rms_norm(norm: RMSNorm, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(s, norm(s))`` with ``s = x + residual`` (``s = x`` without one), rows ``[N, D]``."""
+    if x.dim() == 2 and _triton(x, *([residual] if residual is not None else [])):
+        s, out = _kernels().rms_norm(x, norm.weight, norm.eps, residual)
+        return (s if s is not None else x), out
+    s = x + residual if residual is not None else x
+    return s, rms_norm_reference(norm, s)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """Rotary of ``x [N, H, R]`` at angles ``cos/sin [N, R / 2]``; a new tensor."""
+    if x.dim() == 3 and _pow2(x.shape[-1]) and _triton(x):
+        return _kernels().rope(x, cos, sin, interleaved)
+    return (rope_interleaved if interleaved else rope_half_split)(x, cos, sin)
+
+
+def _rope_prefix(x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, interleaved: bool) -> Tensor:
+    rot = (rope_interleaved if interleaved else rope_half_split)(x[..., :rope_dim], cos, sin)
+    return torch.cat((rot, x[..., rope_dim:]), dim=-1)
+
+
+def _indexer_kernel_ok(x: Tensor, rope_dim: int, tile: int) -> bool:
+    d = x.shape[-1]
+    return _pow2(d) and _pow2(tile) and d % tile == 0 and rope_dim % 2 == 0 and rope_dim <= d
+
+
+def indexer_fp8_query(
+    q: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, interleaved: bool, tile: int
+) -> tuple[Tensor, Tensor]:
+    """The fp8 indexer's queries ``q [N, H, D]``: rotary on the first ``rope_dim`` values,
+    Hadamard, e4m3 with power-of-two scales per ``tile`` -> ``(e4m3, scales [N, H, D/tile])``."""
+    if q.dim() == 3 and q.is_contiguous() and _indexer_kernel_ok(q, rope_dim, tile) and _triton(q):
+        return _kernels().indexer_fp8_query(q, cos, sin, rope_dim, interleaved, tile)
+    q = _rope_prefix(q, cos, sin, rope_dim, interleaved)
+    return quantize_indexer_fp8(hadamard_transform(q.float()), tile)
+
+
+def indexer_fp8_write_keys(
+    k: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    rope_dim: int,
+    interleaved: bool,
+    pages: Tensor,
+    fmt: IndexerCacheFormat,
+    slots: Tensor,
+) -> None:
+    """The fp8 indexer's keys ``k [N, D]`` (as `indexer_fp8_query`) written into ``pages`` at
+    physical rows ``slots`` (``< 0`` skipped)."""
+    if fmt.kind != "fp8":
+        raise ValueError("the fp8 indexer mode needs fp8 indexer pages")
+    tile = fmt.tile
+    if k.dim() == 2 and _indexer_kernel_ok(k, rope_dim, tile) and _triton(k, pages):
+        bs = pages.shape[1] // fmt.row_bytes
+        _kernels().indexer_fp8_write_keys(k, cos, sin, rope_dim, interleaved, tile, pages, bs,
+                                          slots)  # fmt: skip
+        return
+    k = _rope_prefix(k, cos, sin, rope_dim, interleaved)
+    k_fp8, k_scale = quantize_indexer_fp8(hadamard_transform(k.float()), tile)
+    write_indexer_keys(pages, fmt, slots, k_fp8, k_scale)
+
+
+def write_mla_rows(
+    kv: Tensor,
+    norm: RMSNorm,
+    cos: Tensor,
+    sin: Tensor,
+    view: Tensor,
+    slots: Tensor,
+    row_format: MlaFormat,
+) -> None:
+    """The step's MLA rows from ``kv [N, C + R]`` (``kv_a_proj_with_mqa``'s output): RMS norm
+    of the latent, interleaved rotary of the rope part, packed in ``row_format`` and written
+    to ``view [NB, BS, row_bytes]`` at ``slots`` (``< 0`` skipped)."""
+    c = norm.weight.shape[0]
+    r = kv.shape[-1] - c
+    name = mla_format_name(row_format)
+    fp8 = name == RowFormat.FP8_DS_MLA.value
+    if (
+        (fp8 or name == RowFormat.BF16_MLA.value)
+        and _pow2(c)
+        and _pow2(r)
+        and (not fp8 or c % 128 == 0)
+        and kv.dim() == 2
+        and _triton(kv, view)
+    ):
+        _kernels().write_mla_rows(kv, norm.weight, norm.eps, cos, sin, view, slots, fp8)
+        return
+    latent, k_pe = kv.split([c, r], dim=-1)
+    latent = rms_norm_reference(norm, latent)
+    k_pe = rope_interleaved(k_pe, cos, sin)
+    write_rows_where(view, slots, pack_mla_rows(row_format, latent, k_pe))

@@ -1,0 +1,363 @@
+"""Triton kernels that fuse a DSA layer's small ops: each replaces a chain of torch kernels.
+
+The references are the torch compositions in `hisparse.models.fused` (the eager code of the
+model before these kernels), and each kernel keeps their order of operations:
+
+* `rms_norm` (optionally after the residual add): one launch for the add, the fp32 norm, the
+  cast back and the weight product (torch: eight kernels). The mean's sum runs in another
+  order than torch's, so values may differ from the reference in the last bit.
+* `rope`: rotary embedding of a strided ``[N, H, R]`` slice into a contiguous tensor, each
+  product, difference and sum rounded to the input dtype as torch rounds them (bit-exact).
+* `indexer_fp8`: the lightning indexer's query or key path after its projection: rotary on the
+  first ``rope_dim`` values, the Walsh-Hadamard butterfly in fp32 (the reference's own adds
+  and subtractions, so bit-exact), power-of-two scales per tile, e4m3 bytes; keys are written
+  straight into their pages.
+* `write_mla_rows`: the MLA row of each new token: RMS norm of the latent, rotary of its
+  rope part, the row format's packing (``fp8_ds_mla`` tiles or ``bf16``) and the paged write.
+
+e4m3 bytes are encoded with integer operations (round to nearest even, like torch's cast) so
+the CPU interpreter, whose float8 cast mis-rounds at exponent carries, runs the same kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from hisparse.runtime.ops import triton_common  # noqa: F401  (the interpreter's loop-bound fix)
+
+FP8_MAX = tl.constexpr(448.0)
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _bf16_bits(x):
+    """fp32 bits of ``x`` rounded to bf16 (nearest even; integer ops, as the interpreter's
+    bf16 cast truncates)."""
+    b = x.to(tl.int32, bitcast=True)
+    return (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr):
+    """``x`` (fp32) rounded to ``DT`` and widened back: one torch op in dtype ``DT``."""
+    y = x
+    if DT == tl.bfloat16:  # noqa: SIM300 (DT is the constexpr)
+        y = _bf16_bits(x).to(tl.float32, bitcast=True)
+    elif DT == tl.float16:  # noqa: SIM300
+        y = x.to(tl.float16).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _rotate(x, xp, c, s, first, DT: tl.constexpr):
+    """Rotary of element ``x`` with its pair partner ``xp``: the pair's first element becomes
+    ``x·c - xp·s``, the second ``x·c + xp·s`` (torch's ``x1·c - x2·s`` / ``x2·c + x1·s``)."""
+    a = _round(x * c, DT)
+    b = _round(xp * s, DT)
+    return tl.where(first, _round(a - b, DT), _round(a + b, DT))
+
+
+@triton.jit
+def _rope_index(d, R: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """(pair partner, angle index, is-first-of-pair) of position ``d < R`` in the rope slice."""
+    if INTERLEAVED:
+        partner = d ^ 1
+        ang = d // 2
+        first = (d % 2) == 0
+    else:
+        half: tl.constexpr = R // 2
+        partner = tl.where(d < half, d + half, d - half)
+        ang = d % half
+        first = d < half
+    return partner, ang, first
+
+
+@triton.jit
+def _e4m3_bits(x):
+    """e4m3fn byte (as int32) of fp32 ``x`` within ``[-448, 448]``, rounded to nearest even."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.abs(x)
+    # subnormals (and the carry into the smallest normal): m · 2^-9, m in 0..8
+    v = a * 512.0
+    fl = tl.floor(v)
+    frac = v - fl
+    fli = fl.to(tl.int32)
+    sub = fli + ((frac > 0.5) | ((frac == 0.5) & ((fli & 1) == 1))).to(tl.int32)
+    # normals: exponent and the top three mantissa bits, rounded to nearest even
+    ab = a.to(tl.int32, bitcast=True)
+    e = ((ab >> 23) & 0xFF) - 127
+    m = (ab >> 20) & 0x7
+    low = ab & 0xFFFFF
+    up = (low > 0x80000) | ((low == 0x80000) & ((m & 1) == 1))
+    norm = ((e + 7) << 3) + m + up.to(tl.int32)  # a mantissa carry moves into the exponent
+    out = tl.where(a < 0.015625, sub, norm)
+    out = tl.where(a != a, 0x7F, out)
+    return out | sign
+
+
+@triton.jit
+def _ceil_pow2(s):
+    """The smallest power of two ``>= s`` for finite ``s > 0`` (DeepSeek's ue8m0 scales)."""
+    b = s.to(tl.int32, bitcast=True)
+    e = ((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0).to(tl.int32)
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_f32_bytes(ptr, v, mask):
+    """Store fp32 ``v [n]`` as 4 little-endian bytes each at ``ptr [n, 4]``."""
+    b = v.to(tl.int32, bitcast=True)
+    k = tl.arange(0, 4)
+    byte = (b[:, None] >> (8 * k[None, :])) & 0xFF
+    tl.store(ptr + 4 * tl.arange(0, v.shape[0])[:, None] + k[None, :], byte.to(tl.uint8), mask)
+
+
+@triton.jit
+def _store_bf16_bytes(ptr, v, mask):
+    """Store ``v [n]`` rounded to bf16 as 2 little-endian bytes each at ``ptr [n, 2]``."""
+    b = _bf16_bits(v)
+    k = tl.arange(0, 2)
+    byte = (b[:, None] >> (16 + 8 * k[None, :])) & 0xFF
+    tl.store(ptr + 2 * tl.arange(0, v.shape[0])[:, None] + k[None, :], byte.to(tl.uint8), mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMS norm
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, x_stride, r_ptr, r_stride, s_ptr, o_ptr, w_ptr, D, eps,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr, OUT_DT: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    m = d < D
+    h = tl.load(x_ptr + row * x_stride + d, mask=m, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(r_ptr + row * r_stride + d, mask=m, other=0.0).to(tl.float32)
+        h = _round(h + r, DT)
+        tl.store(s_ptr + row * D + d, h.to(DT), mask=m)
+    ms = tl.sum(h * h, axis=0) / D
+    y = _round(h * tl.math.rsqrt(ms + eps), DT)
+    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    tl.store(o_ptr + row * D + d, _round(w * y, OUT_DT).to(OUT_DT), mask=m)
+
+
+def rms_norm(
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+) -> tuple[Tensor | None, Tensor]:
+    """``(x + residual or None, RMSNorm(x + residual))`` of rows ``x [N, D]`` (row-strided)."""
+    n, d = x.shape
+    out = torch.empty((n, d), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    s = torch.empty((n, d), dtype=x.dtype, device=x.device) if residual is not None else None
+    if n:
+        block = triton.next_power_of_2(d)
+        _rms_norm_kernel[(n,)](
+            x, x.stride(0), residual if residual is not None else x,
+            residual.stride(0) if residual is not None else 0, s if s is not None else out,
+            out, weight, d, eps, HAS_RES=residual is not None, BLOCK=block,
+            DT=_TL_DTYPES[x.dtype], OUT_DT=_TL_DTYPES[out.dtype],
+            num_warps=max(1, min(16, block // 256)),
+        )  # fmt: skip
+    return s, out
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _rope_kernel(
+    x_ptr, sx_n, sx_h, cos_ptr, sin_ptr, o_ptr, H,
+    R: tl.constexpr, BH: tl.constexpr, INTERLEAVED: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    d = tl.arange(0, R)
+    partner, ang, first = _rope_index(d, R, INTERLEAVED)
+    m = (h < H)[:, None]
+    base = x_ptr + n * sx_n + h[:, None] * sx_h
+    x = tl.load(base + d[None, :], mask=m, other=0.0).to(tl.float32)
+    xp = tl.load(base + partner[None, :], mask=m, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + n * (R // 2) + ang).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + n * (R // 2) + ang).to(tl.float32)[None, :]
+    o = _rotate(x, xp, c, s, first[None, :], DT)
+    tl.store(o_ptr + (n * H + h[:, None]) * R + d[None, :], o.to(DT), mask=m)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """Rotary of ``x [N, H, R]`` (last dim contiguous) -> contiguous ``[N, H, R]``."""
+    n, h, r = x.shape
+    out = torch.empty((n, h, r), dtype=x.dtype, device=x.device)
+    if n:
+        bh = min(16, triton.next_power_of_2(h))
+        _rope_kernel[(n, triton.cdiv(h, bh))](
+            x, x.stride(0), x.stride(1), cos.contiguous(), sin.contiguous(), out, h,
+            R=r, BH=bh, INTERLEAVED=interleaved, DT=_TL_DTYPES[x.dtype],
+        )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Lightning indexer: rotary + Hadamard + e4m3 tiles (+ the key write)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _hadamard(x, BR: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
+    """Sylvester-ordered Walsh-Hadamard butterfly of the rows of ``x [BR, D]`` (unscaled)."""
+    for stage in tl.static_range(LOG_D):
+        h: tl.constexpr = 1 << stage
+        y = tl.permute(tl.reshape(x, [BR, D // (2 * h), 2, h]), (0, 1, 3, 2))
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), [BR, D])
+    return x
+
+
+@triton.jit
+def _indexer_fp8_kernel(
+    x_ptr, sx_row, heads, rows, cos_ptr, sin_ptr, out_ptr, scale_ptr,
+    slot_ptr, page_stride, block_size, scale_val,
+    D: tl.constexpr, LOG_D: tl.constexpr, R: tl.constexpr, TILE: tl.constexpr,
+    BR: tl.constexpr, INTERLEAVED: tl.constexpr, DT: tl.constexpr, TO_PAGES: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0) * BR + tl.arange(0, BR)
+    rm = row < rows
+    tok = (row // heads).to(tl.int64)
+    d = tl.arange(0, D)
+    in_rope = d < R
+    partner, ang, first = _rope_index(d, R, INTERLEAVED)
+    partner = tl.where(in_rope, partner, d)
+    base = x_ptr + row.to(tl.int64)[:, None] * sx_row
+    x = tl.load(base + d[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    xp = tl.load(base + partner[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    cm = rm[:, None] & in_rope[None, :]
+    c = tl.load(cos_ptr + tok[:, None] * (R // 2) + ang[None, :], mask=cm, other=1.0)
+    s = tl.load(sin_ptr + tok[:, None] * (R // 2) + ang[None, :], mask=cm, other=0.0)
+    rot = _rotate(x, xp, c.to(tl.float32), s.to(tl.float32), first[None, :], DT)
+    y = tl.where(in_rope[None, :], rot, x)
+    y = _hadamard(y, BR, D, LOG_D) * scale_val
+    NT: tl.constexpr = D // TILE
+    yt = tl.reshape(y, [BR, NT, TILE])
+    amax = tl.maximum(tl.max(tl.abs(yt), axis=2), 1e-4)  # FP8_INDEXER_MIN_AMAX
+    scale = _ceil_pow2(tl.math.div_rn(amax, FP8_MAX))
+    q = tl.minimum(tl.maximum(tl.math.div_rn(yt, scale[:, :, None]), -FP8_MAX), FP8_MAX)
+    qb = tl.reshape(_e4m3_bits(q), [BR, D]).to(tl.uint8)
+    j = tl.arange(0, NT)
+    if TO_PAGES:
+        slot = tl.load(slot_ptr + row, mask=rm, other=-1).to(tl.int64)
+        keep = rm & (slot >= 0)
+        blk, off = slot // block_size, slot % block_size
+        page = out_ptr + blk * page_stride
+        tl.store(page[:, None] + off[:, None] * D + d[None, :], qb, mask=keep[:, None])
+        sc = page + block_size * D + off * (4 * NT)  # [BR] first scale byte of each row
+        k = tl.arange(0, 4)
+        sb = (scale.to(tl.int32, bitcast=True)[:, :, None] >> (8 * k[None, None, :])) & 0xFF
+        tl.store(
+            sc[:, None, None] + 4 * j[None, :, None] + k[None, None, :],
+            sb.to(tl.uint8),
+            mask=keep[:, None, None],
+        )
+    else:
+        tl.store(out_ptr + row.to(tl.int64)[:, None] * D + d[None, :], qb, mask=rm[:, None])
+        tl.store(scale_ptr + row.to(tl.int64)[:, None] * NT + j[None, :], scale, rm[:, None])
+
+
+def _indexer_launch(
+    x: Tensor, heads: int, cos: Tensor, sin: Tensor, rope_dim: int, interleaved: bool,
+    tile: int, out: Tensor, scale: Tensor | None, slots: Tensor | None, block_size: int,
+) -> None:  # fmt: skip
+    rows, d = x.shape
+    if not rows:
+        return
+    br = 16
+    _indexer_fp8_kernel[(triton.cdiv(rows, br),)](
+        x, x.stride(0), heads, rows, cos.contiguous(), sin.contiguous(), out,
+        scale if scale is not None else out, slots if slots is not None else out,
+        out.stride(0) if slots is not None else 0, block_size, d**-0.5,
+        D=d, LOG_D=d.bit_length() - 1, R=rope_dim, TILE=tile, BR=br,
+        INTERLEAVED=interleaved, DT=_TL_DTYPES[x.dtype], TO_PAGES=slots is not None,
+    )  # fmt: skip
+
+
+def indexer_fp8_query(
+    q: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, interleaved: bool, tile: int
+) -> tuple[Tensor, Tensor]:
+    """``q [N, H, D]`` (rows contiguous) -> (e4m3 ``[N, H, D]``, scales ``[N, H, D / tile]``)."""
+    n, h, d = q.shape
+    x = q.reshape(n * h, d)
+    out = torch.empty((n, h, d), dtype=torch.float8_e4m3fn, device=q.device)
+    scale = torch.empty((n, h, d // tile), dtype=torch.float32, device=q.device)
+    _indexer_launch(x, h, cos, sin, rope_dim, interleaved, tile, out.view(torch.uint8),
+                    scale, None, 0)  # fmt: skip
+    return out, scale
+
+
+def indexer_fp8_write_keys(
+    k: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, interleaved: bool, tile: int,
+    pages: Tensor, block_size: int, slots: Tensor,
+) -> None:  # fmt: skip
+    """Keys ``k [N, D]`` rotated, transformed and quantized into ``pages`` at ``slots``."""
+    _indexer_launch(k, 1, cos, sin, rope_dim, interleaved, tile, pages, None,
+                    slots.contiguous(), block_size)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA rows: RMS norm of the latent + rotary of the rope part + packing + paged write
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _mla_rows_kernel(
+    kv_ptr, kv_stride, w_ptr, eps, cos_ptr, sin_ptr, slot_ptr, view_ptr, s_blk, s_off,
+    block_size,
+    C: tl.constexpr, R: tl.constexpr, TILE: tl.constexpr, FP8: tl.constexpr,
+    DT: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    if slot >= 0:
+        c = tl.arange(0, C)
+        h = tl.load(kv_ptr + n * kv_stride + c).to(tl.float32)
+        ms = tl.sum(h * h, axis=0) / C
+        y = _round(h * tl.math.rsqrt(ms + eps), DT)
+        w = tl.load(w_ptr + c).to(tl.float32)
+        lat = _round(w * y, DT)
+        d = tl.arange(0, R)
+        partner, ang, first = _rope_index(d, R, True)
+        rb = kv_ptr + n * kv_stride + C
+        xr = tl.load(rb + d).to(tl.float32)
+        xp = tl.load(rb + partner).to(tl.float32)
+        cs = tl.load(cos_ptr + n * (R // 2) + ang).to(tl.float32)
+        sn = tl.load(sin_ptr + n * (R // 2) + ang).to(tl.float32)
+        rot = _rotate(xr, xp, cs, sn, first, DT)
+        row = view_ptr + (slot // block_size) * s_blk + (slot % block_size) * s_off
+        if FP8:
+            NT: tl.constexpr = C // TILE
+            lt = tl.reshape(lat, [NT, TILE])
+            amax = tl.max(tl.abs(lt), axis=1)
+            scale = tl.math.div_rn(amax, FP8_MAX)
+            safe = tl.where(scale > 0, scale, 1.0)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(lt, safe[:, None]), -FP8_MAX), FP8_MAX)
+            tl.store(row + c, tl.reshape(_e4m3_bits(q), [C]).to(tl.uint8))
+            _store_f32_bytes(row + C, scale, True)
+            _store_bf16_bytes(row + C + 4 * NT, rot, True)
+        else:
+            _store_bf16_bytes(row, lat, True)
+            _store_bf16_bytes(row + 2 * C, rot, True)
+
+
+def write_mla_rows(
+    kv: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor, view: Tensor,
+    slots: Tensor, fp8: bool, tile: int = 128,
+) -> None:  # fmt: skip
+    """New rows from ``kv [N, C + R]`` (the latent projection) into ``view [NB, BS, row]``."""
+    n = kv.shape[0]
+    c = weight.shape[0]
+    r = kv.shape[1] - c
+    if n:
+        _mla_rows_kernel[(n,)](
+            kv, kv.stride(0), weight, eps, cos.contiguous(), sin.contiguous(),
+            slots.contiguous(), view, view.stride(0), view.stride(1), view.shape[1],
+            C=c, R=r, TILE=tile, FP8=fp8, DT=_TL_DTYPES[kv.dtype], num_warps=4,
+        )  # fmt: skip

@@ -1,0 +1,147 @@
+"""The fused layer kernels on CUDA against their torch references on CUDA, at DeepSeek-V3.2's
+dimensions and the engine's sizes (a decode batch and a prefill chunk of 8192 tokens):
+rotary and the indexer's queries and keys bit-exact, the MLA rows and the RMS norm within an
+ulp of the norm (its sum order), poisoned pages compared whole; then the batched MoE against
+the loop and a CUDA graph replay. Runs on the GPU machine only (CI ignores ``tests/gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from hisparse.kv.row_formats import IndexerCacheFormat, mla_row_bytes
+from hisparse.models import fused
+from hisparse.models.layers import RMSNorm
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+
+
+def _both(monkeypatch, fn, *args):  # type: ignore[no-untyped-def]
+    out = []
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("HISPARSE_FUSED", backend)
+        copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        out.append((fn(*copies), copies))
+    return out
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def _angles(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    a = torch.rand(n, 32, generator=g, device=DEV) * 1e4
+    return a.cos().to(BF16), a.sin().to(BF16)
+
+
+@pytest.mark.parametrize("n", [1, 29, 8192])
+@pytest.mark.parametrize("d", [512, 1536, 7168])
+def test_rms_norm(monkeypatch, n: int, d: int) -> None:
+    g = _g(n + d)
+    x = (torch.randn(n, d + 64, generator=g, device=DEV) * 3).to(BF16)[:, :d]
+    r = (torch.randn(n, d, generator=g, device=DEV) * 3).to(BF16)
+    norm = RMSNorm(d, 1e-6).to(DEV)
+    norm.weight.data = (torch.randn(d, generator=g, device=DEV) * 0.3 + 1).to(BF16)
+    for res in (None, r):
+        (ref, _), (got, _) = _both(monkeypatch, fused.add_rms_norm, norm, x, res)
+        assert torch.equal(ref[0], got[0])
+        torch.testing.assert_close(got[1].float(), ref[1].float(), rtol=2**-7, atol=1e-6)
+        assert (got[1] != ref[1]).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("n", [1, 29, 8192])
+def test_rope_and_indexer_queries_bit_exact(monkeypatch, n: int) -> None:
+    g = _g(n)
+    cos, sin = _angles(n, g)
+    q_pe = (torch.randn(n, 128, 192, generator=g, device=DEV) * 4).to(BF16)[..., 128:]
+    (ref, _), (got, _) = _both(monkeypatch, fused.rope, q_pe, cos, sin, True)
+    assert torch.equal(ref, got)
+    q = torch.randn(n, 64, 128, generator=g, device=DEV)
+    q = (q * 10.0 ** torch.randint(-3, 3, (n, 64, 1), generator=g, device=DEV)).to(BF16)
+    for interleaved in (False, True):
+        (ref, _), (got, _) = _both(
+            monkeypatch, fused.indexer_fp8_query, q, cos, sin, 64, interleaved, 128
+        )
+        assert torch.equal(ref[0].view(torch.uint8), got[0].view(torch.uint8))
+        assert torch.equal(ref[1], got[1])
+
+
+@pytest.mark.parametrize("n", [1, 29, 8192])
+def test_indexer_keys_and_mla_rows_into_poisoned_pages(monkeypatch, n: int) -> None:
+    g = _g(n + 1)
+    bs, nb = 64, n // 64 + 8
+    cos, sin = _angles(n, g)
+    slots = torch.randperm(nb * bs, generator=g, device=DEV)[:n]
+    slots[::7] = -1
+    fmt = IndexerCacheFormat.for_mode("fp8", 128)
+    pages = torch.randint(0, 256, (nb, bs * fmt.row_bytes), generator=g, device=DEV)
+    pages = pages.to(torch.uint8)
+    k = (torch.randn(n, 128, generator=g, device=DEV) * 2).to(BF16)
+    (_, ref), (_, got) = _both(
+        monkeypatch, fused.indexer_fp8_write_keys, k, cos, sin, 64, False, pages, fmt, slots
+    )
+    assert torch.equal(ref[5], got[5])
+    norm = RMSNorm(512, 1e-6).to(DEV)
+    norm.weight.data = (torch.randn(512, generator=g, device=DEV) * 0.3 + 1).to(BF16)
+    kv = (torch.randn(n, 576 + 1536, generator=g, device=DEV) * 4).to(BF16)[:, :576]
+    for name in ("fp8_ds_mla", "bf16"):
+        rb = mla_row_bytes(name, 512, 64)
+        view = torch.randint(0, 256, (nb, bs, rb), generator=g, device=DEV).to(torch.uint8)
+        out = []
+        for backend in ("reference", "triton"):
+            monkeypatch.setenv("HISPARSE_FUSED", backend)
+            v = view.clone()
+            fused.write_mla_rows(kv, norm, cos, sin, v, slots, name)
+            out.append(v)
+        diff = (out[0] != out[1]).any(-1)
+        assert diff.float().mean() < 0.02, int(diff.sum())
+        assert torch.equal(out[0][..., 512 + 16 :], out[1][..., 512 + 16 :]) or name == "bf16"
+
+
+def test_fused_ops_replay_in_a_cuda_graph(monkeypatch) -> None:
+    monkeypatch.setenv("HISPARSE_FUSED", "triton")
+    g = _g(3)
+    n = 29
+    x = (torch.randn(n, 7168, generator=g, device=DEV)).to(BF16)
+    r = torch.randn_like(x)
+    norm = RMSNorm(7168, 1e-6).to(DEV).to(BF16)
+    cos, sin = _angles(n, g)
+    q = torch.randn(n, 64, 128, generator=g, device=DEV).to(BF16)
+    fused.add_rms_norm(norm, x, r)
+    fused.indexer_fp8_query(q, cos, sin, 64, False, 128)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        s, h = fused.add_rms_norm(norm, x, r)
+        qf, qs = fused.indexer_fp8_query(q, cos, sin, 64, False, 128)
+    x.copy_(torch.randn_like(x))
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    s2, h2 = fused.add_rms_norm(norm, x, r)
+    qf2, qs2 = fused.indexer_fp8_query(q, cos, sin, 64, False, 128)
+    assert torch.equal(s, s2) and torch.equal(h, h2)
+    assert torch.equal(qf.view(torch.uint8), qf2.view(torch.uint8)) and torch.equal(qs, qs2)
+
+
+def test_batched_moe_at_v32_width(monkeypatch) -> None:
+    from hisparse.models.deepseek_v32 import MoE
+    from hisparse.models.dsa_config import DsaConfig
+    from hisparse.models.tiny import tiny_config_kwargs
+
+    torch.manual_seed(0)
+    cfg = tiny_config_kwargs("deepseek_v32", "v32-attention")
+    config = DsaConfig.from_dict({"model_type": "deepseek_v32", **cfg})
+    moe = MoE(config).to(DEV)
+    for p in moe.parameters():
+        p.data = torch.randn_like(p) * 0.02
+    moe = moe.to(BF16)
+    moe.gate.float()
+    x = torch.randn(29, config.hidden_size, device=DEV).to(BF16)
+    monkeypatch.setenv("HISPARSE_FUSED", "triton")
+    loop = moe(x, sync_free=True)
+    moe.stack_experts()
+    batched = moe(x, sync_free=True)
+    torch.testing.assert_close(batched.float(), loop.float(), rtol=0.02, atol=0.02)

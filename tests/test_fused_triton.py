@@ -1,0 +1,245 @@
+"""The fused layer kernels (`hisparse.models.fused_triton`) against their torch references
+(`hisparse.models.fused` with ``HISPARSE_FUSED=reference``), in Triton's CPU interpreter:
+fresh random inputs, strided inputs, bf16 and fp32, skipped slots, outputs and pages poisoned
+first (the whole destination is compared, so a stray write shows). Then the e4m3 encoder over
+every boundary, the power-of-two scale rule, the batched MoE against the per-expert loop, and
+a whole DSA model with the fused ops against the references.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import triton
+import triton.language as tl
+
+from hisparse.attention.sparse_mla_triton import interpreting
+from hisparse.kv.row_formats import IndexerCacheFormat, ceil_pow2, mla_row_bytes
+from hisparse.models import fused
+from hisparse.models import fused_triton as ft
+from hisparse.models.layers import RMSNorm
+
+pytestmark = pytest.mark.skipif(
+    not interpreting(), reason="Triton kernels were defined outside the interpreter"
+)
+
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _both(monkeypatch: pytest.MonkeyPatch, fn, *args):  # type: ignore[no-untyped-def]
+    """``fn(*args)`` under the reference, then under the kernel (fresh copies of tensor args)."""
+    out = []
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("HISPARSE_FUSED", backend)
+        copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        out.append((fn(*copies), copies))
+    return out
+
+
+def _angles(n: int, half: int, dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    ang = torch.rand(n, half, generator=g) * 50
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def _norm(d: int, dtype: torch.dtype, g: torch.Generator) -> RMSNorm:
+    norm = RMSNorm(d, 1e-6)
+    norm.weight.data = (torch.randn(d, generator=g) * 0.3 + 1).to(dtype)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 576, 7168])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_matches_reference(monkeypatch, dtype, d, residual) -> None:
+    g = torch.Generator().manual_seed(d + residual)
+    x = (torch.randn(5, d + 40, generator=g) * 3).to(dtype)[:, :d]  # strided rows
+    r = (torch.randn(5, d, generator=g) * 3).to(dtype) if residual else None
+    norm = _norm(d, dtype, g)
+    (ref, _), (got, _) = _both(monkeypatch, fused.add_rms_norm, norm, x, r)
+    assert torch.equal(ref[0], got[0])  # the residual sum: one rounding each way
+    # The mean's sum runs in another order: at most one ulp of the output dtype apart.
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-22
+    torch.testing.assert_close(got[1].float(), ref[1].float(), rtol=ulp, atol=1e-6)
+    assert got[1].dtype == ref[1].dtype and got[1].shape == ref[1].shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rope_is_bit_exact(monkeypatch, dtype, interleaved) -> None:
+    g = torch.Generator().manual_seed(int(interleaved))
+    q = (torch.randn(7, 20, 192, generator=g) * 4).to(dtype)[..., 128:]  # the q_pe split
+    cos, sin = _angles(7, 32, dtype, g)
+    (ref, _), (got, _) = _both(monkeypatch, fused.rope, q, cos, sin, interleaved)
+    assert torch.equal(ref, got) and got.is_contiguous()
+
+
+def _indexer_inputs(shape, dtype, g):  # type: ignore[no-untyped-def]
+    x = torch.randn(*shape, generator=g) * 10.0 ** torch.randint(
+        -2, 3, (*shape[:-1], 1), generator=g
+    )
+    x = x.to(dtype)
+    x.view(-1, shape[-1])[0] = 0.0  # an all-zero row: the scale floor
+    x.view(-1, shape[-1])[1, :8] = 300.0  # a large one
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("d,rope_dim", [(128, 64), (64, 16)])
+def test_indexer_query_is_bit_exact(monkeypatch, dtype, interleaved, d, rope_dim) -> None:
+    g = torch.Generator().manual_seed(d)
+    q = _indexer_inputs((9, 16, d), dtype, g)
+    cos, sin = _angles(9, rope_dim // 2, dtype, g)
+    tile = min(128, d)
+    (ref, _), (got, _) = _both(
+        monkeypatch, fused.indexer_fp8_query, q, cos, sin, rope_dim, interleaved, tile
+    )
+    assert torch.equal(ref[0].view(torch.uint8), got[0].view(torch.uint8))
+    assert torch.equal(ref[1], got[1]) and got[1].shape == (9, 16, d // tile)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_indexer_keys_written_bit_exact(monkeypatch, interleaved) -> None:
+    g = torch.Generator().manual_seed(3)
+    fmt = IndexerCacheFormat.for_mode("fp8", 128)
+    bs = 16
+    pages = torch.randint(0, 256, (6, bs * fmt.row_bytes), dtype=torch.uint8, generator=g)
+    k = _indexer_inputs((7, 128), torch.bfloat16, g)
+    cos, sin = _angles(7, 32, torch.bfloat16, g)
+    slots = torch.tensor([3, 17, -1, 40, 95, 16, 0])
+    (_, ref), (_, got) = _both(
+        monkeypatch, fused.indexer_fp8_write_keys, k, cos, sin, 64, interleaved, pages, fmt, slots
+    )
+    assert torch.equal(ref[5], got[5])  # the whole pages, skipped slot and untouched rows too
+    assert not torch.equal(got[5], pages)
+
+
+@pytest.mark.parametrize("row_format", ["fp8_ds_mla", "bf16"])
+def test_mla_rows_written_like_the_reference(monkeypatch, row_format) -> None:
+    g = torch.Generator().manual_seed(5)
+    dtype = torch.bfloat16
+    rb = mla_row_bytes(row_format, 512, 64)
+    bs = 16
+    view = torch.randint(0, 256, (6, bs, rb + 16), dtype=torch.uint8, generator=g)[:, :, :rb]
+    kv = (torch.randn(8, 700, generator=g) * 4).to(dtype)[:, :576]  # strided rows
+    kv[1, :512] = 0.0  # a zero latent: fp8 scale 0
+    norm = _norm(512, dtype, g)
+    cos, sin = _angles(8, 32, dtype, g)
+    slots = torch.tensor([3, 17, -1, 40, 95, 16, 0, 50])
+
+    def write(kv, view):  # type: ignore[no-untyped-def]
+        fused.write_mla_rows(kv, norm, cos, sin, view, slots, row_format)
+
+    out = []
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("HISPARSE_FUSED", backend)
+        v = view.clone()
+        write(kv, v)
+        out.append(v)
+    ref, got = out
+    # Rows differ only where the RMS norm's sum order moved a latent value by an ulp.
+    diff = (ref != got).any(-1)
+    assert diff.float().mean() < 0.02, int(diff.sum())
+    assert not torch.equal(got, view)
+
+
+@triton.jit
+def _e4m3_probe(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n)
+    tl.store(o_ptr + i, ft._e4m3_bits(x).to(tl.uint8), mask=i < n)
+
+
+def test_e4m3_encoding_equals_torch_at_every_boundary() -> None:
+    """Every e4m3 value, the midpoints between neighbours (ties to even), a hair either side of
+    them, subnormals, ±0 and ±448, against torch's cast."""
+    vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    vals = vals[torch.isfinite(vals)].unique()
+    mids = (vals[1:] + vals[:-1]) / 2
+    eps = mids.abs() * 2**-20 + 1e-12
+    x = torch.cat([vals, mids, mids + eps, mids - eps, -vals, -mids, torch.tensor([-0.0])])
+    x = x.clamp(-448, 448).contiguous()
+    out = torch.full(x.shape, 0x55, dtype=torch.uint8)
+    _e4m3_probe[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    assert torch.equal(out, x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def test_ceil_pow2() -> None:
+    k = torch.arange(-126, 120, dtype=torch.float32)
+    p = torch.exp2(k)
+    assert torch.equal(ceil_pow2(p), p)  # powers of two stay
+    tiny = torch.tensor([1e-42, 2**-130])
+    assert torch.equal(ceil_pow2(tiny), torch.full((2,), 2.0**-126))  # subnormals: the least normal
+    above = torch.nextafter(p, torch.tensor(float("inf")))
+    assert torch.equal(ceil_pow2(above[:-1]), p[1:])  # a hair above goes up one
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(1000, generator=g) * 1e3 + 1e-3
+    assert torch.equal(ceil_pow2(x), torch.exp2(torch.ceil(torch.log2(x.double()))).float())
+
+
+def test_batched_moe_equals_the_per_expert_loop(monkeypatch) -> None:
+    """Two experts per token: the batched form sums the same two rounded terms once."""
+    monkeypatch.setenv("HISPARSE_FUSED", "triton")
+    from hisparse.models.deepseek_v32 import MoE
+    from hisparse.models.dsa_config import DsaConfig
+    from hisparse.models.tiny import tiny_config_kwargs
+
+    torch.manual_seed(0)
+    config = DsaConfig.from_dict(
+        {"model_type": "deepseek_v32", **tiny_config_kwargs("deepseek_v32")}
+    )
+    moe = MoE(config)
+    for p in moe.parameters():
+        p.data = torch.randn_like(p) * 0.2
+    moe = moe.to(torch.bfloat16)
+    moe.gate.float()
+    x = torch.randn(11, config.hidden_size).to(torch.bfloat16)
+    loop = moe(x, sync_free=True)
+    moe.stack_experts()
+    assert moe._stacked()
+    batched = moe(x, sync_free=True)
+    torch.testing.assert_close(batched.float(), loop.float(), rtol=2**-7, atol=1e-3)
+    monkeypatch.setenv("HISPARSE_FUSED", "reference")
+    assert torch.equal(moe(x, sync_free=True), loop)  # the reference: the loop
+    monkeypatch.setenv("HISPARSE_FUSED", "triton")
+    moe.to(torch.float32)  # copies the experts apart: the loop again, still correct
+    assert not moe._stacked()
+    assert moe(x.float(), sync_free=True).shape == x.shape
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_model_with_fused_ops_matches_the_references(monkeypatch, tmp_path, arch) -> None:
+    """A DSA model (fp8 indexer, fp8_ds_mla rows, experts stacked): a prefill and two
+    fixed-shape decode steps with every fused kernel against the torch references. In fp32:
+    in bf16 an RMS norm's one-ulp difference (its sum order) can flip a router or top-k choice
+    of this random model, which moves the output far (the ops' own tests cover bf16)."""
+    from hisparse.models.loader import load_dsa_model
+    from hisparse.models.tiny import make_tiny
+
+    make_tiny(arch, tmp_path / "m", preset="tiny")
+    model = load_dsa_model(tmp_path / "m", dtype=torch.float32, indexer_mode="fp8")
+    model.stack_experts()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=g) for n in (40, 23)]
+    hidden = []
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("HISPARSE_FUSED", backend)
+        cache = model.new_dense_cache(max_reqs=2, max_len=64, row_format="fp8_ds_mla")
+        step = cache.begin_step([0, 1], [len(p) for p in prompts])
+        out = [model(torch.cat(prompts), step, cache)]
+        for t in range(2):
+            step = cache.begin_step([0, 1], [1, 1])
+            step.static = True
+            out.append(model(torch.tensor([7 + t, 9 + t]), step, cache))
+        hidden.append(out)
+    for ref, got in zip(*hidden, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)  # an fp8 rounding apart
+        logits = model.logits(ref), model.logits(got)
+        assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
