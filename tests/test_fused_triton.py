@@ -64,8 +64,8 @@ def test_rms_norm_matches_reference(monkeypatch, dtype, d, residual) -> None:
     norm = _norm(d, dtype, g)
     (ref, _), (got, _) = _both(monkeypatch, fused.add_rms_norm, norm, x, r)
     assert torch.equal(ref[0], got[0])  # the residual sum: one rounding each way
-    # The mean's sum runs in another order: at most one ulp of the output dtype apart.
-    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-22
+    # The mean's sum runs in another order: an ulp of the norm, two of the output at most.
+    ulp = 2**-6 if dtype == torch.bfloat16 else 2**-21
     torch.testing.assert_close(got[1].float(), ref[1].float(), rtol=ulp, atol=1e-6)
     assert got[1].dtype == ref[1].dtype and got[1].shape == ref[1].shape
 
@@ -113,7 +113,7 @@ def test_indexer_keys_written_bit_exact(monkeypatch, interleaved) -> None:
     pages = torch.randint(0, 256, (6, bs * fmt.row_bytes), dtype=torch.uint8, generator=g)
     k = _indexer_inputs((7, 128), torch.bfloat16, g)
     cos, sin = _angles(7, 32, torch.bfloat16, g)
-    slots = torch.tensor([3, 17, -1, 40, 95, 16, 0])
+    slots = torch.tensor([3, 17, -1, 40, 95, 16, 1])  # block 0 row 0: the null row
     (_, ref), (_, got) = _both(
         monkeypatch, fused.indexer_fp8_write_keys, k, cos, sin, 64, interleaved, pages, fmt, slots
     )
@@ -132,7 +132,7 @@ def test_mla_rows_written_like_the_reference(monkeypatch, row_format) -> None:
     kv[1, :512] = 0.0  # a zero latent: fp8 scale 0
     norm = _norm(512, dtype, g)
     cos, sin = _angles(8, 32, dtype, g)
-    slots = torch.tensor([3, 17, -1, 40, 95, 16, 0, 50])
+    slots = torch.tensor([3, 17, -1, 40, 95, 16, 1, 50])
 
     def write(kv, view):  # type: ignore[no-untyped-def]
         fused.write_mla_rows(kv, norm, cos, sin, view, slots, row_format)

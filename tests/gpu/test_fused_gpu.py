@@ -49,7 +49,7 @@ def test_rms_norm(monkeypatch, n: int, d: int) -> None:
     for res in (None, r):
         (ref, _), (got, _) = _both(monkeypatch, fused.add_rms_norm, norm, x, res)
         assert torch.equal(ref[0], got[0])
-        torch.testing.assert_close(got[1].float(), ref[1].float(), rtol=2**-7, atol=1e-6)
+        torch.testing.assert_close(got[1].float(), ref[1].float(), rtol=2**-6, atol=1e-6)
         assert (got[1] != ref[1]).float().mean() < 0.01
 
 
@@ -75,7 +75,8 @@ def test_indexer_keys_and_mla_rows_into_poisoned_pages(monkeypatch, n: int) -> N
     g = _g(n + 1)
     bs, nb = 64, n // 64 + 8
     cos, sin = _angles(n, g)
-    slots = torch.randperm(nb * bs, generator=g, device=DEV)[:n]
+    # Block 0 is the engine's null block: the reference rewrites its row 0 for skipped slots.
+    slots = bs + torch.randperm((nb - 1) * bs, generator=g, device=DEV)[:n]
     slots[::7] = -1
     fmt = IndexerCacheFormat.for_mode("fp8", 128)
     pages = torch.randint(0, 256, (nb, bs * fmt.row_bytes), generator=g, device=DEV)

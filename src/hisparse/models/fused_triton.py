@@ -209,8 +209,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
 def _hadamard(x, BR: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
     """Sylvester-ordered Walsh-Hadamard butterfly of the rows of ``x [BR, D]`` (unscaled)."""
     for stage in tl.static_range(LOG_D):
-        h: tl.constexpr = 1 << stage
-        y = tl.permute(tl.reshape(x, [BR, D // (2 * h), 2, h]), (0, 1, 3, 2))
+        y = tl.permute(tl.reshape(x, [BR, D // (2 << stage), 2, 1 << stage]), (0, 1, 3, 2))
         a, b = tl.split(y)
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), [BR, D])
     return x
