@@ -243,3 +243,42 @@ def test_model_with_fused_ops_matches_the_references(monkeypatch, tmp_path, arch
         torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)  # an fp8 rounding apart
         logits = model.logits(ref), model.logits(got)
         assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+@pytest.mark.parametrize(
+    "e,groups,topk_group,k,norm",
+    [(8, 4, 2, 2, True), (256, 8, 4, 8, True), (64, 1, 1, 6, False), (16, 16, 4, 1, True)],
+)
+def test_routing_kernel_chooses_the_references_experts(monkeypatch, e, groups, topk_group, k, norm):
+    from hisparse.models.deepseek_v32 import Router
+    from hisparse.models.dsa_config import DsaConfig
+    from hisparse.models.tiny import tiny_config_kwargs
+
+    kw = tiny_config_kwargs("deepseek_v32")
+    kw.update(n_routed_experts=e, n_group=groups, topk_group=topk_group)
+    kw.update(num_experts_per_tok=k, norm_topk_prob=norm, routed_scaling_factor=2.5)
+    router = Router(DsaConfig.from_dict({"model_type": "deepseek_v32", **kw}))
+    g = torch.Generator().manual_seed(e + k)
+    router.weight.data = torch.randn(router.weight.shape, generator=g)
+    router.e_score_correction_bias.data = torch.randn(e, generator=g) * 0.1
+    x = torch.randn(37, kw["hidden_size"], generator=g).to(torch.bfloat16)
+    (ref, _), (got, _) = _both(monkeypatch, fused.route_dense, router, x)
+    assert torch.equal(ref[1], got[1]) and int(got[1].sum()) == 37 * k
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_moe_combine(monkeypatch, k) -> None:
+    g = torch.Generator().manual_seed(k)
+    e, n, h = 16, 9, 700
+    y = (torch.randn(e, n, h, generator=g) * 3).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    w = torch.zeros(n, e).scatter_(1, ids, torch.rand(n, k, generator=g))
+    chosen = torch.zeros(n, e, dtype=torch.bool).scatter_(1, ids, True)
+    y[~chosen.t()] = float("nan")  # rows of experts a token did not choose are never read
+    shared = torch.randn(n, h, generator=g).to(torch.bfloat16)
+    (ref, _), (got, _) = _both(monkeypatch, fused.moe_combine, y, w, chosen, shared)
+    if k == 2:  # two terms: one fp32 sum, rounded once, whatever the order
+        assert torch.equal(ref, got)
+    else:
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=1e-2)

@@ -146,3 +146,26 @@ def test_batched_moe_at_v32_width(monkeypatch) -> None:
     moe.stack_experts()
     batched = moe(x, sync_free=True)
     torch.testing.assert_close(batched.float(), loop.float(), rtol=0.02, atol=0.02)
+
+
+def test_routing_and_combine_at_deepseek_width(monkeypatch) -> None:
+    """256 experts in 8 groups, 8 per token (DeepSeek-V3.2's router) on 64 rows."""
+    from hisparse.models.deepseek_v32 import Router
+    from hisparse.models.dsa_config import DsaConfig
+    from hisparse.models.tiny import tiny_config_kwargs
+
+    kw = tiny_config_kwargs("deepseek_v32", "v32-attention")
+    kw.update(n_routed_experts=256, n_group=8, topk_group=4, num_experts_per_tok=8)
+    router = Router(DsaConfig.from_dict({"model_type": "deepseek_v32", **kw})).to(DEV)
+    g = _g(11)
+    router.weight.data = torch.randn(router.weight.shape, generator=g, device=DEV) * 0.02
+    router.e_score_correction_bias.data = torch.randn(256, generator=g, device=DEV) * 0.1
+    x = torch.randn(64, kw["hidden_size"], generator=g, device=DEV).to(BF16)
+    (ref, _), (got, _) = _both(monkeypatch, fused.route_dense, router, x)
+    assert (ref[1] != got[1]).any(-1).float().mean() <= 1 / 64  # exp's last bit: a near tie
+    same = (ref[1] == got[1]).all(-1)
+    torch.testing.assert_close(got[0][same], ref[0][same], rtol=1e-5, atol=1e-6)
+    y = torch.randn(256, 64, 7168, generator=g, device=DEV).to(BF16)
+    shared = torch.randn(64, 7168, generator=g, device=DEV).to(BF16)
+    (ref, _), (got, _) = _both(monkeypatch, fused.moe_combine, y, got[0], got[1], shared)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2**-6, atol=1e-2)

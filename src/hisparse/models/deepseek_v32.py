@@ -133,23 +133,19 @@ class MoE(nn.Module):
             and first.gate_proj.weight.data_ptr() == self.w_gate_up.data_ptr()
         )
 
-    def _batched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _batched(self, x: torch.Tensor) -> torch.Tensor:
         assert self.w_gate_up is not None and self.w_down is not None
-        e, inter = self.w_gate_up.shape[0], self.w_down.shape[2]
-        w = torch.zeros(x.shape[0], e, dtype=weights.dtype, device=x.device)
-        w.scatter_(1, ids, weights)  # a row's chosen experts' weights, 0 elsewhere
-        chosen = torch.zeros(x.shape[0], e, dtype=torch.bool, device=x.device)
-        chosen.scatter_(1, ids, True)
+        inter = self.w_down.shape[2]
+        w, chosen = fused.route_dense(self.gate, x)  # [N, E]: weights (0: not chosen), mask
         gate_up = torch.matmul(x, self.w_gate_up.transpose(1, 2))  # [E, N, 2I]
         h = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
         y = torch.bmm(h, self.w_down.transpose(1, 2))  # [E, N, H]
-        y = (y * w.t().unsqueeze(-1)).to(x.dtype)
-        return torch.where(chosen.t().unsqueeze(-1), y, 0.0).sum(0)
+        return fused.moe_combine(y, w, chosen, self.shared_experts(x))
 
     def forward(self, x: torch.Tensor, *, sync_free: bool = False) -> torch.Tensor:
-        weights, ids = self.gate(x)
         if sync_free and self._stacked() and fused.fused_on(x):
-            return self._batched(x, weights, ids) + self.shared_experts(x)
+            return self._batched(x)
+        weights, ids = self.gate(x)
         out = torch.zeros_like(x)
         if sync_free:
             for e, expert in enumerate(self.experts):
@@ -359,10 +355,14 @@ class DsaForCausalLM(nn.Module):
         return IndexerCacheFormat.for_mode(self.indexer_mode, self.config.index_head_dim)
 
     def stack_experts(self) -> DsaForCausalLM:
-        """`MoE.stack_experts` on every MoE layer (call once the weights sit where they run)."""
+        """`MoE.stack_experts` on every MoE layer and `MLP.stack_gate_up` on the dense and
+        shared-expert MLPs (call once the weights sit where they run)."""
         for module in self.modules():
             if isinstance(module, MoE):
                 module.stack_experts()
+                module.shared_experts.stack_gate_up()
+            elif isinstance(module, DecoderLayer) and isinstance(module.mlp, MLP):
+                module.mlp.stack_gate_up()
         return self
 
     def keep_fp32_parts(self) -> DsaForCausalLM:

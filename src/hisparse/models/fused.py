@@ -13,7 +13,10 @@ fall back to the reference.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from hisparse.attention.dispatch import env_backend
@@ -28,6 +31,9 @@ from hisparse.kv.row_formats import (
     write_rows_where,
 )
 from hisparse.models.layers import RMSNorm, rope_half_split, rope_interleaved
+
+if TYPE_CHECKING:
+    from hisparse.models.deepseek_v32 import Router
 from hisparse.models.layers import rms_norm as rms_norm_reference
 
 
@@ -142,3 +148,29 @@ def write_mla_rows(
     latent = rms_norm_reference(norm, latent)
     k_pe = rope_interleaved(k_pe, cos, sin)
     write_rows_where(view, slots, pack_mla_rows(row_format, latent, k_pe))
+
+
+def route_dense(router: Router, x: Tensor) -> tuple[Tensor, Tensor]:
+    """The router's choice for rows ``x [N, H]`` as dense ``(weights [N, E] fp32, 0 where not
+    chosen; chosen [N, E] bool)``. The kernel breaks ties toward the lowest expert or group
+    (``torch.topk`` leaves them unspecified)."""
+    e, g = router.weight.shape[0], router.n_group
+    if fused_on(x) and _pow2(e) and _pow2(g) and e % g == 0:
+        logits = F.linear(x.float(), router.weight.float())
+        return _kernels().route_dense(
+            logits, router.e_score_correction_bias, g, router.topk_group, router.top_k,
+            router.norm_topk_prob, router.scaling,
+        )  # fmt: skip
+    weights, ids = router(x)
+    w = torch.zeros(x.shape[0], e, dtype=weights.dtype, device=x.device).scatter_(1, ids, weights)
+    chosen = torch.zeros(x.shape[0], e, dtype=torch.bool, device=x.device).scatter_(1, ids, True)
+    return w, chosen
+
+
+def moe_combine(y: Tensor, w: Tensor, chosen: Tensor, shared: Tensor) -> Tensor:
+    """The MoE output from every expert's rows ``y [E, N, H]``: each chosen term
+    ``(y[e] · w[:, e])`` rounded to ``y``'s dtype, summed over the experts, plus ``shared``."""
+    if fused_on(y) and y.dim() == 3:
+        return _kernels().moe_combine(y, w, chosen, shared)
+    terms = (y * w.t().unsqueeze(-1)).to(y.dtype)
+    return torch.where(chosen.t().unsqueeze(-1), terms, 0.0).sum(0) + shared

@@ -360,3 +360,90 @@ def write_mla_rows(
             slots.contiguous(), view, view.stride(0), view.stride(1), view.shape[1],
             C=c, R=r, TILE=tile, FP8=fp8, DT=_TL_DTYPES[kv.dtype], num_warps=4,
         )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE: the router's grouped top-k, and the combine of the experts' outputs
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _route_kernel(
+    logit_ptr, bias_ptr, w_ptr, chosen_ptr, scaling,
+    E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+    NORM: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E)
+    x = tl.load(logit_ptr + n * E + e)
+    s = 1.0 / (1.0 + tl.exp(-x))
+    c = s + tl.load(bias_ptr + e)
+    EG: tl.constexpr = E // G
+    cg = tl.reshape(c, [G, EG])
+    j = tl.arange(0, EG)[None, :]
+    first = tl.argmax(cg, axis=1)
+    gs = tl.max(cg, axis=1)
+    if EG > 1:  # a group's score: its two best bias-corrected scores
+        gs = gs + tl.max(tl.where(j == first[:, None], float("-inf"), cg), axis=1)
+    gi = tl.arange(0, G)
+    keep = gi < 0
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.argmax(tl.where(keep, float("-inf"), gs), axis=0)
+        keep = keep | (gi == best)
+    ce = tl.reshape(tl.where(keep[:, None], cg, float("-inf")), [E])
+    chosen = e < 0
+    for _ in tl.static_range(TOP_K):
+        best = tl.argmax(tl.where(chosen, float("-inf"), ce), axis=0)
+        chosen = chosen | (e == best)
+    w = tl.where(chosen, s, 0.0)
+    if NORM:
+        w = tl.math.div_rn(w, tl.sum(w, axis=0) + 1e-20)
+    tl.store(w_ptr + n * E + e, w * scaling)
+    tl.store(chosen_ptr + n * E + e, chosen.to(tl.int8))
+
+
+def route_dense(
+    logits: Tensor, bias: Tensor, n_group: int, topk_group: int, top_k: int, norm: bool,
+    scaling: float,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """DeepSeek's grouped top-k routing of ``logits [N, E]`` (fp32) -> ``(weights [N, E] fp32,
+    0 where not chosen; chosen [N, E] bool)``. Ties go to the lowest expert or group."""
+    n, e = logits.shape
+    w = torch.empty((n, e), dtype=torch.float32, device=logits.device)
+    chosen = torch.empty((n, e), dtype=torch.int8, device=logits.device)
+    if n:
+        _route_kernel[(n,)](
+            logits.contiguous(), bias.float().contiguous(), w, chosen, scaling,
+            E=e, G=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, NORM=norm, num_warps=1,
+        )  # fmt: skip
+    return w, chosen.view(torch.bool)
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr, w_ptr, chosen_ptr, shared_ptr, o_ptr, N, H,
+    E: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = h < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for e in tl.static_range(E):
+        w = tl.load(w_ptr + n * E + e)
+        pick = tl.load(chosen_ptr + n * E + e) != 0
+        y = tl.load(y_ptr + (e * N + n) * H + h, mask=m & pick, other=0.0).to(tl.float32)
+        acc += tl.where(pick, _round(y * w, DT), 0.0)
+    shared = tl.load(shared_ptr + n * H + h, mask=m, other=0.0).to(tl.float32)
+    tl.store(o_ptr + n * H + h, _round(_round(acc, DT) + shared, DT).to(DT), mask=m)
+
+
+def moe_combine(y: Tensor, w: Tensor, chosen: Tensor, shared: Tensor) -> Tensor:
+    """``Σ_e chosen · (y[e] · w[:, e])`` (each term rounded to ``y``'s dtype, summed in fp32,
+    rounded once) plus ``shared``: the MoE's output from the experts' ``y [E, N, H]``."""
+    e, n, h = y.shape
+    out = torch.empty((n, h), dtype=y.dtype, device=y.device)
+    if n:
+        block = min(1024, triton.next_power_of_2(h))
+        _combine_kernel[(n, triton.cdiv(h, block))](
+            y.contiguous(), w.contiguous(), chosen.contiguous().view(torch.int8),
+            shared.contiguous(), out, n, h, E=e, BLOCK=block, DT=_TL_DTYPES[y.dtype],
+        )  # fmt: skip
+    return out

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hisparse.attention.dispatch import env_backend
+
 
 class RMSNorm(nn.Module):
     """RMS norm computed in fp32, cast back, then scaled (transformers' order)."""
@@ -71,11 +73,32 @@ def rope_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
 
 class MLP(nn.Module):
+    """The gated MLP. After `stack_gate_up`, on CUDA (``HISPARSE_FUSED``), the gate and up
+    projections run as one matmul over their stacked weights."""
+
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up: torch.Tensor | None = None  # [2I, H] after stack_gate_up
+
+    def stack_gate_up(self) -> None:
+        """One ``[gate ‖ up]`` weight; the two projections' weights become views of it."""
+        inter = self.gate_proj.weight.shape[0]
+        gate_up = torch.cat((self.gate_proj.weight, self.up_proj.weight)).detach()
+        self.gate_proj.weight = nn.Parameter(gate_up[:inter], requires_grad=False)
+        self.up_proj.weight = nn.Parameter(gate_up[inter:], requires_grad=False)
+        self.gate_up = gate_up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up
+        if (
+            gu is not None
+            and gu.data_ptr() == self.gate_proj.weight.data_ptr()  # not copied apart since
+            and env_backend("HISPARSE_FUSED", x.device) == "triton"
+        ):
+            h = F.linear(x, gu)
+            inter = gu.shape[0] // 2
+            return self.down_proj(F.silu(h[..., :inter]) * h[..., inter:])
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
