@@ -21,19 +21,27 @@ if [ ! -f "$MODEL/config.json" ]; then
 fi
 B="$PY -m hisparse bench --model $MODEL --input-len 131072 --kv-placement hisparse,gpu --topk-overlap 0.8"
 for off in always under_pressure; do
-  has batch1 && timeout 150 $B --prefill model --max-batched-tokens 16384 --gpu-memory-gib 40 --output-len 256 \
-    --concurrency 1 --offload $off --json "$OUT/batch1_$off.json" >"$OUT/batch1_$off.log" 2>&1 \
-    || echo "batch1 $off: rc $?"
-  has equal29 && timeout 150 $B --prefill synthetic --gpu-memory-gib 16 --output-len 96 --concurrency 29 \
-    --schedule prefill-first --offload $off --json "$OUT/equal29_$off.json" \
-    >"$OUT/equal29_$off.log" 2>&1 || echo "equal29 $off: rc $?"
+  if has batch1; then
+    timeout 150 $B --prefill model --max-batched-tokens 16384 --gpu-memory-gib 40 --output-len 256 \
+      --concurrency 1 --offload $off --json "$OUT/batch1_$off.json" >"$OUT/batch1_$off.log" 2>&1 \
+      || echo "batch1 $off: rc $?"
+  fi
+  if has equal29; then
+    timeout 150 $B --prefill synthetic --gpu-memory-gib 16 --output-len 96 --concurrency 29 \
+      --schedule prefill-first --offload $off --json "$OUT/equal29_$off.json" \
+      >"$OUT/equal29_$off.log" 2>&1 || echo "equal29 $off: rc $?"
+  fi
 done
-has split && timeout 200 $B --prefill synthetic --gpu-memory-gib 16 --output-len 96 --concurrency 29 \
-  --schedule prefill-first --timing --json "$OUT/equal29_split.json" >"$OUT/equal29_split.log" 2>&1 \
-  || echo "split: rc $?"
-has cap3 && timeout 150 $B --prefill synthetic --gpu-memory-gib 3 --output-len 96 --concurrency 44 \
-  --schedule prefill-first --offload under_pressure --json "$OUT/cap3_under_pressure.json" \
-  >"$OUT/cap3_under_pressure.log" 2>&1 || echo "cap3: rc $?"
+if has split; then
+  timeout 200 $B --prefill synthetic --gpu-memory-gib 16 --output-len 96 --concurrency 29 \
+    --schedule prefill-first --timing --json "$OUT/equal29_split.json" >"$OUT/equal29_split.log" 2>&1 \
+    || echo "split: rc $?"
+fi
+if has cap3; then
+  timeout 150 $B --prefill synthetic --gpu-memory-gib 3 --output-len 96 --concurrency 44 \
+    --schedule prefill-first --offload under_pressure --json "$OUT/cap3_under_pressure.json" \
+    >"$OUT/cap3_under_pressure.log" 2>&1 || echo "cap3: rc $?"
+fi
 for f in "$OUT"/batch1_*.log "$OUT"/equal29_*.log "$OUT"/cap3_*.log; do
   [ -f "$f" ] || continue
   echo "== $f"; tail -n 12 "$f"
