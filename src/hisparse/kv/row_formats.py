@@ -91,6 +91,20 @@ def _from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return b.contiguous().view(dtype)
 
 
+def fp8_values(device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 ``[256]``: the value of each e4m3 code as torch converts it (cached per device), for
+    decoding fp8 bytes by table lookup, which on the CPU is several times faster than the cast."""
+    device = torch.device(device)
+    table = _FP8_VALUES.get(device)
+    if table is None:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        table = _FP8_VALUES[device] = codes.view(FP8_DTYPE).float().to(device)
+    return table
+
+
+_FP8_VALUES: dict[torch.device, torch.Tensor] = {}
+
+
 def ceil_pow2(x: torch.Tensor) -> torch.Tensor:
     """The smallest power of two ``>= x`` for normal fp32 ``x > 0`` (subnormals give the least
     normal, ``2^-126``), from the exponent bits

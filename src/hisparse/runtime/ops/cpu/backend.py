@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from hisparse.kv.row_formats import FP8_DTYPE
+from hisparse.kv.row_formats import fp8_values
 from hisparse.runtime.ops.cpu import ops
 from hisparse.runtime.ops.cpu.compile import build
 from hisparse.runtime.ops.cpu.numpy_views import NumpyViews
@@ -93,8 +93,7 @@ class CpuBackend:
     def fp8_lut(self) -> np.ndarray:
         """The fp32 value of each e4m3 code (torch's conversion), as numpy."""
         if self._fp8_lut is None:
-            codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-            self._fp8_lut = codes.view(FP8_DTYPE).float().numpy()
+            self._fp8_lut = fp8_values().numpy()
         return self._fp8_lut
 
     def step_arrays(self, meta: StepMetadata) -> StepArrays:
