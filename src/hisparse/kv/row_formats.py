@@ -5,7 +5,7 @@ pack/unpack functions per format is the single source of truth; the Triton kerne
 same layout in-register. Layouts (docs/design.md §3):
 
 - ``fp8_ds_mla`` (656 B at 512/64): ``[0, C)`` e4m3 latent, then ``C / 128`` fp32 scales
-  (``amax / 448`` of each 128-value tile), then the RoPE part as bf16.
+  (``amax × (1/448)`` of each 128-value tile), then the RoPE part as bf16.
 - ``bf16`` (1152 B): latent then RoPE, bf16.
 - ``fp32`` (2304 B): latent then RoPE, fp32. Test/reference only: it keeps a float32 model's
   cache bit-exact, so a paged decode can be compared with a dense fp32 forward at float
@@ -120,7 +120,7 @@ def quantize_fp8_tiles(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 values and one fp32 scale per ``tile`` values along the last dim.
 
-    ``scale = amax / 448`` (rounded up to a power of two with ``pow2_scale``, as DeepSeek's
+    ``scale = amax × (1/448)`` (rounded up to a power of two with ``pow2_scale``, as DeepSeek's
     ``ue8m0`` activations); an all-zero tile gets scale 0 and zero bytes unless ``min_amax``
     floors it. Returns ``(values [..., D] e4m3, scales [..., D / tile] fp32)``.
     """

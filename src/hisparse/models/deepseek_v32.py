@@ -98,8 +98,8 @@ class MoE(nn.Module):
 
     After `stack_experts`, on CUDA (`fused.fused_on`), the sync-free form runs all experts as
     two batched matmuls over stacked weights (the experts' parameters become views of them)
-    instead of a dozen kernels per expert; with two experts per token the sum is the same one
-    rounding of two terms.
+    between a routing and a combine kernel, instead of a dozen kernels per expert; the combine
+    adds the terms in the loop's order and rounding, so again only the matmuls' shapes differ.
     """
 
     def __init__(self, config: DsaConfig) -> None:
@@ -111,27 +111,42 @@ class MoE(nn.Module):
         self.w_gate_up: torch.Tensor | None = None  # [E, 2I, H] after stack_experts
         self.w_down: torch.Tensor | None = None  # [E, H, I]
 
+    @torch.no_grad()
     def stack_experts(self) -> None:
-        """Move the routed experts' weights into two stacked tensors (no extra memory: each
-        expert's parameters become views of them) for the batched sync-free form."""
+        """Move the routed experts' weights into two stacked tensors (each expert's parameters
+        become views of them; one expert's copy at a time is extra while it runs) for the
+        batched sync-free form. Call again after replacing expert weights."""
         experts = [e for e in self.experts if isinstance(e, MLP)]
-        inter = experts[0].gate_proj.weight.shape[0]
-        gate_up = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in experts])
-        down = torch.stack([e.down_proj.weight for e in experts])
+        w0 = experts[0].gate_proj.weight
+        inter, hidden = w0.shape
+        gate_up = torch.empty(len(experts), 2 * inter, hidden, dtype=w0.dtype, device=w0.device)
+        down = torch.empty(len(experts), hidden, inter, dtype=w0.dtype, device=w0.device)
         for i, e in enumerate(experts):
+            gate_up[i, :inter].copy_(e.gate_proj.weight)
+            gate_up[i, inter:].copy_(e.up_proj.weight)
+            down[i].copy_(e.down_proj.weight)
             e.gate_proj.weight = nn.Parameter(gate_up[i, :inter], requires_grad=False)
             e.up_proj.weight = nn.Parameter(gate_up[i, inter:], requires_grad=False)
             e.down_proj.weight = nn.Parameter(down[i], requires_grad=False)
         self.w_gate_up, self.w_down = gate_up, down
 
     def _stacked(self) -> bool:
-        """Stacked weights that still back the experts (a later ``.to()`` copies them apart)."""
-        first = self.experts[0]
-        return (
-            self.w_gate_up is not None
-            and isinstance(first, MLP)
-            and first.gate_proj.weight.data_ptr() == self.w_gate_up.data_ptr()
-        )
+        """Whether the stacked weights still back the experts. ``.to()`` or a reload copies
+        the parameters apart: the stacks are then dropped (freeing them) and the loop runs."""
+        if self.w_gate_up is None or self.w_down is None:
+            return False
+        ends = [e for e in (self.experts[0], self.experts[-1]) if isinstance(e, MLP)]
+        last = len(self.experts) - 1
+        views = [
+            (ends[0].gate_proj.weight, self.w_gate_up[0]),
+            (ends[0].down_proj.weight, self.w_down[0]),
+            (ends[-1].up_proj.weight, self.w_gate_up[last, self.w_down.shape[2] :]),
+            (ends[-1].down_proj.weight, self.w_down[last]),
+        ]
+        if all(p.data_ptr() == v.data_ptr() for p, v in views):
+            return True
+        self.w_gate_up = self.w_down = None
+        return False
 
     def _batched(self, x: torch.Tensor) -> torch.Tensor:
         assert self.w_gate_up is not None and self.w_down is not None

@@ -3,11 +3,13 @@ CUDA tensors, the torch composition it replaces (the reference) elsewhere.
 
 Why: a decode step's layer launched hundreds of one- or two-microsecond torch kernels (norm,
 rotary, Hadamard, quantisation and paged writes are each a chain of them), so the step ran
-far above what its bytes cost. Each function here computes exactly what its reference does
-(up to the order of the RMS norm's sum); the lossless rule holds because both placements run
-the same kernels. ``HISPARSE_FUSED=reference`` keeps the torch compositions on CUDA, and the
-MoE's per-expert loop instead of its batched form (A/B runs: the model's eager code as it was);
-``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``. Inputs a kernel does not handle
+far above what its bytes cost. Each function here computes what its reference does in the
+same order of operations; the RMS norm's sum and the router's weight normalisation run in
+another order (an ulp apart), and routing ties go to the lowest expert. The lossless rule
+holds because both placements run the same kernels. ``HISPARSE_FUSED=reference`` keeps the
+torch compositions on CUDA, and the MoE's per-expert loop instead of its batched form (A/B
+runs: the model's eager code as it was); ``triton`` on CPU tensors needs
+``TRITON_INTERPRET=1``. Inputs a kernel does not handle
 fall back to the reference.
 """
 
@@ -58,7 +60,8 @@ def _pow2(n: int) -> bool:
 
 def add_rms_norm(norm: RMSNorm, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(s, norm(s))`` with ``s = x + residual`` (``s = x`` without one), rows ``[N, D]``."""
-    if x.dim() == 2 and _triton(x, *([residual] if residual is not None else [])):
+    same = residual is None or residual.dtype == x.dtype
+    if x.dim() == 2 and same and _triton(x, *([residual] if residual is not None else [])):
         s, out = _kernels().rms_norm(x, norm.weight, norm.eps, residual)
         return (s if s is not None else x), out
     s = x + residual if residual is not None else x
@@ -67,7 +70,7 @@ def add_rms_norm(norm: RMSNorm, x: Tensor, residual: Tensor | None = None) -> tu
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
     """Rotary of ``x [N, H, R]`` at angles ``cos/sin [N, R / 2]``; a new tensor."""
-    if x.dim() == 3 and _pow2(x.shape[-1]) and _triton(x):
+    if x.dim() == 3 and _pow2(x.shape[-1]) and cos.dtype == x.dtype and _triton(x):
         return _kernels().rope(x, cos, sin, interleaved)
     return (rope_interleaved if interleaved else rope_half_split)(x, cos, sin)
 
@@ -77,9 +80,12 @@ def _rope_prefix(x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, interleaved
     return torch.cat((rot, x[..., rope_dim:]), dim=-1)
 
 
-def _indexer_kernel_ok(x: Tensor, rope_dim: int, tile: int) -> bool:
+def _indexer_kernel_ok(x: Tensor, cos: Tensor, rope_dim: int, tile: int) -> bool:
     d = x.shape[-1]
-    return _pow2(d) and _pow2(tile) and d % tile == 0 and rope_dim % 2 == 0 and rope_dim <= d
+    return (
+        _pow2(d) and _pow2(tile) and d % tile == 0 and rope_dim % 2 == 0 and rope_dim <= d
+        and cos.dtype == x.dtype
+    )  # fmt: skip
 
 
 def indexer_fp8_query(
@@ -87,7 +93,8 @@ def indexer_fp8_query(
 ) -> tuple[Tensor, Tensor]:
     """The fp8 indexer's queries ``q [N, H, D]``: rotary on the first ``rope_dim`` values,
     Hadamard, e4m3 with power-of-two scales per ``tile`` -> ``(e4m3, scales [N, H, D/tile])``."""
-    if q.dim() == 3 and q.is_contiguous() and _indexer_kernel_ok(q, rope_dim, tile) and _triton(q):
+    ok = q.dim() == 3 and q.is_contiguous() and _indexer_kernel_ok(q, cos, rope_dim, tile)
+    if ok and _triton(q):
         return _kernels().indexer_fp8_query(q, cos, sin, rope_dim, interleaved, tile)
     q = _rope_prefix(q, cos, sin, rope_dim, interleaved)
     return quantize_indexer_fp8(hadamard_transform(q.float()), tile)
@@ -108,7 +115,7 @@ def indexer_fp8_write_keys(
     if fmt.kind != "fp8":
         raise ValueError("the fp8 indexer mode needs fp8 indexer pages")
     tile = fmt.tile
-    if k.dim() == 2 and _indexer_kernel_ok(k, rope_dim, tile) and _triton(k, pages):
+    if k.dim() == 2 and _indexer_kernel_ok(k, cos, rope_dim, tile) and _triton(k, pages):
         bs = pages.shape[1] // fmt.row_bytes
         _kernels().indexer_fp8_write_keys(k, cos, sin, rope_dim, interleaved, tile, pages, bs,
                                           slots)  # fmt: skip
@@ -140,6 +147,7 @@ def write_mla_rows(
         and _pow2(r)
         and (not fp8 or c % 128 == 0)
         and kv.dim() == 2
+        and norm.weight.dtype == kv.dtype == cos.dtype
         and _triton(kv, view)
     ):
         _kernels().write_mla_rows(kv, norm.weight, norm.eps, cos, sin, view, slots, fp8)
@@ -156,9 +164,9 @@ def route_dense(router: Router, x: Tensor) -> tuple[Tensor, Tensor]:
     (``torch.topk`` leaves them unspecified)."""
     e, g = router.weight.shape[0], router.n_group
     if fused_on(x) and _pow2(e) and _pow2(g) and e % g == 0:
-        logits = F.linear(x.float(), router.weight.float())
+        scores = F.linear(x.float(), router.weight.float()).sigmoid()
         return _kernels().route_dense(
-            logits, router.e_score_correction_bias, g, router.topk_group, router.top_k,
+            scores, router.e_score_correction_bias, g, router.topk_group, router.top_k,
             router.norm_topk_prob, router.scaling,
         )  # fmt: skip
     weights, ids = router(x)
@@ -169,8 +177,12 @@ def route_dense(router: Router, x: Tensor) -> tuple[Tensor, Tensor]:
 
 def moe_combine(y: Tensor, w: Tensor, chosen: Tensor, shared: Tensor) -> Tensor:
     """The MoE output from every expert's rows ``y [E, N, H]``: each chosen term
-    ``(y[e] · w[:, e])`` rounded to ``y``'s dtype, summed over the experts, plus ``shared``."""
+    ``(y[e] · w[:, e])`` in ``y``'s dtype added in ascending expert order (the per-expert
+    loop's sums, rounded the same way), plus ``shared``."""
     if fused_on(y) and y.dim() == 3:
         return _kernels().moe_combine(y, w, chosen, shared)
-    terms = (y * w.t().unsqueeze(-1)).to(y.dtype)
-    return torch.where(chosen.t().unsqueeze(-1), terms, 0.0).sum(0) + shared
+    out = torch.zeros_like(shared)
+    for e in range(y.shape[0]):
+        term = (y[e] * w[:, e, None]).to(y.dtype)
+        out = out + torch.where(chosen[:, e, None], term, 0.0)
+    return out + shared

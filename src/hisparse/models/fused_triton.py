@@ -367,14 +367,13 @@ def write_mla_rows(
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _route_kernel(
-    logit_ptr, bias_ptr, w_ptr, chosen_ptr, scaling,
+    score_ptr, bias_ptr, w_ptr, chosen_ptr, scaling,
     E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
     NORM: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E)
-    x = tl.load(logit_ptr + n * E + e)
-    s = 1.0 / (1.0 + tl.exp(-x))
+    s = tl.load(score_ptr + n * E + e)
     c = s + tl.load(bias_ptr + e)
     EG: tl.constexpr = E // G
     cg = tl.reshape(c, [G, EG])
@@ -401,17 +400,18 @@ def _route_kernel(
 
 
 def route_dense(
-    logits: Tensor, bias: Tensor, n_group: int, topk_group: int, top_k: int, norm: bool,
+    scores: Tensor, bias: Tensor, n_group: int, topk_group: int, top_k: int, norm: bool,
     scaling: float,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """DeepSeek's grouped top-k routing of ``logits [N, E]`` (fp32) -> ``(weights [N, E] fp32,
-    0 where not chosen; chosen [N, E] bool)``. Ties go to the lowest expert or group."""
-    n, e = logits.shape
-    w = torch.empty((n, e), dtype=torch.float32, device=logits.device)
-    chosen = torch.empty((n, e), dtype=torch.int8, device=logits.device)
+    """DeepSeek's grouped top-k routing from sigmoid ``scores [N, E]`` (fp32, torch's sigmoid:
+    the kernel's own exp would be approximate) -> ``(weights [N, E] fp32, 0 where not chosen;
+    chosen [N, E] bool)``. Ties go to the lowest expert or group."""
+    n, e = scores.shape
+    w = torch.empty((n, e), dtype=torch.float32, device=scores.device)
+    chosen = torch.empty((n, e), dtype=torch.int8, device=scores.device)
     if n:
         _route_kernel[(n,)](
-            logits.contiguous(), bias.float().contiguous(), w, chosen, scaling,
+            scores.contiguous(), bias.float().contiguous(), w, chosen, scaling,
             E=e, G=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, NORM=norm, num_warps=1,
         )  # fmt: skip
     return w, chosen.view(torch.bool)
@@ -426,18 +426,19 @@ def _combine_kernel(
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = h < H
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for e in tl.static_range(E):
+    for e in tl.static_range(E):  # ascending experts, rounded after each add: the loop's sum
         w = tl.load(w_ptr + n * E + e)
         pick = tl.load(chosen_ptr + n * E + e) != 0
         y = tl.load(y_ptr + (e * N + n) * H + h, mask=m & pick, other=0.0).to(tl.float32)
-        acc += tl.where(pick, _round(y * w, DT), 0.0)
+        acc = tl.where(pick, _round(acc + _round(y * w, DT), DT), acc)
     shared = tl.load(shared_ptr + n * H + h, mask=m, other=0.0).to(tl.float32)
-    tl.store(o_ptr + n * H + h, _round(_round(acc, DT) + shared, DT).to(DT), mask=m)
+    tl.store(o_ptr + n * H + h, _round(acc + shared, DT).to(DT), mask=m)
 
 
 def moe_combine(y: Tensor, w: Tensor, chosen: Tensor, shared: Tensor) -> Tensor:
-    """``Σ_e chosen · (y[e] · w[:, e])`` (each term rounded to ``y``'s dtype, summed in fp32,
-    rounded once) plus ``shared``: the MoE's output from the experts' ``y [E, N, H]``."""
+    """``Σ_e chosen · (y[e] · w[:, e])`` plus ``shared``: the MoE's output from the experts'
+    ``y [E, N, H]``, each term and each partial sum rounded to ``y``'s dtype in ascending
+    expert order (the per-expert loop's order)."""
     e, n, h = y.shape
     out = torch.empty((n, h), dtype=y.dtype, device=y.device)
     if n:

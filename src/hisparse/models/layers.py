@@ -83,21 +83,23 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.gate_up: torch.Tensor | None = None  # [2I, H] after stack_gate_up
 
+    @torch.no_grad()
     def stack_gate_up(self) -> None:
         """One ``[gate ‖ up]`` weight; the two projections' weights become views of it."""
         inter = self.gate_proj.weight.shape[0]
-        gate_up = torch.cat((self.gate_proj.weight, self.up_proj.weight)).detach()
+        gate_up = torch.cat((self.gate_proj.weight, self.up_proj.weight))
         self.gate_proj.weight = nn.Parameter(gate_up[:inter], requires_grad=False)
         self.up_proj.weight = nn.Parameter(gate_up[inter:], requires_grad=False)
         self.gate_up = gate_up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up
-        if (
-            gu is not None
-            and gu.data_ptr() == self.gate_proj.weight.data_ptr()  # not copied apart since
-            and env_backend("HISPARSE_FUSED", x.device) == "triton"
+        if gu is not None and (
+            gu.data_ptr() != self.gate_proj.weight.data_ptr()
+            or gu[gu.shape[0] // 2 :].data_ptr() != self.up_proj.weight.data_ptr()
         ):
+            gu = self.gate_up = None  # copied apart since (``.to()``, a reload): drop it
+        if gu is not None and env_backend("HISPARSE_FUSED", x.device) == "triton":
             h = F.linear(x, gu)
             inter = gu.shape[0] // 2
             return self.down_proj(F.silu(h[..., :inter]) * h[..., inter:])

@@ -177,7 +177,9 @@ def load_model(
 
         loaded = load_model(path, hs, dtype, torch.device("cpu"), indexer, kv_format)
         if isinstance(loaded.model, DsaForCausalLM):
-            loaded.model = shard_dsa(loaded.model, tp).to(device).stack_experts()
+            loaded.model = shard_dsa(loaded.model, tp).to(device)
+            if device.type == "cuda":
+                loaded.model.stack_experts()
         else:
             loaded.model = shard_llama(loaded.model, tp).to(device)
             loaded.row_format = shard_gqa_row_format(loaded.row_format, tp.world_size)
@@ -205,7 +207,8 @@ def load_model(
     from hisparse.models.tokenizer import load_chat_template
 
     model = load_dsa_model(path, dtype=dtype, device=device, indexer_mode=indexer)
-    model.stack_experts()  # the batched sync-free MoE (a TP rank restacks its shard above)
+    if device.type == "cuda":  # the fused ops' batched MoE (a TP rank stacks its shard above)
+        model.stack_experts()
     mcfg = model.config
     config = hs.resolve(model_top_k=mcfg.index_topk)
     if config.top_k != mcfg.index_topk:
