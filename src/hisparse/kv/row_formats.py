@@ -106,10 +106,9 @@ _FP8_VALUES: dict[torch.device, torch.Tensor] = {}
 
 
 def ceil_pow2(x: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two ``>= x`` for normal fp32 ``x > 0`` (subnormals give the least
-    normal, ``2^-126``), from the exponent bits
-    (DeepSeek's ue8m0 rounding; ``exp2(ceil(log2(x)))`` can round ``log2`` down to an integer
-    just above a power of two)."""
+    """The smallest power of two ``>= x`` for normal fp32 ``x > 0`` (a subnormal gives the
+    least normal, ``2^-126``), read off the exponent bits: DeepSeek's ue8m0 rounding, where
+    ``exp2(ceil(log2(x)))`` can round ``log2`` down to an integer just above a power of two."""
     bits = x.float().contiguous().view(torch.int32)
     exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
     return (exp << 23).view(torch.float32)

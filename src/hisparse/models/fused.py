@@ -9,8 +9,7 @@ another order (an ulp apart), and routing ties go to the lowest expert. The loss
 holds because both placements run the same kernels. ``HISPARSE_FUSED=reference`` keeps the
 torch compositions on CUDA, and the MoE's per-expert loop instead of its batched form (A/B
 runs: the model's eager code as it was); ``triton`` on CPU tensors needs
-``TRITON_INTERPRET=1``. Inputs a kernel does not handle
-fall back to the reference.
+``TRITON_INTERPRET=1``. Inputs a kernel does not handle fall back to the reference.
 """
 
 from __future__ import annotations
@@ -33,10 +32,10 @@ from hisparse.kv.row_formats import (
     write_rows_where,
 )
 from hisparse.models.layers import RMSNorm, rope_half_split, rope_interleaved
+from hisparse.models.layers import rms_norm as rms_norm_reference
 
 if TYPE_CHECKING:
     from hisparse.models.deepseek_v32 import Router
-from hisparse.models.layers import rms_norm as rms_norm_reference
 
 
 def fused_on(t: Tensor) -> bool:
@@ -179,7 +178,7 @@ def moe_combine(y: Tensor, w: Tensor, chosen: Tensor, shared: Tensor) -> Tensor:
     """The MoE output from every expert's rows ``y [E, N, H]``: each chosen term
     ``(y[e] · w[:, e])`` in ``y``'s dtype added in ascending expert order (the per-expert
     loop's sums, rounded the same way), plus ``shared``."""
-    if fused_on(y) and y.dim() == 3:
+    if fused_on(y) and y.dim() == 3 and shared.dtype == y.dtype:
         return _kernels().moe_combine(y, w, chosen, shared)
     out = torch.zeros_like(shared)
     for e in range(y.shape[0]):
