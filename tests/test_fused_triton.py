@@ -25,29 +25,13 @@ from hisparse.kv.row_formats import IndexerCacheFormat, ceil_pow2, mla_row_bytes
 from hisparse.models import fused
 from hisparse.models import fused_triton as ft
 from hisparse.models.layers import RMSNorm
+from hisparse.testing.fused_cases import assert_mla_rows_match, reference_and_kernel
 
 pytestmark = pytest.mark.skipif(
     not interpreting(), reason="Triton kernels were defined outside the interpreter"
 )
 
 DTYPES = (torch.bfloat16, torch.float32)
-
-
-def _copy(a: torch.Tensor) -> torch.Tensor:
-    """A copy with ``a``'s strides (``clone`` makes a strided slice contiguous)."""
-    out = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
-    return out.copy_(a)
-
-
-def _both(monkeypatch: pytest.MonkeyPatch, fn, *args):  # type: ignore[no-untyped-def]
-    """``fn(*args)`` under the reference, then under the kernel (fresh copies of tensor args,
-    strides kept)."""
-    out = []
-    for backend in ("reference", "triton"):
-        monkeypatch.setenv("HISPARSE_FUSED", backend)
-        copies = [_copy(a) if isinstance(a, torch.Tensor) else a for a in args]
-        out.append((fn(*copies), copies))
-    return out
 
 
 def _angles(n: int, half: int, dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -69,7 +53,7 @@ def test_rms_norm_matches_reference(monkeypatch, dtype, d, residual) -> None:
     x = (torch.randn(5, d + 40, generator=g) * 3).to(dtype)[:, :d]  # strided rows
     r = (torch.randn(5, d, generator=g) * 3).to(dtype) if residual else None
     norm = _norm(d, dtype, g)
-    (ref, _), (got, _) = _both(monkeypatch, fused.add_rms_norm, norm, x, r)
+    (ref, _), (got, _) = reference_and_kernel(monkeypatch, fused.add_rms_norm, norm, x, r)
     assert torch.equal(ref[0], got[0])  # the residual sum: one rounding each way
     # The mean's sum runs in another order: an ulp of the norm, two of the output at most.
     ulp = 2**-6 if dtype == torch.bfloat16 else 2**-21
@@ -83,7 +67,7 @@ def test_rope_is_bit_exact(monkeypatch, dtype, interleaved) -> None:
     g = torch.Generator().manual_seed(int(interleaved))
     q = (torch.randn(7, 20, 192, generator=g) * 4).to(dtype)[..., 128:]  # the q_pe split
     cos, sin = _angles(7, 32, dtype, g)
-    (ref, _), (got, _) = _both(monkeypatch, fused.rope, q, cos, sin, interleaved)
+    (ref, _), (got, _) = reference_and_kernel(monkeypatch, fused.rope, q, cos, sin, interleaved)
     assert torch.equal(ref, got) and got.is_contiguous()
 
 
@@ -105,7 +89,7 @@ def test_indexer_query_is_bit_exact(monkeypatch, dtype, interleaved, d, rope_dim
     q = _indexer_inputs((9, 16, d), dtype, g)
     cos, sin = _angles(9, rope_dim // 2, dtype, g)
     tile = min(128, d)
-    (ref, _), (got, _) = _both(
+    (ref, _), (got, _) = reference_and_kernel(
         monkeypatch, fused.indexer_fp8_query, q, cos, sin, rope_dim, interleaved, tile
     )
     assert torch.equal(ref[0].view(torch.uint8), got[0].view(torch.uint8))
@@ -121,30 +105,11 @@ def test_indexer_keys_written_bit_exact(monkeypatch, interleaved) -> None:
     k = _indexer_inputs((7, 128), torch.bfloat16, g)
     cos, sin = _angles(7, 32, torch.bfloat16, g)
     slots = torch.tensor([3, 17, -1, 40, 95, 16, 1])  # block 0 row 0: the null row
-    (_, ref), (_, got) = _both(
+    (_, ref), (_, got) = reference_and_kernel(
         monkeypatch, fused.indexer_fp8_write_keys, k, cos, sin, 64, interleaved, pages, fmt, slots
     )
     assert torch.equal(ref[5], got[5])  # the whole pages, skipped slot and untouched rows too
     assert not torch.equal(got[5], pages)
-
-
-def _rows_match(ref, got, view, slots, row_format) -> None:  # type: ignore[no-untyped-def]
-    """Written rows: rope bytes equal, latent within one step of the row format (the norm's
-    sum order can move a value by an ulp); every other row untouched."""
-    from hisparse.kv.row_formats import unpack_mla_rows
-
-    flat = [t.flatten(0, 1) for t in (ref, got, view)]
-    written = slots[slots >= 0].long()
-    untouched = torch.ones(flat[0].shape[0], dtype=torch.bool, device=ref.device)
-    untouched[written] = False
-    assert torch.equal(flat[0][untouched], flat[2][untouched])
-    assert torch.equal(flat[1][untouched], flat[2][untouched])
-    lat_r, rope_r = unpack_mla_rows(row_format, flat[0][written])
-    lat_g, rope_g = unpack_mla_rows(row_format, flat[1][written])
-    assert torch.equal(rope_r, rope_g)
-    step = 2**-3 if row_format == "fp8_ds_mla" else 2**-7
-    torch.testing.assert_close(lat_g, lat_r, rtol=step, atol=lat_r.abs().amax().item() * 2**-9)
-    assert (flat[0][written] != flat[1][written]).any(-1).float().mean() <= 0.25
 
 
 @pytest.mark.parametrize("row_format", ["fp8_ds_mla", "bf16"])
@@ -159,10 +124,10 @@ def test_mla_rows_written_like_the_reference(monkeypatch, row_format) -> None:
     norm = _norm(512, dtype, g)
     cos, sin = _angles(8, 32, dtype, g)
     slots = torch.tensor([3, 17, -1, 40, 95, 16, 1, 50])  # block 0 row 0: the null row
-    (_, ref), (_, got) = _both(
+    (_, ref), (_, got) = reference_and_kernel(
         monkeypatch, fused.write_mla_rows, kv, norm, cos, sin, view, slots, row_format
     )
-    _rows_match(ref[4], got[4], view, slots, row_format)
+    assert_mla_rows_match(ref[4], got[4], view, slots, row_format)
 
 
 def test_empty_steps_launch_nothing(monkeypatch) -> None:
@@ -309,7 +274,7 @@ def test_routing_kernel_chooses_the_references_experts(monkeypatch, e, groups, t
     router.weight.data = torch.randn(router.weight.shape, generator=g)
     router.e_score_correction_bias.data = torch.randn(e, generator=g) * 0.1
     x = torch.randn(37, kw["hidden_size"], generator=g).to(torch.bfloat16)
-    (ref, _), (got, _) = _both(monkeypatch, fused.route_dense, router, x)
+    (ref, _), (got, _) = reference_and_kernel(monkeypatch, fused.route_dense, router, x)
     assert torch.equal(ref[1], got[1]) and int(got[1].sum()) == 37 * k
     torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-7)
 
@@ -324,5 +289,5 @@ def test_moe_combine(monkeypatch, k) -> None:
     chosen = torch.zeros(n, e, dtype=torch.bool).scatter_(1, ids, True)
     y[~chosen.t()] = float("nan")  # rows of experts a token did not choose are never read
     shared = torch.randn(n, h, generator=g).to(torch.bfloat16)
-    (ref, _), (got, _) = _both(monkeypatch, fused.moe_combine, y, w, chosen, shared)
+    (ref, _), (got, _) = reference_and_kernel(monkeypatch, fused.moe_combine, y, w, chosen, shared)
     assert torch.equal(ref, got)  # the same roundings in the same order

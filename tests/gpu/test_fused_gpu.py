@@ -12,27 +12,13 @@ import torch
 if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from hisparse.kv.row_formats import IndexerCacheFormat, mla_row_bytes, unpack_mla_rows
+from hisparse.kv.row_formats import IndexerCacheFormat, mla_row_bytes
 from hisparse.models import fused
 from hisparse.models.layers import RMSNorm
+from hisparse.testing.fused_cases import assert_mla_rows_match, reference_and_kernel
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
-
-
-def _copy(a: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
-    return out.copy_(a)
-
-
-def _both(monkeypatch, fn, *args):  # type: ignore[no-untyped-def]
-    """Reference, then kernel, each on fresh copies of the tensor args (strides kept)."""
-    out = []
-    for backend in ("reference", "triton"):
-        monkeypatch.setenv("HISPARSE_FUSED", backend)
-        copies = [_copy(a) if isinstance(a, torch.Tensor) else a for a in args]
-        out.append((fn(*copies), copies))
-    return out
 
 
 def _g(seed: int) -> torch.Generator:
@@ -53,7 +39,7 @@ def test_rms_norm(monkeypatch, n: int, d: int) -> None:
     norm = RMSNorm(d, 1e-6).to(DEV)
     norm.weight.data = (torch.randn(d, generator=g, device=DEV) * 0.3 + 1).to(BF16)
     for res in (None, r):
-        (ref, _), (got, _) = _both(monkeypatch, fused.add_rms_norm, norm, x, res)
+        (ref, _), (got, _) = reference_and_kernel(monkeypatch, fused.add_rms_norm, norm, x, res)
         assert torch.equal(ref[0], got[0])
         torch.testing.assert_close(got[1].float(), ref[1].float(), rtol=2**-6, atol=1e-6)
         assert (got[1] != ref[1]).float().mean() < 0.01
@@ -64,32 +50,16 @@ def test_rope_and_indexer_queries_bit_exact(monkeypatch, n: int) -> None:
     g = _g(n)
     cos, sin = _angles(n, g)
     q_pe = (torch.randn(n, 128, 192, generator=g, device=DEV) * 4).to(BF16)[..., 128:]
-    (ref, _), (got, _) = _both(monkeypatch, fused.rope, q_pe, cos, sin, True)
+    (ref, _), (got, _) = reference_and_kernel(monkeypatch, fused.rope, q_pe, cos, sin, True)
     assert torch.equal(ref, got)
     q = torch.randn(n, 64, 128, generator=g, device=DEV)
     q = (q * 10.0 ** torch.randint(-3, 3, (n, 64, 1), generator=g, device=DEV)).to(BF16)
     for interleaved in (False, True):
-        (ref, _), (got, _) = _both(
+        (ref, _), (got, _) = reference_and_kernel(
             monkeypatch, fused.indexer_fp8_query, q, cos, sin, 64, interleaved, 128
         )
         assert torch.equal(ref[0].view(torch.uint8), got[0].view(torch.uint8))
         assert torch.equal(ref[1], got[1])
-
-
-def _rows_match(ref, got, view, slots, row_format) -> None:  # type: ignore[no-untyped-def]
-    """Written rows: rope bytes equal, latent within one step of the format; others untouched."""
-    flat = [t.flatten(0, 1) for t in (ref, got, view)]
-    written = slots[slots >= 0].long()
-    untouched = torch.ones(flat[0].shape[0], dtype=torch.bool, device=DEV)
-    untouched[written] = False
-    assert torch.equal(flat[0][untouched], flat[2][untouched])
-    assert torch.equal(flat[1][untouched], flat[2][untouched])
-    lat_r, rope_r = unpack_mla_rows(row_format, flat[0][written])
-    lat_g, rope_g = unpack_mla_rows(row_format, flat[1][written])
-    assert torch.equal(rope_r, rope_g)
-    step = 2**-3 if row_format == "fp8_ds_mla" else 2**-7
-    torch.testing.assert_close(lat_g, lat_r, rtol=step, atol=lat_r.abs().amax().item() * 2**-9)
-    assert (flat[0][written] != flat[1][written]).any(-1).float().mean() <= 0.25
 
 
 @pytest.mark.parametrize("n", [1, 29, 8192])
@@ -104,7 +74,7 @@ def test_indexer_keys_and_mla_rows_into_poisoned_pages(monkeypatch, n: int) -> N
     pages = torch.randint(0, 256, (nb, bs * fmt.row_bytes), generator=g, device=DEV)
     pages = pages.to(torch.uint8)
     k = (torch.randn(n, 128, generator=g, device=DEV) * 2).to(BF16)
-    (_, ref), (_, got) = _both(
+    (_, ref), (_, got) = reference_and_kernel(
         monkeypatch, fused.indexer_fp8_write_keys, k, cos, sin, 64, False, pages, fmt, slots
     )
     assert torch.equal(ref[5], got[5])
@@ -114,10 +84,10 @@ def test_indexer_keys_and_mla_rows_into_poisoned_pages(monkeypatch, n: int) -> N
     for name in ("fp8_ds_mla", "bf16"):
         rb = mla_row_bytes(name, 512, 64)
         view = torch.randint(0, 256, (nb, bs, rb), generator=g, device=DEV).to(torch.uint8)
-        (_, ref), (_, got) = _both(
+        (_, ref), (_, got) = reference_and_kernel(
             monkeypatch, fused.write_mla_rows, kv, norm, cos, sin, view, slots, name
         )
-        _rows_match(ref[4], got[4], view, slots, name)
+        assert_mla_rows_match(ref[4], got[4], view, slots, name)
 
 
 def test_fused_ops_replay_in_a_cuda_graph(monkeypatch) -> None:
@@ -178,10 +148,12 @@ def test_routing_and_combine_at_deepseek_width(monkeypatch) -> None:
     router.weight.data = torch.randn(router.weight.shape, generator=g, device=DEV) * 0.02
     router.e_score_correction_bias.data = torch.randn(256, generator=g, device=DEV) * 0.1
     x = torch.randn(64, kw["hidden_size"], generator=g, device=DEV).to(BF16)
-    (ref, _), (got, _) = _both(monkeypatch, fused.route_dense, router, x)
+    (ref, _), (got, _) = reference_and_kernel(monkeypatch, fused.route_dense, router, x)
     assert torch.equal(ref[1], got[1])  # torch's sigmoid feeds both: the same choices
     torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-7)  # the norm's sum order
     y = torch.randn(256, 64, 7168, generator=g, device=DEV).to(BF16)
     shared = torch.randn(64, 7168, generator=g, device=DEV).to(BF16)
-    (ref, _), (got, _) = _both(monkeypatch, fused.moe_combine, y, got[0], got[1], shared)
+    (ref, _), (got, _) = reference_and_kernel(
+        monkeypatch, fused.moe_combine, y, got[0], got[1], shared
+    )
     assert torch.equal(ref, got)  # the loop's roundings in the loop's order

@@ -110,6 +110,7 @@ class MoE(nn.Module):
         self.shared_experts = MLP(h, i * config.n_shared_experts)
         self.w_gate_up: torch.Tensor | None = None  # [E, 2I, H] after stack_experts
         self.w_down: torch.Tensor | None = None  # [E, H, I]
+        self._stack_ptrs: tuple[int, ...] = ()
 
     @torch.no_grad()
     def stack_experts(self) -> None:
@@ -129,21 +130,21 @@ class MoE(nn.Module):
             e.up_proj.weight = nn.Parameter(gate_up[i, inter:], requires_grad=False)
             e.down_proj.weight = nn.Parameter(down[i], requires_grad=False)
         self.w_gate_up, self.w_down = gate_up, down
+        self._stack_ptrs = self._watched_ptrs()
+
+    def _watched_ptrs(self) -> tuple[int, ...]:
+        first, last = self.experts[0], self.experts[-1]
+        assert isinstance(first, MLP) and isinstance(last, MLP)
+        watched = (first.gate_proj, first.down_proj, last.up_proj, last.down_proj)
+        return tuple(m.weight.data_ptr() for m in watched)
 
     def _stacked(self) -> bool:
-        """Whether the stacked weights still back the experts. ``.to()`` or a reload copies
-        the parameters apart: the stacks are then dropped (freeing them) and the loop runs."""
-        if self.w_gate_up is None or self.w_down is None:
+        """Whether the stacked weights still back the experts (the first and last expert's
+        weights where stacking put them). ``.to()`` or a reload copies the parameters apart:
+        the stacks are then dropped (freeing them) and the loop runs."""
+        if self.w_gate_up is None:
             return False
-        ends = [e for e in (self.experts[0], self.experts[-1]) if isinstance(e, MLP)]
-        last = len(self.experts) - 1
-        views = [
-            (ends[0].gate_proj.weight, self.w_gate_up[0]),
-            (ends[0].down_proj.weight, self.w_down[0]),
-            (ends[-1].up_proj.weight, self.w_gate_up[last, self.w_down.shape[2] :]),
-            (ends[-1].down_proj.weight, self.w_down[last]),
-        ]
-        if all(p.data_ptr() == v.data_ptr() for p, v in views):
+        if self._watched_ptrs() == self._stack_ptrs:
             return True
         self.w_gate_up = self.w_down = None
         return False

@@ -82,6 +82,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.gate_up: torch.Tensor | None = None  # [2I, H] after stack_gate_up
+        self._stack_ptrs: tuple[int, int] = (0, 0)
 
     @torch.no_grad()
     def stack_gate_up(self) -> None:
@@ -91,13 +92,14 @@ class MLP(nn.Module):
         self.gate_proj.weight = nn.Parameter(gate_up[:inter], requires_grad=False)
         self.up_proj.weight = nn.Parameter(gate_up[inter:], requires_grad=False)
         self.gate_up = gate_up
+        self._stack_ptrs = self._ptrs()
+
+    def _ptrs(self) -> tuple[int, int]:
+        return self.gate_proj.weight.data_ptr(), self.up_proj.weight.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up
-        if gu is not None and (
-            gu.data_ptr() != self.gate_proj.weight.data_ptr()
-            or gu[gu.shape[0] // 2 :].data_ptr() != self.up_proj.weight.data_ptr()
-        ):
+        if gu is not None and self._ptrs() != self._stack_ptrs:
             gu = self.gate_up = None  # copied apart since (``.to()``, a reload): drop it
         if gu is not None and env_backend("HISPARSE_FUSED", x.device) == "triton":
             h = F.linear(x, gu)
