@@ -10,8 +10,9 @@ step), the steps after them are timed unprofiled (their median is the step time 
 Printed per run: the top ops by self CPU and by self CUDA time, and per profiled step the
 host syncs (stream / device / event synchronize calls, ``.item()``-style scalar reads,
 ``nonzero``), kernel launches (graph launches counted apart), and GPU busy time (union of
-kernel and copy intervals in the trace). The summary table comes last. Under ``--out`` (or
-``$OUT``): ``profile_decode.json`` and ``traces.tar`` (gzipped chrome traces).
+kernel and copy intervals in the trace); per timed step the host time from entering the
+runner to the graph launch, and the launch call itself. The summary table comes last. Under
+``--out`` (or ``$OUT``): ``profile_decode.json`` and ``traces.tar`` (gzipped chrome traces).
 
     PYTHONPATH=src python3 benchmarks/profile_decode.py            # H200 defaults
     PYTHONPATH=src python3 benchmarks/profile_decode.py --device cpu --preset tiny \\
@@ -185,29 +186,54 @@ def profile_run(
     runner = llm.runner
     orig = runner.run
     decode_steps = [0]
+    profiled = args.skip + 1 + args.active  # decode steps inside the profiler's window
+    # Host timings of the unprofiled steps: entering the runner, the graph replay call.
+    enter: list[float] = []
+    replays: list[tuple[float, float]] = []
+    graph_cls = torch.cuda.CUDAGraph
+    orig_replay = graph_cls.replay
+
+    def replay(self):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        orig_replay(self)
+        replays.append((t, time.perf_counter()))
 
     def run(batch_, *, decode, finishing):  # type: ignore[no-untyped-def]
+        if decode:
+            enter.append(time.perf_counter())
         res = orig(batch_, decode=decode, finishing=finishing)
         if decode:
-            if cuda:
+            if cuda and decode_steps[0] <= profiled:
                 torch.cuda.synchronize()  # step boundaries in the trace are real
             decode_steps[0] += 1
-            prof.step()
+            if decode_steps[0] <= profiled + 1:
+                prof.step()
         return res
 
     runner.run = run
+    graph_cls.replay = replay
     t0 = time.perf_counter()
     try:
         with prof:
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     finally:
         runner.run = orig
+        graph_cls.replay = orig_replay
     wall = time.perf_counter() - t0
     assert all(o.ok for o in outs), [o.error for o in outs]
     stats = [s for s in llm.last_run_stats if s["decode"]]
     timed = [s for i, s in enumerate(stats) if i >= args.skip + 1 + args.active + 1]
     timed = [s for s in timed if int(s["running"]) == batch] or timed
     ms = [1e3 * s["seconds"] for s in timed]
+    # per timed step: host time from entering the runner to the graph launch, and the launch
+    first = len(stats) - len(timed)
+    pre, launch = [], []
+    for i in range(first, len(stats)):
+        if i < len(enter):
+            later = [r for r in replays if r[0] >= enter[i]]
+            if later and (i + 1 >= len(enter) or later[0][0] < enter[i + 1]):
+                pre.append(1e3 * (later[0][0] - enter[i]))
+                launch.append(1e3 * (later[0][1] - later[0][0]))
     prof.export_chrome_trace(str(trace_file))
     raw = trace_file.read_bytes()
     trace = json.loads(raw)
@@ -244,6 +270,8 @@ def profile_run(
         step_ms_median=statistics.median(ms) if ms else None,
         step_ms_min=min(ms) if ms else None,
         step_ms_max=max(ms) if ms else None,
+        host_to_launch_ms=statistics.median(pre) if pre else None,
+        graph_launch_ms=statistics.median(launch) if launch else None,
         gpu_busy_ms_per_step=busy_ms(trace) / n if cuda else None,
         gpu_kernels_per_step=sum(
             1 for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"
@@ -369,10 +397,10 @@ def main() -> int:
     print("\nsame tokens across placements and paths, per batch:", same)
     print(
         "\n| placement | path | batch | step ms (median) | min | max | GPU busy ms/step | "
-        "syncs/step | scalar reads/step | launches/step | graph launches/step | hit rate | "
-        "GPU kernels/layer | roofline ms | step / roofline |"
+        "host to launch ms | graph launch ms | syncs/step | scalar reads/step | launches/step | "
+        "graph launches/step | hit rate | GPU kernels/layer | roofline ms | step / roofline |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def f(v: Any, fmt: str = ".2f") -> str:
         return "-" if v is None else format(v, fmt)
@@ -384,6 +412,7 @@ def main() -> int:
         print(
             f"| {r['placement']} | {r['path']} | {r['batch']} | {f(r['step_ms_median'])} | "
             f"{f(r['step_ms_min'])} | {f(r['step_ms_max'])} | {f(r['gpu_busy_ms_per_step'])} | "
+            f"{f(r['host_to_launch_ms'], '.3f')} | {f(r['graph_launch_ms'], '.3f')} | "
             f"{f(r['syncs_per_step'], '.1f')} | {f(r['scalar_reads_per_step'], '.1f')} | "
             f"{f(r['launches_per_step'], '.0f')} | {f(r['graph_launches_per_step'], '.1f')} | "
             f"{f(r['hit_rate'], '.3f')} | {r['gpu_kernels_per_step'] / args.layers:.0f} | "

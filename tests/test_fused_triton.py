@@ -25,7 +25,11 @@ from hisparse.kv.row_formats import IndexerCacheFormat, ceil_pow2, mla_row_bytes
 from hisparse.models import fused
 from hisparse.models import fused_triton as ft
 from hisparse.models.layers import RMSNorm
-from hisparse.testing.fused_cases import assert_mla_rows_match, reference_and_kernel
+from hisparse.testing.fused_cases import (
+    assert_indexer_keys_close,
+    assert_mla_rows_match,
+    reference_and_kernel,
+)
 
 pytestmark = pytest.mark.skipif(
     not interpreting(), reason="Triton kernels were defined outside the interpreter"
@@ -110,6 +114,66 @@ def test_indexer_keys_written_bit_exact(monkeypatch, interleaved) -> None:
     )
     assert torch.equal(ref[5], got[5])  # the whole pages, skipped slot and untouched rows too
     assert not torch.equal(got[5], pages)
+
+
+def _layer_norm(d: int, dtype: torch.dtype, g: torch.Generator) -> torch.nn.LayerNorm:
+    norm = torch.nn.LayerNorm(d, eps=1e-6)
+    norm.weight.data = torch.randn(d, generator=g) * 0.3 + 1
+    norm.bias.data = torch.randn(d, generator=g) * 0.1
+    return norm.to(dtype)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_indexer_keys_with_their_layer_norm(monkeypatch, interleaved) -> None:
+    """The keys' LayerNorm inside the kernel: its statistics sum in another order than
+    torch's, so a normed value can move by an ulp and an e4m3 byte by one step; the keys read
+    back agree to that, every written row has its scales, the rest of the pages is untouched."""
+    g = torch.Generator().manual_seed(4)
+    fmt = IndexerCacheFormat.for_mode("fp8", 128)
+    bs = 16
+    pages = torch.randint(0, 256, (6, bs * fmt.row_bytes), dtype=torch.uint8, generator=g)
+    k = (torch.randn(7, 300, generator=g) * 3).to(torch.bfloat16)[:, 100:228]  # strided rows
+    cos, sin = _angles(7, 32, torch.bfloat16, g)
+    norm = _layer_norm(128, torch.bfloat16, g)
+    slots = torch.tensor([3, 17, -1, 40, 95, 16, 1])
+    (_, ref), (_, got) = reference_and_kernel(
+        monkeypatch, fused.indexer_fp8_write_keys, k, cos, sin, 64, interleaved, pages, fmt,
+        slots, norm,
+    )  # fmt: skip
+    assert_indexer_keys_close(ref[5], got[5], pages, fmt, slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_reference(monkeypatch, dtype) -> None:
+    """``silu(gate) * up``: fp32 within an ulp (the interpreter's exp is numpy's, torch's CPU
+    one is Sleef's; on CUDA both are ``expf``), bf16 within one bf16 ulp."""
+    g = torch.Generator().manual_seed(6)
+    two = (torch.randn(9, 2 * 96 + 40, generator=g) * 4).to(dtype)[:, : 2 * 96]  # strided rows
+    three = (torch.randn(3, 5, 2 * 40, generator=g) * 4).to(dtype)  # the batched experts'
+    for x in (two, three):
+        (ref, _), (got, _) = reference_and_kernel(monkeypatch, fused.silu_mul, x)
+        assert got.shape == ref.shape and got.dtype == dtype and got.is_contiguous()
+        ulp = 2**-7 if dtype == torch.bfloat16 else 2**-22
+        torch.testing.assert_close(got.float(), ref.float(), rtol=ulp, atol=1e-6)
+
+
+def test_indexer_head_weights(monkeypatch) -> None:
+    """The indexer's fp32 head weights from bf16 rows: a decode step's rows in one kernel
+    (the dot products' sum order differs from the BLAS), a prefill's through the reference."""
+    g = torch.Generator().manual_seed(7)
+    proj = torch.nn.Linear(7168, 64, bias=False)
+    proj.weight.data = torch.randn(64, 7168, generator=g) * 0.02
+    x = (torch.randn(5, 7300, generator=g)).to(torch.bfloat16)[:, :7168]  # strided rows
+    (ref, _), (got, _) = reference_and_kernel(
+        monkeypatch, fused.indexer_head_weights, proj, x, 0.125
+    )
+    assert got.dtype == torch.float32 and got.shape == (5, 64)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    many = torch.randn(fused.HEAD_WEIGHTS_MAX_ROWS + 1, 7168, generator=g).to(torch.bfloat16)
+    (ref, _), (got, _) = reference_and_kernel(
+        monkeypatch, fused.indexer_head_weights, proj, many, 0.125
+    )
+    assert torch.equal(ref, got)
 
 
 @pytest.mark.parametrize("row_format", ["fp8_ds_mla", "bf16"])
@@ -231,13 +295,21 @@ def test_model_with_fused_ops_matches_the_references(monkeypatch, tmp_path, arch
     """A DSA model (fp8 indexer, fp8_ds_mla rows, experts stacked): a prefill and two
     fixed-shape decode steps with every fused kernel against the torch references. In fp32:
     in bf16 an RMS norm's one-ulp difference (its sum order) can flip a router or top-k choice
-    of this random model, which moves the output far (the ops' own tests cover bf16)."""
+    of this random model, which moves the output far (the ops' own tests cover bf16). The
+    silu kernel's exp is numpy's here and an ulp from torch's (on CUDA both are ``expf``):
+    torch's silu stands in for it (`test_silu_mul_matches_reference` checks the kernel)."""
     from hisparse.models.loader import load_dsa_model
     from hisparse.models.tiny import make_tiny
 
+    def torch_silu_mul(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.nn.functional.silu(x[..., :half]) * x[..., half:]
+
+    monkeypatch.setattr(ft, "silu_mul", torch_silu_mul)
+
     make_tiny(arch, tmp_path / "m", preset="tiny")
     model = load_dsa_model(tmp_path / "m", dtype=torch.float32, indexer_mode="fp8")
-    model.stack_experts()
+    model.prepare_fused()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (n,), generator=g) for n in (40, 23)]
     hidden = []
@@ -291,3 +363,47 @@ def test_moe_combine(monkeypatch, k) -> None:
     shared = torch.randn(n, h, generator=g).to(torch.bfloat16)
     (ref, _), (got, _) = reference_and_kernel(monkeypatch, fused.moe_combine, y, w, chosen, shared)
     assert torch.equal(ref, got)  # the same roundings in the same order
+
+
+def test_llama_with_fused_ops_matches_the_references(monkeypatch) -> None:
+    """A Llama (GQA) model after `prepare_fused` (stacked q, k, v and gate, up weights, the
+    rotary table): a prefill and fixed-shape decode steps with the fused ops (add + norm,
+    rotary, silu · up) against the torch references, fp32. torch's silu stands in for the
+    kernel's numpy exp, as in the DSA test above."""
+    from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig
+    from hisparse.models.llama import LlamaConfig, LlamaForCausalLM
+
+    def torch_silu_mul(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.nn.functional.silu(x[..., :half]) * x[..., half:]
+
+    monkeypatch.setattr(ft, "silu_mul", torch_silu_mul)
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, GqaIndexerConfig(top_k=24, recent_window=8)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    ptr = model.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    model.prepare_fused()
+    attn = model.model.layers[0].self_attn
+    assert attn._qkv is not None and attn.q_proj.weight.data_ptr() == attn._qkv[0].data_ptr()
+    assert attn.q_proj.weight.data_ptr() != ptr and model.rotary.table is not None
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 96, (n,), generator=g) for n in (40, 23)]
+    hidden = []
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("HISPARSE_FUSED", backend)
+        cache = model.new_dense_cache(max_reqs=2, max_len=64, block_size=8)
+        step = cache.begin_step([0, 1], [len(p) for p in prompts])
+        out = [model(torch.cat(prompts), step, cache)]
+        for t in range(3):
+            step = cache.begin_step([0, 1], [1, 1])
+            step.static, step.max_len = True, 64
+            out.append(model(torch.tensor([7 + t, 9 + t]), step, cache))
+        hidden.append(out)
+    for ref, got in zip(*hidden, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

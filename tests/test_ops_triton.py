@@ -442,6 +442,29 @@ def test_invalidate_matches_reference(seed: int) -> None:
     assert not torch.equal(a, hot) or seed  # the first case changes something
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("rows,k", [(1, 2048), (29, 2048), (7, 300), (40, 16)])
+def test_resident_rows_matches_reference(seed: int, rows: int, k: int) -> None:
+    """All-GPU lookups: random tables with some pages not resident, padding rows, ``-1``
+    entries and strided top-k; outputs poisoned (past the rows too)."""
+    g = torch.Generator().manual_seed(seed * 1000 + rows)
+    bs, nb, q = 64, 40, max(2, rows // 3)
+    table = torch.randint(1, 500, (q + 1, nb), generator=g, dtype=torch.int32)
+    table[torch.rand(q + 1, nb, generator=g) < 0.1] = 0  # not resident
+    topk = torch.randint(-1, nb * bs, (rows, k + 5), generator=g, dtype=torch.int32)[:, :k]
+    req = torch.randint(0, q, (rows,), generator=g, dtype=torch.int32)
+    req[1::4] = -1  # padding rows
+    outs = []
+    for fn in (ref.resident_rows, tk.resident_rows):
+        phys = torch.full((rows + 3, k), POISON, dtype=torch.int32)
+        valid = torch.full((rows + 3,), POISON, dtype=torch.int32)
+        fn(topk, req, table, bs, phys, valid)
+        outs.append((phys, valid))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert (outs[1][0][rows:] == POISON).all()  # rows past R untouched
+    assert (outs[1][0][:rows] >= 0).any() and (outs[1][0][:rows] == -1).any()
+
+
 def test_gather_rejects_unaligned_rows() -> None:
     v = torch.zeros(2, 2, 24, dtype=torch.uint8)
     z = torch.zeros(1, 1, dtype=torch.int32)

@@ -15,7 +15,11 @@ if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
 from hisparse.kv.row_formats import IndexerCacheFormat, mla_row_bytes
 from hisparse.models import fused
 from hisparse.models.layers import RMSNorm
-from hisparse.testing.fused_cases import assert_mla_rows_match, reference_and_kernel
+from hisparse.testing.fused_cases import (
+    assert_indexer_keys_close,
+    assert_mla_rows_match,
+    reference_and_kernel,
+)
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -157,3 +161,92 @@ def test_routing_and_combine_at_deepseek_width(monkeypatch) -> None:
         monkeypatch, fused.moe_combine, y, got[0], got[1], shared
     )
     assert torch.equal(ref, got)  # the loop's roundings in the loop's order
+
+
+@pytest.mark.parametrize("n", [1, 29, 8192])
+def test_indexer_keys_with_their_layer_norm(monkeypatch, n: int) -> None:
+    g = _g(n + 2)
+    bs, nb = 64, n // 64 + 8
+    cos, sin = _angles(n, g)
+    slots = bs + torch.randperm((nb - 1) * bs, generator=g, device=DEV)[:n]
+    slots[::5] = -1
+    fmt = IndexerCacheFormat.for_mode("fp8", 128)
+    pages = torch.randint(0, 256, (nb, bs * fmt.row_bytes), generator=g, device=DEV)
+    pages = pages.to(torch.uint8)
+    k = (torch.randn(n, 2240, generator=g, device=DEV) * 2).to(BF16)[:, 2112:]  # a_proj's split
+    norm = torch.nn.LayerNorm(128, eps=1e-6).to(DEV)
+    norm.weight.data = torch.randn(128, generator=g, device=DEV) * 0.3 + 1
+    norm.bias.data = torch.randn(128, generator=g, device=DEV) * 0.1
+    norm = norm.to(BF16)
+    (_, ref), (_, got) = reference_and_kernel(
+        monkeypatch, fused.indexer_fp8_write_keys, k, cos, sin, 64, False, pages, fmt, slots,
+        norm,
+    )  # fmt: skip
+    assert_indexer_keys_close(ref[5], got[5], pages, fmt, slots)
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (29, 2048), (8192, 2048), (8, 29, 512)])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_silu_mul_bit_exact(monkeypatch, shape, dtype) -> None:
+    """libdevice's expf in the kernel, as in torch's silu: the same bits."""
+    x = (torch.randn(*shape, generator=_g(shape[0]), device=DEV) * 4).to(dtype)
+    (ref, _), (got, _) = reference_and_kernel(monkeypatch, fused.silu_mul, x)
+    assert torch.equal(ref, got)
+
+
+@pytest.mark.parametrize("n", [1, 29, 64, 65])
+def test_indexer_head_weights(monkeypatch, n: int) -> None:
+    g = _g(n + 3)
+    proj = torch.nn.Linear(7168, 64, bias=False).to(DEV)
+    proj.weight.data = torch.randn(64, 7168, generator=g, device=DEV) * 0.02
+    x = torch.randn(n, 7168 + 64, generator=g, device=DEV).to(BF16)[:, :7168]
+    (ref, _), (got, _) = reference_and_kernel(
+        monkeypatch, fused.indexer_head_weights, proj, x, 0.125
+    )
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_rotary_table_holds_the_direct_angles() -> None:
+    from hisparse.models.deepseek_v32 import Rotary
+    from hisparse.models.dsa_config import DsaConfig
+    from hisparse.models.tiny import tiny_config_kwargs
+
+    cfg = DsaConfig.from_dict(
+        {"model_type": "deepseek_v32", **tiny_config_kwargs("deepseek_v32", "v32-attention")}
+    )
+    rot = Rotary(cfg).to(DEV)
+    rot.build_table(cfg.max_position_embeddings, BF16, DEV)
+    pos = torch.randint(0, cfg.max_position_embeddings, (4096,), generator=_g(9), device=DEV)
+    cos, sin = rot(pos, BF16, cfg.max_position_embeddings)
+    want = rot.angles(pos, BF16)
+    assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+
+
+@pytest.mark.parametrize("b", [1, 29, 64])
+def test_decode_inputs_and_resident_rows(monkeypatch, b: int) -> None:
+    """The decode step's inputs (one kernel) and the all-GPU lookup (one kernel) against
+    their torch compositions at 128K tables (2,048 blocks of 64), top-k 2,048."""
+    from hisparse.engine.decode_inputs import decode_inputs, decode_inputs_reference
+    from hisparse.runtime.ops import reference as ops_ref
+    from hisparse.runtime.ops import triton_backend as ops_tk
+
+    g = _g(b + 5)
+    slots, bs, mb = b + 3, 64, 2048
+    table = torch.randint(1, 90000, (3, slots + 1, mb), generator=g, device=DEV)
+    table = table.to(torch.int32)
+    pos = torch.randint(0, mb * bs, (b,), generator=g, device=DEV)
+    slot = torch.randperm(slots, generator=g, device=DEV)[:b]
+    slot[1::3] = -1
+    monkeypatch.setenv("HISPARSE_FUSED", "triton")
+    got = decode_inputs(pos, slot, table, bs, slots)
+    want = decode_inputs_reference(pos, slot, table, bs, slots)
+    for name in want.__dataclass_fields__:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    topk = torch.randint(-1, mb * bs, (b, 2048), generator=g, device=DEV).to(torch.int32)
+    outs = []
+    for fn in (ops_ref.resident_rows, ops_tk.resident_rows):
+        phys = torch.full((b + 2, 2048), -7, dtype=torch.int32, device=DEV)
+        valid = torch.full((b + 2,), -7, dtype=torch.int32, device=DEV)
+        fn(topk, want.req_index_i32, table[0], bs, phys, valid)
+        outs.append((phys, valid))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -27,6 +27,7 @@ import torch
 
 from hisparse.config import ResolvedHiSparseConfig
 from hisparse.engine.cuda_graphs import DecodeGraphs
+from hisparse.engine.decode_inputs import decode_inputs
 from hisparse.engine.hooks import StepHooks, StepRequests
 from hisparse.engine.kv_manager import KVCacheManager
 from hisparse.engine.request import Request
@@ -458,29 +459,22 @@ class ModelRunner:
         assert self.graphs is not None
         kv, bs, dev = self.kv, self.config.block_size, self.device
         ids, pos, slot, key = self.graphs.inputs[:, :b]
-        valid = slot >= 0
-        rix = torch.where(valid, torch.arange(b, device=dev), -1)
-        seq_lens = torch.where(valid, pos + 1, 0)
-        gslot = slot.clamp_min(0)
-
-        # Every persistent table's rows of this batch and the new token's row in each, with
-        # one op apiece for all tables (both placements: HiSparse has a table per layer group).
-        stack = torch.where(valid[None, :, None], kv.table_stack.index_select(1, gslot), 0)
-        page = (pos // bs).view(1, b, 1).expand(stack.shape[0], b, 1)
-        blk = stack.gather(2, page)[..., 0].long()
-        rows = torch.where(valid & (blk > 0), blk * bs + pos % bs, -1).to(torch.int32)
-        host_t, idx_table, res_tables = kv.split_stack(stack)
-        host_rows, idx_rows, res_rows = kv.split_stack(rows)
+        # Every persistent table's rows of this batch and the new token's row in each (both
+        # placements: HiSparse has a table per layer group); padded rows read and write the
+        # spare slot max_num_seqs in the replay state.
+        d = decode_inputs(pos, slot, kv.table_stack, bs, self.max_num_seqs)
+        rix, seq_lens = d.req_index, d.seq_lens
+        host_t, idx_table, res_tables = kv.split_stack(d.stack)
+        host_rows, idx_rows, res_rows = kv.split_stack(d.rows)
         host_bt = host_t if host_t is not None else self._zero_table[:b]
-        # replay state: padded rows read and write the spare slot max_num_seqs
-        self._slots = torch.where(valid, slot, self.max_num_seqs)
+        self._slots = d.state_slots
         self._lens, self._keys = seq_lens, key
         self._max_len = kv.max_blocks * bs
         meta = StepMetadata(
             num_tokens=b,
             is_decode=True,
-            req_per_token=rix.to(torch.int32),
-            request_state_indices=slot.to(torch.int32),
+            req_per_token=d.req_index_i32,
+            request_state_indices=d.slot_i32,
             source_block_table=host_bt,
             host_slot_mapping=host_rows,
         )

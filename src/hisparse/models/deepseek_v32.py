@@ -26,7 +26,15 @@ from hisparse.kv.row_formats import IndexerCacheFormat, MlaFormat, write_indexer
 from hisparse.models import fused
 from hisparse.models.dsa_config import DsaConfig
 from hisparse.models.kv_access import DenseDsaCache, DsaKVCache, DsaStep
-from hisparse.models.layers import MLP, RMSNorm, rope_half_split, rope_interleaved
+from hisparse.models.layers import (
+    MLP,
+    CachedRotary,
+    RMSNorm,
+    StackedLinear,
+    rope_half_split,
+    rope_interleaved,
+    stackable,
+)
 
 INDEXER_MODES = ("exact", "fp8")
 
@@ -34,7 +42,7 @@ INDEXER_MODES = ("exact", "fp8")
 # ---------------------------------------------------------------------------------------------
 # Small pieces
 # ---------------------------------------------------------------------------------------------
-class Rotary(nn.Module):
+class Rotary(CachedRotary):
     """cos/sin of the rotary slice at given positions (YaRN-scaled when configured)."""
 
     def __init__(self, config: DsaConfig) -> None:
@@ -43,7 +51,7 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.factor = factor
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """``(cos, sin)``, each ``[N, R / 2]`` (one angle per rotated pair)."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         return (freqs.cos() * self.factor).to(dtype), (freqs.sin() * self.factor).to(dtype)
@@ -151,10 +159,9 @@ class MoE(nn.Module):
 
     def _batched(self, x: torch.Tensor) -> torch.Tensor:
         assert self.w_gate_up is not None and self.w_down is not None
-        inter = self.w_down.shape[2]
         w, chosen = fused.route_dense(self.gate, x)  # [N, E]: weights (0: not chosen), mask
         gate_up = torch.matmul(x, self.w_gate_up.transpose(1, 2))  # [E, N, 2I]
-        h = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+        h = fused.silu_mul(gate_up)
         y = torch.bmm(h, self.w_down.transpose(1, 2))  # [E, N, H]
         return fused.moe_combine(y, w, chosen, self.shared_experts(x))
 
@@ -214,12 +221,14 @@ class Indexer(nn.Module):
         pages_read: tuple[torch.Tensor, torch.Tensor],
         fmt: IndexerCacheFormat,
         mode: str,
+        k_proj: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Write this step's keys, then return logical top-k ``[N, index_topk]`` int32 (-1 pad)."""
+        """Write this step's keys, then return logical top-k ``[N, index_topk]`` int32 (-1 pad).
+        ``k_proj``: ``wk(x)`` when the caller computed it (`MLAttention`'s stacked projection)."""
         n = x.shape[0]
         q = self.wq_b(q_resid).view(n, self.n_heads, self.head_dim)
-        k = self.k_norm(self.wk(x))
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
+        k = k_proj if k_proj is not None else self.wk(x)
+        w = fused.indexer_head_weights(self.weights_proj, x, self.n_heads**-0.5)
         pages, slots = pages_write
         q_scale = None
         if mode == "fp8":
@@ -227,11 +236,12 @@ class Indexer(nn.Module):
                 q, cos, sin, self.rope_dim, self.interleaved, fmt.tile
             )
             fused.indexer_fp8_write_keys(
-                k, cos, sin, self.rope_dim, self.interleaved, pages, fmt, slots
+                k, cos, sin, self.rope_dim, self.interleaved, pages, fmt, slots, self.k_norm
             )
         else:
             if fmt.kind != "fp32":
                 raise ValueError("the exact indexer mode needs fp32 indexer pages")
+            k = self.k_norm(k)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             write_indexer_keys(pages, fmt, slots, k.float())
         read_pages, table = pages_read
@@ -267,6 +277,27 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.c, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, config.hidden_size, bias=bias)
         self.indexer = Indexer(config) if config.indexer_full[layer] else None
+        self.a_proj: StackedLinear | None = None
+
+    @torch.no_grad()
+    def stack_a_proj(self) -> None:
+        """The projections of the layer's input (``q_a_proj``, ``kv_a_proj_with_mqa`` and the
+        indexer's ``wk``) as one matmul on CUDA (`StackedLinear`), when they can be joined."""
+        mods = [self.q_a_proj, self.kv_a_proj_with_mqa]
+        if self.indexer is not None:
+            mods.append(self.indexer.wk)
+        if stackable(mods):
+            self.a_proj = StackedLinear(mods)
+
+    def _project_a(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(q_a_proj(x), kv_a_proj_with_mqa(x), indexer.wk(x) or None)``."""
+        a = self.a_proj
+        if a is not None and not a.valid():
+            a = self.a_proj = None  # copied apart since (``.to()``, a reload): drop it
+        if a is not None and fused.fused_on(x):
+            q_a, kv_a, *k_idx = a(x).split(a.sizes, dim=-1)
+            return q_a, kv_a, (k_idx[0] if k_idx else None)
+        return self.q_a_proj(x), self.kv_a_proj_with_mqa(x), None
 
     def forward(
         self,
@@ -280,7 +311,8 @@ class MLAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(output [N, hidden], logical top-k [N, K])`` (the top-k feeds IndexShare layers)."""
         n = x.shape[0]
-        _, q_resid = fused.add_rms_norm(self.q_a_layernorm, self.q_a_proj(x))
+        q_a, kv_a, k_idx = self._project_a(x)
+        _, q_resid = fused.add_rms_norm(self.q_a_layernorm, q_a)
         q = self.q_b_proj(q_resid).view(n, self.n_heads, self.nope + self.rope_dim)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         q_pe = fused.rope(q_pe, cos, sin, interleaved=True)
@@ -288,10 +320,7 @@ class MLAttention(nn.Module):
         # 1. this step's rows (normed latent, rotated rope part) into the paged cache.
         kv = cache.attention(self.layer)
         view, slots = kv.write_target()
-        fused.write_mla_rows(
-            self.kv_a_proj_with_mqa(x), self.kv_a_layernorm, cos, sin, view, slots,
-            cache.row_format,
-        )  # fmt: skip
+        fused.write_mla_rows(kv_a, self.kv_a_layernorm, cos, sin, view, slots, cache.row_format)
         kv.finish_kv_update()
 
         # 2. logical top-k: own indexer, or the index-group leader's selection.
@@ -307,6 +336,7 @@ class MLAttention(nn.Module):
                 idx_cache.read_source(),
                 cache.indexer_format,
                 indexer_mode,
+                k_idx,
             )
         elif shared_topk is not None:
             topk = shared_topk
@@ -370,15 +400,21 @@ class DsaForCausalLM(nn.Module):
         """The indexer key pages this model's indexer mode reads and writes."""
         return IndexerCacheFormat.for_mode(self.indexer_mode, self.config.index_head_dim)
 
-    def stack_experts(self) -> DsaForCausalLM:
-        """`MoE.stack_experts` on every MoE layer and `MLP.stack_gate_up` on the dense and
-        shared-expert MLPs (call once the weights sit where they run)."""
+    def prepare_fused(self) -> DsaForCausalLM:
+        """The fused forms' one-time state (call once the weights sit where they run, on
+        CUDA): `MoE.stack_experts` on every MoE layer, `MLP.stack_gate_up` on the dense and
+        shared-expert MLPs, `MLAttention.stack_a_proj` on every layer, and the rotary table
+        of every position."""
         for module in self.modules():
             if isinstance(module, MoE):
                 module.stack_experts()
                 module.shared_experts.stack_gate_up()
             elif isinstance(module, DecoderLayer) and isinstance(module.mlp, MLP):
                 module.mlp.stack_gate_up()
+            elif isinstance(module, MLAttention):
+                module.stack_a_proj()
+        w = self.lm_head.weight
+        self.rotary.build_table(self.config.max_position_embeddings, w.dtype, w.device)
         return self
 
     def keep_fp32_parts(self) -> DsaForCausalLM:
@@ -394,7 +430,7 @@ class DsaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, step: DsaStep, cache: DsaKVCache) -> torch.Tensor:
         """Final hidden states ``[N, hidden]`` of a packed batch ``input_ids [N]``."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(step.positions, x.dtype)
+        cos, sin = self.rotary(step.positions, x.dtype, step.max_len)
         topk: torch.Tensor | None = None
         layers = [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
         # Each residual add is fused with the norm that follows it (the next layer's input

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from hisparse.attention.dispatch import env_backend
 from hisparse.attention.indexer_reference import hadamard_transform, quantize_indexer_fp8
@@ -108,17 +108,32 @@ def indexer_fp8_write_keys(
     pages: Tensor,
     fmt: IndexerCacheFormat,
     slots: Tensor,
+    norm: nn.LayerNorm | None = None,
 ) -> None:
-    """The fp8 indexer's keys ``k [N, D]`` (as `indexer_fp8_query`) written into ``pages`` at
-    physical rows ``slots`` (``< 0`` skipped)."""
+    """The fp8 indexer's keys ``k [N, D]`` (after ``norm``, the keys' LayerNorm, when given;
+    then as `indexer_fp8_query`) written into ``pages`` at physical rows ``slots`` (``< 0``
+    skipped)."""
     if fmt.kind != "fp8":
         raise ValueError("the fp8 indexer mode needs fp8 indexer pages")
     tile = fmt.tile
-    if k.dim() == 2 and _indexer_kernel_ok(k, cos, rope_dim, tile) and _triton(k, pages):
+    norm_ok = norm is None or (
+        norm.weight is not None and norm.bias is not None
+        and norm.weight.dtype == norm.bias.dtype == k.dtype
+        and tuple(norm.normalized_shape) == (k.shape[-1],)
+    )  # fmt: skip
+    if (
+        k.dim() == 2
+        and norm_ok
+        and _indexer_kernel_ok(k, cos, rope_dim, tile)
+        and _triton(k, pages)
+    ):
         bs = pages.shape[1] // fmt.row_bytes
+        ln = None if norm is None else (norm.weight, norm.bias, norm.eps)
         _kernels().indexer_fp8_write_keys(k, cos, sin, rope_dim, interleaved, tile, pages, bs,
-                                          slots)  # fmt: skip
+                                          slots, ln)  # fmt: skip
         return
+    if norm is not None:
+        k = norm(k)
     k = _rope_prefix(k, cos, sin, rope_dim, interleaved)
     k_fp8, k_scale = quantize_indexer_fp8(hadamard_transform(k.float()), tile)
     write_indexer_keys(pages, fmt, slots, k_fp8, k_scale)
@@ -185,3 +200,34 @@ def moe_combine(y: Tensor, w: Tensor, chosen: Tensor, shared: Tensor) -> Tensor:
         term = (y[e] * w[:, e, None]).to(y.dtype)
         out = out + torch.where(chosen[:, e, None], term, 0.0)
     return out + shared
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """``silu(gate) * up`` of ``gate_up [..., 2I]`` (the gate and up projections' outputs side
+    by side, as one stacked matmul writes them)."""
+    inter = gate_up.shape[-1] // 2
+    rows_even = gate_up.dim() == 2 or gate_up.is_contiguous()
+    floating = gate_up.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    if rows_even and floating and gate_up.shape[-1] % 2 == 0 and _triton(gate_up):
+        return _kernels().silu_mul(gate_up)
+    return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+
+
+#: Rows up to which `indexer_head_weights` runs its GEMV kernel (a decode step's tokens);
+#: more rows (a prefill chunk) take cuBLAS.
+HEAD_WEIGHTS_MAX_ROWS = 64
+
+
+def indexer_head_weights(proj: nn.Linear, x: Tensor, scale: float) -> Tensor:
+    """The lightning indexer's per-head weights ``proj(x) · scale`` ``[N, H]`` in fp32
+    (``proj``: the fp32 ``weights_proj``; ``x`` is cast to its dtype first)."""
+    w = proj.weight
+    if (
+        proj.bias is None
+        and w.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[0] <= HEAD_WEIGHTS_MAX_ROWS
+        and _triton(x)
+    ):
+        return _kernels().head_weights(x, w, scale)
+    return proj(x.to(w.dtype)).float() * scale

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra import libdevice
 
 from hisparse.runtime.ops import triton_common  # noqa: F401  (the interpreter's loop-bound fix)
 
@@ -126,6 +127,14 @@ def _store_bf16_bytes(ptr, v, mask):
     tl.store(ptr + 2 * tl.arange(0, v.shape[0])[:, None] + k[None, :], byte.to(tl.uint8), mask)
 
 
+def _angles(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, int]:
+    """``(cos, sin, row stride)`` as the rotary kernels read them: rows of unit stride, the
+    same row stride for both (views of one ``[N, 2, R / 2]`` table row pass as they are)."""
+    if cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin, cos.stride(0)
+
+
 # ---------------------------------------------------------------------------------------------
 # RMS norm
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +181,7 @@ def rms_norm(
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _rope_kernel(
-    x_ptr, sx_n, sx_h, cos_ptr, sin_ptr, o_ptr, H,
+    x_ptr, sx_n, sx_h, cos_ptr, sin_ptr, cs_stride, o_ptr, H,
     R: tl.constexpr, BH: tl.constexpr, INTERLEAVED: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0).to(tl.int64)
@@ -183,8 +192,8 @@ def _rope_kernel(
     base = x_ptr + n * sx_n + h[:, None] * sx_h
     x = tl.load(base + d[None, :], mask=m, other=0.0).to(tl.float32)
     xp = tl.load(base + partner[None, :], mask=m, other=0.0).to(tl.float32)
-    c = tl.load(cos_ptr + n * (R // 2) + ang).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + n * (R // 2) + ang).to(tl.float32)[None, :]
+    c = tl.load(cos_ptr + n * cs_stride + ang).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + n * cs_stride + ang).to(tl.float32)[None, :]
     o = _rotate(x, xp, c, s, first[None, :], DT)
     tl.store(o_ptr + (n * H + h[:, None]) * R + d[None, :], o.to(DT), mask=m)
 
@@ -196,7 +205,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
     if n:
         bh = min(16, triton.next_power_of_2(h))
         _rope_kernel[(n, triton.cdiv(h, bh))](
-            x, x.stride(0), x.stride(1), cos.contiguous(), sin.contiguous(), out, h,
+            x, x.stride(0), x.stride(1), *_angles(cos, sin), out, h,
             R=r, BH=bh, INTERLEAVED=interleaved, DT=_TL_DTYPES[x.dtype],
         )  # fmt: skip
     return out
@@ -217,10 +226,11 @@ def _hadamard(x, BR: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
 
 @triton.jit
 def _indexer_fp8_kernel(
-    x_ptr, sx_row, heads, rows, cos_ptr, sin_ptr, out_ptr, scale_ptr,
-    slot_ptr, page_stride, block_size, scale_val,
+    x_ptr, sx_row, heads, rows, cos_ptr, sin_ptr, cs_stride, out_ptr, scale_ptr,
+    slot_ptr, page_stride, block_size, scale_val, nw_ptr, nb_ptr, norm_eps,
     D: tl.constexpr, LOG_D: tl.constexpr, R: tl.constexpr, TILE: tl.constexpr,
     BR: tl.constexpr, INTERLEAVED: tl.constexpr, DT: tl.constexpr, TO_PAGES: tl.constexpr,
+    NORM: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0) * BR + tl.arange(0, BR)
     rm = row < rows
@@ -232,9 +242,17 @@ def _indexer_fp8_kernel(
     base = x_ptr + row.to(tl.int64)[:, None] * sx_row
     x = tl.load(base + d[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
     xp = tl.load(base + partner[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+    if NORM:  # the keys' LayerNorm (fp32 statistics, one rounding to DT), partners alike
+        mean = tl.sum(x, axis=1) / D
+        dx = x - mean[:, None]
+        rstd = tl.math.rsqrt(tl.sum(dx * dx, axis=1) / D + norm_eps)[:, None]
+        wd, bd = tl.load(nw_ptr + d).to(tl.float32), tl.load(nb_ptr + d).to(tl.float32)
+        wp, bp = tl.load(nw_ptr + partner).to(tl.float32), tl.load(nb_ptr + partner).to(tl.float32)
+        x = _round(wd[None, :] * (rstd * dx) + bd[None, :], DT)
+        xp = _round(wp[None, :] * (rstd * (xp - mean[:, None])) + bp[None, :], DT)
     cm = rm[:, None] & in_rope[None, :]
-    c = tl.load(cos_ptr + tok[:, None] * (R // 2) + ang[None, :], mask=cm, other=1.0)
-    s = tl.load(sin_ptr + tok[:, None] * (R // 2) + ang[None, :], mask=cm, other=0.0)
+    c = tl.load(cos_ptr + tok[:, None] * cs_stride + ang[None, :], mask=cm, other=1.0)
+    s = tl.load(sin_ptr + tok[:, None] * cs_stride + ang[None, :], mask=cm, other=0.0)
     rot = _rotate(x, xp, c.to(tl.float32), s.to(tl.float32), first[None, :], DT)
     y = tl.where(in_rope[None, :], rot, x)
     y = _hadamard(y, BR, D, LOG_D) * scale_val
@@ -267,17 +285,20 @@ def _indexer_fp8_kernel(
 def _indexer_launch(
     x: Tensor, heads: int, cos: Tensor, sin: Tensor, rope_dim: int, interleaved: bool,
     tile: int, out: Tensor, scale: Tensor | None, slots: Tensor | None, block_size: int,
+    norm: tuple[Tensor, Tensor, float] | None = None,
 ) -> None:  # fmt: skip
     rows, d = x.shape
     if not rows:
         return
     br = 16
     _indexer_fp8_kernel[(triton.cdiv(rows, br),)](
-        x, x.stride(0), heads, rows, cos.contiguous(), sin.contiguous(), out,
+        x, x.stride(0), heads, rows, *_angles(cos, sin), out,
         scale if scale is not None else out, slots if slots is not None else out,
         out.stride(0) if slots is not None else 0, block_size, d**-0.5,
+        *(norm if norm is not None else (x, x, 0.0)),
         D=d, LOG_D=d.bit_length() - 1, R=rope_dim, TILE=tile, BR=br,
         INTERLEAVED=interleaved, DT=_TL_DTYPES[x.dtype], TO_PAGES=slots is not None,
+        NORM=norm is not None,
     )  # fmt: skip
 
 
@@ -297,10 +318,12 @@ def indexer_fp8_query(
 def indexer_fp8_write_keys(
     k: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, interleaved: bool, tile: int,
     pages: Tensor, block_size: int, slots: Tensor,
+    norm: tuple[Tensor, Tensor, float] | None = None,
 ) -> None:  # fmt: skip
-    """Keys ``k [N, D]`` rotated, transformed and quantized into ``pages`` at ``slots``."""
+    """Keys ``k [N, D]`` (``norm``: LayerNorm ``(weight, bias, eps)`` first) rotated,
+    transformed and quantized into ``pages`` at ``slots``."""
     _indexer_launch(k, 1, cos, sin, rope_dim, interleaved, tile, pages, None,
-                    slots.contiguous(), block_size)  # fmt: skip
+                    slots.contiguous(), block_size, norm)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,7 +331,7 @@ def indexer_fp8_write_keys(
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _mla_rows_kernel(
-    kv_ptr, kv_stride, w_ptr, eps, cos_ptr, sin_ptr, slot_ptr, view_ptr, s_blk, s_off,
+    kv_ptr, kv_stride, w_ptr, eps, cos_ptr, sin_ptr, cs_stride, slot_ptr, view_ptr, s_blk, s_off,
     block_size,
     C: tl.constexpr, R: tl.constexpr, TILE: tl.constexpr, FP8: tl.constexpr,
     DT: tl.constexpr,
@@ -327,8 +350,8 @@ def _mla_rows_kernel(
         rb = kv_ptr + n * kv_stride + C
         xr = tl.load(rb + d).to(tl.float32)
         xp = tl.load(rb + partner).to(tl.float32)
-        cs = tl.load(cos_ptr + n * (R // 2) + ang).to(tl.float32)
-        sn = tl.load(sin_ptr + n * (R // 2) + ang).to(tl.float32)
+        cs = tl.load(cos_ptr + n * cs_stride + ang).to(tl.float32)
+        sn = tl.load(sin_ptr + n * cs_stride + ang).to(tl.float32)
         rot = _rotate(xr, xp, cs, sn, first, DT)
         row = view_ptr + (slot // block_size) * s_blk + (slot % block_size) * s_off
         if FP8:
@@ -356,8 +379,8 @@ def write_mla_rows(
     r = kv.shape[1] - c
     if n:
         _mla_rows_kernel[(n,)](
-            kv, kv.stride(0), weight, eps, cos.contiguous(), sin.contiguous(),
-            slots.contiguous(), view, view.stride(0), view.stride(1), view.shape[1],
+            kv, kv.stride(0), weight, eps, *_angles(cos, sin), slots.contiguous(), view,
+            view.stride(0), view.stride(1), view.shape[1],
             C=c, R=r, TILE=tile, FP8=fp8, DT=_TL_DTYPES[kv.dtype], num_warps=4,
         )  # fmt: skip
 
@@ -447,4 +470,74 @@ def moe_combine(y: Tensor, w: Tensor, chosen: Tensor, shared: Tensor) -> Tensor:
             y.contiguous(), w.contiguous(), chosen.contiguous().view(torch.int8),
             shared.contiguous(), out, n, h, E=e, BLOCK=block, DT=_TL_DTYPES[y.dtype],
         )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# MLP activation, indexer head weights
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _silu_mul_kernel(
+    x_ptr, x_stride, o_ptr, inter,
+    BLOCK: tl.constexpr, DT: tl.constexpr, LIBDEVICE: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = i < inter
+    g = tl.load(x_ptr + row * x_stride + i, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * x_stride + inter + i, mask=m, other=0.0).to(tl.float32)
+    if LIBDEVICE:  # noqa: SIM108  expf, as torch's silu (Triton's exp is ex2.approx on CUDA)
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    act = _round(tl.math.div_rn(g, 1.0 + e), DT)
+    tl.store(o_ptr + row * inter + i, _round(act * u, DT).to(DT), mask=m)
+
+
+def silu_mul(x: Tensor) -> Tensor:
+    """``silu(x[..., :I]) * x[..., I:]`` of rows ``x [..., 2I]`` (the last dim contiguous,
+    the rows evenly strided), each op rounded to ``x``'s dtype as torch rounds it."""
+    inter = x.shape[-1] // 2
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
+    if rows.shape[0] and inter:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
+            rows, rows.stride(0), out, inter, BLOCK=block, DT=_TL_DTYPES[x.dtype],
+            LIBDEVICE=x.is_cuda,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _head_weights_kernel(
+    x_ptr, x_stride, w_ptr, o_ptr, K, H, scale,
+    BH: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    hm = h < H
+    acc = tl.zeros([BH, BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        km = k < K
+        x = tl.load(x_ptr + n * x_stride + k, mask=km, other=0.0).to(tl.float32)
+        wm = hm[:, None] & km[None, :]
+        w = tl.load(w_ptr + h[:, None].to(tl.int64) * K + k[None, :], mask=wm, other=0.0)
+        acc += w * x[None, :]
+    tl.store(o_ptr + n * H + h, tl.sum(acc, axis=1) * scale, mask=hm)
+
+
+def head_weights(x: Tensor, weight: Tensor, scale: float) -> Tensor:
+    """``(x.float() @ weight.T) * scale``: the indexer's per-head weights ``[N, H]`` fp32 from
+    rows ``x [N, K]`` and the fp32 ``weight [H, K]`` (one launch: torch runs a cast, a GEMV
+    and its reduction, and the scale). The dot products sum in another order than cuBLAS."""
+    n, k = x.shape
+    h = weight.shape[0]
+    out = torch.empty((n, h), dtype=torch.float32, device=x.device)
+    if n:
+        bh = 4
+        _head_weights_kernel[(n, triton.cdiv(h, bh))](
+            x, x.stride(0), weight.contiguous(), out, k, h, scale, BH=bh, BK=512, num_warps=4
+        )
     return out

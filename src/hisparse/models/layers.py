@@ -1,10 +1,13 @@
-"""Layers the model families share: RMS norm, the gated MLP and the rotary helpers.
+"""Layers the model families share: RMS norm, the gated MLP, stacked projections and the
+rotary helpers.
 
 Each keeps transformers' order of operations; the CPU forms (`rms_norm`, `rope_full_width`)
 are the same values in fewer ops.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -72,37 +75,119 @@ def rope_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
+class StackedLinear:
+    """Bias-free ``nn.Linear`` modules of one input run as one matmul over a stacked weight
+    (`fused_weight`: their parameters become views of it, no extra memory). Holds while the
+    modules' weights still sit where stacking put them: a ``.to()`` or a reload copies them
+    apart, and `valid` then says so (the caller runs the modules one by one)."""
+
+    def __init__(self, mods: Sequence[nn.Linear]) -> None:
+        self.mods = tuple(mods)
+        self.weight, self._ptrs = fused_weight(self.mods, None)
+        self.sizes = [m.weight.shape[0] for m in self.mods]
+
+    def valid(self) -> bool:
+        return tuple(m.weight.data_ptr() for m in self.mods) == self._ptrs
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """All outputs side by side, ``[..., Σ out]``."""
+        return F.linear(x, self.weight)
+
+
+def stackable(mods: Sequence[nn.Linear]) -> bool:
+    """Whether `StackedLinear` can join ``mods``: bias-free, one input width, dtype and device."""
+    w = [m.weight for m in mods]
+    return all(
+        m.bias is None and x.shape[1] == w[0].shape[1] and x.dtype == w[0].dtype
+        and x.device == w[0].device
+        for m, x in zip(mods, w, strict=True)
+    )  # fmt: skip
+
+
 class MLP(nn.Module):
     """The gated MLP. After `stack_gate_up`, on CUDA (``HISPARSE_FUSED``), the gate and up
-    projections run as one matmul over their stacked weights."""
+    projections run as one matmul over their stacked weights and ``silu · up`` as one
+    kernel."""
 
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.gate_up: torch.Tensor | None = None  # [2I, H] after stack_gate_up
-        self._stack_ptrs: tuple[int, int] = (0, 0)
+        self.gate_up: StackedLinear | None = None
 
     @torch.no_grad()
     def stack_gate_up(self) -> None:
         """One ``[gate ‖ up]`` weight; the two projections' weights become views of it."""
-        inter = self.gate_proj.weight.shape[0]
-        gate_up = torch.cat((self.gate_proj.weight, self.up_proj.weight))
-        self.gate_proj.weight = nn.Parameter(gate_up[:inter], requires_grad=False)
-        self.up_proj.weight = nn.Parameter(gate_up[inter:], requires_grad=False)
-        self.gate_up = gate_up
-        self._stack_ptrs = self._ptrs()
-
-    def _ptrs(self) -> tuple[int, int]:
-        return self.gate_proj.weight.data_ptr(), self.up_proj.weight.data_ptr()
+        self.gate_up = StackedLinear((self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up
-        if gu is not None and self._ptrs() != self._stack_ptrs:
+        if gu is not None and not gu.valid():
             gu = self.gate_up = None  # copied apart since (``.to()``, a reload): drop it
         if gu is not None and env_backend("HISPARSE_FUSED", x.device) == "triton":
-            h = F.linear(x, gu)
-            inter = gu.shape[0] // 2
-            return self.down_proj(F.silu(h[..., :inter]) * h[..., inter:])
+            from hisparse.models import fused  # (fused imports this module)
+
+            return self.down_proj(fused.silu_mul(gu(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class CachedRotary(nn.Module):
+    """cos/sin of the rotary angles at given positions, from a table of every position once
+    `build_table` made one (one gather a step instead of a chain of kernels; the table holds
+    the same values: the same ops over the same positions). Subclasses define `angles`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table: torch.Tensor | None = None  # [P, 2, R / 2]: cos, sin
+
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def build_table(self, positions: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Tabulate positions ``[0, positions)`` (rounded up to a multiple of 4,096)."""
+        n = -(-positions // 4096) * 4096
+        cos, sin = self.angles(torch.arange(n, device=device), dtype)
+        self.table = torch.stack((cos, sin), dim=1)
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype, max_len: int | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """``(cos, sin)``, each ``[N, R / 2]``; ``max_len`` bounds the positions (the table
+        serves only when it covers them)."""
+        t = self.table
+        if (
+            t is not None
+            and max_len is not None
+            and max_len <= t.shape[0]
+            and t.dtype == dtype
+            and t.device == positions.device
+            and env_backend("HISPARSE_FUSED", positions.device) == "triton"
+        ):
+            cs = t[positions]
+            return cs[:, 0], cs[:, 1]
+        return self.angles(positions, dtype)
+
+
+def fused_weight(
+    mods: Sequence[nn.Linear], cached: tuple[torch.Tensor, tuple[int, ...]] | None
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``(weight, addresses)``: one ``[Σ out, in]`` weight whose row blocks ARE the weights
+    of ``mods`` (their parameters become views of it; one matmul instead of several, no
+    extra memory), and the addresses of those views.
+
+    ``cached`` (the last result) is returned while the modules' weights still sit at its
+    addresses (the fused tensor keeps that memory, so nothing else can be there); after a
+    load or a ``.to()`` replaced them, the weights are fused again. For one input row on the
+    CPU, each output of the fused matmul equals the separate one bit for bit
+    (tests/test_llama_cpu_decode.py checks the whole model)."""
+    if cached is not None and tuple(m.weight.data_ptr() for m in mods) == cached[1]:
+        return cached
+    fused = torch.cat([m.weight.detach() for m in mods])
+    row = 0
+    for m in mods:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(fused[row : row + n], requires_grad=m.weight.requires_grad)
+        row += n
+    return fused, tuple(m.weight.data_ptr() for m in mods)

@@ -47,6 +47,7 @@ from hisparse.attention.sparse_gqa_reference import (
     selected_gqa_varlen_reference,
 )
 from hisparse.kv.row_formats import write_rows_fast
+from hisparse.models import fused
 from hisparse.models.kv_access import (
     DenseBlockTables,
     DsaStep,
@@ -55,13 +56,15 @@ from hisparse.models.kv_access import (
 )
 from hisparse.models.layers import (
     MLP,
+    CachedRotary,
     RMSNorm,
     full_width_rope,
-    rms_norm,
+    fused_weight,
     rope_full_width,
     rope_half_split,
+    stackable,
 )
-from hisparse.models.llama_cpu import LlamaAttentionCpu, fused_weight, write_rows_cpu
+from hisparse.models.llama_cpu import LlamaAttentionCpu, write_rows_cpu
 from hisparse.runtime.ops import cpu_backend
 
 #: Step metadata of a packed batch (the same for every model family).
@@ -195,7 +198,7 @@ class DenseGqaCache(DenseBlockTables):
         return self._indexer_format
 
 
-class Rotary(nn.Module):
+class Rotary(CachedRotary):
     """cos/sin of each position, computed as transformers does (fp32, then the model dtype)."""
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -204,7 +207,7 @@ class Rotary(nn.Module):
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """``(cos, sin)``, each ``[N, D / 2]``."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
@@ -276,11 +279,25 @@ class LlamaAttention(LlamaAttentionCpu, nn.Module):
     def _project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated ``q [N, H, D]``, ``k [N, G, D]`` and ``v [N, G, D]``. On the CPU the three
-        projections are one matmul (`fused_weight`; the same bits as three on this BLAS, any
-        row count) and q and k rotate together (elementwise: the same bits)."""
+        """Rotated ``q [N, H, D]``, ``k [N, G, D]`` and ``v [N, G, D]``. The fused forms
+        (CUDA): one matmul over the stacked weight, then the rotary kernel for q and for k. On
+        the CPU the three projections are one matmul too (`fused_weight`; the same bits as
+        three on this BLAS, any row count) and q and k rotate together (elementwise: the same
+        bits)."""
         n, H, G, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
         rope = rope_full_width if cos.shape[-1] == D else rope_half_split
+        qkv = self._qkv  # stacked by `LlamaForCausalLM.prepare_fused` (CUDA) or below
+        mods = (self.q_proj, self.k_proj, self.v_proj)
+        if (
+            fused.fused_on(x)
+            and qkv is not None
+            and tuple(m.weight.data_ptr() for m in mods) == qkv[1]
+            and cos.shape[-1] * 2 == D
+        ):
+            out = F.linear(x, qkv[0])
+            q = fused.rope(out[:, : H * D].view(n, H, D), cos, sin, interleaved=False)
+            k = fused.rope(out[:, H * D : (H + G) * D].view(n, G, D), cos, sin, False)
+            return q, k, out[:, (H + G) * D :].view(n, -1, D)
         if x.device.type != "cpu":
             q = rope(self.q_proj(x).view(n, H, D), cos, sin)
             k = rope(self.k_proj(x).view(n, G, D), cos, sin)
@@ -494,19 +511,39 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, step: Step, cache: GqaKVCache) -> torch.Tensor:
         """Final hidden states ``[N, hidden]`` of a packed batch ``input_ids [N]``."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(step.positions, x.dtype)
-        if x.device.type == "cpu":  # the same rotation in fewer ops per layer
+        cos, sin = self.rotary(step.positions, x.dtype, step.max_len)
+        if x.device.type == "cpu" and not fused.fused_on(x):  # the same rotation, fewer ops
             cos, sin = full_width_rope(cos, sin)
         plan = StepPlan.of(step)
         if self._decode_one_cpu_applies(x, plan) and cache.row_format.torch_dtype == torch.float32:
             return self._decode_one_cpu(x, cos, sin, step, cache, plan)  # writes fp32 rows
-        for i, layer in enumerate(self.model.layers):
+        layers = [layer for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)]
+        # Each residual add is fused with the norm that follows it (one kernel on CUDA; on
+        # the CPU the add, then `rms_norm`).
+        _, h = fused.add_rms_norm(layers[0].input_layernorm, x)
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn(h, cos, sin, step, cache, self.indexer, plan)
+            x, h = fused.add_rms_norm(layer.post_attention_layernorm, x, attn)
+            after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, h = fused.add_rms_norm(after, x, self._mlp(i, layer.mlp, h))
+        return h
+
+    @torch.no_grad()
+    def prepare_fused(self) -> LlamaForCausalLM:
+        """The fused forms' one-time state (call once the weights sit where they run, on
+        CUDA): each layer's q, k, v and gate, up projections stacked into one weight apiece,
+        and the rotary table of every position."""
+        for layer in self.model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             attn = layer.self_attn
-            h = rms_norm(layer.input_layernorm, x)
-            x = x + attn(h, cos, sin, step, cache, self.indexer, plan)
-            x = x + self._mlp(i, layer.mlp, rms_norm(layer.post_attention_layernorm, x))
-        return rms_norm(self.model.norm, x)
+            mods = (attn.q_proj, attn.k_proj, attn.v_proj)
+            if stackable(mods):
+                attn._qkv = fused_weight(mods, None)
+            if stackable((layer.mlp.gate_proj, layer.mlp.up_proj)):
+                layer.mlp.stack_gate_up()
+        w = self.lm_head.weight
+        self.rotary.build_table(self.config.max_position_embeddings, w.dtype, w.device)
+        return self
 
     def _mlp(self, i: int, mlp: MLP, h: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s MLP; for one CPU row (decode) with the gate and up projections as
@@ -527,6 +564,7 @@ class LlamaForCausalLM(nn.Module):
         return (
             cpu_backend().fast_decode
             and x.device.type == "cpu"
+            and not fused.fused_on(x)
             and x.shape[0] == 1
             and x.dtype == torch.float32
             and plan.decode

@@ -8,13 +8,11 @@ general path as the fallback for anything they do not cover (docs/design.md §12
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from hisparse.attention.gqa_indexer_reference import (
     FP8_DTYPE,
@@ -28,7 +26,7 @@ from hisparse.attention.sparse_gqa_reference import (
     causal_gqa_cpu,
     sparse_gqa_rows_cpu,
 )
-from hisparse.models.layers import rope_full_width
+from hisparse.models.layers import fused_weight, rope_full_width
 from hisparse.runtime.ops import cpu_backend
 from hisparse.runtime.ops.cpu import F32
 
@@ -139,29 +137,6 @@ class OneTokenStep:
         row = t.numpy()[0]
         self._rows.append((t, row))
         return row
-
-
-def fused_weight(
-    mods: Sequence[nn.Linear], cached: tuple[torch.Tensor, tuple[int, ...]] | None
-) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """``(weight, addresses)``: one ``[Σ out, in]`` weight whose row blocks ARE the weights
-    of ``mods`` (their parameters become views of it; one matmul instead of several, no
-    extra memory), and the addresses of those views.
-
-    ``cached`` (the last result) is returned while the modules' weights still sit at its
-    addresses (the fused tensor keeps that memory, so nothing else can be there); after a
-    load or a ``.to()`` replaced them, the weights are fused again. For one input row on the
-    CPU, each output of the fused matmul equals the separate one bit for bit
-    (tests/test_llama_cpu_decode.py checks the whole model)."""
-    if cached is not None and tuple(m.weight.data_ptr() for m in mods) == cached[1]:
-        return cached
-    fused = torch.cat([m.weight.detach() for m in mods])
-    row = 0
-    for m in mods:
-        n = m.weight.shape[0]
-        m.weight = nn.Parameter(fused[row : row + n], requires_grad=m.weight.requires_grad)
-        row += n
-    return fused, tuple(m.weight.data_ptr() for m in mods)
 
 
 class LlamaAttentionCpu:

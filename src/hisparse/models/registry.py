@@ -179,9 +179,11 @@ def load_model(
         if isinstance(loaded.model, DsaForCausalLM):
             loaded.model = shard_dsa(loaded.model, tp).to(device)
             if device.type == "cuda":
-                loaded.model.stack_experts()
+                loaded.model.prepare_fused()
         else:
             loaded.model = shard_llama(loaded.model, tp).to(device)
+            if device.type == "cuda":
+                loaded.model.prepare_fused()
             loaded.row_format = shard_gqa_row_format(loaded.row_format, tp.world_size)
         return loaded
     if is_gguf(path):
@@ -197,6 +199,8 @@ def load_model(
             device=device,
             indexer=GqaIndexerConfig(top_k=config.top_k, method=indexer_method(indexer)),
         )
+        if device.type == "cuda":  # stacked projections, the rotary table
+            model.prepare_fused()
         tokenizer = GgufTokenizer.from_gguf(path)
         kv_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(kv_format, dtype)
         return LoadedModel(
@@ -207,8 +211,8 @@ def load_model(
     from hisparse.models.tokenizer import load_chat_template
 
     model = load_dsa_model(path, dtype=dtype, device=device, indexer_mode=indexer)
-    if device.type == "cuda":  # the fused ops' batched MoE (a TP rank stacks its shard above)
-        model.stack_experts()
+    if device.type == "cuda":  # the fused ops' state (a TP rank prepares its shard above)
+        model.prepare_fused()
     mcfg = model.config
     config = hs.resolve(model_top_k=mcfg.index_topk)
     if config.top_k != mcfg.index_topk:

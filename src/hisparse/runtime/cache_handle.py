@@ -121,7 +121,9 @@ class CacheHandle:
         if group.layers[0] is rt:  # the leader (its resolve checks the rows)
             # The CPU (no copy stream) with the compiled batch-1 step first: what
             # `resolve_and_stage` would run, without its frames; declined: the general path.
-            if not (
+            if not rt.offload and logical_topk.is_cuda:
+                group.resolve_resident(meta, tables, logical_topk)
+            elif not (
                 group.copy.stream is None
                 and group.cpu_decode_fast_path
                 and group._cpu_decode_one(meta, tables, logical_topk)
@@ -156,13 +158,14 @@ class CacheHandle:
             )
             if physical is not None:
                 return physical
-        pos = logical_topk.long().clamp_min(0)
-        req = meta.req_per_token[:rows].long()
-        table = tables.resident_block_table.long()
-        blk = table[req.clamp_min(0)[:, None], pos // bs]
-        live = (logical_topk >= 0) & (req >= 0)[:, None]
-        physical = torch.where(live & (blk > 0), blk * bs + pos % bs, -1).to(torch.int32)
-        if self.runtime.device.type == "cpu" and bool((live & (blk == 0)).any()):
+        physical = torch.empty(logical_topk.shape, dtype=torch.int32, device=logical_topk.device)
+        req = meta.req_per_token[:rows]
+        self.runtime.group.ops.resident_rows(
+            logical_topk, req, tables.resident_block_table, bs, physical
+        )
+        if self.runtime.device.type == "cpu" and bool(
+            ((logical_topk >= 0) & (req >= 0)[:, None] & (physical < 0)).any()
+        ):
             raise RuntimeError(
                 f"{self.runtime.name}: a prefill top-k entry lies on a page that is not "
                 "resident: stage the prefill's pages (PrefillStaging) instead."

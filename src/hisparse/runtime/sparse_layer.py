@@ -230,6 +230,21 @@ class IndexGroupRuntime:
             max_rows_per_request=max_rows_per_request,
         )
 
+    def resolve_resident(self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor) -> None:
+        """Leader of an all-GPU group (every page resident, no host rows): the physical rows
+        straight from the resident block table (`resident_rows`, one kernel), which is what
+        a resolve finds there, without its hot state, swap lists or counters (the engine
+        reports none for this placement); every layer of the group is then ready."""
+        self.check_rows(topk)
+        rows, k = topk.shape
+        physical, valid_counts = self.out_views(rows, k)
+        self.ops.resident_rows(
+            topk, prefix_rows(meta.req_per_token, rows), tables.resident_block_table,
+            self.config.block_size, physical, valid_counts,
+        )  # fmt: skip
+        for layer in self.layers:
+            layer.mark_ready(on_compute=True)
+
     def _count_step(self, num_reqs: int) -> None:
         """Add the last resolve's hits and misses (and rows moved: misses x layers) to
         `totals`. On the CPU in numpy (three small torch ops cost more than the resolve's
@@ -582,6 +597,7 @@ class SparseLayerRuntime:
         self.group = index_group
         self.event: LayerEvent = index_group.copy.new_event()
         self.staged = False
+        self._await_copy = False  # whether wait_ready waits for the copy stream
         self.device_view: torch.Tensor | None = None
         self.host_view: torch.Tensor | None = None
         #: Does this process write the layer's host mirror? Tensor parallelism with rows that
@@ -633,10 +649,12 @@ class SparseLayerRuntime:
             )
         self.mark_ready()
 
-    def mark_ready(self) -> None:
+    def mark_ready(self, on_compute: bool = False) -> None:
         """Mark this layer's rows enqueued: its ready event on the copy stream (none when the
-        group swaps in on the compute stream, where program order already waits)."""
-        if not self.group.inline_swap_in:
+        group swaps in on the compute stream, or ``on_compute`` says this step's rows came
+        from there: program order already waits)."""
+        self._await_copy = not (on_compute or self.group.inline_swap_in)
+        if self._await_copy:
             self.event.record()
         self.staged = True
 
@@ -653,6 +671,6 @@ class SparseLayerRuntime:
                 f"{self.name}: swap-in was not staged; the index-group leader "
                 f"({self.group.leader.name}) must call swap_in first in each step."
             )
-        if not self.group.inline_swap_in:
+        if self._await_copy:
             self.event.wait()
         self.staged = False

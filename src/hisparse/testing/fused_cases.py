@@ -1,6 +1,7 @@
 """What the fused layer ops' tests share (CPU interpreter and CUDA): running an op under its
 reference and under its kernel on copies of the same inputs, and what "the same MLA rows"
-means when the RMS norm's sum order moves a latent value by an ulp."""
+means when the RMS norm's sum order moves a latent value by an ulp (and the keys' LayerNorm
+an indexer key's e4m3 byte by a step)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hisparse.kv.row_formats import unpack_mla_rows
+from hisparse.kv.row_formats import IndexerCacheFormat, read_indexer_keys, unpack_mla_rows
 
 if TYPE_CHECKING:
     import pytest
@@ -46,9 +47,46 @@ def assert_mla_rows_match(
     untouched[written] = False
     assert torch.equal(flat[0][untouched], flat[2][untouched])
     assert torch.equal(flat[1][untouched], flat[2][untouched])
+    if written.numel() == 0:  # every slot skipped: nothing was to be written
+        return
     lat_r, rope_r = unpack_mla_rows(row_format, flat[0][written])
     lat_g, rope_g = unpack_mla_rows(row_format, flat[1][written])
     assert torch.equal(rope_r, rope_g)
     step = 2**-3 if row_format == "fp8_ds_mla" else 2**-7
     torch.testing.assert_close(lat_g, lat_r, rtol=step, atol=lat_r.abs().amax().item() * 2**-9)
     assert (flat[0][written] != flat[1][written]).any(-1).float().mean() <= 0.25
+
+
+def assert_indexer_keys_close(
+    ref: torch.Tensor,
+    got: torch.Tensor,
+    before: torch.Tensor,
+    fmt: IndexerCacheFormat,
+    slots: torch.Tensor,
+) -> None:
+    """fp8 indexer pages ``got`` as the reference wrote ``ref`` from ``before``: the same
+    power-of-two scales at every written slot, keys at most one e4m3 step apart (a LayerNorm
+    computed in another order moves a normed value by an ulp), most bytes equal, and every
+    other byte of the pages untouched."""
+    bs = ref.shape[1] // fmt.row_bytes
+    d, ns = fmt.head_dim, fmt.head_dim // fmt.tile
+    rows = slots[slots >= 0]
+    if rows.numel() == 0:
+        assert torch.equal(got, before)
+        return
+    kr, sr = read_indexer_keys(ref, fmt, rows)
+    kg, sg = read_indexer_keys(got, fmt, rows)
+    assert sr is not None and sg is not None
+    assert torch.equal(sr, sg)
+    a = (kr.float().view(*kr.shape[:-1], -1, fmt.tile) * sr[..., None]).flatten(-2)
+    b = (kg.float().view(*kg.shape[:-1], -1, fmt.tile) * sg[..., None]).flatten(-2)
+    scale = sr.repeat_interleave(fmt.tile, dim=-1)
+    assert ((a - b).abs() <= a.abs() * 2**-3 + 2**-9 * scale).all()  # one e4m3 step
+    assert (kr.view(torch.uint8) == kg.view(torch.uint8)).float().mean() > 0.9
+    untouched = torch.ones_like(before, dtype=torch.bool)
+    for s in rows.tolist():
+        blk, off = divmod(s, bs)
+        untouched[blk, off * d : (off + 1) * d] = False
+        sc = bs * d + off * 4 * ns
+        untouched[blk, sc : sc + 4 * ns] = False
+    assert torch.equal(got[untouched], before[untouched])

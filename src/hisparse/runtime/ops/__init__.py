@@ -38,6 +38,7 @@ class DataPlaneOps(Protocol):
     gather_compact_group: object
     gather_plan: object
     invalidate_written_slots: object
+    resident_rows: object
 
 
 #: The ops every backend must provide (the fields of `DataPlaneOps`).
@@ -47,6 +48,7 @@ OP_NAMES: tuple[str, ...] = (
     "gather_compact_group",
     "gather_plan",
     "invalidate_written_slots",
+    "resident_rows",
 )
 
 #: Flags a backend namespace may declare (``True``; missing or anything else: not declared):

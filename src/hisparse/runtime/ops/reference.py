@@ -227,3 +227,28 @@ def invalidate_written_slots(
             continue
         mine = rows[(reqs == q) & (rows >= 0)].to(hot_index.device)
         hot_index[s].masked_fill_(torch.isin(hot_index[s].long(), mine), -1)
+
+
+def resident_rows(
+    topk: Tensor,
+    row_req: Tensor,
+    resident_block_table: Tensor,
+    block_size: int,
+    out_physical: Tensor,
+    valid_counts: Tensor | None = None,
+) -> None:
+    """Physical rows of ``topk [R, K]`` through the resident block table alone, where every
+    page a row names is resident (an all-GPU cache): ``out_physical[:R]`` gets
+    ``table[row_req, pos // block_size] * block_size + pos % block_size``, ``-1`` for ``-1``
+    entries, padding rows (``row_req < 0``) and pages that are not resident (block 0);
+    ``valid_counts[:R]`` the rows' non-negative entries."""
+    rows = topk.shape[0]
+    pos = topk.long().clamp_min(0)
+    req = row_req[:rows].long()
+    table = resident_block_table.long()
+    blk = table[req.clamp_min(0)[:, None], pos // block_size]
+    live = (topk >= 0) & (req >= 0)[:, None]
+    phys = torch.where(live & (blk > 0), blk * block_size + pos % block_size, -1)
+    out_physical[:rows].copy_(phys.to(out_physical.dtype))
+    if valid_counts is not None:
+        valid_counts[:rows].copy_((phys >= 0).sum(1).to(valid_counts.dtype))

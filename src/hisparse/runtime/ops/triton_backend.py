@@ -12,7 +12,7 @@ from hisparse.runtime.ops.triton_gather import (
     gather_plan,
     invalidate_written_slots,
 )
-from hisparse.runtime.ops.triton_resolve import resolve_residency
+from hisparse.runtime.ops.triton_resolve import resident_rows, resolve_residency
 
 #: No host sync and no grid sized by data: a decode step of these ops can be captured.
 CUDA_GRAPH_CAPTURABLE = True
@@ -26,5 +26,6 @@ __all__ = [
     "gather_compact_group",
     "gather_plan",
     "invalidate_written_slots",
+    "resident_rows",
     "resolve_residency",
 ]

@@ -439,3 +439,42 @@ def resolve_residency(
         **flags,
         num_warps=RESOLVE_WARPS or (8 if max(n, bh) <= 4096 else 16),
     )  # fmt: skip
+
+
+@triton.jit
+def _resident_rows_kernel(
+    topk, s_tr, s_tk, row_req, table, s_br, s_bc, out, s_or, s_ok, valid, K, block_size,
+    HAS_VALID: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, BK)
+    m = k < K
+    pos = tl.load(topk + r * s_tr + k * s_tk, mask=m, other=-1)
+    req = tl.load(row_req + r).to(tl.int64)
+    live = m & (pos >= 0) & (req >= 0)
+    blk = tl.load(table + req * s_br + (pos // block_size).to(tl.int64) * s_bc, mask=live, other=0)
+    phys = tl.where(live & (blk > 0), blk * block_size + pos % block_size, -1)
+    tl.store(out + r * s_or + k * s_ok, phys, mask=m)
+    if HAS_VALID:
+        tl.store(valid + r, tl.sum((phys >= 0).to(tl.int32), axis=0))
+
+
+def resident_rows(
+    topk: Tensor,
+    row_req: Tensor,
+    resident_block_table: Tensor,
+    block_size: int,
+    out_physical: Tensor,
+    valid_counts: Tensor | None = None,
+) -> None:
+    """Triton `reference.resident_rows` (one launch; an all-GPU decode step's lookup)."""
+    rows, k = topk.shape
+    if rows == 0:
+        return
+    table = resident_block_table
+    vc = valid_counts if valid_counts is not None else out_physical
+    _resident_rows_kernel[(rows,)](
+        topk, topk.stride(0), topk.stride(1), row_req, table, table.stride(0), table.stride(1),
+        out_physical, out_physical.stride(0), out_physical.stride(1), vc, k, block_size,
+        HAS_VALID=valid_counts is not None, BK=next_pow2(max(k, 1)), num_warps=4,
+    )  # fmt: skip

@@ -33,6 +33,7 @@ class CpuBackend:
     gather_compact_group = staticmethod(ops.gather_compact_group)
     gather_plan = staticmethod(ops.gather_plan)
     invalidate_written_slots = staticmethod(ops.invalidate_written_slots)
+    resident_rows = staticmethod(ops.resident_rows)
 
     def __init__(self) -> None:
         #: Capabilities (`hisparse.runtime.ops.CAPABILITIES`), declared on the instance:

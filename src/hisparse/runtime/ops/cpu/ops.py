@@ -33,8 +33,12 @@ __all__ = [
     "gather_compact_group",
     "gather_plan",
     "invalidate_written_slots",
+    "resident_rows",
     "resolve_residency",
 ]
+
+#: A lookup of a few torch ops (`CacheHandle.resident_rows` compiles the CPU prefill's).
+resident_rows = reference.resident_rows
 
 
 def _on_cpu(*tensors: Tensor | None) -> bool:

@@ -1,0 +1,39 @@
+"""The fixed-shape decode step's inputs (`hisparse.engine.decode_inputs`): the Triton kernel
+(CPU interpreter) against the torch composition, outputs compared whole."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hisparse.attention.sparse_mla_triton import interpreting
+from hisparse.engine.decode_inputs import decode_inputs, decode_inputs_reference
+
+pytestmark = pytest.mark.skipif(
+    not interpreting(), reason="Triton kernels were defined outside the interpreter"
+)
+
+
+@pytest.mark.parametrize("b,groups,mb", [(1, 1, 8), (29, 3, 2048), (64, 4, 37)])
+def test_kernel_equals_the_torch_composition(monkeypatch, b: int, groups: int, mb: int) -> None:
+    g = torch.Generator().manual_seed(b + groups)
+    slots, bs = b + 6, 64
+    table = torch.randint(0, 900, (groups, slots + 1, mb), generator=g, dtype=torch.int32)
+    table[torch.rand(table.shape, generator=g) < 0.2] = 0  # pages not (yet) there
+    pos = torch.randint(0, mb * bs, (b,), generator=g)
+    slot = torch.randperm(slots, generator=g)[:b]
+    slot[1::3] = -1  # padding rows (their positions are arbitrary)
+    monkeypatch.setenv("HISPARSE_FUSED", "triton")
+    got = decode_inputs(pos, slot, table, bs, slots)
+    want = decode_inputs_reference(pos, slot, table, bs, slots)
+    for name in want.__dataclass_fields__:
+        a, w = getattr(got, name), getattr(want, name)
+        assert a.dtype == w.dtype and torch.equal(a, w), name
+    if b > 1:  # both kinds of rows were exercised
+        assert (want.rows >= 0).any() and (want.rows == -1).any()
