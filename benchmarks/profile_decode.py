@@ -117,6 +117,9 @@ def make_llm(args: argparse.Namespace, ckpt: Path, placement: str, max_batch: in
 
     max_len = args.context + args.output + args.block_size
     host_gib = args.host_pool_gib
+    gguf = ckpt.suffix == ".gguf"  # a Llama (GQA) model: its own prefill, no bench hooks
+    if host_gib is None and gguf:
+        host_gib = 4.0
     if host_gib is None:
         cfg = json.loads((ckpt / "config.json").read_text())
         fmt = "fp8_ds_mla" if args.kv_format == "auto" else args.kv_format
@@ -134,7 +137,9 @@ def make_llm(args: argparse.Namespace, ckpt: Path, placement: str, max_batch: in
         device=args.device,
         kv_format=args.kv_format,
         max_num_batched_tokens=max_batch * max_len,  # every prompt in one prefill step
-        step_hooks=BenchHooks(
+        step_hooks=None
+        if gguf
+        else BenchHooks(
             topk_overlap=args.overlap if args.overlap > 0 else None,
             synthetic_prefill=not args.real_prefill,
         ),
@@ -341,6 +346,10 @@ def roofline_ms(llm: Any, batch: int, context: int) -> float:
     embed = model.model.embed_tokens.weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights -= embed.numel() * embed.element_size()
+    if not hasattr(cfg, "kv_lora_rank"):  # GQA: the top-k K+V rows of every layer
+        top_k = llm.runner.config.top_k or context
+        rows = llm.runner.row_format.row_bytes * min(top_k, context) * cfg.num_hidden_layers
+        return (weights + batch * rows) / (hbm_copy_gbps() * 1e9) * 1e3
     row = mla_row_bytes(llm.runner.row_format, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
     idx = model.indexer_format.row_bytes * context * sum(cfg.indexer_full)
     mla = row * min(cfg.index_topk, context) * cfg.num_hidden_layers

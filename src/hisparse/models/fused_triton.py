@@ -449,7 +449,7 @@ def _combine_kernel(
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = h < H
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for e in tl.static_range(E):  # ascending experts, rounded after each add: the loop's sum
+    for e in range(E):  # ascending experts, rounded after each add: the loop's sum
         w = tl.load(w_ptr + n * E + e)
         pick = tl.load(chosen_ptr + n * E + e) != 0
         y = tl.load(y_ptr + (e * N + n) * H + h, mask=m & pick, other=0.0).to(tl.float32)

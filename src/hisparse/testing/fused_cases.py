@@ -65,9 +65,9 @@ def assert_indexer_keys_close(
     slots: torch.Tensor,
 ) -> None:
     """fp8 indexer pages ``got`` as the reference wrote ``ref`` from ``before``: the same
-    power-of-two scales at every written slot, keys at most one e4m3 step apart (a LayerNorm
-    computed in another order moves a normed value by an ulp), most bytes equal, and every
-    other byte of the pages untouched."""
+    power-of-two scales at every written slot, keys within an e4m3 step and what a normed
+    value's ulp moves them by (a LayerNorm computed in another order), most bytes equal, and
+    every other byte of the pages untouched."""
     bs = ref.shape[1] // fmt.row_bytes
     d, ns = fmt.head_dim, fmt.head_dim // fmt.tile
     rows = slots[slots >= 0]
@@ -80,8 +80,10 @@ def assert_indexer_keys_close(
     assert torch.equal(sr, sg)
     a = (kr.float().view(*kr.shape[:-1], -1, fmt.tile) * sr[..., None]).flatten(-2)
     b = (kg.float().view(*kg.shape[:-1], -1, fmt.tile) * sg[..., None]).flatten(-2)
-    scale = sr.repeat_interleave(fmt.tile, dim=-1)
-    assert ((a - b).abs() <= a.abs() * 2**-3 + 2**-9 * scale).all()  # one e4m3 step
+    # One e4m3 step, plus what an ulp of a few normed values moves a Hadamard output by
+    # (small outputs have fine steps: that shift can be several of them).
+    bound = a.abs() * 2**-3 + 2**-6 * a.abs().amax(-1, keepdim=True)
+    assert ((a - b).abs() <= bound).all()
     assert (kr.view(torch.uint8) == kg.view(torch.uint8)).float().mean() > 0.9
     untouched = torch.ones_like(before, dtype=torch.bool)
     for s in rows.tolist():
