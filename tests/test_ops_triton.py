@@ -465,6 +465,25 @@ def test_resident_rows_matches_reference(seed: int, rows: int, k: int) -> None:
     assert (outs[1][0][:rows] >= 0).any() and (outs[1][0][:rows] == -1).any()
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("n,row_bytes", [(1, 768), (64, 768), (29, 192), (300, 32)])
+def test_scatter_rows_matches_reference(seed: int, n: int, row_bytes: int) -> None:
+    """A step's new rows into strided pages (the pool's layout: other layers between blocks),
+    skipped slots included; the whole pool compared (untouched bytes stay)."""
+    g = torch.Generator().manual_seed(seed * 100 + n)
+    nb, bs = 40, 16
+    pool = torch.randint(0, 256, (nb, bs * row_bytes + 64), generator=g, dtype=torch.uint8)
+    values = torch.randint(0, 256, (n, row_bytes), generator=g, dtype=torch.uint8)
+    slots = bs + torch.randperm((nb - 1) * bs, generator=g)[:n]
+    slots[1::5] = -1
+    out = []
+    for fn in (ref.scatter_rows, tk.scatter_rows):
+        p = pool.clone()
+        fn(values, p[:, : bs * row_bytes].unflatten(1, (bs, row_bytes)), slots)
+        out.append(p)
+    assert torch.equal(out[0], out[1]) and not torch.equal(out[1], pool)
+
+
 def test_gather_rejects_unaligned_rows() -> None:
     v = torch.zeros(2, 2, 24, dtype=torch.uint8)
     z = torch.zeros(1, 1, dtype=torch.int32)

@@ -385,3 +385,23 @@ def test_large_host_offsets_gather_compact_group(large_host: torch.Tensor) -> No
     tk.gather_compact_group(span, [b[:, o] for o in order], *swap)
     torch.cuda.synchronize()
     assert torch.equal(a, b) and not torch.equal(a, pool)
+
+
+@pytest.mark.parametrize("n,row_bytes", [(1, 768), (64, 768), (64, 192), (8192, 768)])
+def test_scatter_rows_into_a_strided_pool(n: int, row_bytes: int) -> None:
+    """A step's new GQA rows (768 B) and fp8 index keys (192 B) into pages strided as the
+    pool's, skipped slots included; the whole pool compared against the reference."""
+    g = torch.Generator(device="cuda").manual_seed(n + row_bytes)
+    bs = 64
+    nb = n // bs + 8
+    pool = torch.randint(0, 256, (nb, bs * row_bytes + 256), generator=g, device="cuda")
+    pool = pool.to(torch.uint8)
+    values = torch.randint(0, 256, (n, row_bytes), generator=g, device="cuda").to(torch.uint8)
+    slots = bs + torch.randperm((nb - 1) * bs, generator=g, device="cuda")[:n]
+    slots[1::5] = -1
+    out = []
+    for fn in (ref.scatter_rows, tk.scatter_rows):
+        p = pool.clone()
+        fn(values, p[:, : bs * row_bytes].unflatten(1, (bs, row_bytes)), slots)
+        out.append(p)
+    assert torch.equal(out[0], out[1])

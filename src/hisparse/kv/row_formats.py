@@ -268,15 +268,37 @@ def write_rows_where(region: torch.Tensor, slots: torch.Tensor, values: torch.Te
     region[blk, off] = torch.where(keep.view(shape), values, region[blk, off])
 
 
+def _byte_rows(region: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether ``values [N, R]`` and ``region [blocks, bs, R]`` are uint8 rows that 16-byte
+    word copies can move (`scatter_rows`' kernel)."""
+    return (
+        region.dtype == values.dtype == torch.uint8
+        and region.dim() == 3
+        and values.dim() == 2
+        and values.shape[1] == region.shape[2]
+        and region.stride(2) == 1
+        and values.stride(1) == 1
+        and all(x % 16 == 0 for x in (region.shape[2], *region.stride()[:2], values.stride(0)))
+        and region.data_ptr() % 16 == 0
+        and values.data_ptr() % 16 == 0
+    )
+
+
 def write_rows_fast(region: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
     """`write_rows_where` for the GQA decode rows, in fewer ops where a host read is free.
 
     On the CPU, reading the slots costs no sync, so kept rows are written by plain indexing
     (one slot: a single row copy) instead of the read-modify-write of every row that keeps a
-    CUDA step sync-free. Other devices (and any skipped slot) go through `write_rows_where`.
+    CUDA step sync-free. Other devices take the data-plane op `scatter_rows` (on CUDA one
+    Triton launch; byte rows of 16-byte multiples), anything else `write_rows_where`.
     """
     if region.device.type != "cpu":
-        write_rows_where(region, slots, values)
+        if _byte_rows(region, values):
+            from hisparse.runtime.ops import ops_for
+
+            ops_for(region.device).scatter_rows(values, region, slots)
+        else:
+            write_rows_where(region, slots, values)
         return
     bs = region.shape[1]
     if slots.numel() == 1:  # batch-1 decode

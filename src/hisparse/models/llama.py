@@ -389,8 +389,10 @@ class LlamaAttention(LlamaAttentionCpu, nn.Module):
             rows = plan.decode_rows
             assert rows is not None
             n_req = rows.shape[0]
+            # static: row r is request r's token (rows is the identity), no gather
+            qd, pos = (q, step.positions) if plan.static else (q[rows], step.positions[rows])
             chosen = gqa_indexer_topk_decode(
-                q[rows], step.positions[rows], pages, table[:n_req], step.seq_lens[:n_req],
+                qd, pos, pages, table[:n_req], step.seq_lens[:n_req],
                 longest, fmt, cfg, self.scale, width, dims,
             )  # fmt: skip
             if plan.static:  # padding rows (no request) select nothing

@@ -39,6 +39,7 @@ class DataPlaneOps(Protocol):
     gather_plan: object
     invalidate_written_slots: object
     resident_rows: object
+    scatter_rows: object
 
 
 #: The ops every backend must provide (the fields of `DataPlaneOps`).
@@ -49,6 +50,7 @@ OP_NAMES: tuple[str, ...] = (
     "gather_plan",
     "invalidate_written_slots",
     "resident_rows",
+    "scatter_rows",
 )
 
 #: Flags a backend namespace may declare (``True``; missing or anything else: not declared):

@@ -252,3 +252,12 @@ def resident_rows(
     out_physical[:rows].copy_(phys.to(out_physical.dtype))
     if valid_counts is not None:
         valid_counts[:rows].copy_((phys >= 0).sum(1).to(valid_counts.dtype))
+
+
+def scatter_rows(values: Tensor, region: Tensor, slots: Tensor) -> None:
+    """Row ``i`` of ``values [N, row_bytes]`` into ``region [blocks, block_size, row_bytes]``
+    at row ``slots[i]`` (``block * block_size + offset``) where ``slots[i] >= 0``: a step's new
+    rows into their pages, with no host sync (`write_rows_where`)."""
+    from hisparse.kv.row_formats import write_rows_where
+
+    write_rows_where(region, slots, values)

@@ -11,6 +11,7 @@ from hisparse.runtime.ops.triton_gather import (
     gather_compact_group,
     gather_plan,
     invalidate_written_slots,
+    scatter_rows,
 )
 from hisparse.runtime.ops.triton_resolve import resident_rows, resolve_residency
 
@@ -28,4 +29,5 @@ __all__ = [
     "invalidate_written_slots",
     "resident_rows",
     "resolve_residency",
+    "scatter_rows",
 ]

@@ -34,6 +34,7 @@ class CpuBackend:
     gather_plan = staticmethod(ops.gather_plan)
     invalidate_written_slots = staticmethod(ops.invalidate_written_slots)
     resident_rows = staticmethod(ops.resident_rows)
+    scatter_rows = staticmethod(ops.scatter_rows)
 
     def __init__(self) -> None:
         #: Capabilities (`hisparse.runtime.ops.CAPABILITIES`), declared on the instance:

@@ -35,10 +35,13 @@ __all__ = [
     "invalidate_written_slots",
     "resident_rows",
     "resolve_residency",
+    "scatter_rows",
 ]
 
 #: A lookup of a few torch ops (`CacheHandle.resident_rows` compiles the CPU prefill's).
 resident_rows = reference.resident_rows
+#: Rows written by torch indexing (`write_rows_fast` writes the CPU's with plain indexing).
+scatter_rows = reference.scatter_rows
 
 
 def _on_cpu(*tensors: Tensor | None) -> bool:
