@@ -38,7 +38,12 @@ pytestmark = pytest.mark.skipif(
 
 
 def _run_both(case, steps: int = 1, seed: int = 0) -> None:
+    """Reference and Triton resolve over ``steps`` steps; the Triton one also adds its hits,
+    misses and rows moved to running totals (``totals=``), checked against the reference's
+    per-request counters summed."""
     a, b = case.clone(), case.clone()
+    totals = torch.full((3,), 5, dtype=torch.int64)  # running totals from a nonzero start
+    want = totals.clone()
     for step in range(steps):
         if step:
             topk = next_step_topk(a, seed * 100 + step)
@@ -47,9 +52,13 @@ def _run_both(case, steps: int = 1, seed: int = 0) -> None:
                 for t in (c.out_physical, c.swap_src, c.swap_dst, c.swap_count):
                     t.fill_(POISON + step)
         ref.resolve_residency(*a.args())
-        tk.resolve_residency(*b.args())
+        tk.resolve_residency(*b.args(), totals=totals, n_layers=3)
         bad = compare(a.state_and_outputs(), b.state_and_outputs())
         assert not bad, f"step {step}: {bad} differ"
+        if a.hit_miss is not None:
+            hm = a.hit_miss[: a.request_state_indices.shape[0]].long().sum(0)
+            want += torch.stack((hm[0], hm[1], 3 * hm[1]))
+            assert torch.equal(totals, want), f"step {step}: totals {totals} != {want}"
         # The oracle's invariants hold too (so the case exercises a valid state).
         for s in range(a.lru.shape[0]):
             assert torch.equal(torch.sort(a.lru[s].long()).values, torch.arange(a.lru.shape[1]))

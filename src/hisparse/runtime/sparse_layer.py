@@ -206,11 +206,16 @@ class IndexGroupRuntime:
         resident_block_table: torch.Tensor | None,
         topk: torch.Tensor,
         max_rows_per_request: int | None,
+        count: bool = False,
     ) -> None:
-        """One resolve into the group's step buffers (physical rows, swap lists, counters)."""
+        """One resolve into the group's step buffers (physical rows, swap lists, counters);
+        ``count``: add its hits and misses to `totals` (inside the resolve where the ops
+        can, else `_count_step`)."""
         self.check_rows(topk)
         rows, k = topk.shape
         physical, valid_counts = self.out_views(rows, k)
+        adds = count and has_capability(self.ops, "RESOLVE_ADDS_TOTALS")
+        extra = dict(totals=self.totals, n_layers=len(self.layers)) if adds else {}
         self.ops.resolve_residency(
             topk,
             prefix_rows(meta.req_per_token, rows),
@@ -228,7 +233,10 @@ class IndexGroupRuntime:
             valid_counts,
             self.hit_miss,
             max_rows_per_request=max_rows_per_request,
+            **extra,
         )
+        if count and not adds:
+            self._count_step(meta.num_reqs)
 
     def resolve_resident(self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor) -> None:
         """Leader of an all-GPU group (every page resident, no host rows): the physical rows
@@ -483,8 +491,9 @@ class IndexGroupRuntime:
         """The body of `resolve_and_stage`, on whatever stream is current."""
         if self.cpu_decode_fast_path and self._cpu_decode_one(meta, tables, topk):
             return
-        self._resolve(meta, tables.resident_block_table, topk, self.config.max_query_len)
-        self._count_step(meta.num_reqs)
+        self._resolve(
+            meta, tables.resident_block_table, topk, self.config.max_query_len, count=True
+        )
         span = self.span_gather_views() if meta.is_decode else None
         if span is not None and self.leader_first and self._follower_span is not None:
             self.leader.gather_swapped_rows()

@@ -57,8 +57,14 @@ OP_NAMES: tuple[str, ...] = (
 #: ``CUDA_GRAPH_CAPTURABLE``: no host sync and no grid sized by data, so a decode step calling
 #: the ops can be captured in a CUDA graph;
 #: ``CPU_DECODE_FAST_PATH``: the runtime's compiled batch-1 decode path (`CpuBackend.jit`) may
-#: run in place of the ops on CPU tensors, with their results bit for bit.
-CAPABILITIES: tuple[str, ...] = ("CUDA_GRAPH_CAPTURABLE", "CPU_DECODE_FAST_PATH")
+#: run in place of the ops on CPU tensors, with their results bit for bit;
+#: ``RESOLVE_ADDS_TOTALS``: ``resolve_residency`` takes ``totals=`` (int64 ``[3]``) and
+#: ``n_layers=`` and adds the call's hits, misses and rows moved itself (no counting kernels).
+CAPABILITIES: tuple[str, ...] = (
+    "CUDA_GRAPH_CAPTURABLE",
+    "CPU_DECODE_FAST_PATH",
+    "RESOLVE_ADDS_TOTALS",
+)
 
 _backends: dict[str, ModuleType | object] = {}
 

@@ -19,10 +19,13 @@ from hisparse.runtime.ops.triton_resolve import resident_rows, resolve_residency
 CUDA_GRAPH_CAPTURABLE = True
 #: The runtime's compiled CPU batch-1 decode path does not stand in for these ops.
 CPU_DECODE_FAST_PATH = False
+#: `resolve_residency` takes ``totals=`` and adds each step's hits, misses and rows moved.
+RESOLVE_ADDS_TOTALS = True
 
 __all__ = [
     "CPU_DECODE_FAST_PATH",
     "CUDA_GRAPH_CAPTURABLE",
+    "RESOLVE_ADDS_TOTALS",
     "gather_compact",
     "gather_compact_group",
     "gather_plan",

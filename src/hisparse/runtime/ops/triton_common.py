@@ -49,6 +49,15 @@ def next_pow2(n: int) -> int:
 
 
 @triton.jit
+def add_totals(totals_ptr, n_hit, n_miss, n_layers):
+    """Add one request's hits, misses and rows moved (misses × layers) to the int64 running
+    ``totals [3]`` of its index group (atomics: every request's program adds its own)."""
+    tl.atomic_add(totals_ptr, n_hit.to(tl.int64), sem="relaxed")
+    tl.atomic_add(totals_ptr + 1, n_miss.to(tl.int64), sem="relaxed")
+    tl.atomic_add(totals_ptr + 2, n_miss.to(tl.int64) * n_layers, sem="relaxed")
+
+
+@triton.jit
 def hash_bucket(g, LOGB: tl.constexpr):
     """Fibonacci hash of host rows (``0 <= g < 2**31``) into ``[0, 2**LOGB)`` buckets."""
     return (((g.to(tl.int64) * 2654435761) & 0xFFFFFFFF) >> (32 - LOGB)).to(tl.int32)

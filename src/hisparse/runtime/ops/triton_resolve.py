@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from hisparse.runtime.ops.triton_common import (
+    add_totals,
     decode_entries,
     hash_bucket,
     next_pow2,
@@ -117,10 +118,11 @@ def _resolve_kernel(
     valid_ptr, s_v,
     hm_ptr, s_hm_q, s_hm_c,
     sc_rows_ptr, tab_ptr, first_ptr, hit_ptr, evict_ptr, newlru_ptr, mg_ptr, ms_ptr,
-    K, H, bs,
+    K, H, bs, totals_ptr, n_layers,
     ROWS: tl.constexpr, KP: tl.constexpr, LOGB: tl.constexpr, BH: tl.constexpr,
     BR: tl.constexpr, BC: tl.constexpr, S: tl.constexpr, SORT_WINDOW: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_VALID: tl.constexpr, HAS_HM: tl.constexpr,
+    HAS_TOTALS: tl.constexpr,
 ):  # fmt: skip
     """resolve_residency, one program per request, with a bucket table (module docstring)."""
     N: tl.constexpr = ROWS * KP
@@ -266,6 +268,8 @@ def _resolve_kernel(
         if HAS_HM:
             tl.store(hm_ptr + q64 * s_hm_q, n_hit)
             tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, n_miss)
+        if HAS_TOTALS:
+            add_totals(totals_ptr, n_hit, n_miss, n_layers)
         for j0 in range(0, H, BH):
             j = j0 + bh
             jm = j < H
@@ -338,12 +342,17 @@ def resolve_residency(
     hit_miss: Tensor | None = None,
     *,
     max_rows_per_request: int | None = None,
+    totals: Tensor | None = None,
+    n_layers: int = 1,
 ) -> None:
     """Triton `reference.resolve_residency`; same arguments, outputs and state updates.
 
     ``max_rows_per_request`` (keyword only, not in the reference) bounds the rows one request
     may own in this call; it sizes the program's entry vector (``pow2(rows) * pow2(top_k)``),
     so a decode-only caller passes 1. Default: ``max(1, min(R, H // top_k))``.
+    ``totals`` (keyword only, not in the reference; `RESOLVE_ADDS_TOTALS`): int64 ``[3]``
+    running hits, misses and rows moved (misses × ``n_layers``), added to by each request's
+    program (atomics), so the caller launches no counting kernels.
     """
     if RESOLVE_SORT_WINDOW < 0 or RESOLVE_SORT_WINDOW & (RESOLVE_SORT_WINDOW - 1):
         raise ValueError(
@@ -386,6 +395,7 @@ def resolve_residency(
     res = resident_block_table if resident_block_table is not None else source_block_table
     vc = valid_counts if valid_counts is not None else swap_count
     hm = hit_miss if hit_miss is not None else swap_count.view(-1, 1)
+    tot = totals if totals is not None else swap_count
     common = (
         topk, topk.stride(0), topk.stride(1),
         row_req, R,
@@ -413,7 +423,8 @@ def resolve_residency(
         Q <= RESOLVE_SPLIT_MAX_Q and H >= K and n >= RESOLVE_SPLIT_MIN_ENTRIES
     ):
         programs = RESOLVE_SPLIT_PROGRAMS or (16 if Q <= 32 else 8)
-        resolve_split(common, flags, Q, rows, kp, logb, H, K, block_size, dev, programs)
+        resolve_split(common, flags, Q, rows, kp, logb, H, K, block_size, dev, programs,
+                      tot, n_layers, totals is not None)  # fmt: skip
         return
     ncell = 4 << logb
     cs = ncell + n
@@ -433,9 +444,9 @@ def resolve_residency(
     _resolve_kernel[(Q,)](
         *common,
         sc_rows, tab, first, i8, evict, i16, mg, ms,
-        K, H, block_size,
+        K, H, block_size, tot, n_layers,
         ROWS=rows, KP=kp, LOGB=logb, BH=bh, BR=br, BC=min(ncell, 4096), S=RESOLVE_RANK_TILE,
-        SORT_WINDOW=window if window >= 2 else 0,
+        SORT_WINDOW=window if window >= 2 else 0, HAS_TOTALS=totals is not None,
         **flags,
         num_warps=RESOLVE_WARPS or (8 if max(n, bh) <= 4096 else 16),
     )  # fmt: skip

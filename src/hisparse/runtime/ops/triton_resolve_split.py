@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from hisparse.runtime.ops.triton_common import (
+    add_totals,
     decode_entries,
     hash_bucket,
     next_pow2,
@@ -194,8 +195,9 @@ def _split_count_kernel(
 def _split_rank_kernel(
     state_ptr, lru_ptr, s_lru_s, s_lru_h, swap_count_ptr, s_sc, hm_ptr, s_hm_q, s_hm_c,
     ent_g_ptr, head_ptr, mrank_ptr, mg_ptr, hit_ptr, parts_ptr, evict_ptr, newlru_ptr, H,
+    totals_ptr, n_layers,
     N: tl.constexpr, C: tl.constexpr, BHS: tl.constexpr, P: tl.constexpr,
-    HAS_HM: tl.constexpr,
+    HAS_HM: tl.constexpr, HAS_TOTALS: tl.constexpr,
 ):  # fmt: skip
     """Stage 4: the programs' counts, summed before this one, rank its miss heads and its
     slots (the new LRU order in closed form, as the one-program kernel)."""
@@ -245,6 +247,8 @@ def _split_rank_kernel(
             if HAS_HM:
                 tl.store(hm_ptr + q64 * s_hm_q, n_hit)
                 tl.store(hm_ptr + q64 * s_hm_q + s_hm_c, n_miss)
+            if HAS_TOTALS:
+                add_totals(totals_ptr, n_hit, n_miss, n_layers)
 
 
 @triton.jit
@@ -318,9 +322,11 @@ def _split_place_kernel(
 
 
 def resolve_split(common: tuple, flags: dict, Q: int, rows: int, kp: int, logb: int, H: int,
-                  K: int, block_size: int, dev: torch.device, programs: int) -> None:  # fmt: skip
+                  K: int, block_size: int, dev: torch.device, programs: int,
+                  totals: torch.Tensor, n_layers: int, has_totals: bool) -> None:  # fmt: skip
     """Launch the five stages (plus one fill) for ``Q`` requests of ``rows x kp`` entries,
-    ``programs`` (a power of two) per request.
+    ``programs`` (a power of two) per request; ``has_totals``: add the hits, misses and rows
+    moved to ``totals`` (`triton_resolve.resolve_residency`).
 
     ``common`` is `triton_resolve.resolve_residency`'s argument tuple (tensors and strides in
     the reference's order); ``flags`` its ``HAS_*`` switches.
@@ -365,8 +371,8 @@ def resolve_split(common: tuple, flags: dict, Q: int, rows: int, kp: int, logb: 
     )  # fmt: skip
     _split_rank_kernel[grid](
         state, lru, s_lru_s, s_lru_h, swap_count, s_sc, hm, s_hm_q, s_hm_c,
-        ent_g, head, mrank, mg, hit, counts, evict, i16, H,
-        N=n, C=c, BHS=bhs, P=P, HAS_HM=flags["HAS_HM"], num_warps=nw,
+        ent_g, head, mrank, mg, hit, counts, evict, i16, H, totals, n_layers,
+        N=n, C=c, BHS=bhs, P=P, HAS_HM=flags["HAS_HM"], HAS_TOTALS=has_totals, num_warps=nw,
     )  # fmt: skip
     _split_place_kernel[grid](
         state, hot_bt, s_hbt_s, s_hbt_b, hot_index, s_hi_s, s_hi_h,
