@@ -5,10 +5,18 @@
 #   profile  the 128K decode step profiled with the torch compositions
 #            (HISPARSE_FUSED=reference) and with the fused kernels, both placements, the
 #            model's own indexer (no replayed top-k), one checkpoint for both;
-#   smol     SmolLM2-135M (a GGUF at $SMOL_GGUF) at batch 64 against transformers, torch
-#            compositions vs fused kernels (benchmarks/bench_smollm2.py).
+#   smol_a   keep the first half of the SmolLM2 GGUF (.smol1/part0) on the machine;
+#   smol     SmolLM2-135M (a GGUF at $SMOL_GGUF, else assembled from that half and
+#            .smol2/part1) at batch 64 against transformers, torch compositions vs fused
+#            kernels (benchmarks/bench_smollm2.py), then its full-batch decode step profiled.
 # Prints each part's summary last; details under $OUT.
 #   OUT=/tmp/out PARTS="tests profile" bash benchmarks/gpu_fused_ops.sh
+# The bundled GGUF (98 MB) is more than one device call carries (64 MiB): split it here
+#   split -n 2 -d "$(python -c 'from hisparse.models.smollm2 import smollm2_gguf_path as p; print(p())')" /tmp/smolpart
+#   mkdir -p .smol1 .smol2 && mv /tmp/smolpart00 .smol1/part0 && mv /tmp/smolpart01 .smol2/part1
+#   printf '/.smol1/\n/.smol2/\n' >> .git/info/exclude
+# then run one call carrying .smol1 with PARTS including smol_a and, while that machine is
+# still warm (30 s), one carrying .smol2 and .whl (the gguf wheel) with PARTS=smol.
 set -uo pipefail
 OUT=${OUT:-/tmp/hisparse-fused}
 PARTS=${PARTS:-tests profile}
@@ -35,13 +43,27 @@ make_tiny('deepseek_v32', '$CKPT', preset='v32-attention', num_hidden_layers=4)"
       --out "$OUT/profile_$f" >"$OUT/profile_$f.txt" 2>&1 || echo "profile $f: rc $?"
   done
 fi
+if has smol_a; then
+  mkdir -p /tmp/smolparts && cp .smol1/part0 /tmp/smolparts/ || echo "smol_a: no .smol1/part0"
+fi
 if has smol; then
   GGUF=${SMOL_GGUF:-/tmp/smol.gguf}
+  if [ ! -f "$GGUF" ] && [ -f /tmp/smolparts/part0 ] && [ -f .smol2/part1 ]; then
+    cat /tmp/smolparts/part0 .smol2/part1 >"$GGUF"
+  fi
+  if ! $PY -c "import gguf" 2>/dev/null && ls .whl/gguf-*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+      .whl/gguf-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
   if [ -f "$GGUF" ]; then
     for f in reference triton; do
       HISPARSE_FUSED=$f timeout 150 $PY benchmarks/bench_smollm2.py --device cuda --batch 64 \
         --max-tokens 64 --top-k 256 --model "$GGUF" --out "$OUT/smol_$f" \
         >"$OUT/smol_$f.txt" 2>&1 || echo "smol $f: rc $?"
+      HISPARSE_FUSED=$f timeout 150 $PY benchmarks/profile_decode.py --model "$GGUF" --layers 30 \
+        --context 492 --batches 64 --output 14 --skip 4 --active 3 --paths graphs \
+        --placements hisparse --top-k 256 --top-kernels 60 --out "$OUT/smolprof_$f" \
+        >"$OUT/smolprof_$f.txt" 2>&1 || echo "smol profile $f: rc $?"
     done
   else
     echo "smol: no GGUF at $GGUF"
@@ -59,6 +81,7 @@ fi
 if has smol; then
   for f in reference triton; do
     [ -f "$OUT/smol_$f.txt" ] && { echo "== smol HISPARSE_FUSED=$f"; grep "^| \|tok/s" "$OUT/smol_$f.txt" | tail -6; }
+    [ -f "$OUT/smolprof_$f.txt" ] && grep "^| " "$OUT/smolprof_$f.txt"
   done
 fi
 exit 0
