@@ -1,11 +1,12 @@
-"""A DSA layer's fused ops, one dispatch point each: the Triton kernel of `fused_triton` for
-CUDA tensors, the torch composition it replaces (the reference) elsewhere.
+"""The model layers' fused ops (DSA and Llama), one dispatch point each: the Triton kernel of
+`fused_triton` for CUDA tensors, the torch composition it replaces (the reference) elsewhere.
 
 Why: a decode step's layer launched hundreds of one- or two-microsecond torch kernels (norm,
 rotary, Hadamard, quantisation and paged writes are each a chain of them), so the step ran
 far above what its bytes cost. Each function here computes what its reference does in the
-same order of operations; the RMS norm's sum and the router's weight normalisation run in
-another order (an ulp apart), and routing ties go to the lowest expert. The lossless rule
+same order of operations; the RMS norm's and LayerNorm's sums, the router's weight
+normalisation and the indexer head weights' dot products run in another order (an ulp apart),
+and routing ties go to the lowest expert. The lossless rule
 holds because both placements run the same kernels. ``HISPARSE_FUSED=reference`` keeps the
 torch compositions on CUDA, and the MoE's per-expert loop instead of its batched form (A/B
 runs: the model's eager code as it was); ``triton`` on CPU tensors needs

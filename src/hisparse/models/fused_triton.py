@@ -1,4 +1,4 @@
-"""Triton kernels that fuse a DSA layer's small ops: each replaces a chain of torch kernels.
+"""Triton kernels that fuse a layer's small ops: each replaces a chain of torch kernels.
 
 The references are the torch compositions in `hisparse.models.fused` (the eager code of the
 model before these kernels), and each kernel keeps their order of operations:
@@ -14,6 +14,9 @@ model before these kernels), and each kernel keeps their order of operations:
   straight into their pages.
 * `write_mla_rows`: the MLA row of each new token: RMS norm of the latent, rotary of its
   rope part, the row format's packing (``fp8_ds_mla`` tiles or ``bf16``) and the paged write.
+* `route_dense`, `moe_combine`: the MoE router's grouped top-k and the experts' weighted sum.
+* `silu_mul` (libdevice ``expf``, as torch's silu) and `head_weights` (the indexer's fp32
+  per-head weights, one GEMV).
 
 e4m3 bytes are encoded with integer operations (round to nearest even, like torch's cast) so
 the CPU interpreter, whose float8 cast mis-rounds at exponent carries, runs the same kernels.
