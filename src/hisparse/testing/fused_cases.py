@@ -65,7 +65,7 @@ def assert_indexer_keys_close(
     slots: torch.Tensor,
 ) -> None:
     """fp8 indexer pages ``got`` as the reference wrote ``ref`` from ``before``: the same
-    power-of-two scales at every written slot, keys within an e4m3 step and what a normed
+    power-of-two scales (all but a rare tile), keys within an e4m3 step and what a normed
     value's ulp moves them by (a LayerNorm computed in another order), most bytes equal, and
     every other byte of the pages untouched."""
     bs = ref.shape[1] // fmt.row_bytes
@@ -77,7 +77,9 @@ def assert_indexer_keys_close(
     kr, sr = read_indexer_keys(ref, fmt, rows)
     kg, sg = read_indexer_keys(got, fmt, rows)
     assert sr is not None and sg is not None
-    assert torch.equal(sr, sg)
+    # power-of-two scales: equal but where a normed ulp moved a tile's amax across a power
+    # of two (rare); the values are compared dequantised either way
+    assert (sr != sg).float().mean() <= 1e-3
     a = (kr.float().view(*kr.shape[:-1], -1, fmt.tile) * sr[..., None]).flatten(-2)
     b = (kg.float().view(*kg.shape[:-1], -1, fmt.tile) * sg[..., None]).flatten(-2)
     # One e4m3 step, plus what an ulp of a few normed values moves a Hadamard output by

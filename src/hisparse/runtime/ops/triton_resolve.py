@@ -483,7 +483,10 @@ def resident_rows(
     if rows == 0:
         return
     table = resident_block_table
+    row_req = row_req.contiguous()  # read at offset r (a no-op on the runtime's buffers)
     vc = valid_counts if valid_counts is not None else out_physical
+    if valid_counts is not None and valid_counts.stride(0) != 1:
+        raise ValueError("valid_counts must have unit stride")
     _resident_rows_kernel[(rows,)](
         topk, topk.stride(0), topk.stride(1), row_req, table, table.stride(0), table.stride(1),
         out_physical, out_physical.stride(0), out_physical.stride(1), vc, k, block_size,
