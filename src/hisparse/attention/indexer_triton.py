@@ -352,9 +352,10 @@ def score_cols(
     return cols if max_len is None else min(cols, max_len)
 
 
-#: Rows up to which the Triton select beats ``torch.topk`` on the H200 (bench_topk.py: 2x at
-#: 1-8 rows of 128K, even at 29, slower from 64: its per-row work is not split finer).
-SELECT_MAX_ROWS = 16
+#: Rows up to which the Triton select runs instead of ``torch.topk`` (bench_topk.py, H200: 2x
+#: at 1-8 rows of 128K, even at 29 in time with half the launches, slower from 64: its
+#: per-row work is not split finer).
+SELECT_MAX_ROWS = 32
 
 
 def topk_from_scores(
