@@ -245,7 +245,10 @@ def _gather_plan_kernel(
     dst_ptr, d_sb, d_sr,
     srow_ptr, drow_ptr, mask_ptr, n, bs_s, bs_d, G,
     RW: tl.constexpr, RWP: tl.constexpr, T: tl.constexpr, HAS_MASK: tl.constexpr,
+    SRC_IS_INDEX: tl.constexpr = False,
 ):  # fmt: skip
+    """Row copies; ``SRC_IS_INDEX``: row ``j`` of the source is item ``j`` (`scatter_rows`:
+    no source row list)."""
     pid = tl.program_id(0)
     ti = tl.arange(0, T)
     w = tl.arange(0, RWP)[None, :]
@@ -259,7 +262,10 @@ def _gather_plan_kernel(
             sr = tl.load(srow_ptr + j, mask=live, other=0).to(tl.int64)
             dr = tl.load(drow_ptr + j, mask=live, other=0).to(tl.int64)
         else:  # both rows valid
-            sr = tl.load(srow_ptr + j, mask=jm, other=-1).to(tl.int64)
+            if SRC_IS_INDEX:
+                sr = tl.where(jm, j, -1)
+            else:
+                sr = tl.load(srow_ptr + j, mask=jm, other=-1).to(tl.int64)
             dr = tl.load(drow_ptr + j, mask=jm, other=-1).to(tl.int64)
             live = (sr >= 0) & (dr >= 0)
         so = tl.multiple_of((sr // bs_s) * s_sb + (sr % bs_s) * s_sr, 4)
@@ -295,28 +301,6 @@ def gather_plan(
     )  # fmt: skip
 
 
-@triton.jit
-def _scatter_rows_kernel(
-    src_ptr, s_sr, dst_ptr, d_sb, d_sr, slot_ptr, n, bs_d, G,
-    RW: tl.constexpr, RWP: tl.constexpr, T: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    ti = tl.arange(0, T)
-    w = tl.arange(0, RWP)[None, :]
-    wm = w < RW
-    n_items = (n + T - 1) // T
-    for item in range(pid, n_items, G):
-        j = tl.cast(item, tl.int64) * T + ti
-        jm = j < n
-        dr = tl.load(slot_ptr + j, mask=jm, other=-1).to(tl.int64)
-        live = dr >= 0
-        so = tl.multiple_of(j * s_sr, 4)
-        do = tl.multiple_of((dr // bs_d) * d_sb + (dr % bs_d) * d_sr, 4)
-        m = live[:, None] & wm
-        v = tl.load(src_ptr + so[:, None] + w, mask=m)
-        tl.store(dst_ptr + do[:, None] + w, v, mask=m)
-
-
 def scatter_rows(values: Tensor, region: Tensor, slots: Tensor) -> None:
     """Triton `reference.scatter_rows`: row ``i`` of ``values`` into ``region`` row
     ``slots[i]`` where ``slots[i] >= 0`` (16-byte aligned rows, as `gather_plan`'s)."""
@@ -324,14 +308,15 @@ def scatter_rows(values: Tensor, region: Tensor, slots: Tensor) -> None:
     if n == 0:
         return
     dw, d_sb, d_sr, rw = _words(region)
-    sw, s_sr, _, rw2 = _words(values.unsqueeze(1))
+    sw, s_sb, s_sr, rw2 = _words(values.unsqueeze(1))
     if rw != rw2:
         raise ValueError(f"row sizes differ: values {4 * rw2} B, region {4 * rw} B")
     t, rwp, nw = _copy_tile_shape(rw)
     g = _num_programs(region.device, triton.cdiv(n, t))
-    _scatter_rows_kernel[(g,)](
-        sw, s_sr, dw, d_sb, d_sr, slots.reshape(-1).contiguous(), n, region.shape[1], g,
-        RW=rw, RWP=rwp, T=t, num_warps=nw,
+    dr = slots.reshape(-1).contiguous()
+    _gather_plan_kernel[(g,)](
+        sw, s_sb, s_sr, dw, d_sb, d_sr, dr, dr, dr, n, 1, region.shape[1], g,
+        RW=rw, RWP=rwp, T=t, HAS_MASK=False, SRC_IS_INDEX=True, num_warps=nw,
     )  # fmt: skip
 
 
