@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The fused ops on one GPU (issue #21), in parts (PARTS, default "tests profile"):
-#   tests    the fused kernels' GPU tests against the torch references, then the engine's
-#            GPU tests (lossless HiSparse vs all-GPU, CUDA graphs) on the fused path;
-#   profile  the 128K decode step profiled with the torch compositions
-#            (HISPARSE_FUSED=reference) and with the fused kernels, both placements, the
+#   tests    GPU test files (TESTS, default: the data-plane ops', the fused kernels' against
+#            their torch references, then the engine's: lossless HiSparse vs all-GPU, CUDA
+#            graphs, on the fused path);
+#   profile  the 128K decode step profiled per variant (VARIANTS, default the torch
+#            compositions, HISPARSE_FUSED=reference, and the fused kernels), both placements, the
 #            model's own indexer (no replayed top-k), one checkpoint for both;
 #   smol_a   keep the first half of the SmolLM2 GGUF (.smol1/part0) on the machine;
 #   smol     SmolLM2-135M (a GGUF at $SMOL_GGUF, else assembled from that half and
-#            .smol2/part1) at batch 64 against transformers, torch compositions vs fused
-#            kernels (benchmarks/bench_smollm2.py), then its full-batch decode step profiled.
+#            .smol2/part1) at batch 64 against transformers per variant
+#            (benchmarks/bench_smollm2.py), then its full-batch decode step profiled;
+#            with smol_prefill instead the prefill of 8 prompts of 492 tokens profiled.
 # Prints each part's summary last; details under $OUT.
 #   OUT=/tmp/out PARTS="tests profile" bash benchmarks/gpu_fused_ops.sh
 # The bundled GGUF (98 MB) is more than one device call carries (64 MiB): split it here
@@ -24,12 +26,15 @@ mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
+# VARIANTS: the fused ops' backends (HISPARSE_FUSED) to run
+VARIANTS=${VARIANTS:-reference triton}
+TESTS=${TESTS:-test_ops_gpu test_fused_gpu test_engine_gpu}
 
 if has tests; then
-  timeout 150 $PY -m pytest -o addopts="" -q --tb=short -p no:cacheprovider \
-    tests/gpu/test_fused_gpu.py >"$OUT/test_fused_gpu.txt" 2>&1 || echo "test_fused_gpu: rc $?"
-  timeout 240 $PY -m pytest -o addopts="" -q -x --tb=short -p no:cacheprovider \
-    tests/gpu/test_engine_gpu.py >"$OUT/test_engine_gpu.txt" 2>&1 || echo "test_engine_gpu: rc $?"
+  for t in $TESTS; do  # each file under its own limit; -x: the first failure is the one to see
+    timeout "${TEST_LIMIT_S:-240}" $PY -m pytest -o addopts="" -q -x --tb=short \
+      -p no:cacheprovider "tests/gpu/$t.py" >"$OUT/$t.txt" 2>&1 || echo "$t: rc $?"
+  done
 fi
 if has profile; then
   CKPT=${CKPT:-/tmp/v32p}
@@ -38,9 +43,10 @@ make_tiny('deepseek_v32', '$CKPT', preset='v32-attention', num_hidden_layers=4)"
     >"$OUT/make_tiny.txt" 2>&1
   P="--model $CKPT --layers 4 --context 131072 --batches 1,29 --paths graphs --output 12"
   P="$P --skip 4 --active 3 --gpu-memory-gib 14 --overlap 0 --top-kernels 70"
-  for f in reference triton; do
-    HISPARSE_FUSED=$f timeout 170 $PY benchmarks/profile_decode.py $P \
-      --out "$OUT/profile_$f" >"$OUT/profile_$f.txt" 2>&1 || echo "profile $f: rc $?"
+  for v in $VARIANTS; do
+    HISPARSE_FUSED=$v timeout 170 $PY benchmarks/profile_decode.py $P --out "$OUT/profile_$v" \
+      >"$OUT/profile_$v.txt" 2>&1 \
+      || echo "profile $v: rc $?"
   done
 fi
 if has smol_a; then
@@ -55,33 +61,40 @@ if has smol; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
       .whl/gguf-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
   fi
-  if [ -f "$GGUF" ]; then
-    for f in reference triton; do
-      HISPARSE_FUSED=$f timeout 150 $PY benchmarks/bench_smollm2.py --device cuda --batch 64 \
-        --max-tokens 64 --top-k 256 --model "$GGUF" --out "$OUT/smol_$f" \
-        >"$OUT/smol_$f.txt" 2>&1 || echo "smol $f: rc $?"
-      HISPARSE_FUSED=$f timeout 150 $PY benchmarks/profile_decode.py --model "$GGUF" --layers 30 \
+  if [ -f "$GGUF" ] && has smol_prefill; then  # where a batch's prefill time goes
+    timeout 200 $PY benchmarks/profile_prefill.py --model "$GGUF" --input-len 492 --prompts 8 \
+      --max-batched-tokens 2048 --placements hisparse --out "$OUT/smol_prefill" \
+      >"$OUT/smol_prefill.txt" 2>&1 || echo "smol prefill: rc $?"
+    tail -n 60 "$OUT/smol_prefill.txt"
+  elif [ -f "$GGUF" ]; then
+    for v in $VARIANTS; do
+      export HISPARSE_FUSED=$v
+      timeout 150 $PY benchmarks/bench_smollm2.py --device cuda --batch 64 \
+        --max-tokens 64 --top-k 256 --model "$GGUF" --out "$OUT/smol_$v" \
+        >"$OUT/smol_$v.txt" 2>&1 || echo "smol $v: rc $?"
+      timeout 150 $PY benchmarks/profile_decode.py --model "$GGUF" --layers 30 \
         --context 492 --batches 64 --output 14 --skip 4 --active 3 --paths graphs \
-        --placements hisparse --top-k 256 --top-kernels 60 --out "$OUT/smolprof_$f" \
-        >"$OUT/smolprof_$f.txt" 2>&1 || echo "smol profile $f: rc $?"
+        --placements hisparse --top-k 256 --top-kernels 60 --out "$OUT/smolprof_$v" \
+        >"$OUT/smolprof_$v.txt" 2>&1 || echo "smol profile $v: rc $?"
     done
+    unset HISPARSE_FUSED
   else
     echo "smol: no GGUF at $GGUF"
   fi
 fi
 
 if has tests; then
-  tail -n 3 "$OUT/test_fused_gpu.txt" "$OUT/test_engine_gpu.txt"
+  for t in $TESTS; do tail -n 3 "$OUT/$t.txt"; done
 fi
 if has profile; then
-  for f in reference triton; do
-    echo "== profile HISPARSE_FUSED=$f"; grep "^| \|same tokens" "$OUT/profile_$f.txt"
+  for v in $VARIANTS; do
+    echo "== profile $v"; grep "^| \|same tokens" "$OUT/profile_$v.txt"
   done
 fi
 if has smol; then
-  for f in reference triton; do
-    [ -f "$OUT/smol_$f.txt" ] && { echo "== smol HISPARSE_FUSED=$f"; grep "^| \|tok/s" "$OUT/smol_$f.txt" | tail -6; }
-    [ -f "$OUT/smolprof_$f.txt" ] && grep "^| " "$OUT/smolprof_$f.txt"
+  for v in $VARIANTS; do
+    [ -f "$OUT/smol_$v.txt" ] && { echo "== smol $v"; grep "^| \|tok/s" "$OUT/smol_$v.txt" | tail -6; }
+    [ -f "$OUT/smolprof_$v.txt" ] && grep "^| " "$OUT/smolprof_$v.txt"
   done
 fi
 exit 0

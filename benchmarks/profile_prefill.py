@@ -1,11 +1,14 @@
 """Where a real prefill's time goes, HiSparse against all-GPU placement (CUDA).
 
-For each placement: one warm-up prefill (kernel compilation), then one prompt of ``--input-len``
-tokens (one new token) under ``torch.profiler``. Prints the wall time and the GPU kernels by
-total time for both placements side by side, so the difference between the two is visible
-kernel by kernel; the full tables go to ``--out``.
+For each placement: one warm-up prefill (kernel compilation), then ``--prompts`` prompts of
+``--input-len`` tokens (one new token each) under ``torch.profiler``. Prints the wall time,
+the GPU kernels' busy time and the host's busiest ops (a prefill that leaves the GPU idle is
+host-bound), then the GPU kernels by total time for both placements side by side, so the
+difference between the two is visible kernel by kernel; the full tables go to ``--out``.
 
     PYTHONPATH=src python3 benchmarks/profile_prefill.py --model /tmp/v32 --input-len 16384
+    PYTHONPATH=src python3 benchmarks/profile_prefill.py --model smol.gguf --input-len 492 \
+        --prompts 8 --max-batched-tokens 2048
 """
 
 from __future__ import annotations
@@ -35,24 +38,29 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--input-len", type=int, default=16384)
     p.add_argument("--max-batched-tokens", type=int, default=16384)
+    p.add_argument("--prompts", type=int, default=1, help="prompts of --input-len tokens")
+    p.add_argument("--placements", default="gpu,hisparse")
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     g = torch.Generator().manual_seed(0)
     one = SamplingParams(temperature=0, max_tokens=1)
     results = {}
-    for placement in ("gpu", "hisparse"):
+    for placement in args.placements.split(","):
         with LLM(
             args.model,
             kv_placement=placement,
             max_model_len=args.input_len + 8,
-            max_num_seqs=1,
+            max_num_seqs=args.prompts,
             max_num_batched_tokens=args.max_batched_tokens,
             gpu_memory_gib=8,
             hisparse=HiSparseConfig(host_pool_gib=4),
         ) as llm:
             vocab = llm.model.config.vocab_size
-            prompts = [torch.randint(0, vocab, (args.input_len,), generator=g).tolist()]
+            prompts = [
+                torch.randint(0, vocab, (args.input_len,), generator=g).tolist()
+                for _ in range(args.prompts)
+            ]
             llm.generate(prompt_token_ids=prompts, sampling_params=one)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -63,10 +71,20 @@ def main() -> None:
                 llm.generate(prompt_token_ids=prompts, sampling_params=one)
                 torch.cuda.synchronize()
         results[placement] = (wall, kernel_times(prof))
+        host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+        print(f"{placement}: wall {wall:.3f} s; host self time by op (ms):")
+        for e in host:
+            print(f"  {e.self_cpu_time_total / 1e3:9.1f} {e.count:7d}  {e.key[:80]}")
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60)
             (args.out / f"profile_prefill_{placement}.txt").write_text(table)
+    if len(results) == 1:
+        ((placement, (wall, times)),) = results.items()
+        print(f"{placement}: wall {wall:.3f} s, GPU kernel time {sum(times.values()):.1f} ms")
+        for k in sorted(times, key=lambda k: -times[k])[: args.top]:
+            print(f"{k[:70]:<70} {times[k]:>9.2f} ms")
+        return
     (gw, gk), (hw, hk) = results["gpu"], results["hisparse"]
     print(f"wall (unprofiled): all-GPU {gw:.3f} s, HiSparse {hw:.3f} s ({hw / gw:.2f}x)")
     print(f"GPU kernel time:   all-GPU {sum(gk.values()):.1f} ms, HiSparse {sum(hk.values()):.1f}")

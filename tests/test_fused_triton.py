@@ -194,6 +194,38 @@ def test_mla_rows_written_like_the_reference(monkeypatch, row_format) -> None:
     assert_mla_rows_match(ref[4], got[4], view, slots, row_format)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gqa_rope_write_is_bit_exact(monkeypatch, dtype) -> None:
+    """q, the K/V rows and the e4m3 index keys as the torch composition writes them: strided
+    qkv rows, layer views strided in the shared pool, poisoned pages, skipped slots, keys
+    beyond the e4m3 range (clamped)."""
+    from hisparse.attention.gqa_indexer_reference import GqaIndexerFormat
+    from hisparse.attention.sparse_gqa_reference import GqaRowFormat
+
+    g = torch.Generator().manual_seed(11)
+    n, h, kvh, d, bs, nb = 7, 6, 2, 32, 4, 9
+    name = "bf16" if dtype == torch.bfloat16 else "fp32"
+    rows_fmt = GqaRowFormat(kvh, d, name)
+    key_fmt = GqaIndexerFormat("fp8", kvh, d)
+    qkv = (torch.randn(n, (h + 2 * kvh) * d + 24, generator=g) * 3).to(dtype)
+    qkv[2, h * d : (h + 1) * d] *= 400  # keys past 448: clamped
+    qkv = qkv[:, : (h + 2 * kvh) * d]
+    cos, sin = _angles(n, d // 2, dtype, g)
+    pool = torch.randint(0, 256, (nb, 2, bs * rows_fmt.row_bytes), dtype=torch.uint8, generator=g)
+    view = pool[:, 1].unflatten(1, (bs, rows_fmt.row_bytes))  # a layer of a shared pool
+    pages = torch.randint(0, 256, (nb, 3, bs * key_fmt.row_bytes), dtype=torch.uint8, generator=g)
+    pages = pages[:, 2]
+    slots = torch.tensor([5, 30, -1, 12, 4, 35, 9])  # >= bs: block 0 is the null block
+    key_slots = torch.tensor([7, -1, 33, 12, 4, 28, 21])
+    (ref, ra), (got, ga) = reference_and_kernel(
+        monkeypatch, fused.gqa_rope_write, qkv, h, cos, sin, view, slots, rows_fmt, pages,
+        key_slots, key_fmt,
+    )  # fmt: skip
+    assert got.shape == (n, h, d) and torch.equal(ref, got)
+    assert torch.equal(ra[4], ga[4]) and not torch.equal(ga[4], view)  # the K/V rows
+    assert torch.equal(ra[7], ga[7]) and not torch.equal(ga[7], pages)  # the index keys
+
+
 def test_empty_steps_launch_nothing(monkeypatch) -> None:
     monkeypatch.setenv("HISPARSE_FUSED", "triton")
     norm = _norm(64, torch.bfloat16, torch.Generator().manual_seed(0))

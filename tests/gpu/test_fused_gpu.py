@@ -194,6 +194,36 @@ def test_silu_mul_bit_exact(monkeypatch, shape, dtype) -> None:
     assert torch.equal(ref, got)
 
 
+@pytest.mark.parametrize("n", [1, 64, 8192])
+def test_gqa_rope_write_bit_exact(monkeypatch, n: int) -> None:
+    """SmolLM2's dimensions (9 q heads, 3 KV heads of 64): q, the K/V rows of a layer strided
+    in a shared pool and the e4m3 keys, poisoned pages compared whole."""
+    from hisparse.attention.gqa_indexer_reference import GqaIndexerFormat
+    from hisparse.attention.sparse_gqa_reference import GqaRowFormat
+
+    g = _g(n + 7)
+    h, kvh, d, bs = 9, 3, 64, 16
+    nb = n // bs + 8
+    rows_fmt, key_fmt = GqaRowFormat(kvh, d, "bf16"), GqaIndexerFormat("fp8", kvh, d)
+    qkv = (torch.randn(n, (h + 2 * kvh) * d, generator=g, device=DEV) * 3).to(BF16)
+    qkv[::5, h * d : (h + 1) * d] *= 300  # keys past 448: clamped
+    a = torch.rand(n, d // 2, generator=g, device=DEV) * 1e4
+    cos, sin = a.cos().to(BF16), a.sin().to(BF16)
+    pool = torch.randint(0, 256, (nb, 2, bs * rows_fmt.row_bytes), generator=g, device=DEV)
+    view = pool.to(torch.uint8)[:, 1].unflatten(1, (bs, rows_fmt.row_bytes))
+    pages = torch.randint(0, 256, (nb, bs * key_fmt.row_bytes), generator=g, device=DEV)
+    pages = pages.to(torch.uint8)
+    slots = bs + torch.randperm((nb - 1) * bs, generator=g, device=DEV)[:n]
+    key_slots = bs + torch.randperm((nb - 1) * bs, generator=g, device=DEV)[:n]
+    slots[::7], key_slots[::5] = -1, -1
+    (ref, ra), (got, ga) = reference_and_kernel(
+        monkeypatch, fused.gqa_rope_write, qkv, h, cos, sin, view, slots, rows_fmt, pages,
+        key_slots, key_fmt,
+    )  # fmt: skip
+    assert torch.equal(ref, got)
+    assert torch.equal(ra[4], ga[4]) and torch.equal(ra[7], ga[7])
+
+
 @pytest.mark.parametrize("n", [1, 29, 64, 65])
 def test_indexer_head_weights(monkeypatch, n: int) -> None:
     g = _g(n + 3)

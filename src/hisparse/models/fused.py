@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hisparse.attention.dispatch import env_backend
+from hisparse.attention.gqa_indexer_reference import GqaIndexerFormat, write_index_keys
 from hisparse.attention.indexer_reference import hadamard_transform, quantize_indexer_fp8
 from hisparse.kv.row_formats import (
     IndexerCacheFormat,
@@ -30,12 +31,14 @@ from hisparse.kv.row_formats import (
     mla_format_name,
     pack_mla_rows,
     write_indexer_keys,
+    write_rows_fast,
     write_rows_where,
 )
 from hisparse.models.layers import RMSNorm, rope_half_split, rope_interleaved
 from hisparse.models.layers import rms_norm as rms_norm_reference
 
 if TYPE_CHECKING:
+    from hisparse.attention.sparse_gqa_reference import GqaRowFormat
     from hisparse.models.deepseek_v32 import Router
 
 
@@ -78,6 +81,50 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
 def _rope_prefix(x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, interleaved: bool) -> Tensor:
     rot = (rope_interleaved if interleaved else rope_half_split)(x[..., :rope_dim], cos, sin)
     return torch.cat((rot, x[..., rope_dim:]), dim=-1)
+
+
+def gqa_rope_write(
+    qkv: Tensor,
+    heads: int,
+    cos: Tensor,
+    sin: Tensor,
+    view: Tensor,
+    slots: Tensor,
+    row_format: GqaRowFormat,
+    pages: Tensor,
+    key_slots: Tensor,
+    key_format: GqaIndexerFormat,
+) -> Tensor:
+    """A GQA layer's new tokens from ``qkv [N, (H + 2G) · D]`` (the stacked q, k, v
+    projection; half-split rotary at ``cos/sin [N, D / 2]``): their K/V rows into ``view
+    [NB, BS, row_bytes]`` at ``slots``, their keys into the ``fp8`` index ``pages`` at
+    ``key_slots`` (``< 0`` skipped); returns the rotated queries ``[N, H, D]``."""
+    if key_format.method != "fp8":
+        raise ValueError(f"gqa_rope_write writes fp8 index keys, not {key_format.method!r}")
+    n, g, d = qkv.shape[0], row_format.num_kv_heads, row_format.head_dim
+    size = qkv.element_size()
+    if (
+        qkv.dim() == 2
+        and qkv.shape[1] == (heads + 2 * g) * d
+        and _pow2(d)
+        and cos.shape[-1] * 2 == d
+        and row_format.torch_dtype == qkv.dtype == cos.dtype
+        and view.dtype == pages.dtype == torch.uint8
+        and view.dim() == 3
+        and view.stride(2) == 1
+        and all(x % size == 0 for x in (*view.stride()[:2], view.storage_offset()))
+        and _triton(qkv, view, pages)
+    ):
+        keys = pages.unflatten(1, (-1, key_format.row_bytes))
+        return _kernels().gqa_rope_write(
+            qkv, heads, g, cos, sin, view.view(qkv.dtype), slots, keys, key_slots
+        )
+    q = rope_half_split(qkv[:, : heads * d].view(n, heads, d), cos, sin)
+    k = rope_half_split(qkv[:, heads * d : (heads + g) * d].view(n, g, d), cos, sin)
+    v = qkv[:, (heads + g) * d :].view(n, g, d)
+    write_rows_fast(view, slots, row_format.pack(k, v))
+    write_index_keys(pages, key_format, key_slots, k, sync_free=True)
+    return q
 
 
 def _indexer_kernel_ok(x: Tensor, cos: Tensor, rope_dim: int, tile: int) -> bool:

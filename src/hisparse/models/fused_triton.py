@@ -8,6 +8,8 @@ model before these kernels), and each kernel keeps their order of operations:
   order than torch's, so values may differ from the reference in the last bit.
 * `rope`: rotary embedding of a strided ``[N, H, R]`` slice into a contiguous tensor, each
   product, difference and sum rounded to the input dtype as torch rounds them (bit-exact).
+* `gqa_rope_write`: a GQA layer's rotary of q and k, its paged K/V row and its fp8 index
+  key (SmolLM2's write: ten torch kernels), bit-exact.
 * `indexer_fp8`: the lightning indexer's query or key path after its projection: rotary on the
   first ``rope_dim`` values, the Walsh-Hadamard butterfly in fp32 (the reference's own adds
   and subtractions, so bit-exact), power-of-two scales per tile, e4m3 bytes; keys are written
@@ -212,6 +214,63 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
             R=r, BH=bh, INTERLEAVED=interleaved, DT=_TL_DTYPES[x.dtype],
         )  # fmt: skip
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# GQA rows: rotary of q and k + the paged K/V row + the fp8 index key
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _gqa_rows_kernel(
+    x_ptr, sx_n, cos_ptr, sin_ptr, cs_stride, q_ptr, H, G,
+    slot_ptr, row_ptr, s_rb, s_ro, row_bs, islot_ptr, key_ptr, s_kb, s_ko, key_bs,
+    D: tl.constexpr, BH: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)  # q heads, then k heads, then v heads
+    d = tl.arange(0, D)
+    partner, ang, first = _rope_index(d, D, False)
+    hm = (h < H + 2 * G)[:, None]
+    base = x_ptr + n * sx_n + h[:, None] * D
+    x = tl.load(base + d[None, :], mask=hm, other=0.0).to(tl.float32)
+    xp = tl.load(base + partner[None, :], mask=hm, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + n * cs_stride + ang).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + n * cs_stride + ang).to(tl.float32)[None, :]
+    rotated = (h < H + G)[:, None]
+    o = tl.where(rotated, _rotate(x, xp, c, s, first[None, :], DT), x)
+    tl.store(q_ptr + (n * H + h[:, None]) * D + d[None, :], o.to(DT), mask=(h < H)[:, None])
+    col = (h[:, None] - H) * D + d[None, :]  # the row holds the k heads, then the v heads
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    if slot >= 0:
+        row = row_ptr + (slot // row_bs) * s_rb + (slot % row_bs) * s_ro
+        tl.store(row + col, o.to(DT), mask=hm & (h >= H)[:, None])
+    islot = tl.load(islot_ptr + n).to(tl.int64)
+    if islot >= 0:
+        key = key_ptr + (islot // key_bs) * s_kb + (islot % key_bs) * s_ko
+        e4m3 = _e4m3_bits(tl.minimum(tl.maximum(o, -FP8_MAX), FP8_MAX)).to(tl.uint8)
+        tl.store(key + col, e4m3, mask=rotated & (h >= H)[:, None])
+
+
+def gqa_rope_write(
+    qkv: Tensor, heads: int, kv_heads: int, cos: Tensor, sin: Tensor,
+    rows: Tensor, slots: Tensor, keys: Tensor, key_slots: Tensor,
+) -> Tensor:  # fmt: skip
+    """From ``qkv [N, (H + 2G) · D]`` (the stacked projection: q, k, v heads): the rotated
+    queries ``[N, H, D]``; the rotated k and v as rows ``[k heads, v heads]`` into ``rows
+    [NB, BS, 2 · G · D]`` (``qkv``'s dtype) at ``slots``, the rotated k as e4m3 into ``keys
+    [NB, BS, G · D]`` (uint8) at ``key_slots`` (``< 0`` skipped)."""
+    n = qkv.shape[0]
+    d = rows.shape[2] // (2 * kv_heads)
+    q = torch.empty((n, heads, d), dtype=qkv.dtype, device=qkv.device)
+    if n:
+        width = heads + 2 * kv_heads
+        bh = min(16, triton.next_power_of_2(width))
+        _gqa_rows_kernel[(n, triton.cdiv(width, bh))](
+            qkv, qkv.stride(0), *_angles(cos, sin), q, heads, kv_heads,
+            slots.contiguous(), rows, rows.stride(0), rows.stride(1), rows.shape[1],
+            key_slots.contiguous(), keys, keys.stride(0), keys.stride(1), keys.shape[1],
+            D=d, BH=bh, DT=_TL_DTYPES[qkv.dtype],
+        )  # fmt: skip
+    return q
 
 
 # ---------------------------------------------------------------------------------------------

@@ -249,12 +249,7 @@ class LlamaAttention(LlamaAttentionCpu, nn.Module):
         `full_width_rope` (the CPU path: the same values in fewer ops)."""
         n = x.shape[0]
         plan = plan or StepPlan.of(step)
-        q, k, v = self._project(x, cos, sin)
         tp = self.tp_heads
-        qr, kr = (q, k) if tp is None else (q[:, tp[0]].contiguous(), k[:, tp[1]])  # this rank's
-
-        # 1. this step's rows into the paged cache, and 2. their compact keys (on the CPU
-        # both in one compiled call where it applies), then one logical top-k per token.
         kv = cache.attention(self.layer)
         view, slots = kv.write_target()
         fmt = cache.indexer_format
@@ -262,11 +257,22 @@ class LlamaAttention(LlamaAttentionCpu, nn.Module):
         idx = cache.indexer(self.layer)
         pages, idx_slots = idx.write_target()
         rows_fmt = cache.row_format
-        # (under tensor parallelism the rows hold this rank's KV heads, the keys every head)
-        if tp is not None or not write_rows_cpu(k, v, view, slots, pages, idx_slots, rows_fmt, fmt):
-            write_rows_fast(view, slots, rows_fmt.pack(kr, v))  # no host sync off the CPU
-            # decode: one row per request, written without a boolean select (fewer ops)
-            write_index_keys(pages, fmt, idx_slots, k, dims, sync_free=plan.decode)
+
+        # 1. this step's rows into the paged cache, and 2. their compact keys (on CUDA with
+        # the rotary in one kernel, on the CPU both in one compiled call where it applies),
+        # then one logical top-k per token.
+        q = qr = self._project_write(x, cos, sin, view, slots, rows_fmt, pages, idx_slots, fmt)
+        if q is None:
+            q, k, v = self._project(x, cos, sin)
+            # this rank's heads (under tensor parallelism the rows hold this rank's KV heads,
+            # the keys every head)
+            qr, kr = (q, k) if tp is None else (q[:, tp[0]].contiguous(), k[:, tp[1]])
+            if tp is not None or not write_rows_cpu(
+                k, v, view, slots, pages, idx_slots, rows_fmt, fmt
+            ):
+                write_rows_fast(view, slots, rows_fmt.pack(kr, v))  # no host sync off the CPU
+                # decode: one row per request, written without a boolean select (fewer ops)
+                write_index_keys(pages, fmt, idx_slots, k, dims, sync_free=plan.decode)
         kv.finish_kv_update()
         read_pages, table = idx.read_source()
         topk = self._select(q, step, plan, read_pages, table, fmt, indexer, dims)
@@ -275,6 +281,38 @@ class LlamaAttention(LlamaAttentionCpu, nn.Module):
         physical = kv.swap_in(topk)
         out = self._attend(qr, step, plan, view, topk, physical, cache.row_format, indexer)
         return self.o_proj(out.reshape(n, -1))
+
+    def _project_write(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        view: torch.Tensor,
+        slots: torch.Tensor,
+        rows_fmt: GqaRowFormat,
+        pages: torch.Tensor,
+        idx_slots: torch.Tensor,
+        fmt: GqaIndexerFormat,
+    ) -> torch.Tensor | None:
+        """The fused form (CUDA, fp8 index keys, no tensor parallelism) of `_project` and
+        the writes: one matmul over the stacked weight, then `fused.gqa_rope_write` (the
+        rotary, the K/V rows and the index keys in one kernel); the rotated queries, or None
+        where it does not apply."""
+        qkv = self._qkv  # stacked by `LlamaForCausalLM.prepare_fused` (CUDA)
+        mods = (self.q_proj, self.k_proj, self.v_proj)
+        if (
+            self.tp_heads is not None
+            or fmt.method != "fp8"
+            or cos.shape[-1] * 2 != self.head_dim  # the CPU path's full-width angles
+            or not fused.fused_on(x)
+            or qkv is None
+            or tuple(m.weight.data_ptr() for m in mods) != qkv[1]
+        ):
+            return None
+        out = F.linear(x, qkv[0])
+        return fused.gqa_rope_write(
+            out, self.n_heads, cos, sin, view, slots, rows_fmt, pages, idx_slots, fmt
+        )
 
     def _project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -395,8 +433,8 @@ class LlamaAttention(LlamaAttentionCpu, nn.Module):
                 qd, pos, pages, table[:n_req], step.seq_lens[:n_req],
                 longest, fmt, cfg, self.scale, width, dims,
             )  # fmt: skip
-            if plan.static:  # padding rows (no request) select nothing
-                return torch.where(step.req_index[:, None] >= 0, chosen, -1)
+            if plan.static:  # padding rows (no request): the swap-in maps them to no row
+                return chosen
             out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
             out[rows] = chosen
             return out
