@@ -439,3 +439,56 @@ def test_llama_with_fused_ops_matches_the_references(monkeypatch) -> None:
         hidden.append(out)
     for ref, got in zip(*hidden, strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_llama_prefill_by_token_rows_matches_the_batched_path(monkeypatch) -> None:
+    """A multi-token step on CUDA takes the decode kernels with one row per token (the
+    Triton indexer and sparse GQA attention): the same selections as the batched prefill
+    path, and the same hidden states up to fp32 summation order, over a first chunk (one
+    request scored, one short enough to be dense) and a second chunk on top of it; the
+    tokens in one block and in blocks of about ten (`PREFILL_SCRATCH_BYTES`)."""
+    from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig
+    from hisparse.models import llama
+    from hisparse.models.llama import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, GqaIndexerConfig(top_k=24, recent_window=8)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    picks: list[torch.Tensor] = []
+    select = llama.LlamaAttention._select
+
+    def recording(self, *args):  # type: ignore[no-untyped-def]
+        out = select(self, *args)
+        picks.append(out.clone())
+        return out
+
+    monkeypatch.setattr(llama.LlamaAttention, "_select", recording)
+    g = torch.Generator().manual_seed(1)
+    chunks = [[torch.randint(0, 96, (n,), generator=g) for n in ns] for ns in ((40, 23), (9, 5))]
+    runs = []
+    for backend, scratch in (("reference", None), ("triton", None), ("triton", 4 * 5 * 64 * 8)):
+        monkeypatch.setenv("HISPARSE_GQA_INDEXER", backend)
+        monkeypatch.setenv("HISPARSE_ATTENTION", backend)
+        if scratch is not None:  # blocks of 10-12 tokens
+            monkeypatch.setattr(llama, "PREFILL_SCRATCH_BYTES", scratch)
+        picks.clear()
+        cache = model.new_dense_cache(max_reqs=2, max_len=64, block_size=8)
+        hidden = []
+        for chunk in chunks:
+            step = cache.begin_step([0, 1], [len(c) for c in chunk])
+            hidden.append(model(torch.cat(chunk), step, cache))
+        runs.append((hidden, list(picks)))
+    (ref_h, ref_k), *kernel_runs = runs
+    assert (ref_k[2] >= 0).sum(1).max() == 24  # the second chunk selects top_k rows
+    for got_h, got_k in kernel_runs:  # in one block of tokens, then in small blocks
+        assert len(ref_k) == len(got_k) == 4  # two layers, two chunks
+        for ref, got in zip(ref_k, got_k, strict=True):
+            assert torch.equal(ref, got)
+        for ref, got in zip(ref_h, got_h, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)

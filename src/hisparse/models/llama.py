@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hisparse.attention.dispatch import gqa_indexer_topk_decode, sparse_gqa_decode
+from hisparse.attention.dispatch import env_backend, gqa_indexer_topk_decode, sparse_gqa_decode
 from hisparse.attention.gqa_indexer_reference import (
     GqaIndexerConfig,
     GqaIndexerFormat,
@@ -357,16 +357,18 @@ class LlamaAttention(LlamaAttentionCpu, nn.Module):
         fmt: GqaRowFormat,
         cfg: GqaIndexerConfig,
     ) -> torch.Tensor:
-        """Sparse attention. A decode step (one token per request, dense or sparse alike)
-        gathers each token's rows in one call (`sparse_gqa_decode`: the Triton kernel on
-        CUDA). Otherwise (prefill chunks, mixed steps) on the CPU `_attend_cpu`: dense
+        """Sparse attention. A decode step (one token per request, dense or sparse alike),
+        and on CUDA any step, gathers each token's rows in one call (`sparse_gqa_decode`: the
+        Triton kernel). Otherwise (prefill chunks, mixed steps) on the CPU `_attend_cpu`: dense
         causal tokens in one fused kernel, each other token over its own rows in place (a
         token costs its top-k rows, not its whole prefix). Elsewhere (or without numba)
         each request reads the union of its tokens' rows once, in position order (so the
         result does not depend on where rows sit), and masks each token to its own
         selection; all requests in one batched pass (`selected_gqa_varlen_reference`): far
         less copying than one gather per token and no loop over requests."""
-        if plan.decode:
+        if plan.decode or _token_rows(q, "HISPARSE_ATTENTION"):
+            # (a multi-token step on CUDA: each token over its own rows in the decode kernel;
+            # a padding token's rows are all -1, so it gets 0)
             out, _ = sparse_gqa_decode(q, view, physical, self.scale, fmt, need_lse=False)
             return out
         if q.device.type == "cpu":
@@ -460,10 +462,41 @@ class LlamaAttention(LlamaAttentionCpu, nn.Module):
             out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
             out[rows] = chosen
             return out
+        if fmt.method == "fp8" and _token_rows(q, "HISPARSE_GQA_INDEXER"):
+            # A multi-token step on CUDA: every token is a row of the decode kernels (its
+            # request's table row and length, its own position): the prefill's rule, since
+            # a token before position top_k has at most top_k candidates and keeps them all.
+            # Blocks of tokens whose fp32 scratch (logits of every head, masses) stays
+            # under PREFILL_SCRATCH_BYTES.
+            valid = step.req_index >= 0
+            req = step.req_index.clamp_min(0)
+            tables, lens = table[req], step.seq_lens[req]
+            rows = max(1, PREFILL_SCRATCH_BYTES // (4 * (q.shape[1] + 1) * max(longest, 1)))
+            blocks = [
+                gqa_indexer_topk_decode(
+                    q[lo : lo + rows], step.positions[lo : lo + rows], pages,
+                    tables[lo : lo + rows], lens[lo : lo + rows], longest, fmt, cfg,
+                    self.scale, width, dims,
+                )
+                for lo in range(0, q.shape[0], rows)
+            ]  # fmt: skip
+            chosen = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+            return torch.where(valid[:, None], chosen, -1)
         return gqa_indexer_topk_prefill(
             q, step.positions, step.req_index, pages, table, plan.lens, fmt, cfg, self.scale,
             width, dims,
         )  # fmt: skip
+
+
+#: Most bytes of indexer scratch one launch pair of a multi-token CUDA step allocates.
+PREFILL_SCRATCH_BYTES = 1 << 28
+
+
+def _token_rows(q: torch.Tensor, backend_var: str) -> bool:
+    """Whether a multi-token step (prefill chunks) takes the decode kernels with one row per
+    token, as ``backend_var`` picks (on CUDA by default): a few launches a layer instead of
+    the batched torch path's hundreds, which left a GPU prefill bound by the host."""
+    return env_backend(backend_var, q.device) == "triton"
 
 
 class LlamaDecoderLayer(nn.Module):
