@@ -123,6 +123,24 @@ def test_all_dense_requests(scratch: list) -> None:
     assert torch.equal(got, gr.dense_topk(case.positions, TOP_K))
 
 
+@pytest.mark.parametrize("capacity", [136, 16])  # scored rows / every row dense (host bound)
+def test_rows_without_keys_select_nothing(scratch: list, capacity: int) -> None:
+    """A fixed-shape step's padding rows (``lengths == 0``, position 0) select nothing on the
+    kernel path, the torch path and the dense early-out of both: no row reaches the swap-in."""
+    case = gcases.random_decode_case(
+        [70, 1, 20, 1] if capacity > 16 else [9, 1, 12, 1], head_dim=16, block_size=8,
+        capacity=capacity, seed=int(torch.randint(0, 2**31, ())),
+    )  # fmt: skip
+    case.lengths[[1, 3]] = 0
+    case.positions[[1, 3]] = 0
+    got = git.gqa_indexer_topk_decode_triton(*case.args(), CFG, SCALE, TOP_K)
+    want = gr.gqa_indexer_topk_decode_reference(*case.args(), CFG, SCALE, TOP_K)
+    for out in (got, want):
+        assert bool((out[[1, 3]] == -1).all())
+        assert bool((out[[0, 2], 0] == 0).all())  # the real rows keep their sink / first key
+    assert torch.equal(got[[1, 3]], want[[1, 3]])
+
+
 def test_dispatch_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     """``HISPARSE_GQA_INDEXER=triton`` routes `gqa_indexer_topk_decode` to the kernels (on a
     CPU only under the interpreter), ``reference`` keeps the torch path."""

@@ -235,9 +235,9 @@ def test_batched_decode_indexer_equals_per_request(method: str) -> None:
 
 
 def test_model_decode_through_the_kernel_matches_reference(monkeypatch: pytest.MonkeyPatch):
-    """A tiny random Llama decodes (sparse and dense requests in one batch) with the Triton
-    kernel forced (interpreter) and with the reference: the same logits up to fp32 rounding,
-    and the kernel really ran."""
+    """A tiny random Llama prefills and decodes (sparse and dense requests in one batch) with
+    the Triton kernel forced (interpreter; the prefill runs it with one row per token) and
+    with the reference: the same logits up to fp32 rounding, and the kernel really ran."""
     from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig
     from hisparse.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -269,7 +269,7 @@ def test_model_decode_through_the_kernel_matches_reference(monkeypatch: pytest.M
     ref = logits("reference")
     assert not calls
     got = logits("triton")
-    assert len(calls) == 3 * cfg.num_hidden_layers
+    assert len(calls) == (1 + 3) * cfg.num_hidden_layers  # the prefill, one row per token
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 

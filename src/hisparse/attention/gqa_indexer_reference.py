@@ -401,6 +401,12 @@ def dense_topk(positions: torch.Tensor, width: int) -> torch.Tensor:
     return torch.where(s <= positions[:, None], out, torch.full_like(out, -1))
 
 
+def dense_rows(positions: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """`dense_topk` of decode rows: a row with no keys (``lengths == 0``: a padding row of a
+    fixed-shape step) selects nothing, as the Triton select leaves it."""
+    return dense_topk(torch.where(lengths > 0, positions, -1), width)
+
+
 def gqa_indexer_topk(
     q: torch.Tensor,
     positions: torch.Tensor,
@@ -626,14 +632,14 @@ def gqa_indexer_topk_decode_reference(
     quest (per-chunk keys), which goes request by request.
     """
     r, h, _ = q.shape
-    dense = dense_topk(positions, width)
+    dense = dense_rows(positions, lengths, width)
     if cfg.top_k is None or longest <= cfg.top_k:
         return dense
     if fmt.method == "quest":
         lens = lengths.tolist()
         return torch.cat([
             gqa_indexer_topk(q[i : i + 1], positions[i : i + 1], pages, tables[i], lens[i],
-                             fmt, cfg, scale, width, dims)
+                             fmt, cfg, scale, width, dims) if lens[i] > 0 else dense[i : i + 1]
             for i in range(r)
         ])  # fmt: skip
     bs = fmt.block_size_of(pages)

@@ -50,7 +50,7 @@ from hisparse.attention import triton_split
 from hisparse.attention.gqa_indexer_reference import (
     GqaIndexerConfig,
     GqaIndexerFormat,
-    dense_topk,
+    dense_rows,
 )
 from hisparse.attention.sparse_mla_triton import interpreting
 from hisparse.attention.triton_split import num_sms
@@ -270,10 +270,10 @@ def _gqa_select_kernel(
     pos = tl.load(pos_ptr + r).to(tl.int32)
     out_row = out_ptr + r.to(tl.int64) * s_out_r
     cols = tl.arange(0, BLOCK_W)
-    if length <= top_k:  # fits: every causal position (dense_topk)
+    if length <= top_k:  # fits: every causal position (`dense_rows`: none without keys)
         for w0 in range(0, width, BLOCK_W):
             cc = w0 + cols
-            tl.store(out_row + cc, tl.where(cc <= pos, cc, -1), mask=cc < width)
+            tl.store(out_row + cc, tl.where((cc <= pos) & (cc < length), cc, -1), mask=cc < width)
     else:
         n, ns, rs = _regions(length, pos, sink, window)
         heads = tl.arange(0, HP)
@@ -390,7 +390,7 @@ def gqa_indexer_topk_decode_triton(
     ``int32 [R, width]`` buffer, every element of which is written."""
     r, h, d = q.shape
     if cfg.top_k is None or longest <= cfg.top_k:
-        return dense_topk(positions, width)
+        return dense_rows(positions, lengths, width)
     if not supports(q, pages, tables, fmt, cfg):
         raise ValueError(
             f"Triton GQA indexer: needs the fp8 method, q [R, H, {fmt.head_dim}] (H a multiple "

@@ -9,8 +9,9 @@ attention layer goes through the same cache protocol as the DSA model
 2. write the compact indexer keys into the layer's index pages and choose ONE logical top-k
    per query token (`gqa_indexer_topk`: training-free, shared by all heads of the layer);
 3. ``swap_in(logical_topk)`` -> physical rows (HiSparse gathers misses from the host);
-4. sparse GQA attention over those rows (`sparse_gqa_decode`: the Triton kernel on CUDA in
-   decode, the reference otherwise; a CPU prefill runs `LlamaAttention._attend_cpu`).
+4. sparse GQA attention over those rows (`sparse_gqa_decode`: the Triton kernel on CUDA, in
+   decode and, one row per token, in prefill; the reference otherwise; a CPU prefill runs
+   `LlamaAttention._attend_cpu`).
 
 The CPU forms of a layer (the batch-1 decode step, a prefill's attention) are in `llama_cpu`.
 
