@@ -492,3 +492,24 @@ def test_llama_prefill_by_token_rows_matches_the_batched_path(monkeypatch) -> No
             assert torch.equal(ref, got)
         for ref, got in zip(ref_h, got_h, strict=True):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_keeps_the_batched_path_for_shapes_the_kernels_decline(monkeypatch) -> None:
+    """A head dim that is not a power of two: the decode kernels decline it, so a multi-token
+    step keeps the batched path (not their per-token references); a power of two takes the
+    kernels, and ``reference`` keeps the batched path for any shape."""
+    from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig, GqaIndexerFormat
+    from hisparse.attention.sparse_gqa_reference import GqaRowFormat
+    from hisparse.models import llama
+
+    cfg = GqaIndexerConfig(top_k=24, recent_window=8)
+    for d, backend, want in ((16, "triton", True), (24, "triton", False), (16, "reference", False)):
+        monkeypatch.setenv("HISPARSE_ATTENTION", backend)
+        monkeypatch.setenv("HISPARSE_GQA_INDEXER", backend)
+        rows, keys = GqaRowFormat(2, d), GqaIndexerFormat("fp8", 2, d)
+        q = torch.zeros(5, 4, d)
+        view = torch.zeros(3, 8, rows.row_bytes, dtype=torch.uint8)
+        pages = torch.zeros(3, 8 * keys.row_bytes, dtype=torch.uint8)
+        table = torch.zeros(2, 3, dtype=torch.int32)
+        assert llama._rows_attention(q, view, rows) is want
+        assert llama._rows_indexer(q, pages, table, keys, cfg) is want

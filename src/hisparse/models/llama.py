@@ -367,7 +367,7 @@ class LlamaAttention(LlamaAttentionCpu, nn.Module):
         result does not depend on where rows sit), and masks each token to its own
         selection; all requests in one batched pass (`selected_gqa_varlen_reference`): far
         less copying than one gather per token and no loop over requests."""
-        if plan.decode or _token_rows(q, "HISPARSE_ATTENTION"):
+        if plan.decode or _rows_attention(q, view, fmt):
             # (a multi-token step on CUDA: each token over its own rows in the decode kernel;
             # a padding token's rows are all -1, so it gets 0)
             out, _ = sparse_gqa_decode(q, view, physical, self.scale, fmt, need_lse=False)
@@ -463,7 +463,7 @@ class LlamaAttention(LlamaAttentionCpu, nn.Module):
             out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
             out[rows] = chosen
             return out
-        if fmt.method == "fp8" and _token_rows(q, "HISPARSE_GQA_INDEXER"):
+        if _rows_indexer(q, pages, table, fmt, cfg):
             # A multi-token step on CUDA: every token is a row of the decode kernels (its
             # request's table row and length, its own position): the prefill's rule, since
             # a token before position top_k has at most top_k candidates and keeps them all.
@@ -493,11 +493,37 @@ class LlamaAttention(LlamaAttentionCpu, nn.Module):
 PREFILL_SCRATCH_BYTES = 1 << 28
 
 
-def _token_rows(q: torch.Tensor, backend_var: str) -> bool:
-    """Whether a multi-token step (prefill chunks) takes the decode kernels with one row per
-    token, as ``backend_var`` picks (on CUDA by default): a few launches a layer instead of
-    the batched torch path's hundreds, which left a GPU prefill bound by the host."""
-    return env_backend(backend_var, q.device) == "triton"
+def _rows_attention(q: torch.Tensor, view: torch.Tensor, fmt: GqaRowFormat) -> bool:
+    """Whether a multi-token step (prefill chunks) attends with the decode kernel, one row per
+    token (``HISPARSE_ATTENTION``: on CUDA by default, where the kernel takes the shapes): a
+    launch a layer instead of the batched torch path's hundreds of ops, which left a GPU
+    prefill bound by the host. Shapes the kernel declines keep the batched path (its
+    per-token reference would gather each token's rows apart)."""
+    if env_backend("HISPARSE_ATTENTION", q.device) != "triton":
+        return False
+    try:
+        from hisparse.attention import sparse_gqa_triton as sgt
+    except ImportError:  # pragma: no cover - no Triton: the batched path
+        return False
+    return sgt.supports(q, view, fmt)
+
+
+def _rows_indexer(
+    q: torch.Tensor,
+    pages: torch.Tensor,
+    table: torch.Tensor,
+    fmt: GqaIndexerFormat,
+    cfg: GqaIndexerConfig,
+) -> bool:
+    """`_rows_attention` for the indexer (``HISPARSE_GQA_INDEXER``, the fp8 method): the
+    decode kernels with one row per token, where they take the shapes."""
+    if fmt.method != "fp8" or env_backend("HISPARSE_GQA_INDEXER", q.device) != "triton":
+        return False
+    try:
+        from hisparse.attention import gqa_indexer_triton as git
+    except ImportError:  # pragma: no cover - no Triton: the batched path
+        return False
+    return git.supports(q, pages, table, fmt, cfg)
 
 
 class LlamaDecoderLayer(nn.Module):
