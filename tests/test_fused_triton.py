@@ -397,19 +397,11 @@ def test_moe_combine(monkeypatch, k) -> None:
     assert torch.equal(ref, got)  # the same roundings in the same order
 
 
-def test_llama_with_fused_ops_matches_the_references(monkeypatch) -> None:
-    """A Llama (GQA) model after `prepare_fused` (stacked q, k, v and gate, up weights, the
-    rotary table): a prefill and fixed-shape decode steps with the fused ops (add + norm,
-    rotary, silu · up) against the torch references, fp32. torch's silu stands in for the
-    kernel's numpy exp, as in the DSA test above."""
+def _tiny_llama():  # type: ignore[no-untyped-def]
+    """A two-layer fp32 Llama with random weights, top_k 24 (prompts past it are scored)."""
     from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig
     from hisparse.models.llama import LlamaConfig, LlamaForCausalLM
 
-    def torch_silu_mul(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.nn.functional.silu(x[..., :half]) * x[..., half:]
-
-    monkeypatch.setattr(ft, "silu_mul", torch_silu_mul)
     config = LlamaConfig(
         vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
@@ -419,6 +411,21 @@ def test_llama_with_fused_ops_matches_the_references(monkeypatch) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
+    return model
+
+
+def test_llama_with_fused_ops_matches_the_references(monkeypatch) -> None:
+    """A Llama (GQA) model after `prepare_fused` (stacked q, k, v and gate, up weights, the
+    rotary table): a prefill and fixed-shape decode steps with the fused ops (add + norm,
+    rotary, silu · up) against the torch references, fp32. torch's silu stands in for the
+    kernel's numpy exp, as in the DSA test above."""
+
+    def torch_silu_mul(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.nn.functional.silu(x[..., :half]) * x[..., half:]
+
+    monkeypatch.setattr(ft, "silu_mul", torch_silu_mul)
+    model = _tiny_llama()
     ptr = model.model.layers[0].self_attn.q_proj.weight.data_ptr()
     model.prepare_fused()
     attn = model.model.layers[0].self_attn
@@ -447,19 +454,9 @@ def test_llama_prefill_by_token_rows_matches_the_batched_path(monkeypatch) -> No
     path, and the same hidden states up to fp32 summation order, over a first chunk (one
     request scored, one short enough to be dense) and a second chunk on top of it; the
     tokens in one block and in blocks of about ten (`PREFILL_SCRATCH_BYTES`)."""
-    from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig
     from hisparse.models import llama
-    from hisparse.models.llama import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config, GqaIndexerConfig(top_k=24, recent_window=8)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
+    model = _tiny_llama()
     picks: list[torch.Tensor] = []
     select = llama.LlamaAttention._select
 

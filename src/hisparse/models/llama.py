@@ -469,9 +469,13 @@ class LlamaAttention(LlamaAttentionCpu, nn.Module):
             # a token before position top_k has at most top_k candidates and keeps them all.
             # Blocks of tokens whose fp32 scratch (logits of every head, masses) stays
             # under PREFILL_SCRATCH_BYTES.
-            valid = step.req_index >= 0
-            req = step.req_index.clamp_min(0)
-            tables, lens = table[req], step.seq_lens[req]
+            # (each token's table row and length: the same for every layer, once a step)
+            memo = plan.memo.get("token_rows")
+            if memo is None or memo[0] is not table:
+                req = step.req_index.clamp_min(0)
+                memo = (table, step.req_index >= 0, table[req], step.seq_lens[req])
+                plan.memo["token_rows"] = memo
+            _, valid, tables, lens = memo
             rows = max(1, PREFILL_SCRATCH_BYTES // (4 * (q.shape[1] + 1) * max(longest, 1)))
             blocks = [
                 gqa_indexer_topk_decode(
