@@ -10,7 +10,8 @@
 #   smol     SmolLM2-135M (a GGUF at $SMOL_GGUF, else assembled from that half and
 #            .smol2/part1) at batch 64 against transformers per variant
 #            (benchmarks/bench_smollm2.py), then its full-batch decode step profiled;
-#            with smol_prefill instead the prefill of 8 prompts of 492 tokens profiled.
+#            with smol_prefill also the prefill of 8 prompts of 492 tokens profiled, the
+#            batched torch path against the decode kernels' one row per token.
 # Prints each part's summary last; details under $OUT.
 #   OUT=/tmp/out PARTS="tests profile" bash benchmarks/gpu_fused_ops.sh
 # The bundled GGUF (98 MB) is more than one device call carries (64 MiB): split it here
@@ -30,6 +31,17 @@ has() { [[ " $PARTS " == *" $1 "* ]]; }
 VARIANTS=${VARIANTS:-reference triton}
 TESTS=${TESTS:-test_ops_gpu test_fused_gpu test_engine_gpu}
 
+if has smol; then  # the GGUF first: the SmolLM2 GPU tests read it too (SMOLLM2_GGUF)
+  GGUF=${SMOL_GGUF:-/tmp/smol.gguf}
+  if [ ! -f "$GGUF" ] && [ -f /tmp/smolparts/part0 ] && [ -f .smol2/part1 ]; then
+    cat /tmp/smolparts/part0 .smol2/part1 >"$GGUF"
+  fi
+  [ -f "$GGUF" ] && export SMOLLM2_GGUF=$GGUF
+  if ! $PY -c "import gguf" 2>/dev/null && ls .whl/gguf-*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+      .whl/gguf-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
+fi
 if has tests; then
   for t in $TESTS; do  # each file under its own limit; -x: the first failure is the one to see
     timeout "${TEST_LIMIT_S:-240}" $PY -m pytest -o addopts="" -q -x --tb=short \
@@ -53,20 +65,18 @@ if has smol_a; then
   mkdir -p /tmp/smolparts && cp .smol1/part0 /tmp/smolparts/ || echo "smol_a: no .smol1/part0"
 fi
 if has smol; then
-  GGUF=${SMOL_GGUF:-/tmp/smol.gguf}
-  if [ ! -f "$GGUF" ] && [ -f /tmp/smolparts/part0 ] && [ -f .smol2/part1 ]; then
-    cat /tmp/smolparts/part0 .smol2/part1 >"$GGUF"
+  if [ -f "$GGUF" ] && has smol_prefill; then  # where a batch's prefill time goes: the
+    # batched torch path (the attention and indexer references) against one decode-kernel
+    # row per token
+    for route in batched rows; do
+      env=(); [ $route = batched ] && env=(HISPARSE_ATTENTION=reference HISPARSE_GQA_INDEXER=reference)
+      env "${env[@]}" timeout 200 $PY benchmarks/profile_prefill.py --model "$GGUF" \
+        --input-len 492 --prompts 8 --max-batched-tokens 4096 --placements hisparse \
+        --out "$OUT/smol_prefill_$route" >"$OUT/smol_prefill_$route.txt" 2>&1 \
+        || echo "smol prefill $route: rc $?"
+    done
   fi
-  if ! $PY -c "import gguf" 2>/dev/null && ls .whl/gguf-*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-      .whl/gguf-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-  fi
-  if [ -f "$GGUF" ] && has smol_prefill; then  # where a batch's prefill time goes
-    timeout 200 $PY benchmarks/profile_prefill.py --model "$GGUF" --input-len 492 --prompts 8 \
-      --max-batched-tokens 2048 --placements hisparse --out "$OUT/smol_prefill" \
-      >"$OUT/smol_prefill.txt" 2>&1 || echo "smol prefill: rc $?"
-    tail -n 60 "$OUT/smol_prefill.txt"
-  elif [ -f "$GGUF" ]; then
+  if [ -f "$GGUF" ]; then
     for v in $VARIANTS; do
       export HISPARSE_FUSED=$v
       timeout 150 $PY benchmarks/bench_smollm2.py --device cuda --batch 64 \
@@ -89,6 +99,11 @@ fi
 if has profile; then
   for v in $VARIANTS; do
     echo "== profile $v"; grep "^| \|same tokens" "$OUT/profile_$v.txt"
+  done
+fi
+if has smol_prefill; then
+  for route in batched rows; do
+    echo "== smol prefill $route"; grep "wall" "$OUT/smol_prefill_$route.txt"
   done
 fi
 if has smol; then
