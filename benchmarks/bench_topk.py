@@ -6,7 +6,8 @@ Rows of 128K (and 32K) fp32 scores, ``top_k`` 2048, at the decode batches of one
 CUDA-graph replays (what a captured decode step pays; `triton.testing.do_bench`):
 
 - ``torch``: ``torch.topk`` + the ``-inf`` -> ``-1`` mapping (the path before the select);
-- ``select``: `topk_select_triton`;
+- ``select``: `topk_select_triton` (and, at 1 and 8 rows, the same at 32 / 64 / 128
+  programs per row: how finely `MIN_PART` splits a row);
 - ``read``: the bytes the select must read once (``rows x keys x 4 B``) at the HBM copy rate
   measured in the same run (1 GiB copy): the floor of any top-k.
 
@@ -45,13 +46,14 @@ def main() -> None:
     copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
     copy_gb_s = 2 * src.numel() * 4 / copy_ms / 1e6  # read + write
     src = dst = None  # freed
-    rows = []
+    rows, sweep = [], []
     for t, s in CASES:
         g = torch.Generator(device=dev).manual_seed(t * 7 + s)
         x = torch.randn(t, s, generator=g, device=dev)
         out = torch.full((t, K), -7777, dtype=torch.int32, device=dev)
         topk_select_triton(x, K, out)
-        exact = torch.equal(out, topk_select_reference(x, K))
+        want = topk_select_reference(x, K)
+        exact = torch.equal(out, want)
         same_set = torch.equal(out.sort(dim=1).values, x.topk(K, dim=1).indices.sort(dim=1).values)
         picked = topk_from_scores(x, K).sort(dim=1).values  # the select up to SELECT_MAX_ROWS
         assert picked.equal(out.sort(dim=1).values), "the indexer's top-k picks another set"
@@ -62,13 +64,25 @@ def main() -> None:
                          torch_us=t_torch, select_us=t_sel, read_us=read_us,
                          speedup=t_torch / t_sel, copy_gb_s=copy_gb_s))  # fmt: skip
         print(rows[-1], flush=True)
+        if t <= 8:  # programs per row: the default against finer splits (part lengths)
+            for p in (32, 64, 128):
+                us = _graph_us(lambda x=x, out=out, p=p: topk_select_triton(x, K, out, parts=p))
+                ok = torch.equal(topk_select_triton(x, K, out, parts=p), want)
+                sweep.append(dict(rows=t, keys=s, parts=p, select_us=us, exact=ok))
+                print(sweep[-1], flush=True)
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "bench_topk.json").write_text(json.dumps(rows, indent=2))
+        Path(os.environ["OUT"], "bench_topk.json").write_text(json.dumps(rows + sweep, indent=2))
+    print("\nprograms per row (rows, keys: parts -> µs)")
+    for r in sweep:
+        print(
+            f"  {r['rows']:5d} {r['keys']:7d}: {r['parts']:4d} -> {r['select_us']:7.1f}"
+            f"{'' if r['exact'] else '  NOT EXACT'}"
+        )
     print(f"\nHBM copy {copy_gb_s:.0f} GB/s; top_k {K}; medians of CUDA-graph replays, µs")
     head = ["rows", "keys", "exact", "torch.topk µs", "select µs", "speedup", "read floor µs",
             "select / floor"]  # fmt: skip
     print("| " + " | ".join(head) + " |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|" + "---|" * len(head))
     for r in rows:
         print(f"| {r['rows']} | {r['keys']} | {r['exact'] and r['same_set_as_torch']} | "
               f"{r['torch_us']:.1f} | {r['select_us']:.1f} | {r['speedup']:.2f}x | "

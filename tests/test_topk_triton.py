@@ -44,7 +44,8 @@ def _poisoned(t: int, k: int) -> torch.Tensor:
 @pytest.mark.parametrize(
     "t,s,k,parts",
     [(1, 1, 1, None), (1, 7, 4, None), (3, 300, 8, None), (4, 100, 200, None),
-     (2, 5000, 64, None), (2, 5000, 64, 1), (3, 3 * BLOCK + 5, 100, 3), (5, 9000, 2048, None)],
+     (2, 5000, 64, None), (2, 5000, 64, 1), (3, 3 * BLOCK + 5, 100, 3), (5, 9000, 2048, None),
+     (1, 5000, 64, 8), (2, 700, 30, 4)],  # (parts shorter than BLOCK: smaller blocks)
 )  # fmt: skip
 def test_random_rows_equal_the_reference(t: int, s: int, k: int, parts: int | None) -> None:
     x = _rows(t, s, seed=t * 1000 + s + k)

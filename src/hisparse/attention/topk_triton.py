@@ -13,9 +13,10 @@ time over a ``(row, part)`` grid, each program reading a part of the row:
 
 1. four histogram launches: each program adds its part's 256-bin histogram of the next byte,
    among the keys whose higher bytes equal those found so far, to the row's histogram in
-   global memory (``tl.histogram``, then 256 atomic adds). Every program re-derives the bytes
-   found so far from the earlier histograms (a 256-bin scan each), so no launch is spent on
-   scans; after the fourth the exact k-th key and how many keys equal to it to take are known;
+   global memory (``tl.histogram``, then an atomic add per bin it has keys in). Every
+   program re-derives the bytes found so far from the earlier histograms (a 256-bin scan
+   each), so no launch is spent on scans; after the fourth the exact k-th key and how many
+   keys equal to it to take are known;
 2. a count launch: each part's keys above it and equal to it;
 3. a write launch: each part's output offset from prefix sums over the parts before it, then
    its picks in position order (ties: the first ones by position).
@@ -36,14 +37,16 @@ from torch import Tensor
 from hisparse.attention.triton_split import num_sms
 from hisparse.runtime.ops import triton_common  # noqa: F401  (the interpreter's loop-bound fix)
 
-#: Elements one program reads per iteration.
+#: Elements one program reads per iteration (fewer, down to `MIN_BLOCK`, in a shorter part).
 BLOCK = 2048
+MIN_BLOCK = 256
 #: Bytes of a key found per histogram launch (four launches: 32 bits).
 DIGIT_BITS = 8
 BINS = 1 << DIGIT_BITS
 PASSES = 32 // DIGIT_BITS
-#: Fewest elements per program worth a part of its own.
-MIN_PART = 4096
+#: Fewest elements per program worth a part of its own (bench_topk.py's sweep: at one 128K
+#: row, 128 parts of 1,024 keys beat 32 of 4,096; a part's histogram costs per key).
+MIN_PART = 1024
 INT32_MIN = tl.constexpr(-(2**31))
 
 
@@ -138,7 +141,8 @@ def _hist_kernel(
                 take = take & (high == prefix)
             digit = (u >> (32 - DIGIT_BITS * (PASS + 1))) & (BINS - 1)
             acc += tl.histogram(digit, BINS, mask=take)
-        tl.atomic_add(hist_row + PASS * BINS + tl.arange(0, BINS), acc, sem="relaxed")
+        bins = tl.arange(0, BINS)  # (only the bins the part has keys in: fewer atomics)
+        tl.atomic_add(hist_row + PASS * BINS + bins, acc, mask=acc != 0, sem="relaxed")
 
 
 @triton.jit
@@ -247,7 +251,9 @@ def topk_select_triton(
         None if v is None else v.contiguous() for v in (limits, positions, req_index)
     )
     p = parts or _parts(t, s, scores.device)
-    part = triton.cdiv(triton.cdiv(max(s, 1), p), BLOCK) * BLOCK
+    per = triton.cdiv(max(s, 1), p)
+    block = BLOCK if per >= BLOCK else max(MIN_BLOCK, triton.next_power_of_2(per))
+    part = triton.cdiv(per, block) * block
     p = max(1, triton.cdiv(s, part))
     hist = torch.zeros((t, PASSES, BINS), dtype=torch.int32, device=scores.device)
     counts = torch.empty((t, p, 2), dtype=torch.int32, device=scores.device)
@@ -258,7 +264,7 @@ def topk_select_triton(
         mode, lim = 2, positions
         req = req_index if req_index is not None else positions  # positions >= 0: all real
     k = min(top_k, s)
-    common = dict(LIMITS=mode, BLOCK=BLOCK, BINS=BINS, DIGIT_BITS=DIGIT_BITS)
+    common = dict(LIMITS=mode, BLOCK=block, BINS=BINS, DIGIT_BITS=DIGIT_BITS)
     grid = (t, p)
     head = (scores, scores.stride(0), s, lim, req, hist)
     for pas in range(PASSES):
