@@ -21,6 +21,10 @@ time over a ``(row, part)`` grid, each program reading a part of the row:
 3. a write launch: each part's output offset from prefix sums over the parts before it, then
    its picks in position order (ties: the first ones by position).
 
+A histogram costs per key (``tl.histogram``: shared-memory atomics), so a row is spread over
+many programs, and the digits stay a byte wide: one program per row, or wider digits with
+fewer launches, measured slower on the H200 (benchmarks.md §15).
+
 Launch boundaries are the only barriers (nothing spins), the grid depends on shapes alone and
 nothing synchronises with the host, so a decode step captures it in its CUDA graph. Rows may
 end early (``limits``: a token's causal limit), so a graph captured at the block table's width
