@@ -6,6 +6,7 @@
 #   profile  the 128K decode step profiled per variant (VARIANTS, default the torch
 #            compositions, HISPARSE_FUSED=reference, and the fused kernels), both placements, the
 #            model's own indexer (no replayed top-k), one checkpoint for both;
+#   topk     the indexer's top-k select against torch.topk (benchmarks/bench_topk.py);
 #   smol_a   keep the first half of the SmolLM2 GGUF (.smol1/part0) on the machine;
 #   smol     SmolLM2-135M (a GGUF at $SMOL_GGUF, else assembled from that half and
 #            .smol2/part1) at batch 64 against transformers per variant
@@ -61,6 +62,9 @@ make_tiny('deepseek_v32', '$CKPT', preset='v32-attention', num_hidden_layers=4)"
       || echo "profile $v: rc $?"
   done
 fi
+if has topk; then
+  timeout 150 $PY benchmarks/bench_topk.py >"$OUT/bench_topk.txt" 2>&1 || echo "topk: rc $?"
+fi
 if has smol_a; then
   mkdir -p /tmp/smolparts && cp .smol1/part0 /tmp/smolparts/ || echo "smol_a: no .smol1/part0"
 fi
@@ -100,6 +104,9 @@ if has profile; then
   for v in $VARIANTS; do
     echo "== profile $v"; grep "^| \|same tokens" "$OUT/profile_$v.txt"
   done
+fi
+if has topk; then
+  echo "== topk"; sed -n '/^programs per row/,$p' "$OUT/bench_topk.txt"
 fi
 if has smol_prefill; then
   for route in batched rows; do
