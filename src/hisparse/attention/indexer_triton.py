@@ -352,9 +352,9 @@ def score_cols(
     return cols if max_len is None else min(cols, max_len)
 
 
-#: Rows up to which the Triton select runs instead of ``torch.topk`` (bench_topk.py, H200: 2x
-#: at 1-8 rows of 128K, even at 29 in time with half the launches, slower from 64: its
-#: per-row work is not split finer).
+#: Rows up to which the Triton select runs instead of ``torch.topk`` (bench_topk.py, H200:
+#: 2.9x at one row of 128K, 1.9x at 8, even at 29, slower from 64, where each SM's share of
+#: the histograms' per-key work bounds it).
 SELECT_MAX_ROWS = 32
 
 
