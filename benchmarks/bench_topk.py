@@ -6,7 +6,7 @@ Rows of 128K (and 32K) fp32 scores, ``top_k`` 2048, at the decode batches of one
 CUDA-graph replays (what a captured decode step pays; `triton.testing.do_bench`):
 
 - ``torch``: ``torch.topk`` + the ``-inf`` -> ``-1`` mapping (the path before the select);
-- ``select``: `topk_select_triton` (and, at 1 and 8 rows, the same at 32 / 64 / 128
+- ``select``: `topk_select_triton` (and, at 1 and 8 rows, the same at 32 / 64 / 128 / 256
   programs per row: how finely `MIN_PART` splits a row);
 - ``read``: the bytes the select must read once (``rows x keys x 4 B``) at the HBM copy rate
   measured in the same run (1 GiB copy): the floor of any top-k.
@@ -65,7 +65,7 @@ def main() -> None:
                          speedup=t_torch / t_sel, copy_gb_s=copy_gb_s))  # fmt: skip
         print(rows[-1], flush=True)
         if t <= 8:  # programs per row: the default against finer splits (part lengths)
-            for p in (32, 64, 128):
+            for p in (32, 64, 128, 256):
                 us = _graph_us(lambda x=x, out=out, p=p: topk_select_triton(x, K, out, parts=p))
                 ok = torch.equal(topk_select_triton(x, K, out, parts=p), want)
                 sweep.append(dict(rows=t, keys=s, parts=p, select_us=us, exact=ok))

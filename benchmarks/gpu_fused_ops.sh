@@ -32,6 +32,9 @@ has() { [[ " $PARTS " == *" $1 "* ]]; }
 VARIANTS=${VARIANTS:-reference triton}
 TESTS=${TESTS:-test_ops_gpu test_fused_gpu test_engine_gpu}
 
+if has smol_a; then
+  mkdir -p /tmp/smolparts && cp .smol1/part0 /tmp/smolparts/ || echo "smol_a: no .smol1/part0"
+fi
 if has smol; then  # the GGUF first: the SmolLM2 GPU tests read it too (SMOLLM2_GGUF)
   GGUF=${SMOL_GGUF:-/tmp/smol.gguf}
   if [ ! -f "$GGUF" ] && [ -f /tmp/smolparts/part0 ] && [ -f .smol2/part1 ]; then
@@ -65,16 +68,13 @@ fi
 if has topk; then
   timeout 150 $PY benchmarks/bench_topk.py >"$OUT/bench_topk.txt" 2>&1 || echo "topk: rc $?"
 fi
-if has smol_a; then
-  mkdir -p /tmp/smolparts && cp .smol1/part0 /tmp/smolparts/ || echo "smol_a: no .smol1/part0"
-fi
 if has smol; then
   if [ -f "$GGUF" ] && has smol_prefill; then  # where a batch's prefill time goes: the
     # batched torch path (the attention and indexer references) against one decode-kernel
     # row per token
     for route in batched rows; do
-      env=(); [ $route = batched ] && env=(HISPARSE_ATTENTION=reference HISPARSE_GQA_INDEXER=reference)
-      env "${env[@]}" timeout 200 $PY benchmarks/profile_prefill.py --model "$GGUF" \
+      ref=(); [ $route = batched ] && ref=(HISPARSE_ATTENTION=reference HISPARSE_GQA_INDEXER=reference)
+      env ${ref[@]+"${ref[@]}"} timeout 200 $PY benchmarks/profile_prefill.py --model "$GGUF" \
         --input-len 492 --prompts 8 --max-batched-tokens 4096 --placements hisparse \
         --out "$OUT/smol_prefill_$route" >"$OUT/smol_prefill_$route.txt" 2>&1 \
         || echo "smol prefill $route: rc $?"
@@ -105,12 +105,12 @@ if has profile; then
     echo "== profile $v"; grep "^| \|same tokens" "$OUT/profile_$v.txt"
   done
 fi
-if has topk; then
+if has topk && [ -f "$OUT/bench_topk.txt" ]; then
   echo "== topk"; sed -n '/^programs per row/,$p' "$OUT/bench_topk.txt"
 fi
-if has smol_prefill; then
+if has smol && has smol_prefill; then
   for route in batched rows; do
-    echo "== smol prefill $route"; grep "wall" "$OUT/smol_prefill_$route.txt"
+    [ -f "$OUT/smol_prefill_$route.txt" ] && { echo "== smol prefill $route"; grep "wall" "$OUT/smol_prefill_$route.txt"; }
   done
 fi
 if has smol; then

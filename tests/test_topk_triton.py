@@ -65,8 +65,9 @@ def test_ties_go_to_the_lowest_positions() -> None:
     x[1] = float("-inf")  # nothing to pick
     x[2, ::2] = -0.0  # -0.0 ties with 0.0, as the float compare has it
     for k in (1, 10, 333, 999, 1000, 1200):
-        got = topk_select_triton(x, k, out=_poisoned(3, k), parts=3)
-        assert torch.equal(got, topk_select_reference(x, k)), k
+        for parts in (3, 8):  # (8: parts of 256 keys, ties spread over many)
+            got = topk_select_triton(x, k, out=_poisoned(3, k), parts=parts)
+            assert torch.equal(got, topk_select_reference(x, k)), (k, parts)
     assert (got[1] == -1).all()
 
 
@@ -84,7 +85,8 @@ def test_limits_positions_and_padding_tokens() -> None:
     x = _rows(t, s, seed=9)
     limits = torch.tensor([1, 3000, 17, 2500])
     want = topk_select_reference(x, k, limits)
-    assert torch.equal(topk_select_triton(x, k, _poisoned(t, k), limits, parts=2), want)
+    for parts in (2, 8):  # (8: short parts, some past a row's limit)
+        assert torch.equal(topk_select_triton(x, k, _poisoned(t, k), limits, parts=parts), want)
     positions = limits - 1
     req_index = torch.tensor([0, 1, -1, 2])
     got = topk_select_triton(x, k, _poisoned(t, k), positions=positions, req_index=req_index)
