@@ -495,9 +495,9 @@ def test_prefill_keeps_the_batched_path_for_shapes_the_kernels_decline(monkeypat
     """A head dim that is not a power of two: the decode kernels decline it, so a multi-token
     step keeps the batched path (not their per-token references); a power of two takes the
     kernels, and ``reference`` keeps the batched path for any shape."""
+    from hisparse.attention import dispatch
     from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig, GqaIndexerFormat
     from hisparse.attention.sparse_gqa_reference import GqaRowFormat
-    from hisparse.models import llama
 
     cfg = GqaIndexerConfig(top_k=24, recent_window=8)
     for d, backend, want in ((16, "triton", True), (24, "triton", False), (16, "reference", False)):
@@ -508,5 +508,5 @@ def test_prefill_keeps_the_batched_path_for_shapes_the_kernels_decline(monkeypat
         view = torch.zeros(3, 8, rows.row_bytes, dtype=torch.uint8)
         pages = torch.zeros(3, 8 * keys.row_bytes, dtype=torch.uint8)
         table = torch.zeros(2, 3, dtype=torch.int32)
-        assert llama._rows_attention(q, view, rows) is want
-        assert llama._rows_indexer(q, pages, table, keys, cfg) is want
+        assert dispatch.sparse_gqa_kernel_takes(q, view, rows) is want
+        assert dispatch.gqa_indexer_kernel_takes(q, pages, table, keys, cfg) is want

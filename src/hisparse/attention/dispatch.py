@@ -93,14 +93,25 @@ def sparse_gqa_decode(
         out = _sdpa_decode_cpu(q, kv_cache, indices, scale, row_format)
         if out is not None:
             return out, None
-    if _attention_backend(q.device) == "triton":
-        try:
-            from hisparse.attention import sparse_gqa_triton as sgt
-        except ImportError:  # pragma: no cover - Triton missing: the reference still works
-            sgt = None
-        if sgt is not None and sgt.supports(q, kv_cache, row_format):
-            return sgt.sparse_gqa_decode_triton(q, kv_cache, indices, scale, row_format)
+    if sparse_gqa_kernel_takes(q, kv_cache, row_format):
+        from hisparse.attention import sparse_gqa_triton as sgt
+
+        return sgt.sparse_gqa_decode_triton(q, kv_cache, indices, scale, row_format)
     return sparse_gqa_reference(q, kv_cache, indices, scale, row_format)
+
+
+def sparse_gqa_kernel_takes(
+    q: torch.Tensor, kv_cache: torch.Tensor, row_format: GqaRowFormat
+) -> bool:
+    """Whether `sparse_gqa_decode` runs the Triton kernel on these inputs (the backend is
+    ``triton``, Triton imports, the kernel takes the shapes)."""
+    if _attention_backend(q.device) != "triton":
+        return False
+    try:
+        from hisparse.attention import sparse_gqa_triton as sgt
+    except ImportError:  # pragma: no cover - Triton missing: the reference still works
+        return False
+    return sgt.supports(q, kv_cache, row_format)
 
 
 def indexer_backend(device: torch.device) -> str:
@@ -169,13 +180,30 @@ def gqa_indexer_topk_decode(
     """`gqa_indexer_topk_decode_reference`'s contract on the best backend available: fp8 on
     CUDA runs the fused Triton kernels of `gqa_indexer_triton` (``HISPARSE_GQA_INDEXER=
     reference`` keeps the reference)."""
-    if fmt.method == "fp8" and env_backend("HISPARSE_GQA_INDEXER", q.device) == "triton":
-        from hisparse.attention import gqa_indexer_triton as git  # triton: GPU path only
+    if gqa_indexer_kernel_takes(q, pages, tables, fmt, cfg):
+        from hisparse.attention import gqa_indexer_triton as git
 
-        if git.supports(q, pages, tables, fmt, cfg):
-            return git.gqa_indexer_topk_decode_triton(
-                q, positions, pages, tables, lengths, longest, fmt, cfg, scale, width
-            )
+        return git.gqa_indexer_topk_decode_triton(
+            q, positions, pages, tables, lengths, longest, fmt, cfg, scale, width
+        )
     return gqa_indexer_topk_decode_reference(
         q, positions, pages, tables, lengths, longest, fmt, cfg, scale, width, dims
     )
+
+
+def gqa_indexer_kernel_takes(
+    q: torch.Tensor,
+    pages: torch.Tensor,
+    tables: torch.Tensor,
+    fmt: GqaIndexerFormat,
+    cfg: GqaIndexerConfig,
+) -> bool:
+    """Whether `gqa_indexer_topk_decode` runs the Triton kernels on these inputs (the fp8
+    method, the backend ``triton``, Triton imports, the kernels take the shapes)."""
+    if fmt.method != "fp8" or env_backend("HISPARSE_GQA_INDEXER", q.device) != "triton":
+        return False
+    try:
+        from hisparse.attention import gqa_indexer_triton as git
+    except ImportError:  # pragma: no cover - Triton missing: the reference still works
+        return False
+    return git.supports(q, pages, tables, fmt, cfg)

@@ -31,7 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hisparse.attention.dispatch import env_backend, gqa_indexer_topk_decode, sparse_gqa_decode
+from hisparse.attention.dispatch import (
+    gqa_indexer_kernel_takes,
+    gqa_indexer_topk_decode,
+    sparse_gqa_decode,
+    sparse_gqa_kernel_takes,
+)
 from hisparse.attention.gqa_indexer_reference import (
     GqaIndexerConfig,
     GqaIndexerFormat,
@@ -367,9 +372,12 @@ class LlamaAttention(LlamaAttentionCpu, nn.Module):
         result does not depend on where rows sit), and masks each token to its own
         selection; all requests in one batched pass (`selected_gqa_varlen_reference`): far
         less copying than one gather per token and no loop over requests."""
-        if plan.decode or _rows_attention(q, view, fmt):
-            # (a multi-token step on CUDA: each token over its own rows in the decode kernel;
-            # a padding token's rows are all -1, so it gets 0)
+        if plan.decode or sparse_gqa_kernel_takes(q, view, fmt):
+            # (a multi-token step where the kernel takes the shapes, on CUDA by default: each
+            # token over its own rows, one launch a layer instead of the batched path's
+            # hundreds of ops, which bound a GPU prefill by the host; a padding token's rows
+            # are all -1, so it gets 0. Shapes the kernel declines keep the batched path: its
+            # per-token reference would gather each token's rows apart.)
             out, _ = sparse_gqa_decode(q, view, physical, self.scale, fmt, need_lse=False)
             return out
         if q.device.type == "cpu":
@@ -463,19 +471,21 @@ class LlamaAttention(LlamaAttentionCpu, nn.Module):
             out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
             out[rows] = chosen
             return out
-        if _rows_indexer(q, pages, table, fmt, cfg):
-            # A multi-token step on CUDA: every token is a row of the decode kernels (its
-            # request's table row and length, its own position): the prefill's rule, since
-            # a token before position top_k has at most top_k candidates and keeps them all.
-            # Blocks of tokens whose fp32 scratch (logits of every head, masses) stays
-            # under PREFILL_SCRATCH_BYTES.
-            # (each token's table row and length: the same for every layer, once a step)
+        if gqa_indexer_kernel_takes(q, pages, table, fmt, cfg):
+            # A multi-token step where the decode kernels take the shapes (on CUDA): every
+            # token is a row of them (its request's table row and length, its own position):
+            # the prefill's rule, since a token before position top_k has at most top_k
+            # candidates and keeps them all. Blocks of tokens whose fp32 scratch (logits of
+            # every head, masses) stays under PREFILL_SCRATCH_BYTES.
+            # (each token's table row and length, the same for every layer: once a step; a
+            # padding token has length 0, so it selects nothing)
             memo = plan.memo.get("token_rows")
             if memo is None or memo[0] is not table:
                 req = step.req_index.clamp_min(0)
-                memo = (table, step.req_index >= 0, table[req], step.seq_lens[req])
+                lens = torch.where(step.req_index >= 0, step.seq_lens[req], 0)
+                memo = (table, table[req], lens)
                 plan.memo["token_rows"] = memo
-            _, valid, tables, lens = memo
+            _, tables, lens = memo
             rows = max(1, PREFILL_SCRATCH_BYTES // (4 * (q.shape[1] + 1) * max(longest, 1)))
             blocks = [
                 gqa_indexer_topk_decode(
@@ -485,8 +495,7 @@ class LlamaAttention(LlamaAttentionCpu, nn.Module):
                 )
                 for lo in range(0, q.shape[0], rows)
             ]  # fmt: skip
-            chosen = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-            return torch.where(valid[:, None], chosen, -1)
+            return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         return gqa_indexer_topk_prefill(
             q, step.positions, step.req_index, pages, table, plan.lens, fmt, cfg, self.scale,
             width, dims,
@@ -495,39 +504,6 @@ class LlamaAttention(LlamaAttentionCpu, nn.Module):
 
 #: Most bytes of indexer scratch one launch pair of a multi-token CUDA step allocates.
 PREFILL_SCRATCH_BYTES = 1 << 28
-
-
-def _rows_attention(q: torch.Tensor, view: torch.Tensor, fmt: GqaRowFormat) -> bool:
-    """Whether a multi-token step (prefill chunks) attends with the decode kernel, one row per
-    token (``HISPARSE_ATTENTION``: on CUDA by default, where the kernel takes the shapes): a
-    launch a layer instead of the batched torch path's hundreds of ops, which left a GPU
-    prefill bound by the host. Shapes the kernel declines keep the batched path (its
-    per-token reference would gather each token's rows apart)."""
-    if env_backend("HISPARSE_ATTENTION", q.device) != "triton":
-        return False
-    try:
-        from hisparse.attention import sparse_gqa_triton as sgt
-    except ImportError:  # pragma: no cover - no Triton: the batched path
-        return False
-    return sgt.supports(q, view, fmt)
-
-
-def _rows_indexer(
-    q: torch.Tensor,
-    pages: torch.Tensor,
-    table: torch.Tensor,
-    fmt: GqaIndexerFormat,
-    cfg: GqaIndexerConfig,
-) -> bool:
-    """`_rows_attention` for the indexer (``HISPARSE_GQA_INDEXER``, the fp8 method): the
-    decode kernels with one row per token, where they take the shapes."""
-    if fmt.method != "fp8" or env_backend("HISPARSE_GQA_INDEXER", q.device) != "triton":
-        return False
-    try:
-        from hisparse.attention import gqa_indexer_triton as git
-    except ImportError:  # pragma: no cover - no Triton: the batched path
-        return False
-    return git.supports(q, pages, table, fmt, cfg)
 
 
 class LlamaDecoderLayer(nn.Module):
