@@ -88,9 +88,17 @@ def _indexer_inputs(shape, dtype, g):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("d,rope_dim", [(128, 64), (64, 16)])
-def test_indexer_query_is_bit_exact(monkeypatch, dtype, interleaved, d, rope_dim) -> None:
-    g = torch.Generator().manual_seed(d)
+@pytest.mark.parametrize("stacked", [False, True])
+def test_indexer_query_is_bit_exact(monkeypatch, dtype, interleaved, d, rope_dim, stacked) -> None:
+    """``stacked``: the queries are the tail of a stacked projection's rows (``q_b_proj``
+    beside them), as `MLAttention.stack_projections` hands them over: strided tokens."""
+    g = torch.Generator().manual_seed(d + stacked)
     q = _indexer_inputs((9, 16, d), dtype, g)
+    if stacked:
+        rows = torch.randn(9, 40 + 16 * d, generator=g).to(dtype)
+        rows[:, 40:] = q.reshape(9, -1)
+        q = rows[:, 40:].view(9, 16, d)
+        assert not q.is_contiguous()
     cos, sin = _angles(9, rope_dim // 2, dtype, g)
     tile = min(128, d)
     (ref, _), (got, _) = reference_and_kernel(

@@ -451,6 +451,38 @@ def test_invalidate_matches_reference(seed: int) -> None:
     assert not torch.equal(a, hot) or seed  # the first case changes something
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_invalidate_with_mirror_matches_reference(seed: int) -> None:
+    """``mirror=``: the written rows copied to the host in the same launch, as the reference's
+    `gather_plan` then `invalidate_written_slots` do (random rows, some ``-1`` on either side,
+    padding requests, a state slot of ``-1``, the host poisoned first)."""
+    g = torch.Generator().manual_seed(90 + seed)
+    S, H, Q, n, bs_s, bs_d, rb = 4, 40, 3, 9, 4, 2, 48
+    hot = torch.full((S, H), -1, dtype=torch.int32)
+    for s in range(S):
+        k = int(torch.randint(1, H, (1,), generator=g))
+        hot[s, torch.randperm(H, generator=g)[:k]] = torch.randperm(60, generator=g)[:k].int()
+    state = torch.randperm(S, generator=g)[:Q].int()
+    if seed % 2:
+        state[int(torch.randint(0, Q, (1,), generator=g))] = -1
+    row_req = torch.randint(-1, Q, (n,), generator=g).int()
+    written = torch.randperm(60, generator=g)[:n].int()
+    written[torch.rand(n, generator=g) < 0.2] = -1
+    dev_rows = torch.randint(0, 9 * bs_s, (n,), generator=g).int()
+    dev_rows[torch.rand(n, generator=g) < 0.2] = -1
+    src = _paged(9, bs_s, rb, rb, g)
+    host_a = _paged(30, bs_d, rb, rb + 16, g)
+    host_a.fill_(0xA5)
+    host_b = host_a.clone()
+    a, b = hot.clone(), hot.clone()
+    ref.gather_plan(src, host_a, dev_rows, written, None)
+    ref.invalidate_written_slots(a, state, row_req, written)
+    tk.invalidate_written_slots(b, state, row_req, written, mirror=(src, host_b, dev_rows))
+    assert torch.equal(a, b)
+    assert torch.equal(host_a, host_b)
+    assert not torch.equal(a, hot) or seed  # the first case changes something
+
+
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("rows,k", [(1, 2048), (29, 2048), (7, 300), (40, 16)])
 def test_resident_rows_matches_reference(seed: int, rows: int, k: int) -> None:

@@ -222,11 +222,15 @@ class Indexer(nn.Module):
         fmt: IndexerCacheFormat,
         mode: str,
         k_proj: torch.Tensor | None = None,
+        q_proj: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's keys, then return logical top-k ``[N, index_topk]`` int32 (-1 pad).
-        ``k_proj``: ``wk(x)`` when the caller computed it (`MLAttention`'s stacked projection)."""
+        ``k_proj`` / ``q_proj``: ``wk(x)`` / ``wq_b(q_resid)`` when the caller computed them
+        (`MLAttention`'s stacked projections)."""
         n = x.shape[0]
-        q = self.wq_b(q_resid).view(n, self.n_heads, self.head_dim)
+        q = (q_proj if q_proj is not None else self.wq_b(q_resid)).view(
+            n, self.n_heads, self.head_dim
+        )
         k = k_proj if k_proj is not None else self.wk(x)
         w = fused.indexer_head_weights(self.weights_proj, x, self.n_heads**-0.5)
         pages, slots = pages_write
@@ -278,16 +282,21 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, config.hidden_size, bias=bias)
         self.indexer = Indexer(config) if config.indexer_full[layer] else None
         self.a_proj: StackedLinear | None = None
+        self.b_proj: StackedLinear | None = None
 
     @torch.no_grad()
-    def stack_a_proj(self) -> None:
+    def stack_projections(self) -> None:
         """The projections of the layer's input (``q_a_proj``, ``kv_a_proj_with_mqa`` and the
-        indexer's ``wk``) as one matmul on CUDA (`StackedLinear`), when they can be joined."""
+        indexer's ``wk``), and those of the normed query latent (``q_b_proj`` and the
+        indexer's ``wq_b``), as one matmul each on CUDA (`StackedLinear`), where they can be
+        joined."""
         mods = [self.q_a_proj, self.kv_a_proj_with_mqa]
         if self.indexer is not None:
             mods.append(self.indexer.wk)
         if stackable(mods):
             self.a_proj = StackedLinear(mods)
+        if self.indexer is not None and stackable([self.q_b_proj, self.indexer.wq_b]):
+            self.b_proj = StackedLinear([self.q_b_proj, self.indexer.wq_b])
 
     def _project_a(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(q_a_proj(x), kv_a_proj_with_mqa(x), indexer.wk(x) or None)``."""
@@ -298,6 +307,16 @@ class MLAttention(nn.Module):
             q_a, kv_a, *k_idx = a(x).split(a.sizes, dim=-1)
             return q_a, kv_a, (k_idx[0] if k_idx else None)
         return self.q_a_proj(x), self.kv_a_proj_with_mqa(x), None
+
+    def _project_b(self, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(q_b_proj(q_resid), indexer.wq_b(q_resid) or None)``."""
+        b = self.b_proj
+        if b is not None and not b.valid():
+            b = self.b_proj = None  # copied apart since: drop it
+        if b is not None and fused.fused_on(q_resid):
+            q, q_idx = b(q_resid).split(b.sizes, dim=-1)
+            return q, q_idx
+        return self.q_b_proj(q_resid), None
 
     def forward(
         self,
@@ -313,7 +332,8 @@ class MLAttention(nn.Module):
         n = x.shape[0]
         q_a, kv_a, k_idx = self._project_a(x)
         _, q_resid = fused.add_rms_norm(self.q_a_layernorm, q_a)
-        q = self.q_b_proj(q_resid).view(n, self.n_heads, self.nope + self.rope_dim)
+        q, q_idx = self._project_b(q_resid)
+        q = q.view(n, self.n_heads, self.nope + self.rope_dim)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         q_pe = fused.rope(q_pe, cos, sin, interleaved=True)
 
@@ -337,6 +357,7 @@ class MLAttention(nn.Module):
                 cache.indexer_format,
                 indexer_mode,
                 k_idx,
+                q_idx,
             )
         elif shared_topk is not None:
             topk = shared_topk
@@ -403,7 +424,7 @@ class DsaForCausalLM(nn.Module):
     def prepare_fused(self) -> DsaForCausalLM:
         """The fused forms' one-time state (call once the weights sit where they run, on
         CUDA): `MoE.stack_experts` on every MoE layer, `MLP.stack_gate_up` on the dense and
-        shared-expert MLPs, `MLAttention.stack_a_proj` on every layer, and the rotary table
+        shared-expert MLPs, `MLAttention.stack_projections` on every layer, and the rotary table
         of every position."""
         for module in self.modules():
             if isinstance(module, MoE):
@@ -412,7 +433,7 @@ class DsaForCausalLM(nn.Module):
             elif isinstance(module, DecoderLayer) and isinstance(module.mlp, MLP):
                 module.mlp.stack_gate_up()
             elif isinstance(module, MLAttention):
-                module.stack_a_proj()
+                module.stack_projections()
         w = self.lm_head.weight
         self.rotary.build_table(self.config.max_position_embeddings, w.dtype, w.device)
         return self

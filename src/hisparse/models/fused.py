@@ -140,7 +140,7 @@ def indexer_fp8_query(
 ) -> tuple[Tensor, Tensor]:
     """The fp8 indexer's queries ``q [N, H, D]``: rotary on the first ``rope_dim`` values,
     Hadamard, e4m3 with power-of-two scales per ``tile`` -> ``(e4m3, scales [N, H, D/tile])``."""
-    ok = q.dim() == 3 and q.is_contiguous() and _indexer_kernel_ok(q, cos, rope_dim, tile)
+    ok = q.dim() == 3 and _indexer_kernel_ok(q, cos, rope_dim, tile)
     if ok and _triton(q):
         return _kernels().indexer_fp8_query(q, cos, sin, rope_dim, interleaved, tile)
     q = _rope_prefix(q, cos, sin, rope_dim, interleaved)

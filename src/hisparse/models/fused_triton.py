@@ -288,7 +288,7 @@ def _hadamard(x, BR: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
 
 @triton.jit
 def _indexer_fp8_kernel(
-    x_ptr, sx_row, heads, rows, cos_ptr, sin_ptr, cs_stride, out_ptr, scale_ptr,
+    x_ptr, sx_tok, sx_head, heads, rows, cos_ptr, sin_ptr, cs_stride, out_ptr, scale_ptr,
     slot_ptr, page_stride, block_size, scale_val, nw_ptr, nb_ptr, norm_eps,
     D: tl.constexpr, LOG_D: tl.constexpr, R: tl.constexpr, TILE: tl.constexpr,
     BR: tl.constexpr, INTERLEAVED: tl.constexpr, DT: tl.constexpr, TO_PAGES: tl.constexpr,
@@ -301,7 +301,7 @@ def _indexer_fp8_kernel(
     in_rope = d < R
     partner, ang, first = _rope_index(d, R, INTERLEAVED)
     partner = tl.where(in_rope, partner, d)
-    base = x_ptr + row.to(tl.int64)[:, None] * sx_row
+    base = x_ptr + (tok * sx_tok + (row - tok * heads) * sx_head)[:, None]
     x = tl.load(base + d[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
     xp = tl.load(base + partner[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
     if NORM:  # the keys' LayerNorm (fp32 statistics, one rounding to DT), partners alike
@@ -349,12 +349,14 @@ def _indexer_launch(
     tile: int, out: Tensor, scale: Tensor | None, slots: Tensor | None, block_size: int,
     norm: tuple[Tensor, Tensor, float] | None = None,
 ) -> None:  # fmt: skip
-    rows, d = x.shape
+    """``x``: ``[N, heads, D]`` or, with one head, ``[N, D]``; unit stride in ``D``."""
+    d = x.shape[-1]
+    rows = x.shape[0] * heads
     if not rows:
         return
     br = 16
     _indexer_fp8_kernel[(triton.cdiv(rows, br),)](
-        x, x.stride(0), heads, rows, *_angles(cos, sin), out,
+        x, x.stride(0), x.stride(1) if x.dim() == 3 else 0, heads, rows, *_angles(cos, sin), out,
         scale if scale is not None else out, slots if slots is not None else out,
         out.stride(0) if slots is not None else 0, block_size, d**-0.5,
         *(norm if norm is not None else (x, x, 0.0)),
@@ -367,12 +369,12 @@ def _indexer_launch(
 def indexer_fp8_query(
     q: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, interleaved: bool, tile: int
 ) -> tuple[Tensor, Tensor]:
-    """``q [N, H, D]`` (rows contiguous) -> (e4m3 ``[N, H, D]``, scales ``[N, H, D / tile]``)."""
+    """``q [N, H, D]`` (unit stride in ``D``; a slice of a stacked projection's rows too) ->
+    (e4m3 ``[N, H, D]``, scales ``[N, H, D / tile]``)."""
     n, h, d = q.shape
-    x = q.reshape(n * h, d)
     out = torch.empty((n, h, d), dtype=torch.float8_e4m3fn, device=q.device)
     scale = torch.empty((n, h, d // tile), dtype=torch.float32, device=q.device)
-    _indexer_launch(x, h, cos, sin, rope_dim, interleaved, tile, out.view(torch.uint8),
+    _indexer_launch(q, h, cos, sin, rope_dim, interleaved, tile, out.view(torch.uint8),
                     scale, None, 0)  # fmt: skip
     return out, scale
 

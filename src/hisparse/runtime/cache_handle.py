@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from hisparse.runtime.batch import GroupTables, StepMetadata
-from hisparse.runtime.ops import cpu_backend
+from hisparse.runtime.ops import cpu_backend, has_capability
 from hisparse.runtime.sparse_layer import SparseLayerRuntime, prefix_rows
 from hisparse.runtime.staging import PrefillStagingPlan
 
@@ -76,12 +76,19 @@ class CacheHandle:
         group = rt.group
         if meta.num_tokens == 1 and group.finish_decode_one_cpu(rt, meta, tables):
             return  # a batch-1 decode step on the CPU: one compiled call, same result
-        if group.layers[0] is rt:
+        leader = group.layers[0] is rt
+        mirror = self.host_mirror_required
+        n = meta.num_tokens
+        if leader and mirror and meta.is_decode and has_capability(group.ops, "INVALIDATE_MIRRORS"):
+            # One launch: the decode step's new rows to the host and out of the hot slots.
+            dev_rows = prefix_rows(tables.slot_mapping, n)
+            group.invalidate_written(meta, mirror=(rt.device_view, rt.host_view, dev_rows))
+            return
+        if leader:
             group.invalidate_written(meta)
-        if not self.host_mirror_required:
+        if not mirror:
             return
         assert meta.host_slot_mapping is not None
-        n = meta.num_tokens
         host_rows = prefix_rows(meta.host_slot_mapping, n)
         dev_rows = prefix_rows(tables.slot_mapping, n)
         # No mask: the op copies where both rows are valid (the Triton kernel tests that

@@ -153,12 +153,28 @@ class IndexGroupRuntime:
         self.hot_index.fill_(-1)
         self.lru.copy_(self._lru_init.expand_as(self.lru))
 
-    def invalidate_written(self, meta: StepMetadata, num_rows: int | None = None) -> None:
-        """Empty hot slots holding host rows this step (re)writes: no stale hit, ever."""
+    def invalidate_written(
+        self,
+        meta: StepMetadata,
+        num_rows: int | None = None,
+        mirror: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Empty hot slots holding host rows this step (re)writes: no stale hit, ever.
+        ``mirror=(device view, host view, device rows)``: the ops' `INVALIDATE_MIRRORS` copy
+        of the written rows to the host in the same launch (the caller checked the flag)."""
         if meta.host_slot_mapping is None:
             return
         n = meta.num_tokens if num_rows is None else num_rows
         if n == 0:
+            return
+        if mirror is not None:
+            self.ops.invalidate_written_slots(
+                self.hot_index,
+                meta.request_state_indices,
+                prefix_rows(meta.req_per_token, n),
+                prefix_rows(meta.host_slot_mapping, n),
+                mirror=mirror,
+            )
             return
         if n == 1 and self.cpu_decode_fast_path and meta.is_decode:
             # A batch-1 decode step: the written host row out of the slot set, in numpy.

@@ -59,11 +59,14 @@ OP_NAMES: tuple[str, ...] = (
 #: ``CPU_DECODE_FAST_PATH``: the runtime's compiled batch-1 decode path (`CpuBackend.jit`) may
 #: run in place of the ops on CPU tensors, with their results bit for bit;
 #: ``RESOLVE_ADDS_TOTALS``: ``resolve_residency`` takes ``totals=`` (int64 ``[3]``) and
-#: ``n_layers=`` and adds the call's hits, misses and rows moved itself (no counting kernels).
+#: ``n_layers=`` and adds the call's hits, misses and rows moved itself (no counting kernels);
+#: ``INVALIDATE_MIRRORS``: ``invalidate_written_slots`` takes ``mirror=(src, dst, src_rows)``
+#: and also runs ``gather_plan(src, dst, src_rows, written_rows, None)`` (one launch).
 CAPABILITIES: tuple[str, ...] = (
     "CUDA_GRAPH_CAPTURABLE",
     "CPU_DECODE_FAST_PATH",
     "RESOLVE_ADDS_TOTALS",
+    "INVALIDATE_MIRRORS",
 )
 
 _backends: dict[str, ModuleType | object] = {}

@@ -21,10 +21,13 @@ CUDA_GRAPH_CAPTURABLE = True
 CPU_DECODE_FAST_PATH = False
 #: `resolve_residency` takes ``totals=`` and adds each step's hits, misses and rows moved.
 RESOLVE_ADDS_TOTALS = True
+#: `invalidate_written_slots` takes ``mirror=`` and copies the written rows to the host too.
+INVALIDATE_MIRRORS = True
 
 __all__ = [
     "CPU_DECODE_FAST_PATH",
     "CUDA_GRAPH_CAPTURABLE",
+    "INVALIDATE_MIRRORS",
     "RESOLVE_ADDS_TOTALS",
     "gather_compact",
     "gather_compact_group",

@@ -58,6 +58,25 @@ def add_totals(totals_ptr, n_hit, n_miss, n_layers):
 
 
 @triton.jit
+def zero_count_tails(
+    Q, swap_count_ptr, s_sc, n_sc, hm_ptr, s_hm_q, s_hm_c, n_hm, HAS_HM: tl.constexpr
+):  # fmt: skip
+    """Zero the swap counts and hit/miss counters of state rows ``Q..`` past this call's
+    requests (buffers sized for more feed the gathers' fixed grids); one program calls it,
+    in the resolve's first launch instead of two fills of its own."""
+    BT: tl.constexpr = 128
+    t = tl.arange(0, BT)
+    for i0 in range(Q, n_sc, BT):
+        i = (i0 + t).to(tl.int64)
+        tl.store(swap_count_ptr + i * s_sc, 0, mask=i < n_sc)
+    if HAS_HM:
+        for i0 in range(Q, n_hm, BT):
+            i = (i0 + t).to(tl.int64)
+            tl.store(hm_ptr + i * s_hm_q, 0, mask=i < n_hm)
+            tl.store(hm_ptr + i * s_hm_q + s_hm_c, 0, mask=i < n_hm)
+
+
+@triton.jit
 def hash_bucket(g, LOGB: tl.constexpr):
     """Fibonacci hash of host rows (``0 <= g < 2**31``) into ``[0, 2**LOGB)`` buckets."""
     return (((g.to(tl.int64) * 2654435761) & 0xFFFFFFFF) >> (32 - LOGB)).to(tl.int32)

@@ -328,11 +328,20 @@ def scatter_rows(values: Tensor, region: Tensor, slots: Tensor) -> None:
 @triton.jit
 def _invalidate_kernel(
     hot_index_ptr, s_hi_s, s_hi_h, state_ptr, Q, row_req_ptr, written_ptr, H,
-    BH: tl.constexpr,
+    src_ptr, s_sb, s_sr, dst_ptr, d_sb, d_sr, srow_ptr, bs_s, bs_d,
+    BH: tl.constexpr, MIRROR: tl.constexpr, RW: tl.constexpr, RWP: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0)
     q = tl.load(row_req_ptr + i)
     r = tl.load(written_ptr + i).to(tl.int64)
+    if MIRROR:  # `gather_plan` of this row first (src row -> written row, both valid)
+        sr = tl.load(srow_ptr + i).to(tl.int64)
+        if (sr >= 0) & (r >= 0):
+            w = tl.arange(0, RWP)
+            so = tl.multiple_of((sr // bs_s) * s_sb + (sr % bs_s) * s_sr, 4)
+            do = tl.multiple_of((r // bs_d) * d_sb + (r % bs_d) * d_sr, 4)
+            v = tl.load(src_ptr + so + w, mask=w < RW)
+            tl.store(dst_ptr + do + w, v, mask=w < RW)
     if (q >= 0) & (r >= 0):
         s = tl.load(state_ptr + tl.minimum(q, Q - 1)).to(tl.int64)
         if s >= 0:
@@ -346,16 +355,44 @@ def _invalidate_kernel(
 
 
 def invalidate_written_slots(
-    hot_index: Tensor, request_state_indices: Tensor, row_req: Tensor, written_rows: Tensor
+    hot_index: Tensor,
+    request_state_indices: Tensor,
+    row_req: Tensor,
+    written_rows: Tensor,
+    *,
+    mirror: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> None:
-    """Triton `reference.invalidate_written_slots`: one program per written row."""
+    """Triton `reference.invalidate_written_slots`: one program per written row.
+
+    ``mirror=(src, dst, src_rows)`` (keyword only; `INVALIDATE_MIRRORS`): the same programs
+    first do ``gather_plan(src, dst, src_rows, written_rows, None)`` (a decode step's host
+    mirror of its new rows), one launch instead of two."""
     n = min(row_req.numel(), written_rows.numel())
     Q = request_state_indices.numel()
+    if mirror is not None:
+        src, dst, src_rows = mirror
+        if src_rows.numel() < n:
+            raise ValueError(f"mirror: {src_rows.numel()} source rows for {n} written rows")
+        if Q == 0 or hot_index.numel() == 0:  # nothing to invalidate: the copy alone
+            gather_plan(src, dst, src_rows[:n], written_rows[:n], None)
+            return
     if n == 0 or Q == 0 or hot_index.numel() == 0:
         return
     H = hot_index.shape[1]
+    written = written_rows.reshape(-1)
+    if mirror is None:
+        copy: tuple = (written, 0, 0, written, 0, 0, written, 1, 1)
+        rw = rwp = 1
+    else:
+        sw, s_sb, s_sr, rw = _words(src)
+        dw, d_sb, d_sr, rw2 = _words(dst)
+        if rw != rw2:
+            raise ValueError(f"row sizes differ: src {4 * rw} B, dst {4 * rw2} B")
+        srows = src_rows.reshape(-1).contiguous()
+        copy = (sw, s_sb, s_sr, dw, d_sb, d_sr, srows, src.shape[1], dst.shape[1])
+        rwp = next_pow2(rw)
     _invalidate_kernel[(n,)](
         hot_index, hot_index.stride(0), hot_index.stride(1), request_state_indices, Q,
-        row_req.reshape(-1), written_rows.reshape(-1), H,
-        BH=min(next_pow2(H), 2048), num_warps=4,
+        row_req.reshape(-1), written, H, *copy,
+        BH=min(next_pow2(H), 2048), MIRROR=mirror is not None, RW=rw, RWP=rwp, num_warps=4,
     )  # fmt: skip

@@ -50,6 +50,7 @@ from hisparse.runtime.ops.triton_common import (
     hash_bucket,
     next_pow2,
     padding_rows_and_row_list,
+    zero_count_tails,
 )
 from hisparse.runtime.ops.triton_resolve_split import resolve_split
 
@@ -118,7 +119,7 @@ def _resolve_kernel(
     valid_ptr, s_v,
     hm_ptr, s_hm_q, s_hm_c,
     sc_rows_ptr, tab_ptr, first_ptr, hit_ptr, evict_ptr, newlru_ptr, mg_ptr, ms_ptr,
-    K, H, bs, totals_ptr, n_layers,
+    K, H, bs, totals_ptr, n_layers, n_sc, n_hm,
     ROWS: tl.constexpr, KP: tl.constexpr, LOGB: tl.constexpr, BH: tl.constexpr,
     BR: tl.constexpr, BC: tl.constexpr, S: tl.constexpr, SORT_WINDOW: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_VALID: tl.constexpr, HAS_HM: tl.constexpr,
@@ -131,6 +132,8 @@ def _resolve_kernel(
     CS: tl.constexpr = NCELL + N  # cells per request
     q = tl.program_id(0)
     q64 = q.to(tl.int64)
+    if q == 0:
+        zero_count_tails(Q, swap_count_ptr, s_sc, n_sc, hm_ptr, s_hm_q, s_hm_c, n_hm, HAS_HM)
     rows = sc_rows_ptr + q64 * ROWS
     # Rows of padding requests (spread over programs) and this request's rows, in row order.
     n_rows = padding_rows_and_row_list(
@@ -378,12 +381,8 @@ def resolve_residency(
         if hit_miss is not None:
             hit_miss.zero_()
         return
-    # The kernels write the counts of this call's Q requests only; like the reference, leave
-    # none stale past them (buffers sized for more requests feed the gathers' fixed grids).
-    if swap_count.shape[0] > Q:
-        swap_count[Q:].zero_()
-    if hit_miss is not None and hit_miss.shape[0] > Q:
-        hit_miss[Q:].zero_()
+    # Like the reference, the first launch zeroes the counts past this call's Q requests
+    # (`zero_count_tails`): buffers sized for more requests feed the gathers' fixed grids.
     if max_rows_per_request is None:
         max_rows_per_request = max(1, min(R, H // max(K, 1)))
     rows = next_pow2(max(1, min(R, max_rows_per_request)))
@@ -444,7 +443,8 @@ def resolve_residency(
     _resolve_kernel[(Q,)](
         *common,
         sc_rows, tab, first, i8, evict, i16, mg, ms,
-        K, H, block_size, tot, n_layers,
+        K, H, block_size, tot, n_layers, swap_count.shape[0],
+        hit_miss.shape[0] if hit_miss is not None else 0,
         ROWS=rows, KP=kp, LOGB=logb, BH=bh, BR=br, BC=min(ncell, 4096), S=RESOLVE_RANK_TILE,
         SORT_WINDOW=window if window >= 2 else 0, HAS_TOTALS=totals is not None,
         **flags,

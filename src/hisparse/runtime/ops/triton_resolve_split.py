@@ -35,6 +35,7 @@ from hisparse.runtime.ops.triton_common import (
     hash_bucket,
     next_pow2,
     padding_rows_and_row_list,
+    zero_count_tails,
 )
 
 Tensor = torch.Tensor
@@ -50,7 +51,7 @@ def _split_entries_kernel(
     src_bt_ptr, s_src_q, s_src_b, res_bt_ptr, s_res_q, s_res_b,
     out_ptr, s_out_r, s_out_c, swap_count_ptr, s_sc, valid_ptr, s_v, hm_ptr, s_hm_q, s_hm_c,
     tab_ptr, first_ptr, dummy_ptr, rows_ptr, ent_g_ptr, ent_cell_ptr,
-    K, bs,
+    K, bs, n_sc, n_hm,
     ROWS: tl.constexpr, KP: tl.constexpr, LOGB: tl.constexpr, C: tl.constexpr,
     BR: tl.constexpr, HAS_RES: tl.constexpr, HAS_VALID: tl.constexpr, HAS_HM: tl.constexpr,
 ):  # fmt: skip
@@ -61,6 +62,8 @@ def _split_entries_kernel(
     q = tl.program_id(0)
     p = tl.program_id(1)
     q64 = q.to(tl.int64)
+    if (q == 0) & (p == 0):
+        zero_count_tails(Q, swap_count_ptr, s_sc, n_sc, hm_ptr, s_hm_q, s_hm_c, n_hm, HAS_HM)
     rows = rows_ptr + q64 * ROWS
     n_rows = padding_rows_and_row_list(
         q, p == 0, row_req_ptr, R, state_ptr, Q, out_ptr, s_out_r, s_out_c, valid_ptr, s_v, K,
@@ -358,7 +361,8 @@ def resolve_split(common: tuple, flags: dict, Q: int, rows: int, kp: int, logb: 
         topk, stk_r, stk_c, row_req, R, state, Q,
         src_bt, s_src_q, s_src_b, res_bt, s_res_q, s_res_b,
         out, s_out_r, s_out_c, swap_count, s_sc, vc, s_v, hm, s_hm_q, s_hm_c,
-        tab, first, dummy, sc_rows, ent_g, ent_cell, K, block_size,
+        tab, first, dummy, sc_rows, ent_g, ent_cell, K, block_size, swap_count.shape[0],
+        hm.shape[0] if flags["HAS_HM"] else 0,
         ROWS=rows, KP=kp, LOGB=logb, C=c, BR=256, num_warps=nw, **flags,
     )  # fmt: skip
     _split_hits_kernel[grid](
