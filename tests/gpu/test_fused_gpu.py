@@ -58,9 +58,13 @@ def test_rope_and_indexer_queries_bit_exact(monkeypatch, n: int) -> None:
     assert torch.equal(ref, got)
     q = torch.randn(n, 64, 128, generator=g, device=DEV)
     q = (q * 10.0 ** torch.randint(-3, 3, (n, 64, 1), generator=g, device=DEV)).to(BF16)
-    for interleaved in (False, True):
+    # The same queries as the tail of stacked projection rows (q_b_proj's 128 x 192 first).
+    rows = torch.randn(n, 128 * 192 + 64 * 128, generator=g, device=DEV).to(BF16)
+    rows[:, 128 * 192 :] = q.reshape(n, -1)
+    strided = rows[:, 128 * 192 :].view(n, 64, 128)
+    for interleaved, queries in ((False, q), (True, q), (True, strided)):
         (ref, _), (got, _) = reference_and_kernel(
-            monkeypatch, fused.indexer_fp8_query, q, cos, sin, 64, interleaved, 128
+            monkeypatch, fused.indexer_fp8_query, queries, cos, sin, 64, interleaved, 128
         )
         assert torch.equal(ref[0].view(torch.uint8), got[0].view(torch.uint8))
         assert torch.equal(ref[1], got[1])

@@ -166,6 +166,47 @@ def test_invalidate_real_sizes() -> None:
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("n", [1, 29, 512])
+def test_invalidate_with_the_host_mirror_real_sizes(n: int) -> None:
+    """``mirror=``: a decode step's new rows (656 B, device pages) into a pinned host pool
+    and out of the hot slots in one launch, as the reference's `gather_plan` then
+    `invalidate_written_slots` do (host poisoned first; padding rows; most written rows are
+    held by their request's slots, each row written once, as a step writes them)."""
+    case = make_resolve_case(Q=64, K=256, H=512, block_size=64, seed=9).to(DEV)
+    g = torch.Generator().manual_seed(9 + n)
+    row_req = torch.randint(-1, 64, (n,), generator=g).int()
+    slot = case.request_state_indices.cpu().clamp_min(0).long()[row_req.clamp_min(0).long()]
+    held = case.hot_index.cpu()[slot]
+    pick = held[torch.arange(n), torch.randint(0, 512, (n,), generator=g)].tolist()
+    seen: set[int] = set()
+    written = []
+    for i, r in enumerate(pick):  # distinct rows; a fresh one where taken or empty
+        r = r if r >= 0 and r not in seen and torch.rand(1, generator=g) < 0.8 else 150_000 + i
+        seen.add(r)
+        written.append(r)
+    written_t = torch.tensor(written, dtype=torch.int32, device=DEV)
+    dev_rows = torch.randperm(50 * 64, generator=g)[:n].int()
+    dev_rows[torch.rand(n, generator=g) < 0.1] = -1
+    src = torch.randint(0, 256, (50, 64, 656), dtype=torch.uint8, device=DEV)
+    blocks = max(written) // 64 + 2
+    host_a = _host_paged(blocks, 64, 656, 656)
+    host_a.fill_(0x5A)
+    host_b = _host_paged(blocks, 64, 656, 656)
+    host_b.copy_(host_a)
+    row_req, dev_rows = row_req.to(DEV), dev_rows.to(DEV)
+    a, b = case.hot_index.clone(), case.hot_index.clone()
+    ref.gather_plan(src, host_a, dev_rows, written_t, None)
+    ref.invalidate_written_slots(a, case.request_state_indices, row_req, written_t)
+    tk.invalidate_written_slots(
+        b, case.request_state_indices, row_req, written_t, mirror=(src, host_b, dev_rows)
+    )
+    torch.cuda.synchronize()
+    assert torch.equal(a, b)
+    assert torch.equal(host_a, host_b)
+    assert bool((host_a != 0x5A).any()) or not bool((dev_rows >= 0).any())  # rows moved
+    assert not torch.equal(a, case.hot_index) or n == 1  # and slots were emptied
+
+
 def test_resolve_and_gather_in_cuda_graph_equal_eager() -> None:
     """Capture resolve + gather once; replays with new top-k equal eager calls."""
     Q, K, H, bs, rb = 64, 2048, 4096, 64, 656
