@@ -295,18 +295,19 @@ def test_ceil_pow2() -> None:
     assert torch.equal(ceil_pow2(x), torch.exp2(torch.ceil(torch.log2(x.double()))).float())
 
 
-@pytest.mark.parametrize("k", [2, 6])
-def test_batched_moe_equals_the_per_expert_loop(monkeypatch, k) -> None:
+@pytest.mark.parametrize("k,shared", [(2, 1), (6, 1), (2, 2)])
+def test_batched_moe_equals_the_per_expert_loop(monkeypatch, k, shared) -> None:
     """The batched form adds the same rounded terms in the loop's order: equal in fp32 up to
-    the matmuls' own rounding (their row counts differ)."""
+    the matmuls' own rounding (their row counts differ). One shared expert of the routed
+    experts' width rides in the stacks; two (twice as wide) run as their own MLP."""
     from hisparse.models.deepseek_v32 import MoE
     from hisparse.models.dsa_config import DsaConfig
     from hisparse.models.tiny import tiny_config_kwargs
 
     monkeypatch.setenv("HISPARSE_FUSED", "triton")
-    torch.manual_seed(k)
+    torch.manual_seed(k + shared)
     kw = tiny_config_kwargs("deepseek_v32")
-    kw.update(n_routed_experts=16, num_experts_per_tok=k, topk_group=4)
+    kw.update(n_routed_experts=16, num_experts_per_tok=k, topk_group=4, n_shared_experts=shared)
     config = DsaConfig.from_dict({"model_type": "deepseek_v32", **kw})
     moe = MoE(config)
     for p in moe.parameters():
@@ -317,6 +318,9 @@ def test_batched_moe_equals_the_per_expert_loop(monkeypatch, k) -> None:
     loop = moe(x, sync_free=True)
     moe.stack_experts()
     assert moe._stacked() and not moe.w_gate_up.requires_grad
+    assert moe.shared_in_stack == (shared == 1)
+    assert moe.w_gate_up.shape[0] == 16 + (shared == 1)
+    assert (moe.shared_experts.gate_up is None) == (shared == 1)
     batched = moe(x, sync_free=True)
     torch.testing.assert_close(batched.float(), loop.float(), rtol=2**-7, atol=1e-3)
     monkeypatch.setenv("HISPARSE_FUSED", "reference")
@@ -369,14 +373,27 @@ def test_model_with_fused_ops_matches_the_references(monkeypatch, tmp_path, arch
         assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
 
 
+@pytest.mark.parametrize("scores_in_kernel", [True, False])
 @pytest.mark.parametrize(
     "e,groups,topk_group,k,norm",
     [(8, 4, 2, 2, True), (256, 8, 4, 8, True), (64, 1, 1, 6, False), (16, 16, 4, 1, True)],
 )
-def test_routing_kernel_chooses_the_references_experts(monkeypatch, e, groups, topk_group, k, norm):
+def test_routing_kernel_chooses_the_references_experts(
+    monkeypatch, e, groups, topk_group, k, norm, scores_in_kernel
+) -> None:
+    """The routing kernel from torch's scores, and with its own GEMV and sigmoid (the rows
+    and the router weight in, `fused.ROUTE_ROWS_MAX_WEIGHTS`): the reference's choices, its
+    weights to fp32's last bits."""
     from hisparse.models.deepseek_v32 import Router
     from hisparse.models.dsa_config import DsaConfig
     from hisparse.models.tiny import tiny_config_kwargs
+
+    if not scores_in_kernel:
+        monkeypatch.setattr(fused, "ROUTE_ROWS_MAX_WEIGHTS", 0)
+    calls: list[str] = []
+    for name in ("route_dense", "route_dense_rows"):
+        orig = getattr(ft, name)
+        monkeypatch.setattr(ft, name, lambda *a, _o=orig, _n=name: calls.append(_n) or _o(*a))
 
     kw = tiny_config_kwargs("deepseek_v32")
     kw.update(n_routed_experts=e, n_group=groups, topk_group=topk_group)
@@ -387,6 +404,7 @@ def test_routing_kernel_chooses_the_references_experts(monkeypatch, e, groups, t
     router.e_score_correction_bias.data = torch.randn(e, generator=g) * 0.1
     x = torch.randn(37, kw["hidden_size"], generator=g).to(torch.bfloat16)
     (ref, _), (got, _) = reference_and_kernel(monkeypatch, fused.route_dense, router, x)
+    assert calls == ["route_dense_rows" if scores_in_kernel else "route_dense"]
     assert torch.equal(ref[1], got[1]) and int(got[1].sum()) == 37 * k
     torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-7)
 

@@ -139,8 +139,30 @@ def test_batched_moe_at_v32_width(monkeypatch) -> None:
     monkeypatch.setenv("HISPARSE_FUSED", "triton")
     loop = moe(x, sync_free=True)
     moe.stack_experts()
+    assert moe.shared_in_stack  # one shared expert: the stacks' last entry
     batched = moe(x, sync_free=True)
     torch.testing.assert_close(batched.float(), loop.float(), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("n", [1, 29, 2048])
+def test_routing_with_the_kernels_own_scores(monkeypatch, arch: str, n: int) -> None:
+    """The benchmark presets' router (8 experts over the real hidden width): the kernel's
+    own fp32 GEMV and sigmoid against torch's, up to a prefill step's rows."""
+    from hisparse.models.deepseek_v32 import Router
+    from hisparse.models.dsa_config import DsaConfig
+    from hisparse.models.tiny import tiny_config_kwargs
+
+    kw = tiny_config_kwargs(arch, "v32-attention")
+    router = Router(DsaConfig.from_dict({"model_type": arch, **kw})).to(DEV)
+    assert router.weight.numel() <= fused.ROUTE_ROWS_MAX_WEIGHTS
+    g = _g(n + 5)
+    router.weight.data = torch.randn(router.weight.shape, generator=g, device=DEV) * 0.02
+    router.e_score_correction_bias.data = torch.randn(8, generator=g, device=DEV) * 0.1
+    x = torch.randn(n, kw["hidden_size"], generator=g, device=DEV).to(BF16)
+    (ref, _), (got, _) = reference_and_kernel(monkeypatch, fused.route_dense, router, x)
+    assert torch.equal(ref[1], got[1])
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-7)  # the GEMV's sum order
 
 
 def test_routing_and_combine_at_deepseek_width(monkeypatch) -> None:

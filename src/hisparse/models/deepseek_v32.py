@@ -116,18 +116,31 @@ class MoE(nn.Module):
         self.gate = Router(config)
         self.experts = nn.ModuleList(MLP(h, i) for _ in range(config.n_routed_experts))
         self.shared_experts = MLP(h, i * config.n_shared_experts)
-        self.w_gate_up: torch.Tensor | None = None  # [E, 2I, H] after stack_experts
-        self.w_down: torch.Tensor | None = None  # [E, H, I]
+        self.w_gate_up: torch.Tensor | None = None  # [E (+1), 2I, H] after stack_experts
+        self.w_down: torch.Tensor | None = None  # [E (+1), H, I]
+        self.shared_in_stack = False  # the shared expert is the stacks' last entry
         self._stack_ptrs: tuple[int, ...] = ()
 
     @torch.no_grad()
     def stack_experts(self) -> None:
         """Move the routed experts' weights into two stacked tensors (each expert's parameters
         become views of them; one expert's copy at a time is extra while it runs) for the
-        batched sync-free form. Call again after replacing expert weights."""
+        batched sync-free form. The shared expert joins them as the last entry where it has
+        the routed experts' shape (one shared expert: DeepSeek-V3.2, GLM-5), so the two
+        batched matmuls compute it too (three launches fewer); otherwise its gate and up
+        projections are stacked on their own. Call again after replacing expert weights."""
         experts = [e for e in self.experts if isinstance(e, MLP)]
         w0 = experts[0].gate_proj.weight
         inter, hidden = w0.shape
+        sw = self.shared_experts.gate_proj.weight
+        self.shared_in_stack = (
+            sw.shape == w0.shape and sw.dtype == w0.dtype and sw.device == w0.device
+        )
+        if self.shared_in_stack:
+            self.shared_experts.gate_up = None
+            experts.append(self.shared_experts)
+        else:
+            self.shared_experts.stack_gate_up()
         gate_up = torch.empty(len(experts), 2 * inter, hidden, dtype=w0.dtype, device=w0.device)
         down = torch.empty(len(experts), hidden, inter, dtype=w0.dtype, device=w0.device)
         for i, e in enumerate(experts):
@@ -143,7 +156,9 @@ class MoE(nn.Module):
     def _watched_ptrs(self) -> tuple[int, ...]:
         first, last = self.experts[0], self.experts[-1]
         assert isinstance(first, MLP) and isinstance(last, MLP)
-        watched = (first.gate_proj, first.down_proj, last.up_proj, last.down_proj)
+        watched = [first.gate_proj, first.down_proj, last.up_proj, last.down_proj]
+        if self.shared_in_stack:
+            watched += [self.shared_experts.gate_proj, self.shared_experts.down_proj]
         return tuple(m.weight.data_ptr() for m in watched)
 
     def _stacked(self) -> bool:
@@ -159,11 +174,13 @@ class MoE(nn.Module):
 
     def _batched(self, x: torch.Tensor) -> torch.Tensor:
         assert self.w_gate_up is not None and self.w_down is not None
+        e = len(self.experts)
         w, chosen = fused.route_dense(self.gate, x)  # [N, E]: weights (0: not chosen), mask
-        gate_up = torch.matmul(x, self.w_gate_up.transpose(1, 2))  # [E, N, 2I]
+        gate_up = torch.matmul(x, self.w_gate_up.transpose(1, 2))  # [E (+1), N, 2I]
         h = fused.silu_mul(gate_up)
-        y = torch.bmm(h, self.w_down.transpose(1, 2))  # [E, N, H]
-        return fused.moe_combine(y, w, chosen, self.shared_experts(x))
+        y = torch.bmm(h, self.w_down.transpose(1, 2))  # [E (+1), N, H]
+        shared = y[e] if self.shared_in_stack else self.shared_experts(x)
+        return fused.moe_combine(y[:e], w, chosen, shared)
 
     def forward(self, x: torch.Tensor, *, sync_free: bool = False) -> torch.Tensor:
         if sync_free and self._stacked() and fused.fused_on(x):
@@ -423,13 +440,12 @@ class DsaForCausalLM(nn.Module):
 
     def prepare_fused(self) -> DsaForCausalLM:
         """The fused forms' one-time state (call once the weights sit where they run, on
-        CUDA): `MoE.stack_experts` on every MoE layer, `MLP.stack_gate_up` on the dense and
-        shared-expert MLPs, `MLAttention.stack_projections` on every layer, and the rotary table
-        of every position."""
+        CUDA): `MoE.stack_experts` on every MoE layer (its shared expert included),
+        `MLP.stack_gate_up` on the dense MLPs, `MLAttention.stack_projections` on every layer,
+        and the rotary table of every position."""
         for module in self.modules():
             if isinstance(module, MoE):
-                module.stack_experts()
-                module.shared_experts.stack_gate_up()
+                module.stack_experts()  # the shared expert's gate and up too
             elif isinstance(module, DecoderLayer) and isinstance(module.mlp, MLP):
                 module.mlp.stack_gate_up()
             elif isinstance(module, MLAttention):

@@ -5,7 +5,8 @@ Why: a decode step's layer launched hundreds of one- or two-microsecond torch ke
 rotary, Hadamard, quantisation and paged writes are each a chain of them), so the step ran
 far above what its bytes cost. Each function here computes what its reference does in the
 same order of operations; the RMS norm's and LayerNorm's sums, the router's weight
-normalisation and the indexer head weights' dot products run in another order (an ulp apart),
+normalisation, the router's fp32 GEMV where the routing kernel computes its scores and the
+indexer head weights' dot products run in another order (an ulp apart),
 and routing ties go to the lowest expert. The lossless rule
 holds because both placements run the same kernels. ``HISPARSE_FUSED=reference`` keeps the
 torch compositions on CUDA, and the MoE's per-expert loop instead of its batched form (A/B
@@ -40,6 +41,12 @@ from hisparse.models.layers import rms_norm as rms_norm_reference
 if TYPE_CHECKING:
     from hisparse.attention.sparse_gqa_reference import GqaRowFormat
     from hisparse.models.deepseek_v32 import Router
+
+F32 = torch.float32
+#: The largest router (experts x hidden) whose scores the routing kernel computes itself, one
+#: program per row reading the whole fp32 weight (a few experts, as the benchmark presets);
+#: a larger one (256 experts) gets cuBLAS's GEMV, spread over the SMs, and a sigmoid first.
+ROUTE_ROWS_MAX_WEIGHTS = 1 << 16
 
 
 def fused_on(t: Tensor) -> bool:
@@ -226,11 +233,13 @@ def route_dense(router: Router, x: Tensor) -> tuple[Tensor, Tensor]:
     (``torch.topk`` leaves them unspecified)."""
     e, g = router.weight.shape[0], router.n_group
     if fused_on(x) and _pow2(e) and _pow2(g) and e % g == 0:
-        scores = F.linear(x.float(), router.weight.float()).sigmoid()
-        return _kernels().route_dense(
-            scores, router.e_score_correction_bias, g, router.topk_group, router.top_k,
-            router.norm_topk_prob, router.scaling,
-        )  # fmt: skip
+        args = (router.e_score_correction_bias, g, router.topk_group, router.top_k,
+                router.norm_topk_prob, router.scaling)  # fmt: skip
+        w = router.weight
+        if e * x.shape[1] <= ROUTE_ROWS_MAX_WEIGHTS and x.stride(-1) == 1 and w.dtype == F32:
+            return _kernels().route_dense_rows(x, w, *args)
+        scores = F.linear(x.float(), w.float()).sigmoid()
+        return _kernels().route_dense(scores, *args)
     weights, ids = router(x)
     w = torch.zeros(x.shape[0], e, dtype=weights.dtype, device=x.device).scatter_(1, ids, weights)
     chosen = torch.zeros(x.shape[0], e, dtype=torch.bool, device=x.device).scatter_(1, ids, True)

@@ -454,13 +454,28 @@ def write_mla_rows(
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _route_kernel(
-    score_ptr, bias_ptr, w_ptr, chosen_ptr, scaling,
+    score_ptr, x_ptr, s_x, rw_ptr, H, bias_ptr, w_ptr, chosen_ptr, scaling,
     E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-    NORM: tl.constexpr,
+    NORM: tl.constexpr, FROM_X: tl.constexpr, BH: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E)
-    s = tl.load(score_ptr + n * E + e)
+    if FROM_X:  # the scores from the row: an fp32 GEMV over the router weight, then sigmoid
+        acc = tl.zeros([E, BH], dtype=tl.float32)
+        for h0 in range(0, H, BH):
+            hh = h0 + tl.arange(0, BH)
+            m = hh < H
+            xv = tl.load(x_ptr + n * s_x + hh, mask=m, other=0.0).to(tl.float32)
+            wv = tl.load(rw_ptr + e[:, None] * H + hh[None, :], mask=m[None, :], other=0.0)
+            acc += wv.to(tl.float32) * xv[None, :]
+        logit = tl.sum(acc, axis=1)
+        if LIBDEVICE:  # noqa: SIM108  expf, as torch's sigmoid (Triton's exp is ex2.approx)
+            ex = libdevice.exp(-logit)
+        else:
+            ex = tl.exp(-logit)
+        s = tl.math.div_rn(1.0, 1.0 + ex)
+    else:
+        s = tl.load(score_ptr + n * E + e)
     c = s + tl.load(bias_ptr + e)
     EG: tl.constexpr = E // G
     cg = tl.reshape(c, [G, EG])
@@ -498,8 +513,32 @@ def route_dense(
     chosen = torch.empty((n, e), dtype=torch.int8, device=scores.device)
     if n:
         _route_kernel[(n,)](
-            scores.contiguous(), bias.float().contiguous(), w, chosen, scaling,
-            E=e, G=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, NORM=norm, num_warps=1,
+            scores.contiguous(), scores, 0, scores, 0, bias.float().contiguous(), w, chosen,
+            scaling, E=e, G=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, NORM=norm,
+            FROM_X=False, BH=1, LIBDEVICE=False, num_warps=1,
+        )  # fmt: skip
+    return w, chosen.view(torch.bool)
+
+
+def route_dense_rows(
+    x: Tensor, weight: Tensor, bias: Tensor, n_group: int, topk_group: int, top_k: int,
+    norm: bool, scaling: float,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """`route_dense` from the rows ``x [N, H]`` themselves: one program per row computes its
+    scores ``sigmoid(x · weight.T)`` in fp32 (``weight [E, H]``; the GEMV's sum order is the
+    kernel's, so a score may differ from cuBLAS's in its last bits) before routing them. One
+    launch instead of a cast, a GEMV and a sigmoid; for small ``E · H`` only (each program
+    reads the whole weight), which `fused.route_dense` checks."""
+    n, h = x.shape
+    e = weight.shape[0]
+    w = torch.empty((n, e), dtype=torch.float32, device=x.device)
+    chosen = torch.empty((n, e), dtype=torch.int8, device=x.device)
+    if n:
+        bh = max(16, min(triton.next_power_of_2(h), 4096 // e))
+        _route_kernel[(n,)](
+            w, x, x.stride(0), weight.contiguous(), h, bias.float().contiguous(), w, chosen,
+            scaling, E=e, G=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, NORM=norm,
+            FROM_X=True, BH=bh, LIBDEVICE=x.is_cuda, num_warps=4,
         )  # fmt: skip
     return w, chosen.view(torch.bool)
 
