@@ -208,3 +208,39 @@ def test_reclaimable_counts_what_a_demotion_frees(checkpoint, monkeypatch):
                             prompts=_prompts((40, 23, 70, 33)), offload="under_pressure",
                             llm_kw=dict(max_num_batched_tokens=16))  # fmt: skip
     assert seen["demotions"] > 0 and max(checked) > 0
+
+
+@pytest.mark.parametrize("placement", ["hisparse", "gpu"])
+def test_a_growth_skipped_within_its_pages_has_them(checkpoint, monkeypatch, placement):
+    """The scheduler skips `KVCacheManager.grow` for a decode within the pages the last
+    growth completed (`grows`): after every schedule, under pressure (a demotion releases
+    older pages and resets the count), every scheduled request holds its host and indexer
+    pages (HiSparse) and, in every resident group, the page its last new token lands on."""
+    from hisparse.config import cdiv
+    from hisparse.engine.scheduler import Scheduler
+
+    original = Scheduler.schedule
+    skipped = []
+
+    def schedule(self):
+        kv = self.kv
+        before = {r.req_id: kv.grows(r.req_id, r.num_computed + 1) for r in self.running}
+        parts = original(self)
+        for part in parts:
+            for r, n in part.batch:
+                b = kv.requests[r.req_id]
+                pages = cdiv(r.num_computed + n, kv.block_size)
+                if kv.offload:
+                    assert len(b.host) >= pages and len(b.indexer) >= pages
+                assert all(pages - 1 in res for res in b.resident)
+                if part.decode and not before.get(r.req_id, True):
+                    skipped.append(r.req_id)
+        return parts
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    _, seen = _run_probe(checkpoint, placement, blocks=requests_pool(4.2),
+                         prompts=_prompts((40, 23, 70, 33)), offload="under_pressure",
+                         llm_kw=dict(max_num_batched_tokens=16))  # fmt: skip
+    assert skipped  # most decodes stay within their page (block_size 4)
+    if placement == "hisparse":
+        assert seen["demotions"] > 0

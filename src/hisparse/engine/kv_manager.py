@@ -60,6 +60,9 @@ class RequestBlocks:
     host_reserved: int = 0
     #: Pages with decode rows not yet on the host (the lazy mirror; `mark_written`).
     dirty: set[int] = field(default_factory=set)
+    #: Page count the last `KVCacheManager.grow` completed (0 after resident pages were
+    #: released): growing within it again has nothing to add.
+    grown_pages: int = 0
 
 
 class KVCacheManager:
@@ -242,6 +245,11 @@ class KVCacheManager:
         self.requests[req_id] = blocks
         return blocks
 
+    def grows(self, req_id: str, new_len: int) -> bool:
+        """Whether `grow` to ``new_len`` tokens may add anything (False: within the pages the
+        last growth completed, a no-op)."""
+        return cdiv(new_len, self.block_size) > self.requests[req_id].grown_pages
+
     def grow(
         self,
         req_id: str,
@@ -261,6 +269,8 @@ class KVCacheManager:
         b = self.requests[req_id]
         bs = self.block_size
         pages = cdiv(new_len, bs)
+        if pages <= b.grown_pages and keep_all_resident is None:
+            return  # a decode within its last page: most steps of most requests
         if keep_all_resident is None:
             keep_all_resident = not self.offload
         m = self.layout.indexer_pages_per_block
@@ -304,6 +314,7 @@ class KVCacheManager:
             for p, blk in zip(want, new, strict=True):
                 b.resident[gi][p] = blk
             self._write_pages(self.resident_tables[gi], b.slot, want, new)
+        b.grown_pages = pages
 
     def trim_resident(
         self, req_id: str, num_tokens: int, *, demote: bool = False
@@ -350,6 +361,7 @@ class KVCacheManager:
     ) -> None:
         """Free what `trim_resident` returned: one pool call and one table write per group."""
         b = self.requests[req_id]
+        b.grown_pages = 0
         for gi, pages, blocks in dropped:
             b.dirty.difference_update(pages)
             res = b.resident[gi]

@@ -160,8 +160,16 @@ class Scheduler:
         self._admit()
         # what the admitted requests are promised, once a step: pages kept beyond the plan
         # (under_pressure) leave it free. Growth in the step only lowers it, so the figure
-        # stays on the safe side for the rest of the step.
-        reserve = self._promised() if self.kv.sticky else 0
+        # stays on the safe side for the rest of the step. Summed when a growth first needs
+        # it (a decode within its last page needs none: most steps need it not at all); the
+        # decodes before that allocated nothing, so it is the figure of the step's start.
+        promised: list[int] = []
+
+        def reserve() -> int:
+            if not promised:
+                promised.append(self._promised() if self.kv.sticky else 0)
+            return promised[0]
+
         if self.policy == "prefill-first":
             prefill = self._prefill_part(self.max_num_batched_tokens, reserve)
             if prefill is not None:
@@ -175,7 +183,7 @@ class Scheduler:
             self.preempt(self.running[-1])
         return parts
 
-    def _prefill_part(self, budget: int, reserve: int) -> ScheduledStep | None:
+    def _prefill_part(self, budget: int, reserve: Callable[[], int]) -> ScheduledStep | None:
         """Chunks of admitted prompts in admission order, in ``budget`` tokens. Under HiSparse
         a step's prefill reads every context page of its requests through the staging area
         (`PrefillStaging`): a chunk that would overflow it waits a step. None does in this
@@ -193,7 +201,7 @@ class Scheduler:
             rows = kv.staging_rows(req.num_computed + n)
             if batch and staged + rows > kv.staging_capacity:
                 break
-            others = reserve - self._promise(req) if kv.sticky else 0  # the others' promise
+            others = reserve() - self._promise(req) if kv.sticky else 0  # the others' promise
             if not self._grow(req, req.num_computed + n, others):
                 break
             staged += rows
@@ -202,15 +210,18 @@ class Scheduler:
             budget -= n
         return ScheduledStep(decode=False, batch=batch, finishing=finishing) if batch else None
 
-    def _decode_part(self, reserve: int) -> ScheduledStep | None:
+    def _decode_part(self, reserve: Callable[[], int]) -> ScheduledStep | None:
         """One token for every decoding request; a request that cannot grow preempts the
         newest request (itself when it is the newest) until it can."""
         batch: list[tuple[Request, int]] = []
         for req in [r for r in self.running if r.status is Status.DECODING]:
             if req.status is not Status.DECODING:
                 continue  # preempted below for an earlier request
+            if not self.kv.grows(req.req_id, req.num_computed + 1):
+                batch.append((req, 1))  # within its last page: nothing to allocate
+                continue
             while True:
-                if self._grow(req, req.num_computed + 1, reserve):
+                if self._grow(req, req.num_computed + 1, reserve()):
                     batch.append((req, 1))
                     break
                 if len(self.running) == 1:
