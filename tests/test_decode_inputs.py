@@ -37,3 +37,19 @@ def test_kernel_equals_the_torch_composition(monkeypatch, b: int, groups: int, m
         assert a.dtype == w.dtype and torch.equal(a, w), name
     if b > 1:  # both kinds of rows were exercised
         assert (want.rows >= 0).any() and (want.rows == -1).any()
+
+
+@pytest.mark.parametrize("b,groups", [(1, 1), (29, 4), (64, 61), (7, 100)])
+def test_step_counts_kernel_equals_the_torch_composition(monkeypatch, b: int, groups: int):
+    """A decode step's per-request hits, misses and bytes from every group's counts: the
+    kernel (more groups than one block, rows past ``b`` ignored) against the torch sums."""
+    from hisparse.engine.decode_inputs import step_counts, step_counts_reference
+
+    g = torch.Generator().manual_seed(b * groups)
+    hm = torch.randint(0, 5000, (groups, b + 3, 2), generator=g, dtype=torch.int32)
+    row_bytes = torch.randint(600, 70_000, (groups,), generator=g)
+    monkeypatch.setenv("HISPARSE_FUSED", "triton")
+    got = step_counts(hm, b, row_bytes)
+    want = step_counts_reference(hm, b, row_bytes)
+    assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want)
+    assert torch.equal(want[:, 1], hm[:, :b, 1].long().sum(0))

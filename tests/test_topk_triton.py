@@ -112,6 +112,21 @@ def test_strided_limits_and_a_transposed_output() -> None:
     assert torch.equal(out, want)
 
 
+def test_kept_histograms_are_zero_at_rest() -> None:
+    """Up to `KEPT_HIST_ROWS` rows the calls share one histogram buffer that each call's
+    write launch zeroes again: after each call it is all zero, and calls of other data in a
+    row (the kept buffer) and one of more rows (a fresh buffer) still equal the reference."""
+    from hisparse.attention import topk_triton as tt
+
+    for t, s, k, seed in [(3, 5000, 300, 1), (1, 777, 50, 2), (tt.KEPT_HIST_ROWS + 1, 600, 9, 3),
+                          (tt.KEPT_HIST_ROWS, 900, 40, 4), (2, 5000, 300, 5)]:  # fmt: skip
+        x = _rows(t, s, seed)
+        got = topk_select_triton(x, k, _poisoned(t, k))
+        assert torch.equal(got, topk_select_reference(x, k))
+        kept = tt._kept_hist[x.device]
+        assert kept.shape[0] == tt.KEPT_HIST_ROWS and not kept.any()
+
+
 def test_empty_calls() -> None:
     assert topk_select_triton(torch.empty(0, 10), 4).shape == (0, 4)
     assert topk_select_triton(torch.full((2, 5), float("-inf")), 3).tolist() == [[-1] * 3] * 2

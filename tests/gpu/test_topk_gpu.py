@@ -64,3 +64,9 @@ def test_cuda_graph_replay() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, topk_select_reference(x, K, pos + 1))
+        # an eager call between replays shares the graph's zero-at-rest histograms
+        y = _rows(5, 131072, seed=seed + 10)
+        assert torch.equal(topk_select_triton(y, K, _poisoned(5)), topk_select_reference(y, K))
+    from hisparse.attention import topk_triton as tt
+
+    assert not tt._kept_hist[x.device].any()

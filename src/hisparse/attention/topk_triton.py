@@ -17,9 +17,16 @@ time over a ``(row, part)`` grid, each program reading a part of the row:
    program re-derives the bytes found so far from the earlier histograms (a 256-bin scan
    each), so no launch is spent on scans; after the fourth the exact k-th key and how many
    keys equal to it to take are known;
-2. a count launch: each part's keys above it and equal to it;
+2. a count launch: each part's keys above it and equal to it (and, once per row, the k-th
+   key and the ties to take, so the next launch reads no histogram);
 3. a write launch: each part's output offset from prefix sums over the parts before it, then
    its picks in position order (ties: the first ones by position).
+
+The histograms must start at zero. Up to `KEPT_HIST_ROWS` rows (a decode batch) they live in
+one buffer per device that is zero at rest: the write launch zeroes each row's histograms
+after the last launch that reads them, so a step needs no fill (larger calls, prefill chunks,
+get a zeroed buffer of their own). Calls on one device therefore run one after another on
+its streams, as the engine's compute stream runs them.
 
 A histogram costs per key (``tl.histogram``: shared-memory atomics), so a row is spread over
 many programs, and the digits stay a byte wide: one program per row, or wider digits with
@@ -52,6 +59,9 @@ PASSES = 32 // DIGIT_BITS
 #: row, 128 parts of 1,024 keys beat 32 of 4,096; a part's histogram costs per key).
 MIN_PART = 1024
 INT32_MIN = tl.constexpr(-(2**31))
+#: Rows of the zero-at-rest histogram buffer kept per device (see the module docstring).
+KEPT_HIST_ROWS = 64
+_kept_hist: dict[torch.device, Tensor] = {}
 
 
 def topk_select_reference(scores: Tensor, top_k: int, limits: Tensor | None = None) -> Tensor:
@@ -164,12 +174,17 @@ def _part_counts(row, lo, hi, kth, BLOCK: tl.constexpr):
 
 @triton.jit
 def _count_kernel(
-    scores, stride_s, S, limits, req_index, hist, counts, k, PART, NPARTS,
+    scores, stride_s, S, limits, req_index, hist, counts, found, k, PART, NPARTS,
     LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
     DIGIT_BITS: tl.constexpr,
 ):  # fmt: skip
     t, part, lo, hi, row = _program(scores, stride_s, S, limits, req_index, PART, LIMITS)
-    prefix, rem, _total = _descend(hist + t.to(tl.int64) * (4 * BINS), k, 4, BINS, DIGIT_BITS)
+    prefix, rem, total = _descend(hist + t.to(tl.int64) * (4 * BINS), k, 4, BINS, DIGIT_BITS)
+    if part == 0:  # the row's k-th key, ties to take and finite count, for the write launch
+        f = found + t.to(tl.int64) * 3
+        tl.store(f, prefix)
+        tl.store(f + 1, rem)
+        tl.store(f + 2, total)
     gt, eq = _part_counts(row, lo, hi, prefix ^ INT32_MIN, BLOCK)
     gt = tl.where(rem > 0, gt, 0)  # rem == 0: no finite score in the row, nothing to take
     eq = tl.where(rem > 0, eq, 0)
@@ -180,13 +195,19 @@ def _count_kernel(
 
 @triton.jit
 def _write_kernel(
-    scores, stride_s, S, limits, req_index, hist, counts, out, stride_o, k, top_k, PART, NPARTS,
-    LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
+    scores, stride_s, S, limits, req_index, hist, counts, found, out, stride_o, k, top_k, PART,
+    NPARTS, LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
     DIGIT_BITS: tl.constexpr, PARTS_P2: tl.constexpr, PAD_BLOCK: tl.constexpr,
+    CLEAR: tl.constexpr,
 ):  # fmt: skip
     t, part, lo, hi, row = _program(scores, stride_s, S, limits, req_index, PART, LIMITS)
     orow = out + t.to(tl.int64) * stride_o
-    prefix, need_eq, total = _descend(hist + t.to(tl.int64) * (4 * BINS), k, 4, BINS, DIGIT_BITS)
+    f = found + t.to(tl.int64) * 3
+    prefix = tl.load(f)
+    need_eq = tl.load(f + 1)
+    total = tl.load(f + 2)
+    if CLEAR and part == 0:  # no later launch reads the row's histograms: zero them again
+        tl.store(hist + t.to(tl.int64) * (4 * BINS) + tl.arange(0, 4 * BINS), 0)
     kth = prefix ^ INT32_MIN
     taken_all = tl.minimum(k, total)
     # where this part's picks start: the picks and ties of the parts before it
@@ -259,8 +280,9 @@ def topk_select_triton(
     block = BLOCK if per >= BLOCK else max(MIN_BLOCK, triton.next_power_of_2(per))
     part = triton.cdiv(per, block) * block
     p = max(1, triton.cdiv(s, part))
-    hist = torch.zeros((t, PASSES, BINS), dtype=torch.int32, device=scores.device)
+    hist, clear = _histograms(t, scores.device)
     counts = torch.empty((t, p, 2), dtype=torch.int32, device=scores.device)
+    found = torch.empty((t, 3), dtype=torch.int32, device=scores.device)
     mode, lim, req = 0, hist, hist  # (pointers not read in mode 0)
     if limits is not None:
         mode, lim = 1, limits
@@ -273,13 +295,28 @@ def topk_select_triton(
     head = (scores, scores.stride(0), s, lim, req, hist)
     for pas in range(PASSES):
         _hist_kernel[grid](*head, k, part, PASS=pas, **common)
-    _count_kernel[grid](*head, counts, k, part, p, **common)
+    _count_kernel[grid](*head, counts, found, k, part, p, **common)
     _write_kernel[grid](
-        *head, counts, out, out.stride(0), k, top_k, part, p,
+        *head, counts, found, out, out.stride(0), k, top_k, part, p,
         PARTS_P2=triton.next_power_of_2(p), PAD_BLOCK=min(1024, triton.next_power_of_2(top_k)),
-        **common,
+        CLEAR=clear, **common,
     )  # fmt: skip
     return out
+
+
+def _histograms(t: int, device: torch.device) -> tuple[Tensor, bool]:
+    """Zeroed histograms for ``t`` rows, and whether the write launch must zero them again:
+    the device's kept buffer up to `KEPT_HIST_ROWS` rows (made outside a graph capture, so
+    that it outlives every graph that bakes its address), else a fresh one."""
+    if t <= KEPT_HIST_ROWS:
+        kept = _kept_hist.get(device)
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if kept is None and not capturing:
+            shape = (KEPT_HIST_ROWS, PASSES, BINS)
+            kept = _kept_hist[device] = torch.zeros(shape, dtype=torch.int32, device=device)
+        if kept is not None:
+            return kept, True
+    return torch.zeros((t, PASSES, BINS), dtype=torch.int32, device=device), False
 
 
 __all__ = ["topk_select_reference", "topk_select_triton"]

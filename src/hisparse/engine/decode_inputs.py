@@ -66,3 +66,25 @@ def decode_inputs(
 
         return decode_inputs_triton.decode_inputs(pos, slot, table_stack, block_size, spare)
     return decode_inputs_reference(pos, slot, table_stack, block_size, spare)
+
+
+def step_counts_reference(hit_miss: Tensor, b: int, row_bytes: Tensor) -> Tensor:
+    """Per request of a decode step, ``[b, 3]`` int64: hits and misses summed over the index
+    groups and the bytes the misses moved, from the groups' ``hit_miss [G, S, 2]`` (int32)
+    and each group's bytes per missed row ``row_bytes [G]``."""
+    hm = hit_miss[:, :b].long()
+    misses = hm[..., 1]
+    nbytes = (misses * row_bytes[:, None]).sum(0)
+    return torch.stack((hm[..., 0].sum(0), misses.sum(0), nbytes), dim=1)
+
+
+def step_counts(hit_miss: Tensor, b: int, row_bytes: Tensor) -> Tensor:
+    """`step_counts_reference`'s values; one Triton launch where the fused ops run (instead
+    of a stack, a cast, a product, three sums and a stack per step)."""
+    from hisparse.models.fused import fused_on
+
+    if fused_on(hit_miss) and hit_miss.stride(2) == 1:
+        from hisparse.engine import decode_inputs_triton
+
+        return decode_inputs_triton.step_counts(hit_miss, b, row_bytes)
+    return step_counts_reference(hit_miss, b, row_bytes)

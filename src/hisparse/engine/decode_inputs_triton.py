@@ -1,4 +1,5 @@
-"""The Triton kernel of `hisparse.engine.decode_inputs` (one program per table and row)."""
+"""The Triton kernels of `hisparse.engine.decode_inputs`: the step's inputs (one program per
+table and row) and its per-request counts (one program per request)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,39 @@ def decode_inputs(
             BLOCK=min(1024, triton.next_power_of_2(max(mb, 1))),
         )  # fmt: skip
     return DecodeInputs(rix, lens, stack, rows, state, rix32, slot32)
+
+
+@triton.jit
+def _step_counts_kernel(
+    hm_ptr, s_g, s_r, bytes_ptr, out_ptr, G, BLOCK: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, BLOCK)
+    hits = tl.zeros([BLOCK], dtype=tl.int64)
+    misses = tl.zeros([BLOCK], dtype=tl.int64)
+    nbytes = tl.zeros([BLOCK], dtype=tl.int64)
+    for g0 in range(0, G, BLOCK):
+        gg = (g0 + g).to(tl.int64)
+        m = gg < G
+        h = tl.load(hm_ptr + gg * s_g + r * s_r, mask=m, other=0).to(tl.int64)
+        x = tl.load(hm_ptr + gg * s_g + r * s_r + 1, mask=m, other=0).to(tl.int64)
+        hits += h
+        misses += x
+        nbytes += x * tl.load(bytes_ptr + gg, mask=m, other=0)
+    tl.store(out_ptr + r * 3, tl.sum(hits, axis=0))
+    tl.store(out_ptr + r * 3 + 1, tl.sum(misses, axis=0))
+    tl.store(out_ptr + r * 3 + 2, tl.sum(nbytes, axis=0))
+
+
+def step_counts(hit_miss: Tensor, b: int, row_bytes: Tensor) -> Tensor:
+    """`step_counts_reference` in one launch (``hit_miss [G, S, 2]``, last dim contiguous)."""
+    g = hit_miss.shape[0]
+    out = torch.empty((b, 3), dtype=torch.int64, device=hit_miss.device)
+    if not g:
+        return out.zero_()
+    if b:
+        _step_counts_kernel[(b,)](
+            hit_miss, hit_miss.stride(0), hit_miss.stride(1), row_bytes.contiguous(), out, g,
+            BLOCK=min(64, triton.next_power_of_2(g)),
+        )  # fmt: skip
+    return out

@@ -27,7 +27,7 @@ import torch
 
 from hisparse.config import ResolvedHiSparseConfig
 from hisparse.engine.cuda_graphs import DecodeGraphs
-from hisparse.engine.decode_inputs import decode_inputs
+from hisparse.engine.decode_inputs import decode_inputs, step_counts
 from hisparse.engine.hooks import StepHooks, StepRequests
 from hisparse.engine.kv_manager import KVCacheManager
 from hisparse.engine.request import Request
@@ -235,6 +235,16 @@ class ModelRunner:
             dtype=torch.int64,
             device=device,
         )
+        #: every leader's per-request hits and misses as views of one ``[G, S, 2]`` tensor
+        #: (the resolves write them), so a step's counts read them with no stack
+        groups = [h.runtime.group for h in self.leaders]
+        shapes = {tuple(g.hit_miss.shape) for g in groups}
+        self.hit_miss_all: torch.Tensor | None = None
+        if len(shapes) == 1:
+            shape = (len(groups), *shapes.pop())
+            self.hit_miss_all = torch.zeros(shape, dtype=torch.int32, device=device)
+            for g, view in zip(groups, self.hit_miss_all, strict=True):
+                g.share_hit_miss(view)
         self.hooks = hooks
         self._zero_table = torch.zeros(
             (max_num_seqs, kv.max_blocks), dtype=torch.int32, device=device
@@ -490,10 +500,7 @@ class ModelRunner:
         cache = _StepCache(self, True, idx_rows, idx_table)
         logits = self.model.logits(self.model(ids, step, cache))
         if kv.offload:
-            hm = torch.stack([h.runtime.group.hit_miss[:b] for h in self.leaders]).long()
-            misses = hm[..., 1]
-            nbytes = (misses * self.group_row_bytes[:, None]).sum(0)
-            counts = torch.stack((hm[..., 0].sum(0), misses.sum(0), nbytes), dim=1)
+            counts = self._step_counts(b)
         else:
             counts = torch.zeros((b, 3), dtype=torch.int64, device=dev)
         return logits, counts
@@ -526,16 +533,20 @@ class ModelRunner:
             raise RuntimeError("prefill_layer_caches: no prefill step is running")
         return [cache.attention(i) for i in range(len(self.handles))]  # type: ignore[misc]
 
+    def _step_counts(self, n: int) -> torch.Tensor:
+        """``[n, 3]`` int64 hits, misses and bytes moved of the step's first ``n`` requests,
+        summed over the index groups (one launch on CUDA, `decode_inputs.step_counts`)."""
+        hm = self.hit_miss_all
+        if hm is None:  # groups of unequal buffers (not built by this runner): stack them
+            hm = torch.stack([h.runtime.group.hit_miss for h in self.leaders])
+        return step_counts(hm, n, self.group_row_bytes)
+
     def _record_hits(self, reqs: list[Request]) -> None:
         """Keep this step's per-request hits, misses and bytes swapped in on the device (read
         once, by `flush_metrics`): no host sync in the decode loop."""
         n = len(reqs)
         if self.kv.offload:
-            hm = torch.stack([h.runtime.group.hit_miss[:n] for h in self.leaders]).long()
-            hits = hm[..., 0].sum(0)
-            misses = hm[..., 1].sum(0)
-            nbytes = (hm[..., 1] * self.group_row_bytes[:, None]).sum(0)
-            counts = torch.stack((hits, misses, nbytes), dim=1)
+            counts = self._step_counts(n)
         else:
             counts = torch.zeros((n, 3), dtype=torch.int64, device=self.device)
         self._pending.append((reqs, counts))

@@ -288,6 +288,13 @@ class IndexGroupRuntime:
         self.totals[:2] += hm
         self.totals[2] += hm[1] * len(self.layers)
 
+    def share_hit_miss(self, view: torch.Tensor) -> None:
+        """Keep the per-request hits and misses in ``view`` (``[S, 2]`` int32, zeroed): the
+        runner gives every group a view of one tensor, so a step's counts read them whole."""
+        assert view.shape == self.hit_miss.shape and view.dtype == self.hit_miss.dtype
+        self.hit_miss = view
+        self.views_changed()
+
     def views_changed(self) -> None:
         """A layer (re)bound a view: re-check whether the group gather applies."""
         self._span_gather = None
