@@ -6,18 +6,23 @@ Rows of 128K (and 32K) fp32 scores, ``top_k`` 2048, at the decode batches of one
 CUDA-graph replays (what a captured decode step pays; `triton.testing.do_bench`):
 
 - ``torch``: ``torch.topk`` + the ``-inf`` -> ``-1`` mapping (the path before the select);
-- ``select``: `topk_select_triton` (and, at 1 and 8 rows, the same at 32 / 64 / 128 / 256
-  programs per row: how finely `MIN_PART` splits a row);
+- ``select``: `topk_select_triton` (and, up to 29 rows, the same at other `SPARSE_KEYS`:
+  up to how many matching keys a block adds one atomic each instead of a histogram);
+- ``before``: with ``--baseline FILE``, another version's ``topk_select_triton`` (a module
+  file, e.g. ``git show HEAD~1:src/hisparse/attention/topk_triton.py``), checked and timed
+  beside in the same process;
 - ``read``: the bytes the select must read once (``rows x keys x 4 B``) at the HBM copy rate
   measured in the same run (1 GiB copy): the floor of any top-k.
 
 Writes ``$OUT/bench_topk.json`` when ``OUT`` is set; prints the table last.
 
-    PYTHONPATH=src python3 benchmarks/bench_topk.py
+    PYTHONPATH=src python3 benchmarks/bench_topk.py [--baseline old_topk.py]
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -26,6 +31,7 @@ import torch
 import triton.testing
 
 from bench_indexer import _graph_us  # (this script's folder is on sys.path)
+from hisparse.attention import topk_triton
 from hisparse.attention.indexer_triton import topk_from_scores
 from hisparse.attention.topk_triton import topk_select_reference, topk_select_triton
 
@@ -39,7 +45,21 @@ def _torch_topk(x: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(torch.where(torch.isneginf(vals), -1, idx).to(torch.int32))
 
 
+def _baseline(path: str | None):
+    """``topk_select_triton`` of the module file at ``path`` (None: no baseline)."""
+    if not path:
+        return None
+    spec = importlib.util.spec_from_file_location("topk_baseline", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.topk_select_triton
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--baseline", help="a module file whose topk_select_triton runs beside")
+    before = _baseline(ap.parse_args().baseline)
     dev = torch.device("cuda")
     src = torch.empty(2**28, dtype=torch.float32, device=dev)
     dst = torch.empty_like(src)
@@ -47,6 +67,7 @@ def main() -> None:
     copy_gb_s = 2 * src.numel() * 4 / copy_ms / 1e6  # read + write
     src = dst = None  # freed
     rows, sweep = [], []
+    default_sparse = topk_triton.SPARSE_KEYS
     for t, s in CASES:
         g = torch.Generator(device=dev).manual_seed(t * 7 + s)
         x = torch.randn(t, s, generator=g, device=dev)
@@ -59,34 +80,49 @@ def main() -> None:
         assert picked.equal(out.sort(dim=1).values), "the indexer's top-k picks another set"
         t_torch = _graph_us(lambda x=x, out=out: _torch_topk(x, out))
         t_sel = _graph_us(lambda x=x, out=out: topk_select_triton(x, K, out))
+        t_before = None
+        if before is not None:
+            out.fill_(-7777)
+            exact = exact and torch.equal(before(x, K, out), want)
+            t_before = _graph_us(lambda x=x, out=out: before(x, K, out))
         read_us = t * s * 4 / copy_gb_s / 1e3
         rows.append(dict(rows=t, keys=s, exact=exact, same_set_as_torch=same_set,
-                         torch_us=t_torch, select_us=t_sel, read_us=read_us,
+                         torch_us=t_torch, select_us=t_sel, before_us=t_before, read_us=read_us,
                          speedup=t_torch / t_sel, copy_gb_s=copy_gb_s))  # fmt: skip
         print(rows[-1], flush=True)
-        if t <= 8:  # programs per row: the default against finer splits (part lengths)
-            for p in (32, 64, 128, 256):
-                us = _graph_us(lambda x=x, out=out, p=p: topk_select_triton(x, K, out, parts=p))
-                ok = torch.equal(topk_select_triton(x, K, out, parts=p), want)
-                sweep.append(dict(rows=t, keys=s, parts=p, select_us=us, exact=ok))
-                print(sweep[-1], flush=True)
+        if t <= 29:  # single atomics up to SPARSE_KEYS matching keys a block, or histograms
+            try:
+                for sparse in (0, 16, 256, 2048):
+                    topk_triton.SPARSE_KEYS = sparse
+                    out.fill_(-7777)
+                    ok = torch.equal(topk_select_triton(x, K, out), want)
+                    us = _graph_us(lambda x=x, out=out: topk_select_triton(x, K, out))
+                    sweep.append(dict(rows=t, keys=s, sparse_keys=sparse, select_us=us, exact=ok))
+                    print(sweep[-1], flush=True)
+            finally:
+                topk_triton.SPARSE_KEYS = default_sparse
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_topk.json").write_text(json.dumps(rows + sweep, indent=2))
-    print("\nprograms per row (rows, keys: parts -> µs)")
+    print(f"\nSPARSE_KEYS (default {default_sparse}; rows, keys: value -> µs)")
     for r in sweep:
         print(
-            f"  {r['rows']:5d} {r['keys']:7d}: {r['parts']:4d} -> {r['select_us']:7.1f}"
+            f"  {r['rows']:5d} {r['keys']:7d}: {r['sparse_keys']:4d} -> {r['select_us']:7.1f}"
             f"{'' if r['exact'] else '  NOT EXACT'}"
         )
     print(f"\nHBM copy {copy_gb_s:.0f} GB/s; top_k {K}; medians of CUDA-graph replays, µs")
-    head = ["rows", "keys", "exact", "torch.topk µs", "select µs", "speedup", "read floor µs",
-            "select / floor"]  # fmt: skip
+    head = ["rows", "keys", "exact", "torch.topk µs", "before µs", "select µs", "speedup",
+            "read floor µs", "select / floor"]  # fmt: skip
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
         print(f"| {r['rows']} | {r['keys']} | {r['exact'] and r['same_set_as_torch']} | "
-              f"{r['torch_us']:.1f} | {r['select_us']:.1f} | {r['speedup']:.2f}x | "
+              f"{r['torch_us']:.1f} | {_us(r['before_us'])} | {r['select_us']:.1f} | "
+              f"{r['speedup']:.2f}x | "
               f"{r['read_us']:.2f} | {r['select_us'] / r['read_us']:.1f}x |")  # fmt: skip
+
+
+def _us(v: float | None) -> str:
+    return "—" if v is None else f"{v:.1f}"
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 #   profile  the 128K decode step profiled per variant (VARIANTS, default the torch
 #            compositions, HISPARSE_FUSED=reference, and the fused kernels), both placements, the
 #            model's own indexer (no replayed top-k), one checkpoint for both;
-#   topk     the indexer's top-k select against torch.topk (benchmarks/bench_topk.py);
+#   topk     the indexer's top-k select against torch.topk (benchmarks/bench_topk.py; with
+#            TOPK_BASELINE=FILE also another version's select, a module file, beside it);
 #   smol_a   keep the first half of the SmolLM2 GGUF (.smol1/part0) on the machine;
 #   smol     SmolLM2-135M (a GGUF at $SMOL_GGUF, else assembled from that half and
 #            .smol2/part1) at batch 64 against transformers per variant
@@ -66,7 +67,8 @@ make_tiny('deepseek_v32', '$CKPT', preset='v32-attention', num_hidden_layers=4)"
   done
 fi
 if has topk; then
-  timeout 150 $PY benchmarks/bench_topk.py >"$OUT/bench_topk.txt" 2>&1 || echo "topk: rc $?"
+  timeout 240 $PY benchmarks/bench_topk.py ${TOPK_BASELINE:+--baseline "$TOPK_BASELINE"} \
+    >"$OUT/bench_topk.txt" 2>&1 || echo "topk: rc $?"
 fi
 if has smol; then
   if [ -f "$GGUF" ] && has smol_prefill; then  # where a batch's prefill time goes: the
@@ -106,7 +108,7 @@ if has profile; then
   done
 fi
 if has topk && [ -f "$OUT/bench_topk.txt" ]; then
-  echo "== topk"; sed -n '/^programs per row/,$p' "$OUT/bench_topk.txt"
+  echo "== topk"; sed -n '/^SPARSE_KEYS/,$p' "$OUT/bench_topk.txt"
 fi
 if has smol && has smol_prefill; then
   for route in batched rows; do

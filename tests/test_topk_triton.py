@@ -113,18 +113,42 @@ def test_strided_limits_and_a_transposed_output() -> None:
 
 
 def test_kept_histograms_are_zero_at_rest() -> None:
-    """Up to `KEPT_HIST_ROWS` rows the calls share one histogram buffer that each call's
-    write launch zeroes again: after each call it is all zero, and calls of other data in a
-    row (the kept buffer) and one of more rows (a fresh buffer) still equal the reference."""
+    """Up to `KEPT_HIST_ROWS` rows the calls share one histogram buffer: each call's write
+    launch zeroes its rows' first three histograms and the next call's first launch the
+    fourth. After each call the first three are all zero; a fourth left dirty (poisoned here
+    between calls) does not change the picks; calls of other data in a row (the kept buffer)
+    and one of more rows (a fresh buffer) still equal the reference."""
     from hisparse.attention import topk_triton as tt
 
+    g = torch.Generator().manual_seed(0)
     for t, s, k, seed in [(3, 5000, 300, 1), (1, 777, 50, 2), (tt.KEPT_HIST_ROWS + 1, 600, 9, 3),
                           (tt.KEPT_HIST_ROWS, 900, 40, 4), (2, 5000, 300, 5)]:  # fmt: skip
         x = _rows(t, s, seed)
+        kept = tt._kept_hist.get(x.device)
+        if kept is not None:
+            kept[:, 3] = torch.randint(1, 1000, kept[:, 3].shape, generator=g, dtype=kept.dtype)
         got = topk_select_triton(x, k, _poisoned(t, k))
         assert torch.equal(got, topk_select_reference(x, k))
         kept = tt._kept_hist[x.device]
-        assert kept.shape[0] == tt.KEPT_HIST_ROWS and not kept.any()
+        assert kept.shape[0] == tt.KEPT_HIST_ROWS and not kept[:, :3].any()
+
+
+def test_sparse_blocks_take_single_atomics() -> None:
+    """Blocks whose keys sharing the bytes found so far number at most `SPARSE_KEYS` add them
+    one atomic each, the others a block histogram: both ways (and none, every block a
+    histogram) give the reference's picks, on spread and on heavily tied rows."""
+    from hisparse.attention import topk_triton as tt
+
+    x = torch.cat([_rows(2, 9000, seed=11), torch.randint(0, 5, (2, 9000)).float()])
+    saved = tt.SPARSE_KEYS
+    try:
+        for sparse in (0, 8, tt.BLOCK):
+            tt.SPARSE_KEYS = sparse
+            for k in (1, 700, 2048):
+                got = topk_select_triton(x, k, _poisoned(4, k), parts=3)
+                assert torch.equal(got, topk_select_reference(x, k)), (sparse, k)
+    finally:
+        tt.SPARSE_KEYS = saved
 
 
 def test_empty_calls() -> None:

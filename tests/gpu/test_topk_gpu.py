@@ -69,4 +69,4 @@ def test_cuda_graph_replay() -> None:
         assert torch.equal(topk_select_triton(y, K, _poisoned(5)), topk_select_reference(y, K))
     from hisparse.attention import topk_triton as tt
 
-    assert not tt._kept_hist[x.device].any()
+    assert not tt._kept_hist[x.device][:, :3].any()  # (the fourth: zeroed by the next call)

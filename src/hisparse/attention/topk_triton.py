@@ -1,4 +1,4 @@
-"""Exact top-k of score rows by radix select in six Triton launches, for the lightning indexer.
+"""Exact top-k of score rows by radix select in five Triton launches, for the lightning indexer.
 
 `topk_select_reference` is the contract: per row the ``k`` largest finite scores (``-inf`` and
 NaN never picked; with fewer than ``k`` finite scores, all of them), ties at the k-th value
@@ -11,22 +11,28 @@ Why: ``torch.topk`` over a 128K row costs ~100 µs of radix-sort kernels per lay
 fp32 bits, flipped so that their unsigned order is the float order, are found one byte at a
 time over a ``(row, part)`` grid, each program reading a part of the row:
 
-1. four histogram launches: each program adds its part's 256-bin histogram of the next byte,
+1. three histogram launches: each program adds its part's 256-bin histogram of the next byte,
    among the keys whose higher bytes equal those found so far, to the row's histogram in
-   global memory (``tl.histogram``, then an atomic add per bin it has keys in). Every
-   program re-derives the bytes found so far from the earlier histograms (a 256-bin scan
-   each), so no launch is spent on scans; after the fourth the exact k-th key and how many
-   keys equal to it to take are known;
-2. a count launch: each part's keys above it and equal to it (and, once per row, the k-th
-   key and the ties to take, so the next launch reads no histogram);
-3. a write launch: each part's output offset from prefix sums over the parts before it, then
-   its picks in position order (ties: the first ones by position).
+   global memory (``tl.histogram``, then an atomic add per bin it has keys in; a block of
+   keys of which few share the bytes found so far adds them one atomic each instead, and a
+   block of which none do costs no histogram). Every program re-derives the bytes found so
+   far from the earlier histograms (a 256-bin scan each), so no launch is spent on scans;
+2. the last byte's launch: the same histogram of the fourth byte, and besides each part's
+   keys above the three bytes found, and its own histogram of the fourth byte as suffix
+   sums (so that a later program reads any part's keys above or equal to a fourth byte in
+   two loads). Part 0 stores the row's three bytes, the keys still to take and the count
+   of finite scores, so the next launch reads only the fourth byte's histogram;
+3. a write launch: the exact k-th key and how many keys equal to it to take, each part's
+   output offset from prefix sums over the parts before it, then its picks in position
+   order (ties: the first ones by position).
 
 The histograms must start at zero. Up to `KEPT_HIST_ROWS` rows (a decode batch) they live in
-one buffer per device that is zero at rest: the write launch zeroes each row's histograms
-after the last launch that reads them, so a step needs no fill (larger calls, prefill chunks,
-get a zeroed buffer of their own). Calls on one device therefore run one after another on
-its streams, as the engine's compute stream runs them.
+one buffer per device that is zero at rest but for the last byte's histogram: the write
+launch zeroes each row's first three histograms (which no program of it reads) and the next
+call's first launch zeroes the fourth (which no program of that launch reads), so a step
+needs no fill (larger calls, prefill chunks, get a zeroed buffer of their own). Calls on one
+device therefore run one after another on its streams, as the engine's compute stream runs
+them.
 
 A histogram costs per key (``tl.histogram``: shared-memory atomics), so a row is spread over
 many programs, and the digits stay a byte wide: one program per row, or wider digits with
@@ -55,6 +61,10 @@ MIN_BLOCK = 256
 DIGIT_BITS = 8
 BINS = 1 << DIGIT_BITS
 PASSES = 32 // DIGIT_BITS
+#: Keys of a block that share the bytes found so far, up to which the second and third
+#: histograms add them one global atomic each instead of a block histogram (``tl.histogram``
+#: costs per key of the block, matching or not; after the first byte few keys match).
+SPARSE_KEYS = 64
 #: Fewest elements per program worth a part of its own (bench_topk.py's sweep: at one 128K
 #: row, 128 parts of 1,024 keys beat 32 of 4,096; a part's histogram costs per key).
 MIN_PART = 1024
@@ -138,11 +148,17 @@ def _descend(hist_row, k, NPASS: tl.constexpr, BINS: tl.constexpr, DIGIT_BITS: t
 def _hist_kernel(
     scores, stride_s, S, limits, req_index, hist, k, PART,
     PASS: tl.constexpr, LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-    DIGIT_BITS: tl.constexpr,
+    DIGIT_BITS: tl.constexpr, SPARSE_KEYS: tl.constexpr,
 ):  # fmt: skip
-    t, _part, lo, hi, row = _program(scores, stride_s, S, limits, req_index, PART, LIMITS)
+    """Histogram ``PASS`` (0..2) of the row: its byte ``PASS`` among the keys whose higher
+    bytes equal those the earlier histograms found."""
+    t, part, lo, hi, row = _program(scores, stride_s, S, limits, req_index, PART, LIMITS)
     hist_row = hist + t.to(tl.int64) * (4 * BINS)
+    bins = tl.arange(0, BINS)
+    if PASS == 0 and part == 0:  # the last byte's histogram, as the previous call left it
+        tl.store(hist_row + 3 * BINS + bins, 0)
     prefix, rem, _total = _descend(hist_row, k, PASS, BINS, DIGIT_BITS)
+    dest = hist_row + PASS * BINS
     go = lo < hi
     if PASS > 0:
         go = go & (rem > 0)  # rem == 0: the row has no finite score
@@ -150,47 +166,53 @@ def _hist_kernel(
         acc = tl.zeros([BINS], dtype=tl.int32)
         for start in range(lo, hi, BLOCK):
             u, take = _keys(row, start + tl.arange(0, BLOCK), hi)
-            if PASS > 0:
+            digit = (u >> (32 - DIGIT_BITS * (PASS + 1))) & (BINS - 1)
+            if PASS == 0:
+                acc += tl.histogram(digit, BINS, mask=take)
+            else:
                 high = (u >> (32 - DIGIT_BITS * PASS)) & ((1 << (DIGIT_BITS * PASS)) - 1)
                 take = take & (high == prefix)
-            digit = (u >> (32 - DIGIT_BITS * (PASS + 1))) & (BINS - 1)
-            acc += tl.histogram(digit, BINS, mask=take)
-        bins = tl.arange(0, BINS)  # (only the bins the part has keys in: fewer atomics)
-        tl.atomic_add(hist_row + PASS * BINS + bins, acc, mask=acc != 0, sem="relaxed")
+                n = tl.sum(take.to(tl.int32), axis=0)
+                if n > SPARSE_KEYS:
+                    acc += tl.histogram(digit, BINS, mask=take)
+                elif n > 0:  # few keys: one atomic each
+                    ones = tl.full([BLOCK], 1, tl.int32)
+                    tl.atomic_add(dest + digit, ones, mask=take, sem="relaxed")
+        tl.atomic_add(dest + bins, acc, mask=acc != 0, sem="relaxed")  # (bins it has keys in)
 
 
 @triton.jit
-def _part_counts(row, lo, hi, kth, BLOCK: tl.constexpr):
-    """Keys above ``kth`` and equal to it in ``[lo, hi)`` (finite scores only)."""
-    gt = tl.full([], 0, tl.int32)
-    eq = tl.full([], 0, tl.int32)
-    for start in range(lo, hi, BLOCK):
-        u, ok = _keys(row, start + tl.arange(0, BLOCK), hi)
-        u = u ^ INT32_MIN  # signed order = float order
-        gt += tl.sum((ok & (u > kth)).to(tl.int32), axis=0)
-        eq += tl.sum((ok & (u == kth)).to(tl.int32), axis=0)
-    return gt, eq
-
-
-@triton.jit
-def _count_kernel(
+def _last_kernel(
     scores, stride_s, S, limits, req_index, hist, counts, found, k, PART, NPARTS,
     LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
     DIGIT_BITS: tl.constexpr,
 ):  # fmt: skip
+    """The last byte's histogram, and each part's counts for the write launch: its keys
+    above the three bytes found, and its own last-byte histogram as suffix sums."""
     t, part, lo, hi, row = _program(scores, stride_s, S, limits, req_index, PART, LIMITS)
-    prefix, rem, total = _descend(hist + t.to(tl.int64) * (4 * BINS), k, 4, BINS, DIGIT_BITS)
-    if part == 0:  # the row's k-th key, ties to take and finite count, for the write launch
+    hist_row = hist + t.to(tl.int64) * (4 * BINS)
+    prefix, rem, total = _descend(hist_row, k, 3, BINS, DIGIT_BITS)
+    if part == 0:  # the row's three bytes, keys still to take and finite count
         f = found + t.to(tl.int64) * 3
         tl.store(f, prefix)
         tl.store(f + 1, rem)
         tl.store(f + 2, total)
-    gt, eq = _part_counts(row, lo, hi, prefix ^ INT32_MIN, BLOCK)
-    gt = tl.where(rem > 0, gt, 0)  # rem == 0: no finite score in the row, nothing to take
-    eq = tl.where(rem > 0, eq, 0)
-    c = counts + (t.to(tl.int64) * NPARTS + part) * 2
+    bins = tl.arange(0, BINS)
+    gt = tl.full([], 0, tl.int32)
+    acc = tl.zeros([BINS], dtype=tl.int32)
+    if (lo < hi) & (rem > 0):  # rem == 0: no finite score in the row, nothing to take
+        for start in range(lo, hi, BLOCK):
+            u, ok = _keys(row, start + tl.arange(0, BLOCK), hi)
+            high = (u >> DIGIT_BITS) & ((1 << (32 - DIGIT_BITS)) - 1)
+            gt += tl.sum((ok & (high > prefix)).to(tl.int32), axis=0)
+            take = ok & (high == prefix)
+            if tl.sum(take.to(tl.int32), axis=0) > 0:
+                acc += tl.histogram(u & (BINS - 1), BINS, mask=take)
+        tl.atomic_add(hist_row + 3 * BINS + bins, acc, mask=acc != 0, sem="relaxed")
+    c = counts + (t.to(tl.int64) * NPARTS + part) * (BINS + 2)
     tl.store(c, gt)
-    tl.store(c + 1, eq)
+    tl.store(c + 1 + bins, tl.cumsum(acc, axis=0, reverse=True))
+    tl.store(c + 1 + BINS, 0)
 
 
 @triton.jit
@@ -204,18 +226,27 @@ def _write_kernel(
     orow = out + t.to(tl.int64) * stride_o
     f = found + t.to(tl.int64) * 3
     prefix = tl.load(f)
-    need_eq = tl.load(f + 1)
+    rem = tl.load(f + 1)
     total = tl.load(f + 2)
-    if CLEAR and part == 0:  # no later launch reads the row's histograms: zero them again
-        tl.store(hist + t.to(tl.int64) * (4 * BINS) + tl.arange(0, 4 * BINS), 0)
-    kth = prefix ^ INT32_MIN
+    hist_row = hist + t.to(tl.int64) * (4 * BINS)
+    # the last byte of the k-th key, and how many keys equal to it to take
+    bins = tl.arange(0, BINS)
+    h = tl.load(hist_row + 3 * BINS + bins)
+    at_least = tl.cumsum(h, axis=0, reverse=True)
+    d = tl.max(tl.where(at_least >= rem, bins, 0), axis=0)
+    need_eq = rem - tl.sum(tl.where(bins > d, h, 0), axis=0)
+    if CLEAR and part == 0:  # no program reads the first three histograms again: zero them
+        first = tl.arange(0, 4 * BINS)
+        tl.store(hist_row + first, 0, mask=first < 3 * BINS)
+    kth = ((prefix << DIGIT_BITS) | d) ^ INT32_MIN
     taken_all = tl.minimum(k, total)
     # where this part's picks start: the picks and ties of the parts before it
     j = tl.arange(0, PARTS_P2)
     before = j < part
-    c = counts + (t.to(tl.int64) * NPARTS + j) * 2
-    gt_j = tl.load(c, mask=before, other=0)
-    eq_j = tl.load(c + 1, mask=before, other=0)
+    c = counts + (t.to(tl.int64) * NPARTS + j) * (BINS + 2)
+    above_d = tl.load(c + 2 + d, mask=before, other=0)  # (suffix sums: keys past byte d)
+    gt_j = tl.load(c, mask=before, other=0) + above_d
+    eq_j = tl.load(c + 1 + d, mask=before, other=0) - above_d
     eq_seen = tl.sum(eq_j, axis=0)
     eq_excl = tl.cumsum(eq_j, axis=0) - eq_j
     ties_j = tl.minimum(tl.maximum(need_eq - eq_excl, 0), eq_j)
@@ -281,7 +312,7 @@ def topk_select_triton(
     part = triton.cdiv(per, block) * block
     p = max(1, triton.cdiv(s, part))
     hist, clear = _histograms(t, scores.device)
-    counts = torch.empty((t, p, 2), dtype=torch.int32, device=scores.device)
+    counts = torch.empty((t, p, BINS + 2), dtype=torch.int32, device=scores.device)
     found = torch.empty((t, 3), dtype=torch.int32, device=scores.device)
     mode, lim, req = 0, hist, hist  # (pointers not read in mode 0)
     if limits is not None:
@@ -293,9 +324,9 @@ def topk_select_triton(
     common = dict(LIMITS=mode, BLOCK=block, BINS=BINS, DIGIT_BITS=DIGIT_BITS)
     grid = (t, p)
     head = (scores, scores.stride(0), s, lim, req, hist)
-    for pas in range(PASSES):
-        _hist_kernel[grid](*head, k, part, PASS=pas, **common)
-    _count_kernel[grid](*head, counts, found, k, part, p, **common)
+    for pas in range(PASSES - 1):
+        _hist_kernel[grid](*head, k, part, PASS=pas, SPARSE_KEYS=SPARSE_KEYS, **common)
+    _last_kernel[grid](*head, counts, found, k, part, p, **common)
     _write_kernel[grid](
         *head, counts, found, out, out.stride(0), k, top_k, part, p,
         PARTS_P2=triton.next_power_of_2(p), PAD_BLOCK=min(1024, triton.next_power_of_2(top_k)),
@@ -305,9 +336,10 @@ def topk_select_triton(
 
 
 def _histograms(t: int, device: torch.device) -> tuple[Tensor, bool]:
-    """Zeroed histograms for ``t`` rows, and whether the write launch must zero them again:
-    the device's kept buffer up to `KEPT_HIST_ROWS` rows (made outside a graph capture, so
-    that it outlives every graph that bakes its address), else a fresh one."""
+    """Histograms for ``t`` rows, the first three zero (the first launch zeroes the fourth),
+    and whether the write launch must zero them again: the device's kept buffer up to
+    `KEPT_HIST_ROWS` rows (made outside a graph capture, so that it outlives every graph that
+    bakes its address), else a fresh one."""
     if t <= KEPT_HIST_ROWS:
         kept = _kept_hist.get(device)
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
