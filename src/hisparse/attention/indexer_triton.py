@@ -16,7 +16,7 @@ Two stages:
    batch >= 8 this reads ~55-62% of a copy's bandwidth (bench_indexer.py); the fp8-MMA
    variant, with no conversions and about 100 fewer instructions per tile, reads more, so
    the per-tile instruction count (conversions, masks, addresses) looks like the limit.
-2. the exact top-k of each row: on CUDA the Triton radix select (`topk_triton`: six
+2. the exact top-k of each row: on CUDA the Triton radix select (`topk_triton`: five
    launches over a (row, part) grid, each row read only up to its token's causal limit; ties
    at the k-th score to the lowest positions, picks in ascending positions), elsewhere or with
    ``HISPARSE_TOPK=reference`` ``torch.topk`` (the reference's selection code; picks best
@@ -352,10 +352,10 @@ def score_cols(
     return cols if max_len is None else min(cols, max_len)
 
 
-#: Rows up to which the Triton select runs instead of ``torch.topk`` (bench_topk.py, H200:
-#: 2.9x at one row of 128K, 1.9x at 8, even at 29, slower from 64, where each SM's share of
-#: the histograms' per-key work bounds it).
-SELECT_MAX_ROWS = 32
+#: Rows up to which the Triton select runs instead of ``torch.topk`` (bench_topk.py, H200, rows
+#: of 128K: 3.6x at one row, 2.5x at 8, 1.4x at 29, 1.06x at 64, 0.89x at a 2048-row prefill
+#: block, where each SM's share of the first histogram's per-key work bounds it).
+SELECT_MAX_ROWS = 64
 
 
 def topk_from_scores(

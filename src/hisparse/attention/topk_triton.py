@@ -64,7 +64,8 @@ PASSES = 32 // DIGIT_BITS
 #: Keys of a block that share the bytes found so far, up to which the second and third
 #: histograms add them one global atomic each instead of a block histogram (``tl.histogram``
 #: costs per key of the block, matching or not; after the first byte few keys match).
-SPARSE_KEYS = 64
+#: bench_topk.py's sweep: 16 to 2048 alike within ~10%, all faster than none at 8 and 29 rows.
+SPARSE_KEYS = 256
 #: Fewest elements per program worth a part of its own (bench_topk.py's sweep: at one 128K
 #: row, 128 parts of 1,024 keys beat 32 of 4,096; a part's histogram costs per key).
 MIN_PART = 1024
