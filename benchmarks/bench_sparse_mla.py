@@ -15,6 +15,10 @@ written); the matrix TFLOP/s (`decode_flops`); and the plain PyTorch gather + at
 the reference in the same run (max abs error and relative Frobenius error) and reports its
 registers and spills.
 
+``--splits 1,2,4,...`` times instead, for fp8_ds_mla rows and the default shape, the call
+(kernel and combine) at each of those split counts per batch, beside `num_splits_for`'s
+choice: the data its cost model is fitted to.
+
 Prints a table last and writes JSON to ``$OUT/bench_sparse_mla.json`` (or ``--out``).
 """
 
@@ -246,6 +250,36 @@ def bench_case(
     }  # fmt: skip
 
 
+def split_sweep(pool: torch.Tensor, batches: list[int], splits: list[int]) -> list[dict]:
+    """µs of one call (CUDA-graph replays, fresh index sets) per batch and split count."""
+    cfg = smt.default_config(1, H)
+    rows = []
+    for t in batches:
+        g = torch.Generator(device=DEV).manual_seed(200 + t)
+        n_rows = pool.shape[0] * pool.shape[1]
+        n_sets = min(128, max(4, math.ceil(GRAPH_BYTES / smt.decode_bytes(t, H, K, "fp8_ds_mla"))))
+        sets = [torch.randint(0, n_rows, (t, K), generator=g, device=DEV, dtype=torch.int32)
+                for _ in range(n_sets)]  # fmt: skip
+        ql = torch.randn(t, H, C, generator=g, device=DEV).bfloat16()
+        qr = torch.randn(t, H, R, generator=g, device=DEV).bfloat16()
+        want = smt.sparse_mla_decode_triton(ql, qr, pool, sets[0], SCALE, "fp8_ds_mla", config=cfg)
+        row = {"tokens": t, "model_splits": smt.num_splits_for(t, H, K, cfg, DEV), "us": {}}
+        for n in splits:
+            got = smt.sparse_mla_decode_triton(
+                ql, qr, pool, sets[0], SCALE, "fp8_ds_mla", config=cfg, num_splits=n
+            )
+            torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2e-2, atol=2e-2)
+            row["us"][n] = graph_us(
+                lambda idx, n=n, ql=ql, qr=qr: smt.sparse_mla_decode_triton(
+                    ql, qr, pool, idx, SCALE, "fp8_ds_mla", config=cfg, num_splits=n
+                ),
+                sets,
+            )
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
@@ -255,8 +289,21 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--sweep", action="store_true", help="time every shape in CONFIGS")
     ap.add_argument("--prefill", type=int, default=PREFILL_TOKENS, help="0 = no prefill case")
+    ap.add_argument("--splits", help="time these split counts per batch (fp8 rows) instead")
     args = ap.parse_args()
     t0 = time.time()
+    if args.splits:
+        splits = [int(x) for x in args.splits.split(",")]
+        batches = [int(x) for x in args.batches.split(",")]
+        rows = split_sweep(make_pool("fp8_ds_mla", args.pool_gib), batches, splits)
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "split_sweep": rows}, f, indent=1)
+        print("\nsparse MLA decode (kernel + combine), fp8_ds_mla, µs by split count; * = model")
+        print(f"{'T':>5} " + " ".join(f"{n:>8}" for n in splits))
+        for r in rows:
+            cells = [f"{r['us'][n]:>7.1f}{'*' if n == r['model_splits'] else ' '}" for n in splits]
+            print(f"{r['tokens']:>5} " + " ".join(cells) + f"   model: {r['model_splits']}")
+        return
     configs = CONFIGS if args.sweep else [smt.default_config(1, H)]
     if smt.default_config(1, H) not in configs:
         configs = [smt.default_config(1, H), *configs]
