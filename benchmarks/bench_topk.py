@@ -8,6 +8,8 @@ CUDA-graph replays (what a captured decode step pays; `triton.testing.do_bench`)
 - ``torch``: ``torch.topk`` + the ``-inf`` -> ``-1`` mapping (the path before the select);
 - ``select``: `topk_select_triton` (and, up to 29 rows, the same at other `SPARSE_KEYS`:
   up to how many matching keys a block adds one atomic each instead of a histogram);
+- ``no PDL``: the same with ``HISPARSE_PDL=0`` (each launch waits for the one before to
+  end, instead of starting as a programmatic dependent while it finishes);
 - ``before``: with ``--baseline FILE``, another version's ``topk_select_triton`` (a module
   file, e.g. ``git show HEAD~1:src/hisparse/attention/topk_triton.py``), checked and timed
   beside in the same process;
@@ -80,6 +82,9 @@ def main() -> None:
         assert picked.equal(out.sort(dim=1).values), "the indexer's top-k picks another set"
         t_torch = _graph_us(lambda x=x, out=out: _torch_topk(x, out))
         t_sel = _graph_us(lambda x=x, out=out: topk_select_triton(x, K, out))
+        os.environ["HISPARSE_PDL"] = "0"
+        t_no_pdl = _graph_us(lambda x=x, out=out: topk_select_triton(x, K, out))
+        del os.environ["HISPARSE_PDL"]
         t_before = None
         if before is not None:
             out.fill_(-7777)
@@ -87,7 +92,8 @@ def main() -> None:
             t_before = _graph_us(lambda x=x, out=out: before(x, K, out))
         read_us = t * s * 4 / copy_gb_s / 1e3
         rows.append(dict(rows=t, keys=s, exact=exact, same_set_as_torch=same_set,
-                         torch_us=t_torch, select_us=t_sel, before_us=t_before, read_us=read_us,
+                         torch_us=t_torch, select_us=t_sel, no_pdl_us=t_no_pdl,
+                         before_us=t_before, read_us=read_us,
                          speedup=t_torch / t_sel, copy_gb_s=copy_gb_s))  # fmt: skip
         print(rows[-1], flush=True)
         if t <= 29:  # single atomics up to SPARSE_KEYS matching keys a block, or histograms
@@ -110,13 +116,14 @@ def main() -> None:
             f"{'' if r['exact'] else '  NOT EXACT'}"
         )
     print(f"\nHBM copy {copy_gb_s:.0f} GB/s; top_k {K}; medians of CUDA-graph replays, µs")
-    head = ["rows", "keys", "exact", "torch.topk µs", "before µs", "select µs", "speedup",
-            "read floor µs", "select / floor"]  # fmt: skip
+    head = ["rows", "keys", "exact", "torch.topk µs", "before µs", "no PDL µs", "select µs",
+            "speedup", "read floor µs", "select / floor"]  # fmt: skip
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
         print(f"| {r['rows']} | {r['keys']} | {r['exact'] and r['same_set_as_torch']} | "
-              f"{r['torch_us']:.1f} | {_us(r['before_us'])} | {r['select_us']:.1f} | "
+              f"{r['torch_us']:.1f} | {_us(r['before_us'])} | {r['no_pdl_us']:.1f} | "
+              f"{r['select_us']:.1f} | "
               f"{r['speedup']:.2f}x | "
               f"{r['read_us']:.2f} | {r['select_us'] / r['read_us']:.1f}x |")  # fmt: skip
 

@@ -39,7 +39,10 @@ many programs, and the digits stay a byte wide: one program per row, or wider di
 fewer launches, measured slower on the H200 (benchmarks.md §15).
 
 Launch boundaries are the only barriers (nothing spins), the grid depends on shapes alone and
-nothing synchronises with the host, so a decode step captures it in its CUDA graph. Rows may
+nothing synchronises with the host, so a decode step captures it in its CUDA graph. On Hopper
+each launch is a programmatic dependent of the one before (`triton_common.dependent_launch`):
+it starts while that one finishes and waits for its writes first, so the chain pays no
+launch gaps. Rows may
 end early (``limits``: a token's causal limit), so a graph captured at the block table's width
 reads only each row's own keys.
 """
@@ -52,7 +55,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hisparse.attention.triton_split import num_sms
-from hisparse.runtime.ops import triton_common  # noqa: F401  (the interpreter's loop-bound fix)
+from hisparse.runtime.ops.triton_common import dependent_launch, grid_dependency_wait
 
 #: Elements one program reads per iteration (fewer, down to `MIN_BLOCK`, in a shorter part).
 BLOCK = 2048
@@ -149,10 +152,11 @@ def _descend(hist_row, k, NPASS: tl.constexpr, BINS: tl.constexpr, DIGIT_BITS: t
 def _hist_kernel(
     scores, stride_s, S, limits, req_index, hist, k, PART,
     PASS: tl.constexpr, LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-    DIGIT_BITS: tl.constexpr, SPARSE_KEYS: tl.constexpr,
+    DIGIT_BITS: tl.constexpr, SPARSE_KEYS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Histogram ``PASS`` (0..2) of the row: its byte ``PASS`` among the keys whose higher
     bytes equal those the earlier histograms found."""
+    grid_dependency_wait(GDC)
     t, part, lo, hi, row = _program(scores, stride_s, S, limits, req_index, PART, LIMITS)
     hist_row = hist + t.to(tl.int64) * (4 * BINS)
     bins = tl.arange(0, BINS)
@@ -186,10 +190,11 @@ def _hist_kernel(
 def _last_kernel(
     scores, stride_s, S, limits, req_index, hist, counts, found, k, PART, NPARTS,
     LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-    DIGIT_BITS: tl.constexpr,
+    DIGIT_BITS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """The last byte's histogram, and each part's counts for the write launch: its keys
     above the three bytes found, and its own last-byte histogram as suffix sums."""
+    grid_dependency_wait(GDC)
     t, part, lo, hi, row = _program(scores, stride_s, S, limits, req_index, PART, LIMITS)
     hist_row = hist + t.to(tl.int64) * (4 * BINS)
     prefix, rem, total = _descend(hist_row, k, 3, BINS, DIGIT_BITS)
@@ -221,8 +226,9 @@ def _write_kernel(
     scores, stride_s, S, limits, req_index, hist, counts, found, out, stride_o, k, top_k, PART,
     NPARTS, LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
     DIGIT_BITS: tl.constexpr, PARTS_P2: tl.constexpr, PAD_BLOCK: tl.constexpr,
-    CLEAR: tl.constexpr,
+    CLEAR: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_wait(GDC)
     t, part, lo, hi, row = _program(scores, stride_s, S, limits, req_index, PART, LIMITS)
     orow = out + t.to(tl.int64) * stride_o
     f = found + t.to(tl.int64) * 3
@@ -322,7 +328,10 @@ def topk_select_triton(
         mode, lim = 2, positions
         req = req_index if req_index is not None else positions  # positions >= 0: all real
     k = min(top_k, s)
-    common = dict(LIMITS=mode, BLOCK=block, BINS=BINS, DIGIT_BITS=DIGIT_BITS)
+    gdc = dependent_launch(scores.device)
+    common = dict(LIMITS=mode, BLOCK=block, BINS=BINS, DIGIT_BITS=DIGIT_BITS, GDC=gdc)
+    if gdc:  # each launch starts while the one before finishes (a launch gap fewer each)
+        common["launch_pdl"] = True
     grid = (t, p)
     head = (scores, scores.stride(0), s, lim, req, hist)
     for pas in range(PASSES - 1):

@@ -7,8 +7,10 @@ module that defines kernels imports it first.
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -41,6 +43,32 @@ def _fix_interpreter_index() -> None:
 
 if interpreting():
     _fix_interpreter_index()
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch as programmatic dependents of the kernel before
+    them (Hopper and later; CUDA, not the interpreter; ``HISPARSE_PDL=0`` turns it off for
+    A/B runs). Such a kernel starts while the one before it finishes and waits for it with
+    `grid_dependency_wait` before reading what it wrote: no launch gap between short kernels
+    of one chain, also inside a CUDA graph."""
+    if device.type != "cuda" or interpreting() or os.environ.get("HISPARSE_PDL", "1") == "0":
+        return False
+    return _hopper_or_later(device)
+
+
+@functools.cache
+def _hopper_or_later(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def grid_dependency_wait(ON: tl.constexpr):
+    """With ``ON`` (the kernel launched by `dependent_launch`): wait until the kernel before
+    finished and its writes are visible, then let the next one start launching (it waits
+    the same way). Call first, before reading anything an earlier kernel wrote."""
+    if ON:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def next_pow2(n: int) -> int:
