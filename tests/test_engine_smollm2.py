@@ -83,14 +83,16 @@ def test_text_prompts_and_stop_strings():
     assert outs[0].text.strip()
 
 
-def test_smollm2_5000_token_prompt_in_chunks_equals_one_step():
-    """Real weights, real text, a prompt of 5,000 tokens: prefilled in chunks of 512
-    (HiSparse) and of 2,048 (all-GPU) it gives the greedy tokens of the same prompt in one step
-    (all-GPU), so both placements and both chunkings agree."""
+def test_smollm2_long_prompt_in_chunks_equals_one_step():
+    """Real weights, real text, a prompt of 3,000 tokens (longer than the default prefill
+    step of 2,048): prefilled in chunks of 512 (HiSparse) and of 2,048 (all-GPU) it gives the
+    greedy tokens of the same prompt in one step (all-GPU), so both placements and both
+    chunkings agree."""
     from pydoc_data.topics import topics
 
     text = " ".join(topics[k] for k in sorted(topics))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    n = 3000
     runs = {}
     for placement in ("gpu", "hisparse"):
         with LLM(
@@ -101,16 +103,16 @@ def test_smollm2_5000_token_prompt_in_chunks_equals_one_step():
             gpu_memory_gib=0.5,
             max_num_seqs=1,
         ) as llm:
-            prompt = llm.tokenizer.encode(text)[:5000]
-            assert len(prompt) == 5000
-            chunks = (5000, 2048) if placement == "gpu" else (512,)
+            prompt = llm.tokenizer.encode(text)[:n]
+            assert len(prompt) == n
+            chunks = (n, 2048) if placement == "gpu" else (512,)
             for chunk in chunks:
                 llm.scheduler.max_num_batched_tokens = chunk
                 (out,) = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
                 assert out.ok, out.error
                 prefill = [s["tokens"] for s in llm.last_run_stats if not s["decode"]]
-                assert prefill == [chunk] * (5000 // chunk) + ([5000 % chunk] * (5000 % chunk > 0))
+                assert prefill == [chunk] * (n // chunk) + ([n % chunk] * (n % chunk > 0))
                 runs[placement, chunk] = out.token_ids
-    one = runs["gpu", 5000]
+    one = runs["gpu", n]
     assert len(one) == 8
     assert all(tokens == one for tokens in runs.values()), runs
