@@ -6,8 +6,9 @@ Rows of 128K (and 32K) fp32 scores, ``top_k`` 2048, at the decode batches of one
 CUDA-graph replays (what a captured decode step pays; `triton.testing.do_bench`):
 
 - ``torch``: ``torch.topk`` + the ``-inf`` -> ``-1`` mapping (the path before the select);
-- ``select``: `topk_select_triton` (and, up to 29 rows, the same at other `SPARSE_KEYS`:
-  up to how many matching keys a block adds one atomic each instead of a histogram);
+- ``select``: `topk_select_triton` (and with ``--sweep-sparse``, up to 29 rows, the same at
+  other `SPARSE_KEYS`: up to how many matching keys a block adds one atomic each instead of
+  a histogram);
 - ``no PDL``: the same with ``HISPARSE_PDL=0`` (each launch waits for the one before to
   end, instead of starting as a programmatic dependent while it finishes);
 - ``before``: with ``--baseline FILE``, another version's ``topk_select_triton`` (a module
@@ -18,7 +19,7 @@ CUDA-graph replays (what a captured decode step pays; `triton.testing.do_bench`)
 
 Writes ``$OUT/bench_topk.json`` when ``OUT`` is set; prints the table last.
 
-    PYTHONPATH=src python3 benchmarks/bench_topk.py [--baseline old_topk.py]
+    PYTHONPATH=src python3 benchmarks/bench_topk.py [--baseline old_topk.py] [--sweep-sparse]
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def _baseline(path: str | None):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", help="a module file whose topk_select_triton runs beside")
-    before = _baseline(ap.parse_args().baseline)
+    ap.add_argument("--sweep-sparse", action="store_true", help="time other SPARSE_KEYS too")
+    args = ap.parse_args()
+    before = _baseline(args.baseline)
     dev = torch.device("cuda")
     src = torch.empty(2**28, dtype=torch.float32, device=dev)
     dst = torch.empty_like(src)
@@ -96,7 +99,7 @@ def main() -> None:
                          before_us=t_before, read_us=read_us,
                          speedup=t_torch / t_sel, copy_gb_s=copy_gb_s))  # fmt: skip
         print(rows[-1], flush=True)
-        if t <= 29:  # single atomics up to SPARSE_KEYS matching keys a block, or histograms
+        if args.sweep_sparse and t <= 29:  # single atomics up to SPARSE_KEYS keys, or histograms
             try:
                 for sparse in (0, 16, 256, 2048):
                     topk_triton.SPARSE_KEYS = sparse
@@ -109,7 +112,8 @@ def main() -> None:
                 topk_triton.SPARSE_KEYS = default_sparse
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_topk.json").write_text(json.dumps(rows + sweep, indent=2))
-    print(f"\nSPARSE_KEYS (default {default_sparse}; rows, keys: value -> µs)")
+    if sweep:
+        print(f"\nSPARSE_KEYS (default {default_sparse}; rows, keys: value -> µs)")
     for r in sweep:
         print(
             f"  {r['rows']:5d} {r['keys']:7d}: {r['sparse_keys']:4d} -> {r['select_us']:7.1f}"

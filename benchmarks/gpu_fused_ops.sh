@@ -108,7 +108,7 @@ if has profile; then
   done
 fi
 if has topk && [ -f "$OUT/bench_topk.txt" ]; then
-  echo "== topk"; sed -n '/^SPARSE_KEYS/,$p' "$OUT/bench_topk.txt"
+  echo "== topk"; sed -n '/^HBM copy/,$p' "$OUT/bench_topk.txt"
 fi
 if has smol && has smol_prefill; then
   for route in batched rows; do
