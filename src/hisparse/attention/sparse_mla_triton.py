@@ -403,12 +403,13 @@ def num_splits_for(
     """Splits over top-k for the (token, head block) programs.
 
     Wide kernel: its shared memory (q plus the staged rows, 130-220 KB) allows one program
-    per SM. Once the (token, head block) programs fill the SMs there is one split (no
-    partials: large batches, prefill); below that, the split count with the shortest makespan
-    in tiles (waves x tiles per program) plus a combine cost that grows with the splits.
-    (Without the full-wave rule, wave rounding picked 16-32 splits at 256-2048 tokens and
-    cost 1.9-3.5x on the H200.) Tiled kernel: enough programs for ~2 waves, each split at
-    least 2 tiles long (several of its programs share an SM).
+    per SM, so the splits fill one wave: the most that keep every (token, head block, split)
+    program on an SM of its own, at most one per tile. A second wave costs a whole program's
+    time and every split writes a 128-head fp32 partial for the combine to read (H200,
+    `bench_sparse_mla.py --splits`, µs of kernel and combine at 1 / 8 / 29 / 64 tokens: one
+    wave of 32 / 8 / 2 / 1 splits 16.7 / 37.4 / 113.1 / 216.0; the earlier makespan rule's
+    16 / 8 / 11 / 1 splits 20.8 / 37.4 / 155.3 / 216.0). Tiled kernel: enough programs for ~2
+    waves, each split at least 2 tiles long (several of its programs share an SM).
     """
     head_blocks = triton.cdiv(num_heads, cfg.block_h)
     programs = max(1, num_tokens * head_blocks)
@@ -417,15 +418,7 @@ def num_splits_for(
     if cfg.kernel == "tiled":
         want = triton.cdiv(2 * sms, programs)
         return max(1, min(want, triton.cdiv(tiles, 2)))
-    if programs >= sms:  # a full wave already: splitting only adds partials and a combine
-        return 1
-    best, best_cost = 1, float("inf")
-    for splits in range(1, tiles + 1):
-        waves = triton.cdiv(programs * splits, sms)
-        cost = waves * triton.cdiv(tiles, splits) + (1 + splits / 16 if splits > 1 else 0)
-        if cost < best_cost:
-            best, best_cost = splits, cost
-    return best
+    return max(1, min(tiles, sms // programs))
 
 
 def sparse_mla_decode_triton(
