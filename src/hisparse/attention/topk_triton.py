@@ -39,12 +39,11 @@ many programs, and the digits stay a byte wide: one program per row, or wider di
 fewer launches, measured slower on the H200 (benchmarks.md §15).
 
 Launch boundaries are the only barriers (nothing spins), the grid depends on shapes alone and
-nothing synchronises with the host, so a decode step captures it in its CUDA graph. On Hopper
-each launch is a programmatic dependent of the one before (`triton_common.dependent_launch`):
-it starts while that one finishes and waits for its writes first, so the chain pays no
-launch gaps. Rows may
+nothing synchronises with the host, so a decode step captures it in its CUDA graph. Rows may
 end early (``limits``: a token's causal limit), so a graph captured at the block table's width
-reads only each row's own keys.
+reads only each row's own keys. On Hopper, when the parts are short (`PDL_MAX_PART`), each
+launch is a programmatic dependent of the one before (`triton_common.dependent_launch`): it
+starts while that one finishes and waits for its writes first, saving the launch gap.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""What the Triton data-plane kernels share: the interpreter check and its fix, and the
-stages both resolve kernels (`triton_resolve`, `triton_resolve_split`) run the same way.
+"""What the Triton data-plane kernels share: the interpreter check and its fix, programmatic
+dependent launches (Hopper), and the stages both resolve kernels (`triton_resolve`,
+`triton_resolve_split`) run the same way.
 
 Importing this module applies the interpreter fix when ``TRITON_INTERPRET`` is set, so every
 module that defines kernels imports it first.
