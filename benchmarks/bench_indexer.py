@@ -12,19 +12,24 @@ the first failure), then times:
 - ``scores`` / ``topk``: the two stages alone (eager).
 
 - ``old`` / ``new``: the score stage with `OLD_FP8_CONFIG` (the first kernel) and the default;
-- the `VARIANTS` sweep: the score stage per config (and keys per program), with its error.
+- the `VARIANTS` sweep: the score stage per config (and keys per program), with its error;
+- ``before``: with ``--baseline FILE``, another version's score stage (a module file holding
+  ``indexer_scores_paged_triton``, e.g. ``git show REV:src/hisparse/attention/indexer_triton.py``)
+  at its own default config, checked like the rest and timed in three rounds alternating with
+  the current default.
 
 Times are medians of `triton.testing.do_bench` (which flushes L2 between runs), in µs.
 ``GB/s`` is the score stage's key bytes (``contexts x 132 B``) over its time; ``% copy`` puts it
 against a same-run HBM copy (``2 x bytes`` read and written over the copy's time, 1 GiB). Exact
 mode (fp32 keys) runs at batch 8 only. Writes ``$OUT/bench_indexer.json`` when ``OUT`` is set.
 
-    PYTHONPATH=src python3 benchmarks/bench_indexer.py [--quick] [--no-sweep]
+    PYTHONPATH=src python3 benchmarks/bench_indexer.py [--quick] [--no-sweep] [--baseline FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -72,7 +77,19 @@ def _score_err(s: torch.Tensor, ref: torch.Tensor, tol: torch.Tensor) -> float:
     return float(((s - ref).abs().masked_fill(~torch.isfinite(ref), 0) / tol).max())
 
 
-def run_case(kind: str, batch: int, context: int, seed: int, sweep: bool) -> dict:
+def _baseline(path: str | None):
+    """``indexer_scores_paged_triton`` of the module file at ``path`` (None: no baseline)."""
+    if not path:
+        return None
+    spec = importlib.util.spec_from_file_location("indexer_baseline", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod.indexer_scores_paged_triton
+
+
+def run_case(kind: str, batch: int, context: int, seed: int, sweep: bool, before=None) -> dict:
     dev = torch.device(DEVICE)
     case = ic.random_indexer_case(
         kind,
@@ -138,6 +155,18 @@ def run_case(kind: str, batch: int, context: int, seed: int, sweep: bool) -> dic
     compiled = it.last_compiled[0]  # the default config's kernel (timed last above)
     if compiled is not None and hasattr(compiled, "n_regs"):
         row["regs"], row["spills"] = compiled.n_regs, compiled.n_spills
+    if before is not None:
+
+        def fn_before() -> torch.Tensor:
+            return before(*args, case.softmax_scale)
+
+        row["before_err_over_tol"] = _score_err(fn_before(), ref, tol)
+        # Three alternating rounds, the median of each side: runs drift within a process.
+        rounds = [(_us(fn_before), _us(scores)) for _ in range(3)]
+        row["before_scores_us"] = sorted(b for b, _ in rounds)[1]
+        row["ab_scores_us"] = sorted(a for _, a in rounds)[1]
+        row["before_GBps"] = key_bytes / (row["before_scores_us"] * 1e3)
+        row["ab_GBps"] = key_bytes / (row["ab_scores_us"] * 1e3)
     if kind == "fp8" and sweep:
         row["variants"] = _variants(case, ref, tol, key_bytes)
     return row
@@ -158,6 +187,7 @@ VARIANTS: dict[str, it.IndexerConfig] = {
     "chunk_half": it.IndexerConfig(),
     "fp8dot": it.IndexerConfig(dot="fp8"),
     "fp8dot_acc32": it.IndexerConfig(dot="fp8", fp8_acc_k=32),
+    "fp8dot_acc64": it.IndexerConfig(dot="fp8", fp8_acc_k=64),
 }
 
 
@@ -221,6 +251,21 @@ def _print_tables(rows: list[dict], seconds: float, copy: float) -> None:
             f"{r['topk_us']:>8.1f} {r['score_GBps']:>6.0f} "
             f"{r['speedup_vs_reference']:>6.1f}x {r['set_overlap_vs_reference']:>7.4f}"
         )
+    if any("before_scores_us" in r for r in rows):
+        print(
+            "\nscore stage, --baseline (before) vs default (now), µs / GB/s / % of copy, "
+            "medians of three alternating rounds:"
+        )
+        for r in rows:
+            if "before_scores_us" in r:
+                print(
+                    f"{r['kind']:5} {r['batch']:>5} {r['context']:>7} "
+                    f"{r['before_scores_us']:>8.1f} {r['before_GBps']:>6.0f} "
+                    f"{100 * r['before_GBps'] / copy:>5.0f}% {r['ab_scores_us']:>8.1f} "
+                    f"{r['ab_GBps']:>6.0f} {100 * r['ab_GBps'] / copy:>5.0f}% "
+                    f"{r['before_scores_us'] / r['ab_scores_us']:>6.2f}x "
+                    f"(err before {r['before_err_over_tol']:.3f})"
+                )
     print("\nscore stage, old config (OLD_FP8_CONFIG) vs new (default), µs / GB/s / % of copy:")
     print(
         f"{'mode':5} {'batch':>5} {'context':>7} {'old µs':>8} {'GB/s':>6} {'%copy':>6} "
@@ -260,7 +305,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at 32K only")
     parser.add_argument("--no-sweep", action="store_true", help="skip the VARIANTS sweep")
+    parser.add_argument("--baseline", help="a module file whose score stage runs beside")
     args = parser.parse_args()
+    before = _baseline(args.baseline)
     if not torch.cuda.is_available():
         print("bench_indexer needs CUDA", file=sys.stderr)
         return 1
@@ -274,7 +321,7 @@ def main() -> int:
     print(f"HBM copy: {copy:.0f} GB/s", flush=True)
     rows = []
     for i, (kind, batch, context) in enumerate(cases):
-        row = run_case(kind, batch, context, seed=i, sweep=not args.no_sweep)
+        row = run_case(kind, batch, context, seed=i, sweep=not args.no_sweep, before=before)
         rows.append(row)
         print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()

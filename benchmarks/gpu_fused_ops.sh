@@ -8,6 +8,8 @@
 #            model's own indexer (no replayed top-k), one checkpoint for both;
 #   topk     the indexer's top-k select against torch.topk (benchmarks/bench_topk.py; with
 #            TOPK_BASELINE=FILE also another version's select, a module file, beside it);
+#   indexer  the indexer's score stage and its config sweep (benchmarks/bench_indexer.py; with
+#            INDEXER_BASELINE=FILE also another version's score stage beside it);
 #   smol_a   keep the first half of the SmolLM2 GGUF (.smol1/part0) on the machine;
 #   smol     SmolLM2-135M (a GGUF at $SMOL_GGUF, else assembled from that half and
 #            .smol2/part1) at batch 64 against transformers per variant
@@ -70,6 +72,10 @@ if has topk; then
   timeout 240 $PY benchmarks/bench_topk.py ${TOPK_BASELINE:+--baseline "$TOPK_BASELINE"} \
     >"$OUT/bench_topk.txt" 2>&1 || echo "topk: rc $?"
 fi
+if has indexer; then
+  timeout 300 $PY benchmarks/bench_indexer.py ${INDEXER_BASELINE:+--baseline "$INDEXER_BASELINE"} \
+    >"$OUT/bench_indexer.txt" 2>&1 || echo "indexer: rc $?"
+fi
 if has smol; then
   if [ -f "$GGUF" ] && has smol_prefill; then  # where a batch's prefill time goes: the
     # batched torch path (the attention and indexer references) against one decode-kernel
@@ -109,6 +115,9 @@ if has profile; then
 fi
 if has topk && [ -f "$OUT/bench_topk.txt" ]; then
   echo "== topk"; sed -n '/^HBM copy/,$p' "$OUT/bench_topk.txt"
+fi
+if has indexer && [ -f "$OUT/bench_indexer.txt" ]; then
+  echo "== indexer"; sed -n '/^score stage, --baseline/,$p' "$OUT/bench_indexer.txt"
 fi
 if has smol && has smol_prefill; then
   for route in batched rows; do

@@ -72,12 +72,14 @@ def _check(case: ic.PagedIndexerCase, top_k: int, **kw) -> torch.Tensor:
     return scores
 
 
-# Block sizes 8 (tiles span pages: per-key lookups) and 32 (page tiles: one lookup per tile),
-# and page tiles switched off on 32-key pages.
+# Block sizes 8 (tiles span pages: per-key lookups) and 32 (page tiles: one lookup per tile,
+# whole tiles unmasked, the ragged one at the limit masked), and page tiles switched off on
+# 32-key pages.
 LOOPS = [(8, SMALL), (32, SMALL), (32, SMALL_PER_KEY)]
+LOOP_IDS = ["bs8", "bs32-page-tiles", "bs32-per-key"]
 
 
-@pytest.mark.parametrize("block_size,config", LOOPS, ids=["bs8", "bs32-page-tiles", "bs32-per-key"])
+@pytest.mark.parametrize("block_size,config", LOOPS, ids=LOOP_IDS)
 @pytest.mark.parametrize("kind", ["fp8", "exact"])
 def test_decode_contexts_shorter_and_longer_than_top_k(
     kind: str, block_size: int, config: it.IndexerConfig
@@ -88,7 +90,7 @@ def test_decode_contexts_shorter_and_longer_than_top_k(
     _check(case, 16, config=config, chunk=32)
 
 
-@pytest.mark.parametrize("block_size,config", LOOPS, ids=["bs8", "bs32-page-tiles", "bs32-per-key"])
+@pytest.mark.parametrize("block_size,config", LOOPS, ids=LOOP_IDS)
 @pytest.mark.parametrize("kind", ["fp8", "exact"])
 def test_prefill_chunks_mixed_with_decode(
     kind: str, block_size: int, config: it.IndexerConfig
