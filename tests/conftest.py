@@ -1,6 +1,7 @@
 """Shared test setup."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,3 +28,39 @@ def _one_torch_thread():
 # pool has room: `HiSparseConfig.offload` unset means "always" here (the library's default,
 # "under_pressure", keeps such requests resident). Tests of the default unset the variable.
 os.environ.setdefault("HISPARSE_OFFLOAD", "always")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _parse_the_bundled_gguf_once():
+    """An engine built on the bundled SmolLM2 reads its GGUF twice (weights, tokenizer), and
+    each read parses every metadata string (~2.5 s for the 49k-token vocabulary) into the same
+    `GgufFile`. In this process the suite parses the file once per ``keys`` and hands later
+    builds that parsed file: they still dequantize every tensor and build the tokenizer from
+    the metadata. Other files, and the tests that call `read_gguf` themselves
+    (test_gguf_loader, test_llama_smollm2), read uncached; so do spawned TP ranks."""
+    try:
+        from hisparse.models import gguf_loader, tokenizer
+        from hisparse.models.smollm2 import smollm2_gguf_path
+
+        bundled = smollm2_gguf_path().resolve()
+    except (ImportError, FileNotFoundError):
+        yield
+        return
+    read = gguf_loader.read_gguf
+    parsed = {}
+
+    def read_gguf(path, *, keys=None):
+        p = Path(path)
+        if not p.is_file() or p.resolve() != bundled:
+            return read(path, keys=keys)
+        st = p.stat()
+        key = (keys, st.st_mtime_ns, st.st_size)
+        if key not in parsed:
+            parsed[key] = read(path, keys=keys)
+        return parsed[key]
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(gguf_loader, "read_gguf", read_gguf)
+    mp.setattr(tokenizer, "read_gguf", read_gguf)
+    yield
+    mp.undo()
