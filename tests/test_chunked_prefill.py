@@ -18,6 +18,8 @@ pytest.importorskip("transformers")
 from hisparse.models.tiny import make_tiny
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+#: A prompt past the default prefill step of 2,048 tokens: 2 steps of 2,048, 5 of 512.
+LONG = 2200
 
 
 @pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
@@ -51,21 +53,21 @@ def _prompt(n: int, seed: int = 3) -> list[int]:
     return torch.randint(0, 512, (n,), generator=g).tolist()
 
 
-def test_a_3000_token_prompt_in_chunks_equals_one_step(checkpoint):
-    prompt = [_prompt(3000)]
+def test_a_prompt_past_the_prefill_step_in_chunks_equals_one_step(checkpoint):
+    prompt = [_prompt(LONG)]
     one, steps = _generate(checkpoint, "gpu", prompt, chunk=4096)
-    assert steps[0] == (0.0, 3000)  # the whole prompt in one forward
+    assert steps[0] == (0.0, LONG)  # the whole prompt in one forward
     for chunk in (512, 2048):
         for placement in ("gpu", "hisparse"):
             got, steps = _generate(checkpoint, placement, prompt, chunk=chunk)
             prefill = [n for decode, n in steps if not decode]
-            assert prefill == [chunk] * (3000 // chunk) + [3000 % chunk], prefill
+            assert prefill == [chunk] * (LONG // chunk) + [LONG % chunk], prefill
             assert got == one, (chunk, placement)
 
 
 @pytest.mark.parametrize("schedule", ["mixed", "prefill-first"])
 def test_a_short_request_beside_a_long_one_gets_its_tokens_alone(checkpoint, schedule):
-    short, long = _prompt(40, seed=5), _prompt(2500, seed=6)
+    short, long = _prompt(40, seed=5), _prompt(1300, seed=6)  # 3 chunks of at most 512
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     alone, _ = _generate(checkpoint, "gpu", [short], chunk=512, params=params)
     for placement in ("gpu", "hisparse"):
@@ -86,7 +88,7 @@ def test_a_long_prefill_holds_at_most_the_plans_blocks_at_every_step(checkpoint)
     (`KVLayout.gpu_blocks_per_request`, which admission and preemption use too), at most
     three resident pages per resident group, and never more than its decode will hold;
     all-GPU placement holds every page, exactly the plan's figure."""
-    prompt = [_prompt(3000)]
+    prompt = [_prompt(LONG)]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     tokens = {}
     for placement in ("gpu", "hisparse"):
@@ -106,8 +108,8 @@ def test_a_long_prefill_holds_at_most_the_plans_blocks_at_every_step(checkpoint)
             assert out.ok, out.error
             tokens[placement] = out.token_ids
             prefill = [s for s in seen if not s[0]]
-            assert len(prefill) == 6  # 3000 tokens in chunks of 512
-            final = kv.layout.gpu_blocks_per_request(3000)
+            assert len(prefill) == 5  # 2,200 tokens in chunks of 512
+            final = kv.layout.gpu_blocks_per_request(LONG)
             for _, held, need, resident in seen:
                 if placement == "gpu":
                     assert held == need
