@@ -116,17 +116,29 @@ def tiny(request, tmp_path_factory) -> str:
     return str(out)
 
 
-@pytest.mark.parametrize(
-    "placement, offload",
-    [("hisparse", "always"), ("hisparse", "under_pressure"), ("gpu", None)],
-    ids=["always", "under_pressure", "all-gpu"],
-)
-@pytest.mark.parametrize("gib", [0.0007, 0.001, 0.004])  # < 0.002: decodes that cannot grow preempt
-def test_simulate_predicts_cpu_bench(tiny: str, gib: float, placement: str, offload) -> None:
+_MODES = {"always": ("hisparse", "always"), "under_pressure": ("hisparse", "under_pressure"),
+          "all-gpu": ("gpu", None)}  # fmt: skip
+# Each regime once per architecture. All-GPU: < 0.002 GiB decodes that cannot grow preempt
+# (0.001; 0.0007 preempts the same way), at 0.004 all six requests run. HiSparse: 3 of the 6
+# at once at 0.001 (glm_moe_dsa at 0.0007: 2 of 6, the same way), all 6 at 0.004, and at
+# 0.0007 deepseek_v32's decodes preempt.
+_CASES = [
+    pytest.param(arch, gib, mode, id=f"{arch}-{gib}-{mode}")
+    for arch in ("deepseek_v32", "glm_moe_dsa")
+    for gib in (0.0007, 0.001, 0.004)
+    for mode in _MODES
+    if gib != 0.0007 or (arch == "deepseek_v32" and mode != "all-gpu")
+]
+
+
+@pytest.mark.parametrize(("tiny", "gib", "mode"), _CASES, indirect=["tiny"])
+def test_simulate_predicts_cpu_bench(tiny: str, gib: float, mode: str) -> None:
     """The bench's running requests, preemptions, hits and swapped bytes, step by step; with
     ``offload="under_pressure"`` too (pages kept resident while there is room, demoted when
     not: the simulator runs the engine's own manager); and on all-GPU."""
     import argparse
+
+    placement, offload = _MODES[mode]
 
     from hisparse.bench.cli import run_cell
     from hisparse.bench.hooks import BenchHooks
