@@ -108,6 +108,20 @@ def test_indexer_query_is_bit_exact(monkeypatch, dtype, interleaved, d, rope_dim
     assert torch.equal(ref[1], got[1]) and got[1].shape == (9, 16, d // tile)
 
 
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_indexer_query_rows_per_program(monkeypatch, tokens: int) -> None:
+    """One token's 64 head rows two per program, 9 tokens' 576 rows 16 per program (the
+    test above: 4 per program): the same bits as the reference."""
+    g = torch.Generator().manual_seed(tokens)
+    q = _indexer_inputs((tokens, 64, 128), torch.bfloat16, g)
+    cos, sin = _angles(tokens, 32, torch.bfloat16, g)
+    (ref, _), (got, _) = reference_and_kernel(
+        monkeypatch, fused.indexer_fp8_query, q, cos, sin, 64, False, 128
+    )
+    assert torch.equal(ref[0].view(torch.uint8), got[0].view(torch.uint8))
+    assert torch.equal(ref[1], got[1])
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_indexer_keys_written_bit_exact(monkeypatch, interleaved) -> None:
     g = torch.Generator().manual_seed(3)

@@ -354,7 +354,9 @@ def _indexer_launch(
     rows = x.shape[0] * heads
     if not rows:
         return
-    br = 16
+    # Rows per program: up to 16, fewer for a decode step's few rows so that they spread over
+    # some 64 programs (each program's Hadamard stages cost per row it holds).
+    br = max(2, min(16, triton.next_power_of_2(triton.cdiv(rows, 64))))
     _indexer_fp8_kernel[(triton.cdiv(rows, br),)](
         x, x.stride(0), x.stride(1) if x.dim() == 3 else 0, heads, rows, *_angles(cos, sin), out,
         scale if scale is not None else out, slots if slots is not None else out,
