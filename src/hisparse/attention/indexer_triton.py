@@ -12,10 +12,10 @@ Two stages:
    limit (``positions[t] + 1``), and every position of a padding token (``req_index < 0``),
    get ``-inf``. When ``BLOCK_N`` divides the block size each tile is one contiguous run of
    one page: one block-table read per tile (not per key), which with 5 pipeline stages keeps
-   two key tiles in flight per program (the table read is a load level of its own). At
-   batch >= 8 this reads ~55-62% of a copy's bandwidth (bench_indexer.py); the fp8-MMA
-   variant, with no conversions and about 100 fewer instructions per tile, reads more, so
-   the per-tile instruction count (conversions, masks, addresses) looks like the limit.
+   two key tiles in flight per program (the table read is a load level of its own). The
+   per-tile instruction count (conversions, masks, addresses) is the limit: at batch 29-64
+   of 128K this reads ~62-66% of a copy's bandwidth (bench_indexer.py), the fp8-MMA variant
+   (no conversions) more, and tiles wholly before the causal limit run without masks.
 2. the exact top-k of each row: on CUDA the Triton radix select (`topk_triton`: five
    launches over a (row, part) grid, each row read only up to its token's causal limit; ties
    at the k-th score to the lowest positions, picks in ascending positions), elsewhere or with
