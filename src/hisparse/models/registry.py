@@ -189,19 +189,22 @@ def load_model(
     if is_gguf(path):
         # A GQA model (SmolLM2 by default): training-free indexer, K+V rows.
         from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig
-        from hisparse.models.gguf_loader import load_llama_gguf
+        from hisparse.models.gguf_loader import load_llama_gguf, read_gguf
         from hisparse.models.tokenizer import GgufTokenizer
 
         config = hs.resolve(model_top_k=DEFAULT_GQA_TOP_K)
+        # One parse of the metadata for the weights and the tokenizer (the vocabulary's
+        # strings are most of a load's host time).
+        gf = read_gguf(path)
         model = load_llama_gguf(
-            path,
+            gf,
             dtype=dtype,
             device=device,
             indexer=GqaIndexerConfig(top_k=config.top_k, method=indexer_method(indexer)),
         )
         if device.type == "cuda":  # stacked projections, the rotary table
             model.prepare_fused()
-        tokenizer = GgufTokenizer.from_gguf(path)
+        tokenizer = GgufTokenizer.from_gguf(gf)
         kv_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(kv_format, dtype)
         return LoadedModel(
             model, config, tokenizer, tokenizer.template, set(tokenizer.stop_token_ids),
