@@ -77,16 +77,17 @@ def _score_err(s: torch.Tensor, ref: torch.Tensor, tol: torch.Tensor) -> float:
     return float(((s - ref).abs().masked_fill(~torch.isfinite(ref), 0) / tol).max())
 
 
-def _baseline(path: str | None):
-    """``indexer_scores_paged_triton`` of the module file at ``path`` (None: no baseline)."""
+def baseline_function(path: str | None, name: str):
+    """Function ``name`` of the module file at ``path``, another version of one of ours timed
+    beside it (None without a path)."""
     if not path:
         return None
-    spec = importlib.util.spec_from_file_location("indexer_baseline", path)
+    spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)
-    return mod.indexer_scores_paged_triton
+    return getattr(mod, name)
 
 
 def run_case(kind: str, batch: int, context: int, seed: int, sweep: bool, before=None) -> dict:
@@ -307,7 +308,7 @@ def main() -> int:
     parser.add_argument("--no-sweep", action="store_true", help="skip the VARIANTS sweep")
     parser.add_argument("--baseline", help="a module file whose score stage runs beside")
     args = parser.parse_args()
-    before = _baseline(args.baseline)
+    before = baseline_function(args.baseline, "indexer_scores_paged_triton")
     if not torch.cuda.is_available():
         print("bench_indexer needs CUDA", file=sys.stderr)
         return 1

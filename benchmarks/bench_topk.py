@@ -25,7 +25,6 @@ Writes ``$OUT/bench_topk.json`` when ``OUT`` is set; prints the table last.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 import triton.testing
 
-from bench_indexer import _graph_us  # (this script's folder is on sys.path)
+from bench_indexer import _graph_us, baseline_function  # (this script's folder is on sys.path)
 from hisparse.attention import topk_triton
 from hisparse.attention.indexer_triton import topk_from_scores
 from hisparse.attention.topk_triton import topk_select_reference, topk_select_triton
@@ -48,23 +47,12 @@ def _torch_topk(x: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(torch.where(torch.isneginf(vals), -1, idx).to(torch.int32))
 
 
-def _baseline(path: str | None):
-    """``topk_select_triton`` of the module file at ``path`` (None: no baseline)."""
-    if not path:
-        return None
-    spec = importlib.util.spec_from_file_location("topk_baseline", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.topk_select_triton
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", help="a module file whose topk_select_triton runs beside")
     ap.add_argument("--sweep-sparse", action="store_true", help="time other SPARSE_KEYS too")
     args = ap.parse_args()
-    before = _baseline(args.baseline)
+    before = baseline_function(args.baseline, "topk_select_triton")
     dev = torch.device("cuda")
     src = torch.empty(2**28, dtype=torch.float32, device=dev)
     dst = torch.empty_like(src)
