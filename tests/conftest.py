@@ -47,12 +47,12 @@ os.environ.setdefault("HISPARSE_OFFLOAD", "always")
 
 @pytest.fixture(autouse=True, scope="session")
 def _parse_the_bundled_gguf_once():
-    """An engine built on the bundled SmolLM2 parses its GGUF's metadata (every string of the
-    49k-token vocabulary, ~2.5 s) into the same `GgufFile` each time. In this process the
-    suite parses the file once per ``keys`` and hands later builds that parsed file: they
-    still dequantize every tensor and build the tokenizer from the metadata. Other files, and
-    the tests that call `read_gguf` themselves (test_gguf_loader, test_llama_smollm2), read
-    uncached; so do spawned TP ranks."""
+    """An engine built on the bundled SmolLM2 reads its GGUF twice (weights, tokenizer), and
+    each read parses every metadata string (~2.5 s for the 49k-token vocabulary) into the same
+    `GgufFile`. In this process the suite parses the file once per ``keys`` and hands later
+    builds that parsed file: they still dequantize every tensor and build the tokenizer from
+    the metadata. Other files, and the tests that call `read_gguf` themselves
+    (test_gguf_loader, test_llama_smollm2), read uncached; so do spawned TP ranks."""
     try:
         from hisparse.models import gguf_loader, tokenizer
         from hisparse.models.smollm2 import smollm2_gguf_path
