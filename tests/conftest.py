@@ -1,6 +1,5 @@
 """Shared test setup."""
 
-import gc
 import os
 from pathlib import Path
 
@@ -23,20 +22,6 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _freeze_what_each_module_starts_with():
-    """`LLM.close()` runs a full collection (the runner's layer objects refer to each other),
-    and a full pass walks every object in the process: here torch, transformers, hypothesis
-    and every collected test, ~0.3 s a close over hundreds of closes. At each module's start
-    the garbage is collected and the survivors frozen (`gc.freeze`), so later passes walk only
-    newer objects. Nothing a module's tests make is frozen while they run, and no garbage is.
-    (`generate` then leaves its own freeze alone: test_api_resources checks that freeze in a
-    process where nothing was frozen.)"""
-    gc.collect()
-    gc.freeze()
-    yield
 
 
 # The suite's lossless and swap-path tests read through the hot buffers even where the GPU

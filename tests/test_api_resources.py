@@ -184,30 +184,3 @@ def test_memory_stays_flat_over_20_calls_on_smollm2():
         gc.collect()
         grown = rss_mib() - start
     assert grown < 16, f"resident memory grew {grown:.1f} MiB over 20 calls"
-
-
-def test_generate_freezes_what_exists_for_the_call_only(checkpoint):
-    """On the CPU `generate` freezes the objects that exist when it starts (the collector's
-    full passes during the call skip the loaded model) and unfreezes them after; objects
-    something else froze (conftest freezes what each module starts with) it leaves alone."""
-    with tiny_llm(checkpoint) as llm:
-        during = []
-        run = llm.runner.run
-
-        def recording(*a, **k):
-            during.append(gc.get_freeze_count())
-            return run(*a, **k)
-
-        llm.runner.run = recording
-        assert gc.get_freeze_count() > 0  # conftest's
-        assert llm.generate(prompt_token_ids=[10, 11, 12], sampling_params=SHORT)[0].ok
-        assert during and min(during) > 0 and gc.get_freeze_count() > 0  # not unfrozen
-        gc.unfreeze()  # as in a process where nothing was frozen
-        try:
-            during.clear()
-            assert llm.generate(prompt_token_ids=[10, 11, 12], sampling_params=SHORT)[0].ok
-            assert during and min(during) > 0  # the call's run steps saw the freeze
-            assert gc.get_freeze_count() == 0  # and it ended with the call
-        finally:
-            gc.collect()
-            gc.freeze()
