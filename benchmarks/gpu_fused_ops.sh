@@ -5,7 +5,8 @@
 #            graphs, on the fused path);
 #   profile  the 128K decode step profiled per variant (VARIANTS, default the torch
 #            compositions, HISPARSE_FUSED=reference, and the fused kernels), both placements, the
-#            model's own indexer (no replayed top-k), one checkpoint for both;
+#            model's own indexer (no replayed top-k), one checkpoint for both; per ASYNC
+#            (default "on"; "off on": the synchronous engine beside it, profile_<v>_sync);
 #   topk     the indexer's top-k select against torch.topk (benchmarks/bench_topk.py; with
 #            TOPK_BASELINE=FILE also another version's select, a module file, beside it);
 #   indexer  the indexer's score stage and its config sweep (benchmarks/bench_indexer.py; with
@@ -60,12 +61,14 @@ if has profile; then
   [ -f "$CKPT/config.json" ] || $PY -c "from hisparse.models.tiny import make_tiny; \
 make_tiny('deepseek_v32', '$CKPT', preset='v32-attention', num_hidden_layers=4)" \
     >"$OUT/make_tiny.txt" 2>&1
-  P="--model $CKPT --layers 4 --context 131072 --batches 1,29 --paths graphs --output 12"
+  P="--model $CKPT --layers 4 --context 131072 --batches 1,29 --paths graphs --output 20"
   P="$P --skip 4 --active 3 --gpu-memory-gib 14 --overlap 0 --top-kernels 70"
   for v in $VARIANTS; do
-    HISPARSE_FUSED=$v timeout 170 $PY benchmarks/profile_decode.py $P --out "$OUT/profile_$v" \
-      >"$OUT/profile_$v.txt" 2>&1 \
-      || echo "profile $v: rc $?"
+    for a in ${ASYNC:-on}; do
+      n=profile_$v; [ "$a" = off ] && n=${n}_sync
+      HISPARSE_FUSED=$v timeout 170 $PY benchmarks/profile_decode.py $P --async-scheduling "$a" \
+        --out "$OUT/$n" >"$OUT/$n.txt" 2>&1 || echo "profile $v async $a: rc $?"
+    done
   done
 fi
 if has topk; then
@@ -110,7 +113,10 @@ if has tests; then
 fi
 if has profile; then
   for v in $VARIANTS; do
-    echo "== profile $v"; grep "^| \|same tokens" "$OUT/profile_$v.txt"
+    for a in ${ASYNC:-on}; do
+      n=profile_$v; [ "$a" = off ] && n=${n}_sync
+      echo "== $n"; grep "^| \|same tokens" "$OUT/$n.txt"
+    done
   done
 fi
 if has topk && [ -f "$OUT/bench_topk.txt" ]; then

@@ -87,6 +87,13 @@ def parse_args() -> argparse.Namespace:
         help="top-k replay overlap; <= 0: the model's own indexer chooses",
     )
     p.add_argument("--gpu-memory-gib", type=float, default=8.0)
+    p.add_argument(
+        "--async-scheduling",
+        choices=("on", "off"),
+        default="on",
+        help="LLM(async_scheduling=): greedy decodes launched before the last one's tokens "
+        "are read (step ms: the interval between consecutive steps' tokens)",
+    )
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--kv-format", default="auto", help="fp8_ds_mla (auto), bf16")
     p.add_argument("--device", default=None)
@@ -144,6 +151,7 @@ def make_llm(args: argparse.Namespace, ckpt: Path, placement: str, max_batch: in
             synthetic_prefill=not args.real_prefill,
         ),
         cuda_graphs=True,
+        async_scheduling=args.async_scheduling == "on",
     )
 
 
@@ -203,10 +211,10 @@ def profile_run(
         orig_replay(self)
         replays.append((t, time.perf_counter()))
 
-    def run(batch_, *, decode, finishing):  # type: ignore[no-untyped-def]
+    def run(batch_, *, decode, finishing, **kw):  # type: ignore[no-untyped-def]
         if decode:
             enter.append(time.perf_counter())
-        res = orig(batch_, decode=decode, finishing=finishing)
+        res = orig(batch_, decode=decode, finishing=finishing, **kw)
         if decode:
             if cuda and decode_steps[0] <= profiled:
                 torch.cuda.synchronize()  # step boundaries in the trace are real

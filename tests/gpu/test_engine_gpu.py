@@ -234,3 +234,26 @@ def test_offload_under_pressure_with_graphs_equals_all_gpu(checkpoint, eager_mir
     assert sum(o.metrics.preemptions for o in tight) == 0
     assert sum(o.metrics.misses for o in tight) > 0  # demoted rows came back from the host
     assert [o.token_ids for o in tight] == [o.token_ids for o in ref]
+
+
+def test_async_scheduling_on_cuda_graphs_gives_the_synchronous_tokens(checkpoint):
+    """Decodes launched on the previous decode's device tokens (async scheduling, the
+    default) against the synchronous engine, both on graphs: the same tokens and finish
+    reasons in both placements, a request stopping on a token mid-way included."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 23, 70)]
+    plain = [SamplingParams(temperature=0, max_tokens=n) for n in (32, 9, 20)]
+    ref, _ = _generate(checkpoint, "gpu", prompts, plain, cuda_graphs=True,
+                       llm_kw=dict(async_scheduling=False))  # fmt: skip
+    stop = ref[0].token_ids[6]
+    params = [SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop]), *plain[1:]]
+    runs = {}
+    for placement in ("gpu", "hisparse"):
+        for asynchronous in (False, True):
+            outs, captured = _generate(checkpoint, placement, prompts, params, cuda_graphs=True,
+                                       llm_kw=dict(async_scheduling=asynchronous))  # fmt: skip
+            assert captured == [1, 2, 4]
+            runs[placement, asynchronous] = [(o.token_ids, o.finish_reason) for o in outs]
+    assert runs["gpu", True] == runs["gpu", False] == runs["hisparse", True]
+    assert runs["hisparse", False] == runs["gpu", False]
+    assert runs["gpu", True][0][1] == "stop"

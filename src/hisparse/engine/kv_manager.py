@@ -412,7 +412,7 @@ class KVCacheManager:
         for hi, table in enumerate(self.hot_block_tables):
             region = self.gpu_blocks.allocate(hb)
             b.hot[hi] = region
-            table[b.slot] = torch.tensor(region, dtype=torch.int32)
+            table[b.slot].copy_(_ids(region, table), non_blocking=True)
         # blocks taken before the slot (none in the engine's order: admit, lease, grow)
         self._write_span(self.host_table, b.slot, 0, b.host)
         self._write_span(self.indexer_table, b.slot, 0, b.indexer)
@@ -457,19 +457,18 @@ class KVCacheManager:
         """``table[slot, start : start + len(ids)] = ids`` (one small host-to-device copy)."""
         if table is None or slot < 0 or not ids or table.is_meta:
             return
-        table[slot, start : start + len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        table[slot, start : start + len(ids)].copy_(_ids(ids, table), non_blocking=True)
 
     @staticmethod
     def _write_pages(table: torch.Tensor, slot: int, pages: list[int], ids: list[int]) -> None:
         if slot < 0 or not pages or table.is_meta:
             return
         if pages == list(range(pages[0], pages[0] + len(pages))):
-            table[slot, pages[0] : pages[0] + len(pages)] = torch.tensor(ids, dtype=torch.int32)
+            table[slot, pages[0] : pages[0] + len(pages)].copy_(_ids(ids, table), non_blocking=True)
         else:
             dev = table.device
-            table[slot, torch.tensor(pages, device=dev)] = torch.tensor(
-                ids, dtype=torch.int32, device=dev
-            )
+            where = torch.tensor(pages, pin_memory=table.is_cuda).to(dev, non_blocking=True)
+            table[slot, where] = _ids(ids, table).to(dev, non_blocking=True)
 
     def step_tables(
         self, slots: torch.Tensor
@@ -510,3 +509,10 @@ class KVCacheManager:
                     pages = torch.tensor(list(res.keys()))
                     out[r, pages] = torch.tensor(list(res.values()), dtype=torch.int32)
         return out.to(self.device)
+
+
+def _ids(ids: list[int], table: torch.Tensor) -> torch.Tensor:
+    """``ids`` as an int32 host tensor to copy into ``table``: pinned where the table is on
+    CUDA, so the copy is queued on the stream (``non_blocking``) instead of waiting for the
+    GPU to finish what it runs (a decode step in flight, async scheduling)."""
+    return torch.tensor(ids, dtype=torch.int32, pin_memory=table.is_cuda)

@@ -39,7 +39,7 @@ from hisparse.engine.inputs import (
 from hisparse.engine.kv_manager import KVCacheManager
 from hisparse.engine.model_runner import ModelRunner
 from hisparse.engine.request import Request, RequestOutput, Status
-from hisparse.engine.sampling import SamplingParams, sample_rows
+from hisparse.engine.sampling import SamplingParams, sample_on_device, sample_rows
 from hisparse.engine.scheduler import SCHEDULE_POLICIES, ScheduledStep, Scheduler, StopChecker
 from hisparse.engine.setup import (
     check_device_memory,
@@ -130,6 +130,12 @@ class LLM:
         schedule: ``"mixed"`` (default): every step runs the decoding requests' next tokens
             first and fills the rest of ``max_num_batched_tokens`` with prompt chunks;
             ``"prefill-first"``: prompt chunks run alone while any prompt is unfinished.
+        async_scheduling: on the fixed-shape decode path (CUDA graphs), a decode step whose
+            requests ask for no penalties, logprobs or pending ``min_tokens`` leaves its
+            tokens on the device: the next decode of the same requests is scheduled and
+            launched reading them there, and the host reads and processes the tokens while
+            the GPU runs it (vLLM's async scheduling). The same tokens either way; a request
+            that stops on a token computes one step more, which is dropped. Default on.
         tensor_parallel_size: ranks to shard the model over, one GPU each (on the CPU one
             process each, gloo); it must divide the attention heads (and KV heads) and the
             MLP widths. This object is rank 0; it spawns the others (a script needs the
@@ -155,6 +161,7 @@ class LLM:
         step_hooks: StepHooks | None = None,
         cuda_graphs: bool | None = None,
         schedule: str = "mixed",
+        async_scheduling: bool = True,
         tensor_parallel_size: int = 1,
     ) -> None:
         # every rank builds the same engine from the same arguments
@@ -164,9 +171,12 @@ class LLM:
             gpu_memory_gib=gpu_memory_gib, dtype=dtype, device=device, kv_format=kv_format,
             indexer=indexer, max_num_batched_tokens=max_num_batched_tokens,
             step_hooks=step_hooks, cuda_graphs=cuda_graphs, schedule=schedule,
-            tensor_parallel_size=tensor_parallel_size,
+            async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
         )  # fmt: skip
         self._closed = False
+        #: a decode step whose sampled tokens are still on the device (async scheduling)
+        self._inflight: _InFlight | None = None
+        self._last_end = 0.0
         self.kv: KVCacheManager | None = None
         self.runner: ModelRunner | None = None
         self.model: Any = None
@@ -187,6 +197,8 @@ class LLM:
         if step_hooks is not None and not isinstance(step_hooks, StepHooks):
             _fail(f + "step_hooks", step_hooks, "a StepHooks (or None)", type_error=True)
         check_bool(f + "cuda_graphs", cuda_graphs, optional=True)
+        check_bool(f + "async_scheduling", async_scheduling)
+        self.async_scheduling = bool(async_scheduling)
         check_int(f + "tensor_parallel_size", tensor_parallel_size, minimum=1, maximum=4096,
                   example=2)  # fmt: skip
         model_dtype = check_dtype(f + "dtype", dtype)
@@ -415,8 +427,8 @@ class LLM:
         sched = self.scheduler
         changed: dict[int, Request] = {}
         with self._tp_section():
-            for part in self._schedule():
-                self.step_stats.append(self._run_part(part))
+            for part, row in self._engine_step():
+                self.step_stats.append(row)
                 changed.update((id(r), r) for r, _ in part.batch)
         changed.update((id(r), r) for r in sched.failed)
         sched.failed.clear()
@@ -428,6 +440,7 @@ class LLM:
         for req in [*sched.running, *sched.waiting]:
             if req.req_id == request_id:
                 self._abort([req])
+                self._settle_inflight()
                 return True
         return False
 
@@ -494,7 +507,7 @@ class LLM:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     def _generate(
         self,
@@ -531,6 +544,7 @@ class LLM:
             # (A failed tensor-parallel engine is closed: nothing is left to abort.)
             if not self._closed:
                 self._abort([req for req in requests if not req.finished])
+                self._settle_inflight()
             if isinstance(err, KeyboardInterrupt) and not isinstance(err, GenerationInterrupted):
                 raise GenerationInterrupted(outputs_of(groups)) from err
             raise
@@ -558,13 +572,13 @@ class LLM:
         stalls = 0
         self.last_run_stats = run_stats = []
         try:
-            while sched.has_work:
+            while sched.has_work or self._inflight is not None:
                 with self._tp_section():
-                    parts = self._schedule()
-                    for part in parts:
-                        run_stats.append(self._run_part(part))
-                        self.step_stats.append(run_stats[-1])
-                if not parts:
+                    ran = self._engine_step()
+                    for _, row in ran:
+                        run_stats.append(row)
+                        self.step_stats.append(row)
+                if not ran and self._inflight is None:
                     stalls += 1
                     if stalls > len(requests) + 2:
                         raise RuntimeError("scheduler stalled: nothing fits and nothing runs")
@@ -588,11 +602,109 @@ class LLM:
             if bar is not None:
                 bar.close()
 
-    def _run_part(self, step: ScheduledStep) -> dict[str, float]:
+    def _engine_step(self) -> list[tuple[ScheduledStep, dict[str, float]]]:
+        """One engine step: the forwards whose tokens it read, each with its statistics row
+        (inside `_tp_section`). With a decode in flight, the next decode of the same requests
+        is launched first where `Scheduler.continue_decode` gives one, and the host reads and
+        processes the pending tokens while the GPU runs it; otherwise the pending tokens are
+        read first and the step is scheduled as usual."""
+        prev, self._inflight = self._inflight, None
+        done = []
+        if prev is not None:
+            nxt = self.scheduler.continue_decode(prev.step.batch)
+            if nxt is not None:
+                self._launch_decode(nxt, prev.tokens)
+                return [(prev.step, self._collect(prev))]
+            done.append((prev.step, self._collect(prev)))
+        for part in self._schedule():
+            row = self._run_part(part)
+            if row is not None:
+                done.append((part, row))
+        return done
+
+    def _settle_inflight(self) -> None:
+        """Drop the decode in flight once none of its requests is left (all finished or
+        aborted): nothing would read its tokens."""
+        f = self._inflight
+        if f is not None and all(r.finished for r in f.sample_reqs):
+            if f.ready is not None:
+                f.ready.synchronize()
+            self._inflight = None
+
+    def _deferrable(self, step: ScheduledStep) -> bool:
+        """Whether ``step`` may leave its tokens on the device (`async_scheduling`): a
+        fixed-shape decode, one rank, no request with penalties, logprobs or end tokens
+        masked (those read the requests' tokens on the host)."""
+        if not (
+            self.async_scheduling
+            and step.decode
+            and self._tp is None
+            and self.runner.graphs is not None
+            and all(n == 1 for _, n in step.batch)
+        ):
+            return False
+        for req, _ in step.batch:
+            p = req.params
+            if p.penalized or p.logprobs is not None:
+                return False
+            if len(req.output_token_ids) < p.min_tokens:  # end tokens masked
+                return False
+        return True
+
+    def _launch_decode(self, step: ScheduledStep, device_ids: torch.Tensor | None) -> None:
+        """Run a deferrable decode ``step`` (its input ids from the previous decode's device
+        tokens ``device_ids``, rows in the same order, or from the requests) and its sampling,
+        and start copying the tokens to the host: the step in flight."""
+        t0 = time.perf_counter()
+        result = self.runner.run(
+            step.batch, decode=True, finishing=step.finishing, device_ids=device_ids
+        )
+        assert result.logits is not None
+        tokens, _ = sample_on_device(result.logits, result.sample_reqs, self.eos_token_ids)
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready: torch.cuda.Event | None = torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = tokens, None
+        self.scheduler.advance(step)
+        self.scheduler.trim(step)
+        # a row without a distribution (-1) fails its request when read; the next step must
+        # still embed a valid id for it
+        feed = tokens.clamp_min(0)
+        self._inflight = _InFlight(step, result.sample_reqs, feed, host, ready, t0)
+
+    def _collect(self, f: _InFlight) -> dict[str, float]:
+        """Read the tokens of the decode in flight ``f`` and record them (stops, status; its
+        pages were trimmed at launch); its statistics row."""
+        if f.ready is not None:
+            f.ready.synchronize()
+        tokens: list[int | None] = [t if t >= 0 else None for t in f.host.tolist()]
+        now = time.perf_counter()
+        self.scheduler.record(f.step, f.sample_reqs, tokens, [None] * len(tokens), now)
+        return self._stats_row(f.step, f.t0, now)
+
+    def _stats_row(self, step: ScheduledStep, t0: float, now: float) -> dict[str, float]:
+        """``seconds``: from the forward's start, or from the previous step's end where it
+        was launched before that (async scheduling), to its tokens."""
+        start, self._last_end = max(t0, self._last_end), now
+        return dict(
+            decode=float(step.decode),
+            tokens=sum(n for _, n in step.batch),
+            running=len(step.batch) if step.decode else len(self.scheduler.running),
+            seconds=now - start,
+            end=now,
+        )
+
+    def _run_part(self, step: ScheduledStep) -> dict[str, float] | None:
         """One forward (the decode or the prefill part of an engine step) and what follows
         it: sampled tokens, stops, status, and the resident pages a request no longer needs.
-        Returns the step's statistics row."""
-        sched = self.scheduler
+        Returns the step's statistics row; ``None`` where the decode was left in flight
+        (`_deferrable`), its tokens read by the next engine step."""
+        if self._deferrable(step):
+            self._launch_decode(step, None)
+            return None
         t0 = time.perf_counter()
         result = self.runner.run(step.batch, decode=step.decode, finishing=step.finishing)
         logprobs: list[dict[int, float] | None]
@@ -614,13 +726,7 @@ class LLM:
             tokens, logprobs = [], []
         now = time.perf_counter()
         self.scheduler.update(step, result.sample_reqs, tokens, logprobs, now)
-        return dict(
-            decode=float(step.decode),
-            tokens=sum(n for _, n in step.batch),
-            running=len(step.batch) if step.decode else len(sched.running),
-            seconds=now - t0,
-            end=now,
-        )
+        return self._stats_row(step, t0, now)
 
     # --- resources -----------------------------------------------------------------------
     def close(self) -> None:
@@ -634,6 +740,9 @@ class LLM:
     def _release(self, failed: bool = False) -> None:
         """Drop everything; ``failed``: a tensor-parallel failure, whose caller ends the
         ranks (`TPGroup.fail`)."""
+        f, self._inflight = getattr(self, "_inflight", None), None
+        if f is not None and f.ready is not None:
+            f.ready.synchronize()  # its step reads and writes the pools released below
         if self.kv is not None:
             self.kv.close()
         self.runner = None
@@ -664,6 +773,20 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A decode step launched with its sampled tokens left on the device (async scheduling):
+    ``tokens`` feed the next decode's input ids on the device; ``host`` holds them once
+    ``ready`` (``None`` on the CPU) has completed."""
+
+    step: ScheduledStep
+    sample_reqs: list[Request]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+    t0: float
 
 
 @contextlib.contextmanager

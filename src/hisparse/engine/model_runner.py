@@ -300,12 +300,19 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------
     @torch.no_grad()
     def run(
-        self, batch: list[tuple[Request, int]], *, decode: bool, finishing: list[bool]
+        self,
+        batch: list[tuple[Request, int]],
+        *,
+        decode: bool,
+        finishing: list[bool],
+        device_ids: torch.Tensor | None = None,
     ) -> StepResult:
         """Forward ``batch`` (request, new tokens); logits for requests that sample now.
 
         Per-step inputs travel in one host-to-device copy; block tables are gathered on the
-        device from the KV manager's persistent tables."""
+        device from the KV manager's persistent tables. ``device_ids``: a fixed-shape decode's
+        input tokens, one per request in batch order, still on the device (the previous
+        decode's greedy tokens, async scheduling) instead of the requests' last tokens."""
         kv, bs, dev = self.kv, self.config.block_size, self.device
         while kv.pending_slot_resets:
             self.reset_slot(kv.pending_slot_resets.pop())
@@ -315,7 +322,9 @@ class ModelRunner:
             self.host_fence()
         if decode and self.graphs is not None and all(n == 1 for _, n in batch):
             # the fixed-shape step holds one row per request (no speculative rows)
-            return self._run_static_decode([req for req, _ in batch])
+            return self._run_static_decode([req for req, _ in batch], device_ids)
+        if device_ids is not None:
+            raise ValueError("device_ids: only a fixed-shape (CUDA-graph path) decode takes them")
         R = len(batch)
         starts = [req.num_computed for req, _ in batch]
         counts = [n for _, n in batch]
@@ -431,21 +440,27 @@ class ModelRunner:
         return StepResult(logits=logits, sample_reqs=sample_reqs, token_ids=tokens)
 
     # --- fixed-shape decode (padded batch; CUDA graphs) -----------------------------------
-    def _run_static_decode(self, reqs: list[Request]) -> StepResult:
-        """A decode step through `DecodeGraphs`: one copy of the inputs, a replayed graph (or
-        the same fixed-shape step run eagerly), logits of the real rows."""
+    def _run_static_decode(
+        self, reqs: list[Request], device_ids: torch.Tensor | None = None
+    ) -> StepResult:
+        """A decode step through `DecodeGraphs`: one copy of the inputs (the token ids from
+        ``device_ids`` where given), a replayed graph (or the same fixed-shape step run
+        eagerly), logits of the real rows."""
         graphs = self.graphs
         assert graphs is not None
         kv = self.kv
         n = len(reqs)
         slots = [kv.requests[req.req_id].slot for req in reqs]
         keys = [self.request_key(req) for req in reqs]
-        b = graphs.load(
-            [req.token_slice(req.num_computed, 1)[0] for req in reqs],
-            [req.num_computed for req in reqs],
-            slots,
-            keys,
-        )
+        if device_ids is None:
+            ids = [req.token_slice(req.num_computed, 1)[0] for req in reqs]
+        elif device_ids.shape != (n,):
+            raise ValueError(f"device_ids: {tuple(device_ids.shape)}, want one per request ({n})")
+        else:
+            ids = [0] * n  # replaced on the device below
+        b = graphs.load(ids, [req.num_computed for req in reqs], slots, keys)
+        if device_ids is not None:
+            graphs.inputs[0, :n].copy_(device_ids)
         hooks = self.hooks
         if hooks is None:
             logits, counts = graphs.run(b, self._static_step)

@@ -3,9 +3,11 @@
 The sampler works on one step's logits ``[B, V]``: ``min_tokens`` masking and the penalties
 first (on the device, only on the rows that ask for them), then one batched argmax for the
 greedy rows, one batched temperature / top-k / top-p / softmax for the sampled rows and one
-copy of their probabilities to the host, where each row draws with its own generator. A step
-reads the device back a fixed number of times, whatever its number of requests; logprobs,
-when asked for, add three small reads for all the rows that want them together.
+inverse-CDF draw for them on the device, from one uniform per row that the host draws from the
+request's own generator (``seed``) or torch's global one. The tokens stay on the device
+(`sample_on_device`) until the caller reads them: once per step (`sample_rows`), or a step
+later where the next decode reads them there (async scheduling). Logprobs, when asked for, add
+three small reads for all the rows that want them together.
 """
 
 from __future__ import annotations
@@ -215,29 +217,62 @@ def sample_rows(
     bit for bit as before penalties existed. Sampled rows are shifted by their maximum
     before the temperature divides them: any temperature > 0 stays finite (a tiny one
     approaches greedy)."""
+    if not rows:
+        return Sampled([], [])
+    on_device, raw = sample_on_device(logits, rows, eos_token_ids)
+    tokens: list[int | None] = [t if t >= 0 else None for t in on_device.tolist()]
+    return Sampled(tokens, _logprobs(raw, [r.params for r in rows], tokens))
+
+
+def sample_on_device(
+    logits: torch.Tensor, rows: Sequence[Any], eos_token_ids: Set[int] = frozenset()
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_rows`'s tokens left on the device, ``[B]`` int64 (``-1``: a sampled row whose
+    logits give no distribution), and the fp32 logits. Nothing here waits for the device:
+    the host values it copies (a row's uniform, temperature, ...) go through pinned memory.
+    Penalties read their requests' output tokens on the host."""
     params = [r.params for r in rows]
     B = len(rows)
-    tokens: list[int | None] = [0] * B
-    if B == 0:
-        return Sampled(tokens, [])
     raw = logits.float()
     x = process_logits(raw, rows, eos_token_ids)
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    if greedy:
-        chosen = x if len(greedy) == B else x[greedy]
-        for i, tok in zip(greedy, torch.argmax(chosen, dim=-1).tolist(), strict=True):
-            tokens[i] = int(tok)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
-    if drawn:
-        probs = _probabilities(x if len(drawn) == B else x[drawn], [params[i] for i in drawn])
-        probs = probs.cpu()
-        for j, i in enumerate(drawn):
-            row = probs[j]
-            if not bool(torch.isfinite(row).all()) or not float(row.sum()) > 0:
-                tokens[i] = None
-                continue
-            tokens[i] = int(torch.multinomial(row, 1, generator=rows[i].generator))
-    return Sampled(tokens, _logprobs(raw, params, tokens))
+    if not drawn:
+        return greedy_tokens(x), raw
+    dev = x.device
+    where = None if len(drawn) == B else _to(dev, drawn, torch.long)
+    probs = _probabilities(x if where is None else x.index_select(0, where),
+                           [params[i] for i in drawn])  # fmt: skip
+    uniform = _to(dev, [float(torch.rand((), generator=rows[i].generator)) for i in drawn])
+    picked = _inverse_cdf(probs, uniform)
+    if where is None:
+        return picked, raw
+    return greedy_tokens(x).index_copy(0, where, picked), raw
+
+
+def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row of ``probs [R, V]`` (unnormalized, >= 0) the first token whose cumulative
+    probability exceeds ``uniform [R]`` (in ``[0, 1)``) times the row's total: a draw from
+    the row's distribution that never picks a zero-probability token; ``-1`` for a row with
+    a non-finite value or nothing to draw."""
+    cdf = torch.cumsum(probs, dim=-1)
+    total = cdf[:, -1]
+    picked = torch.searchsorted(cdf, (uniform * total)[:, None], right=True)[:, 0]
+    picked = picked.clamp_max(probs.shape[-1] - 1)
+    ok = torch.isfinite(probs).all(dim=-1) & (total > 0)
+    return torch.where(ok, picked, -1)
+
+
+def _to(dev: torch.device, values: list[Any], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``values`` on ``dev`` without waiting for the device (pinned, queued copy on CUDA)."""
+    return torch.tensor(values, dtype=dtype, pin_memory=dev.type == "cuda").to(
+        dev, non_blocking=True
+    )
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row of ``logits [B, V]`` in fp32, on their device (``[B]``
+    int64): a greedy row's token without penalties or masking, read or not."""
+    return torch.argmax(logits.float(), dim=-1)
 
 
 def process_logits(
@@ -262,7 +297,7 @@ def process_logits(
     if pen:
         _apply_penalties(x, [rows[i] for i in pen], pen)
     if masked_rows:
-        where = torch.tensor([masked_rows, masked_ids], dtype=torch.long).to(dev)
+        where = _to(dev, [masked_rows, masked_ids], torch.long)
         x[where[0], where[1]] = float("-inf")
     return x
 
@@ -270,18 +305,18 @@ def process_logits(
 def _probabilities(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, softmax and top-p, batched over the sampled rows ``x``."""
     dev, V = x.device, x.shape[-1]
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(dev)
+    temps = _to(dev, [p.temperature for p in params])
     x = (x - x.max(dim=-1, keepdim=True).values) / temps[:, None]
     ks = [min(p.top_k, V) for p in params]
     if any(ks):
         top = torch.topk(x, max(ks), dim=-1).values
-        k_t = torch.tensor(ks, dtype=torch.long).to(dev)
+        k_t = _to(dev, ks, torch.long)
         kth = top.gather(1, (k_t - 1).clamp_min(0)[:, None])
         kth = torch.where(k_t[:, None] > 0, kth, float("-inf"))
         x = torch.where(x < kth, float("-inf"), x)
     probs = torch.softmax(x, dim=-1)
     if any(p.top_p < 1 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev)[:, None]
+        top_p = _to(dev, [p.top_p for p in params])[:, None]
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         cum = torch.cumsum(sorted_p, dim=-1)
         drop = (cum - sorted_p > top_p) & (top_p < 1)  # keep the smallest prefix reaching top_p

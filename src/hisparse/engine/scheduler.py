@@ -291,6 +291,38 @@ class Scheduler:
         self.kv.free(req.req_id)
 
     # --- after a step ran ---------------------------------------------------------------
+    def continue_decode(self, batch: list[tuple[Request, int]]) -> ScheduledStep | None:
+        """The next decode of the requests of ``batch``, a decode step whose sampled tokens
+        are still on the device (one per request, not yet appended): the same requests,
+        one token each, in the same order. ``None`` where that is not the step `schedule`
+        would make, or may not be: a request is waiting, a prompt is unfinished, a request
+        left or may end by length with its pending token, or a request cannot grow without
+        preempting another. The caller then reads the pending tokens and calls `schedule`.
+        A request that grew here keeps its pages for that next step."""
+        reqs = [req for req, _ in batch]
+        if (
+            self.waiting
+            or len(reqs) != len(self.running)
+            or any(r.status is not Status.DECODING for r in self.running)
+            or set(map(id, reqs)) != set(map(id, self.running))
+        ):
+            return None
+        for req in reqs:
+            ends = req.params.max_tokens is not None and (
+                len(req.output_token_ids) + 1 >= req.params.max_tokens
+            )
+            if ends or req.num_tokens + 1 >= self.stops.max_model_len:
+                return None
+        reserve = self._promised() if self.kv.sticky else 0
+        for req in reqs:
+            if self.kv.grows(req.req_id, req.num_computed + 1) and not self._grow(
+                req, req.num_computed + 1, reserve
+            ):
+                return None
+        return ScheduledStep(
+            decode=True, batch=[(r, 1) for r in reqs], finishing=[False] * len(reqs)
+        )
+
     def update(
         self,
         step: ScheduledStep,
@@ -299,15 +331,49 @@ class Scheduler:
         logprobs: list[dict[int, float] | None],
         now: float,
     ) -> None:
-        """What a forward of ``step`` changed: computed tokens, the sampled token of each
-        request in ``sampled`` (``None``: its logits were not finite, it fails alone), stops,
-        prompts that start decoding, and the resident pages a request no longer needs (written
-        back to the host by `write_back` where the mirror is lazy, then freed)."""
+        """What a forward of ``step`` changed: `advance`, `record` its tokens, `trim`."""
+        self.advance(step)
+        self.record(step, sampled, tokens, logprobs, now)
+        self.trim(step)
+
+    def advance(self, step: ScheduledStep) -> None:
+        """The forward of ``step`` is under way: its tokens count as computed (written rows,
+        positions), before its sampled tokens are known."""
         for req, n in step.batch:
             if step.decode:
                 self.kv.mark_written(req.req_id, req.num_computed, n)
             req.num_computed += n
+
+    def trim(self, step: ScheduledStep) -> None:
+        """The resident pages the requests of ``step`` no longer need once it ran (their rows
+        are on the host: only the tail pages stay; a prefill streams its pages to the host
+        chunk by chunk; nothing is trimmed on "gpu"), written back to the host by
+        `write_back` where the mirror is lazy, then freed. Depends only on the counts, so an
+        async decode trims at launch: the next step sees the tables it would see after
+        reading the tokens. Tables and blocks change in stream order, after ``step``."""
+        for req, _ in step.batch:
+            if req.finished:
+                continue
+            dropped = self.kv.trim_resident(req.req_id, req.num_computed)
+            if dropped:
+                self.write_back(dropped, req)
+                self.kv.release_resident(req.req_id, dropped)
+
+    def record(
+        self,
+        step: ScheduledStep,
+        sampled: list[Request],
+        tokens: list[int | None],
+        logprobs: list[dict[int, float] | None],
+        now: float,
+    ) -> None:
+        """The sampled token of each request in ``sampled`` (``None``: its logits were not
+        finite, it fails alone), stops, and prompts that start decoding. Requests that
+        finished meanwhile (a stop read from an earlier step, an abort) are passed over:
+        their token was computed and is dropped."""
         for req, tok, lp in zip(sampled, tokens, logprobs, strict=True):
+            if req.finished:
+                continue
             if tok is None:
                 req.metrics.finished = now
                 self.fail_running(
@@ -323,12 +389,6 @@ class Scheduler:
                 continue
             if step.decode or fin:
                 req.status = Status.DECODING
-            # the rows are on the host: keep only the tail pages resident (a prefill streams
-            # its pages to the host chunk by chunk; nothing is trimmed on "gpu")
-            dropped = self.kv.trim_resident(req.req_id, req.num_computed)
-            if dropped:
-                self.write_back(dropped, req)
-                self.kv.release_resident(req.req_id, dropped)
 
     def finish(self, req: Request, reason: str) -> None:
         req.status = Status.FINISHED

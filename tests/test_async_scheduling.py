@@ -1,0 +1,159 @@
+"""Async scheduling (`LLM(async_scheduling=True)`, the default): a greedy decode step leaves
+its tokens on the device and the next decode of the same requests is launched reading them
+there before the host reads them. On the CPU it runs on the fixed-shape decode path
+(``cuda_graphs=True``: the graphs' padded step without capture), where these tests check that
+it really chains steps and gives the tokens, stops, schedule and freed blocks of the
+synchronous engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse import HiSparseConfig
+from hisparse.engine.llm import LLM
+from hisparse.engine.sampling import SamplingParams
+from hisparse.models.tiny import make_tiny
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("deepseek_v32")
+    make_tiny("deepseek_v32", out, seed=0)
+    return out
+
+
+def _prompts(lengths=(40, 23, 70, 33), seed=1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def _llm(path, placement: str, *, asynchronous: bool, **kw) -> LLM:
+    return LLM(
+        path,
+        kv_placement=placement,
+        kv_format="bf16",
+        max_model_len=128,
+        max_num_seqs=4,
+        gpu_memory_gib=0.02,
+        cuda_graphs=True,
+        async_scheduling=asynchronous,
+        hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4),
+        **kw,
+    )
+
+
+def _generate(path, placement, params, prompts, *, asynchronous):
+    """Outputs, the number of decodes launched on the previous decode's device tokens, and
+    the schedule (decode?, tokens) of every step."""
+    with _llm(path, placement, asynchronous=asynchronous) as llm:
+        chained = []
+        cont = llm.scheduler.continue_decode
+
+        def counting(batch):
+            step = cont(batch)
+            chained.append(step is not None)
+            return step
+
+        llm.scheduler.continue_decode = counting
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert all(o.ok for o in outs), [o.error for o in outs]
+        # nothing left behind: no request, no block, no step in flight
+        assert not llm.has_unfinished_requests() and not llm.kv.requests
+        assert llm.kv.gpu_blocks.num_free == llm.kv.gpu_blocks.num_usable
+        steps = [(bool(s["decode"]), int(s["tokens"])) for s in llm.last_run_stats]
+    return outs, sum(chained), steps
+
+
+@pytest.mark.parametrize("placement", ["gpu", "hisparse"])
+def test_async_decode_gives_the_synchronous_tokens(checkpoint, placement):
+    """Different lengths, a stop token met mid-way and one never met: the same tokens and
+    finish reasons, and steps really chained."""
+    prompts = _prompts()
+    plain = [SamplingParams(temperature=0, max_tokens=n) for n in (24, 9, 16, 30)]
+    ref, chained, _ = _generate(checkpoint, placement, plain, prompts, asynchronous=False)
+    assert chained == 0
+    # stop request 0 on its 6th token and request 2 on a token it never samples
+    stop0 = ref[0].token_ids[5]
+    params = list(plain)
+    params[0] = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop0])
+    params[2] = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[10**5 % 512 + 1])
+    if params[2].stop_token_ids[0] in ref[2].token_ids:
+        params[2] = plain[2]
+    sync, _, _ = _generate(checkpoint, placement, params, prompts, asynchronous=False)
+    outs, chained, _ = _generate(checkpoint, placement, params, prompts, asynchronous=True)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in sync]
+    assert sync[0].finish_reason == "stop" and sync[0].token_ids[-1] == stop0
+    assert chained > 10  # most decodes launched before the previous one's tokens were read
+    # the requests that did not stop give the plain run's tokens too
+    assert [o.token_ids for o in outs[1:]] == [o.token_ids for o in ref[1:]]
+
+
+def test_async_length_limits_keep_the_schedule(checkpoint):
+    """Requests that end by ``max_tokens`` compute no step more than the synchronous engine:
+    the same steps with the same token counts (the benchmarks compare schedules)."""
+    prompts = _prompts((40, 23, 70))
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 5, 20)]
+    sync, _, steps_sync = _generate(checkpoint, "hisparse", params, prompts, asynchronous=False)
+    outs, chained, steps = _generate(checkpoint, "hisparse", params, prompts, asynchronous=True)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
+    assert steps == steps_sync and chained > 0
+
+
+def test_sampled_rows_are_deferred_with_the_same_draws(checkpoint):
+    """Seeded sampled requests beside a greedy one: each draw takes one uniform from its
+    request's generator at launch, so async scheduling gives the synchronous tokens."""
+    prompts = _prompts((40, 23, 33))
+    params = [
+        SamplingParams(temperature=0, max_tokens=10),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=10),
+        SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=3, max_tokens=10),
+    ]
+    sync, _, _ = _generate(checkpoint, "gpu", params, prompts, asynchronous=False)
+    outs, chained, _ = _generate(checkpoint, "gpu", params, prompts, asynchronous=True)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
+    assert chained > 0
+    assert len({tuple(o.token_ids) for o in outs}) == 3
+
+
+def test_penalties_and_logprobs_run_synchronously(checkpoint):
+    """Rows whose sampling reads the requests' tokens on the host are never deferred."""
+    prompts = _prompts((40, 23))
+    for other in (
+        SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=8, logprobs=2),
+    ):
+        params = [SamplingParams(temperature=0, max_tokens=8), other]
+        sync, _, _ = _generate(checkpoint, "gpu", params, prompts, asynchronous=False)
+        outs, chained, _ = _generate(checkpoint, "gpu", params, prompts, asynchronous=True)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
+        assert chained == 0
+
+
+def test_abort_while_a_decode_is_in_flight(checkpoint):
+    """`LLM.step` driven by hand (the server's loop): aborting a request whose token is still
+    on the device drops it; the other goes on to the synchronous engine's tokens."""
+    prompts = _prompts((40, 23))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with _llm(checkpoint, "hisparse", asynchronous=False) as llm:
+        ref = llm.generate(prompt_token_ids=prompts[1:], sampling_params=params)[0].token_ids
+    with _llm(checkpoint, "hisparse", asynchronous=True) as llm:
+        a = llm.add_request(prompt_token_ids=prompts[0], params=params, request_id="a")[0]
+        b = llm.add_request(prompt_token_ids=prompts[1], params=params, request_id="b")[0]
+        while len(b.output_token_ids) < 3:
+            llm.step()
+        assert llm._inflight is not None  # a decode of both is running
+        assert llm.abort_request("a")
+        while llm.has_unfinished_requests():
+            llm.step()
+        assert a.finish_reason == "abort" and len(a.output_token_ids) < 12
+        assert b.output_token_ids == ref
+        assert not llm.kv.requests and llm._inflight is None
+
+
+def test_async_scheduling_is_checked():
+    with pytest.raises(TypeError, match="async_scheduling"):
+        LLM("smollm2", async_scheduling="yes")
