@@ -157,7 +157,8 @@ def make_llm(
     graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
     return LLM(str(path), kv_placement=args.placement, hisparse=cfg, max_num_seqs=batch,
                max_model_len=max_model_len, dtype=dtype_name, device=args.device,
-               gpu_memory_gib=gpu_gib, cuda_graphs=graphs)  # fmt: skip
+               gpu_memory_gib=gpu_gib, cuda_graphs=graphs,
+               async_scheduling=args.async_scheduling == "on")  # fmt: skip
 
 
 def run_ttft(
@@ -244,6 +245,9 @@ def main() -> int:
                     help="our engine's GPU KV pool on CUDA")  # fmt: skip
     ap.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                     help="our decode steps as CUDA graphs (auto: on CUDA)")  # fmt: skip
+    ap.add_argument("--async-scheduling", default="on", choices=("on", "off"),
+                    help="LLM(async_scheduling=): decodes launched before the last one's "
+                    "tokens are read")  # fmt: skip
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--ttft", default="", help="prompt lengths: measure TTFT only (batch 1)")
     ap.add_argument("--repeats", type=int, default=5, help="--ttft rounds per prompt length")

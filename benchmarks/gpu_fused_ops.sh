@@ -94,13 +94,16 @@ if has smol; then
   if [ -f "$GGUF" ]; then
     for v in $VARIANTS; do
       export HISPARSE_FUSED=$v
-      timeout 150 $PY benchmarks/bench_smollm2.py --device cuda --batch 64 \
-        --max-tokens 64 --top-k 256 --model "$GGUF" --out "$OUT/smol_$v" \
-        >"$OUT/smol_$v.txt" 2>&1 || echo "smol $v: rc $?"
-      timeout 150 $PY benchmarks/profile_decode.py --model "$GGUF" --layers 30 \
-        --context 492 --batches 64 --output 14 --skip 4 --active 3 --paths graphs \
-        --placements hisparse --top-k 256 --top-kernels 60 --out "$OUT/smolprof_$v" \
-        >"$OUT/smolprof_$v.txt" 2>&1 || echo "smol profile $v: rc $?"
+      for a in ${ASYNC:-on}; do  # ASYNC="off on": the synchronous engine beside it (_sync)
+        n=${v}; [ "$a" = off ] && n=${n}_sync
+        timeout 150 $PY benchmarks/bench_smollm2.py --device cuda --batch 64 \
+          --max-tokens 64 --top-k 256 --model "$GGUF" --async-scheduling "$a" \
+          --out "$OUT/smol_$n" >"$OUT/smol_$n.txt" 2>&1 || echo "smol $n: rc $?"
+        timeout 150 $PY benchmarks/profile_decode.py --model "$GGUF" --layers 30 \
+          --context 492 --batches 64 --output 14 --skip 4 --active 3 --paths graphs \
+          --placements hisparse --top-k 256 --top-kernels 60 --async-scheduling "$a" \
+          --out "$OUT/smolprof_$n" >"$OUT/smolprof_$n.txt" 2>&1 || echo "smol profile $n: rc $?"
+      done
     done
     unset HISPARSE_FUSED
   else
@@ -132,8 +135,11 @@ if has smol && has smol_prefill; then
 fi
 if has smol; then
   for v in $VARIANTS; do
-    [ -f "$OUT/smol_$v.txt" ] && { echo "== smol $v"; grep "^| \|tok/s" "$OUT/smol_$v.txt" | tail -6; }
-    [ -f "$OUT/smolprof_$v.txt" ] && grep "^| " "$OUT/smolprof_$v.txt"
+    for a in ${ASYNC:-on}; do
+      n=${v}; [ "$a" = off ] && n=${n}_sync
+      [ -f "$OUT/smol_$n.txt" ] && { echo "== smol $n"; grep "^| \|tok/s" "$OUT/smol_$n.txt" | tail -6; }
+      [ -f "$OUT/smolprof_$n.txt" ] && grep "^| " "$OUT/smolprof_$n.txt"
+    done
   done
 fi
 exit 0

@@ -257,3 +257,23 @@ def test_async_scheduling_on_cuda_graphs_gives_the_synchronous_tokens(checkpoint
     assert runs["gpu", True] == runs["gpu", False] == runs["hisparse", True]
     assert runs["hisparse", False] == runs["gpu", False]
     assert runs["gpu", True][0][1] == "stop"
+
+
+def test_async_scheduling_with_seeded_sampling_on_cuda(checkpoint):
+    """Sampled rows beside a greedy one, drawn on the device from one host-drawn uniform per
+    row: the same tokens with async scheduling on and off, in both placements."""
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 23, 70)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=16),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=3, max_tokens=16),
+    ]
+    runs = {}
+    for placement in ("gpu", "hisparse"):
+        for asynchronous in (False, True):
+            outs, _ = _generate(checkpoint, placement, prompts, params, cuda_graphs=True,
+                                llm_kw=dict(async_scheduling=asynchronous))  # fmt: skip
+            runs[placement, asynchronous] = [o.token_ids for o in outs]
+    assert runs["gpu", True] == runs["gpu", False]
+    assert runs["hisparse", True] == runs["hisparse", False] == runs["gpu", False]
