@@ -616,8 +616,11 @@ class LLM:
                 self._launch_decode(nxt, prev.tokens)
                 return [(prev.step, self._collect(prev))]
             done.append((prev.step, self._collect(prev)))
-        for part in self._schedule():
-            row = self._run_part(part)
+        parts = self._schedule()
+        for part in parts:
+            # a decode with a prefill part after it reads its tokens first: rows stay in
+            # the order the parts ran
+            row = self._run_part(part, defer=len(parts) == 1)
             if row is not None:
                 done.append((part, row))
         return done
@@ -697,12 +700,12 @@ class LLM:
             end=now,
         )
 
-    def _run_part(self, step: ScheduledStep) -> dict[str, float] | None:
+    def _run_part(self, step: ScheduledStep, *, defer: bool = False) -> dict[str, float] | None:
         """One forward (the decode or the prefill part of an engine step) and what follows
         it: sampled tokens, stops, status, and the resident pages a request no longer needs.
-        Returns the step's statistics row; ``None`` where the decode was left in flight
-        (`_deferrable`), its tokens read by the next engine step."""
-        if self._deferrable(step):
+        Returns the step's statistics row; ``None`` where ``defer`` let the decode stay in
+        flight (`_deferrable`), its tokens read by the next engine step."""
+        if defer and self._deferrable(step):
             self._launch_decode(step, None)
             return None
         t0 = time.perf_counter()

@@ -295,13 +295,15 @@ class Scheduler:
         """The next decode of the requests of ``batch``, a decode step whose sampled tokens
         are still on the device (one per request, not yet appended): the same requests,
         one token each, in the same order. ``None`` where that is not the step `schedule`
-        would make, or may not be: a request is waiting, a prompt is unfinished, a request
-        left or may end by length with its pending token, or a request cannot grow without
-        preempting another. The caller then reads the pending tokens and calls `schedule`.
-        A request that grew here keeps its pages for that next step."""
+        would make, or may not be: a request waits while there is room to run it, a prompt is
+        unfinished, a request left or may end by length with its pending token, or a request
+        cannot grow without preempting another. The caller then reads the pending tokens and
+        calls `schedule`. A request that grew here keeps its pages for that next step. With
+        ``max_num_seqs`` requests running the waiting ones wait either way; one that a stop
+        token read later frees a place for is admitted a step later than `schedule` would."""
         reqs = [req for req, _ in batch]
         if (
-            self.waiting
+            (self.waiting and len(self.running) < self.max_num_seqs)
             or len(reqs) != len(self.running)
             or any(r.status is not Status.DECODING for r in self.running)
             or set(map(id, reqs)) != set(map(id, self.running))
