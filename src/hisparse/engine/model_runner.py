@@ -312,7 +312,7 @@ class ModelRunner:
         Per-step inputs travel in one host-to-device copy; block tables are gathered on the
         device from the KV manager's persistent tables. ``device_ids``: a fixed-shape decode's
         input tokens, one per request in batch order, still on the device (the previous
-        decode's greedy tokens, async scheduling) instead of the requests' last tokens."""
+        decode's sampled tokens, async scheduling) instead of the requests' last tokens."""
         kv, bs, dev = self.kv, self.config.block_size, self.device
         while kv.pending_slot_resets:
             self.reset_slot(kv.pending_slot_resets.pop())
