@@ -295,15 +295,15 @@ class Scheduler:
         """The next decode of the requests of ``batch``, a decode step whose sampled tokens
         are still on the device (one per request, not yet appended): the same requests,
         one token each, in the same order. ``None`` where that is not the step `schedule`
-        would make, or may not be: a request waits while there is room to run it, a prompt is
-        unfinished, a request left or may end by length with its pending token, or a request
-        cannot grow without preempting another. The caller then reads the pending tokens and
-        calls `schedule`. A request that grew here keeps its pages for that next step. With
-        ``max_num_seqs`` requests running the waiting ones wait either way; one that a stop
-        token read later frees a place for is admitted a step later than `schedule` would."""
+        would make, or may not be: a waiting request could be admitted (`_admission_blocked`),
+        a prompt is unfinished, a request left or may end by length with its pending token, or
+        a request cannot grow without preempting another. The caller then reads the pending
+        tokens and calls `schedule`. A request that grew here keeps its pages for that next
+        step. Where a stop token read afterwards frees the room a waiting request needs, that
+        request is admitted a step later than `schedule` would."""
         reqs = [req for req, _ in batch]
         if (
-            (self.waiting and len(self.running) < self.max_num_seqs)
+            not self._admission_blocked()
             or len(reqs) != len(self.running)
             or any(r.status is not Status.DECODING for r in self.running)
             or set(map(id, reqs)) != set(map(id, self.running))
@@ -324,6 +324,29 @@ class Scheduler:
         return ScheduledStep(
             decode=True, batch=[(r, 1) for r in reqs], finishing=[False] * len(reqs)
         )
+
+    def _admission_blocked(self) -> bool:
+        """Whether `_admit` would admit nothing now, without admitting: no request waits, or
+        ``max_num_seqs`` run, or the first waiting request lacks a slot, its host blocks or
+        its GPU blocks beside what the running requests are promised, even after demoting
+        every page that could be (``under_pressure``). The running requests' promise is
+        taken from their recorded tokens, which may lag the computed ones by the tokens still
+        on the device: it is then no larger than after reading them, so a "blocked" here is
+        blocked there too (the other way round, the caller reads the tokens first)."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return True
+        kv = self.kv
+        req = self.waiting[0]
+        total = self._total(req)
+        need_gpu = kv.gpu_need(kv.reserved_len(req.num_tokens, total))
+        if need_gpu > kv.gpu_blocks.num_usable:
+            return False  # `_admit` fails it at once
+        if not kv.free_slots or not kv.host_fits(total):
+            return True
+        room = kv.gpu_blocks.num_free - self._promised()
+        if kv.sticky:
+            room += sum(kv.reclaimable(r.req_id, r.num_computed) for r in self.running)
+        return need_gpu > room
 
     def update(
         self,
