@@ -307,11 +307,11 @@ def test_ctrl_c_in_generate_prints_the_partial_answer(checkpoint, capsys, monkey
     run_part = LLM._run_part
     calls = []
 
-    def interrupted(self, step):
+    def interrupted(self, step, **kw):
         calls.append(1)
         if len(calls) == 4:
             raise KeyboardInterrupt
-        return run_part(self, step)
+        return run_part(self, step, **kw)
 
     monkeypatch.setattr(LLM, "_run_part", interrupted)
     argv = ["generate", "--model", str(checkpoint), "--prompt", "t10 t11", "--max-tokens", "8",
