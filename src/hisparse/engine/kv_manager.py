@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hisparse.config import ResolvedHiSparseConfig, cdiv
+from hisparse.engine.host_copy import host_tensor, to_device
 from hisparse.kv.block_pool import BlockPool
 from hisparse.kv.host_pool import HostPool
 from hisparse.kv.layout import (
@@ -412,7 +413,7 @@ class KVCacheManager:
         for hi, table in enumerate(self.hot_block_tables):
             region = self.gpu_blocks.allocate(hb)
             b.hot[hi] = region
-            table[b.slot].copy_(_ids(region, table), non_blocking=True)
+            table[b.slot].copy_(host_tensor(region, torch.int32, table.device), non_blocking=True)
         # blocks taken before the slot (none in the engine's order: admit, lease, grow)
         self._write_span(self.host_table, b.slot, 0, b.host)
         self._write_span(self.indexer_table, b.slot, 0, b.indexer)
@@ -457,18 +458,19 @@ class KVCacheManager:
         """``table[slot, start : start + len(ids)] = ids`` (one small host-to-device copy)."""
         if table is None or slot < 0 or not ids or table.is_meta:
             return
-        table[slot, start : start + len(ids)].copy_(_ids(ids, table), non_blocking=True)
+        src = host_tensor(ids, torch.int32, table.device)
+        table[slot, start : start + len(ids)].copy_(src, non_blocking=True)
 
     @staticmethod
     def _write_pages(table: torch.Tensor, slot: int, pages: list[int], ids: list[int]) -> None:
         if slot < 0 or not pages or table.is_meta:
             return
         if pages == list(range(pages[0], pages[0] + len(pages))):
-            table[slot, pages[0] : pages[0] + len(pages)].copy_(_ids(ids, table), non_blocking=True)
+            src = host_tensor(ids, torch.int32, table.device)
+            table[slot, pages[0] : pages[0] + len(pages)].copy_(src, non_blocking=True)
         else:
             dev = table.device
-            where = torch.tensor(pages, pin_memory=table.is_cuda).to(dev, non_blocking=True)
-            table[slot, where] = _ids(ids, table).to(dev, non_blocking=True)
+            table[slot, to_device(pages, torch.long, dev)] = to_device(ids, torch.int32, dev)
 
     def step_tables(
         self, slots: torch.Tensor
@@ -509,10 +511,3 @@ class KVCacheManager:
                     pages = torch.tensor(list(res.keys()))
                     out[r, pages] = torch.tensor(list(res.values()), dtype=torch.int32)
         return out.to(self.device)
-
-
-def _ids(ids: list[int], table: torch.Tensor) -> torch.Tensor:
-    """``ids`` as an int32 host tensor to copy into ``table``: pinned where the table is on
-    CUDA, so the copy is queued on the stream (``non_blocking``) instead of waiting for the
-    GPU to finish what it runs (a decode step in flight, async scheduling)."""
-    return torch.tensor(ids, dtype=torch.int32, pin_memory=table.is_cuda)

@@ -29,6 +29,7 @@ from hisparse.config import ResolvedHiSparseConfig
 from hisparse.engine.cuda_graphs import DecodeGraphs
 from hisparse.engine.decode_inputs import decode_inputs, step_counts
 from hisparse.engine.hooks import StepHooks, StepRequests
+from hisparse.engine.host_copy import tensor_to_device
 from hisparse.engine.kv_manager import KVCacheManager
 from hisparse.engine.request import Request
 from hisparse.kv.specs import CacheKind, LayerCacheSpec
@@ -612,7 +613,7 @@ class ModelRunner:
             # every dropped page's rows of this group in one copy per layer
             src = (torch.tensor(blocks)[:, None] * bs + offs).flatten()
             dst = (torch.tensor([host[p] for p in pages])[:, None] * bs + offs).flatten()
-            src, dst = (t.to(self.device, torch.int32) for t in (src, dst))
+            src, dst = (tensor_to_device(t.to(torch.int32), self.device) for t in (src, dst))
             mask = torch.ones_like(src)
             for name in kv.resident_groups[gi].layers:
                 rt = self.runtimes[int(name.split(".")[1])]

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from hisparse.engine.host_copy import to_device
 from hisparse.validation import _fail, check_bool, check_float, check_int, is_integer
 
 
@@ -239,10 +240,11 @@ def sample_on_device(
     if not drawn:
         return greedy_tokens(x), raw
     dev = x.device
-    where = None if len(drawn) == B else _to(dev, drawn, torch.long)
+    where = None if len(drawn) == B else to_device(drawn, torch.long, dev)
     probs = _probabilities(x if where is None else x.index_select(0, where),
                            [params[i] for i in drawn])  # fmt: skip
-    uniform = _to(dev, [float(torch.rand((), generator=rows[i].generator)) for i in drawn])
+    draws = [float(torch.rand((), generator=rows[i].generator)) for i in drawn]
+    uniform = to_device(draws, torch.float32, dev)
     picked = _inverse_cdf(probs, uniform)
     if where is None:
         return picked, raw
@@ -260,13 +262,6 @@ def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     picked = picked.clamp_max(probs.shape[-1] - 1)
     ok = torch.isfinite(probs).all(dim=-1) & (total > 0)
     return torch.where(ok, picked, -1)
-
-
-def _to(dev: torch.device, values: list[Any], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``values`` on ``dev`` without waiting for the device (pinned, queued copy on CUDA)."""
-    return torch.tensor(values, dtype=dtype, pin_memory=dev.type == "cuda").to(
-        dev, non_blocking=True
-    )
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -297,7 +292,7 @@ def process_logits(
     if pen:
         _apply_penalties(x, [rows[i] for i in pen], pen)
     if masked_rows:
-        where = _to(dev, [masked_rows, masked_ids], torch.long)
+        where = to_device([masked_rows, masked_ids], torch.long, dev)
         x[where[0], where[1]] = float("-inf")
     return x
 
@@ -305,18 +300,18 @@ def process_logits(
 def _probabilities(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, softmax and top-p, batched over the sampled rows ``x``."""
     dev, V = x.device, x.shape[-1]
-    temps = _to(dev, [p.temperature for p in params])
+    temps = to_device([p.temperature for p in params], torch.float32, dev)
     x = (x - x.max(dim=-1, keepdim=True).values) / temps[:, None]
     ks = [min(p.top_k, V) for p in params]
     if any(ks):
         top = torch.topk(x, max(ks), dim=-1).values
-        k_t = _to(dev, ks, torch.long)
+        k_t = to_device(ks, torch.long, dev)
         kth = top.gather(1, (k_t - 1).clamp_min(0)[:, None])
         kth = torch.where(k_t[:, None] > 0, kth, float("-inf"))
         x = torch.where(x < kth, float("-inf"), x)
     probs = torch.softmax(x, dim=-1)
     if any(p.top_p < 1 for p in params):
-        top_p = _to(dev, [p.top_p for p in params])[:, None]
+        top_p = to_device([p.top_p for p in params], torch.float32, dev)[:, None]
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         cum = torch.cumsum(sorted_p, dim=-1)
         drop = (cum - sorted_p > top_p) & (top_p < 1)  # keep the smallest prefix reaching top_p
