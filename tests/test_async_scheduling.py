@@ -119,6 +119,10 @@ def test_async_length_limits_keep_the_schedule(checkpoint, seqs, pool):
     )
     assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
     assert steps == steps_sync and chained
+    # the same pages went to the host at the same steps (demotions included)
+    assert [(o.metrics.hits, o.metrics.misses) for o in outs] == [
+        (o.metrics.hits, o.metrics.misses) for o in sync
+    ]
     if seqs == 2 or pool is not None:  # requests waited: fewer than 4 ran at once
         assert max(n for decode, n in steps if decode) < 4
         assert any(chained)  # decodes chained while requests waited
@@ -138,6 +142,61 @@ def test_sampled_rows_are_deferred_with_the_same_draws(checkpoint):
     assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
     assert chained
     assert len({tuple(o.token_ids) for o in outs}) == 3
+
+
+def test_unseeded_draws_do_not_see_the_extra_step(checkpoint):
+    """An unseeded sampled request draws from a generator of its own (seeded from torch's
+    global one): the extra step computed for a request that stops on a token does not shift
+    its draws."""
+    p = _prompts()
+    prompts = [p[3], p[1]]  # request 0's greedy tokens vary: a stop token met mid-way
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
+    ]
+    torch.manual_seed(0)
+    ref, _, _ = _generate(checkpoint, "gpu", params, prompts, asynchronous=False)
+    first = ref[0].token_ids
+    k = next(i for i in range(2, len(first)) if first[i] not in first[:i])  # first appearance
+    params[0] = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[first[k]]
+    )
+    runs = []
+    for asynchronous in (False, True):
+        torch.manual_seed(0)
+        outs, _, _ = _generate(checkpoint, "gpu", params, prompts, asynchronous=asynchronous)
+        runs.append([o.token_ids for o in outs])
+    assert runs[0] == runs[1]
+    assert len(runs[0][0]) == k + 1 and runs[0][1] == ref[1].token_ids
+
+
+def test_an_error_in_a_step_leaves_the_requests_whole(checkpoint):
+    """A step that raises while a decode is in flight (here its next launch): the pending
+    tokens are still recorded, so a caller that goes on stepping gets the tokens of a run
+    without the error."""
+    prompts = _prompts((40,))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with _llm(checkpoint, "hisparse", asynchronous=False) as llm:
+        ref = llm.generate(prompt_token_ids=prompts, sampling_params=params)[0].token_ids
+    with _llm(checkpoint, "hisparse", asynchronous=True) as llm:
+        (req,) = llm.add_request(prompt_token_ids=prompts[0], params=params)
+        for _ in range(4):
+            llm.step()
+        assert llm._inflight is not None
+        run, calls = llm.runner.run, []
+
+        def failing_once(*a, **k):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("transient")
+            return run(*a, **k)
+
+        llm.runner.run = failing_once
+        with pytest.raises(RuntimeError, match="transient"):
+            llm.step()
+        while llm.has_unfinished_requests():
+            llm.step()
+        assert req.output_token_ids == ref and req.finish_reason == "length"
 
 
 def test_penalties_and_logprobs_run_synchronously(checkpoint):
@@ -168,8 +227,11 @@ def test_abort_while_a_decode_is_in_flight(checkpoint):
             llm.step()
         assert llm._inflight is not None  # a decode of both is running
         assert llm.abort_request("a")
+        reported = []  # what step() says changed (and whether it was finished then)
         while llm.has_unfinished_requests():
-            llm.step()
+            reported += [(r, r.finished) for r in llm.step()]
+        assert all(r is not a for r, _ in reported)  # an aborted request is not reported
+        assert sum(r is b and done for r, done in reported) == 1  # finished, reported once
         assert a.finish_reason == "abort" and len(a.output_token_ids) < 12
         assert b.output_token_ids == ref
         assert not llm.kv.requests and llm._inflight is None

@@ -427,9 +427,9 @@ class LLM:
         sched = self.scheduler
         changed: dict[int, Request] = {}
         with self._tp_section():
-            for part, row in self._engine_step():
+            for reqs, row in self._engine_step():
                 self.step_stats.append(row)
-                changed.update((id(r), r) for r, _ in part.batch)
+                changed.update((id(r), r) for r in reqs)
         changed.update((id(r), r) for r in sched.failed)
         sched.failed.clear()
         return list(changed.values())
@@ -602,27 +602,31 @@ class LLM:
             if bar is not None:
                 bar.close()
 
-    def _engine_step(self) -> list[tuple[ScheduledStep, dict[str, float]]]:
-        """One engine step: the forwards whose tokens it read, each with its statistics row
-        (inside `_tp_section`). With a decode in flight, the next decode of the same requests
-        is launched first where `Scheduler.continue_decode` gives one, and the host reads and
-        processes the pending tokens while the GPU runs it; otherwise the pending tokens are
-        read first and the step is scheduled as usual."""
+    def _engine_step(self) -> list[tuple[list[Request], dict[str, float]]]:
+        """One engine step: per forward whose tokens it read, the requests it changed and its
+        statistics row (inside `_tp_section`). With a decode in flight, the next decode of the
+        same requests is launched first where `Scheduler.continue_decode` gives one, and the
+        host reads and processes the pending tokens while the GPU runs it; otherwise the
+        pending tokens are read first and the step is scheduled as usual."""
         prev, self._inflight = self._inflight, None
         done = []
         if prev is not None:
             nxt = self.scheduler.continue_decode(prev.step.batch)
             if nxt is not None:
-                self._launch_decode(nxt, prev.tokens)
-                return [(prev.step, self._collect(prev))]
-            done.append((prev.step, self._collect(prev)))
+                try:
+                    self._launch_decode(nxt, prev.tokens)
+                except BaseException:
+                    self._collect(prev)  # its requests stay whole for whoever goes on
+                    raise
+                return [self._collect(prev)]
+            done.append(self._collect(prev))
         parts = self._schedule()
         for part in parts:
             # a decode with a prefill part after it reads its tokens first: rows stay in
             # the order the parts ran
             row = self._run_part(part, defer=len(parts) == 1)
             if row is not None:
-                done.append((part, row))
+                done.append(([r for r, _ in part.batch], row))
         return done
 
     def _settle_inflight(self) -> None:
@@ -671,22 +675,24 @@ class LLM:
             ready.record()
         else:
             host, ready = tokens, None
-        self.scheduler.advance(step)
-        self.scheduler.trim(step)
         # a row without a distribution (-1) fails its request when read; the next step must
         # still embed a valid id for it
         feed = tokens.clamp_min(0)
         self._inflight = _InFlight(step, result.sample_reqs, feed, host, ready, t0)
+        self.scheduler.advance(step)
+        self.scheduler.trim(step)
 
-    def _collect(self, f: _InFlight) -> dict[str, float]:
+    def _collect(self, f: _InFlight) -> tuple[list[Request], dict[str, float]]:
         """Read the tokens of the decode in flight ``f`` and record them (stops, status; its
-        pages were trimmed at launch); its statistics row."""
+        pages were trimmed at launch): the requests that took a token (not those that
+        finished or were aborted meanwhile) and the step's statistics row."""
         if f.ready is not None:
             f.ready.synchronize()
         tokens: list[int | None] = [t if t >= 0 else None for t in f.host.tolist()]
+        live = [r for r in f.sample_reqs if not r.finished]
         now = time.perf_counter()
         self.scheduler.record(f.step, f.sample_reqs, tokens, [None] * len(tokens), now)
-        return self._stats_row(f.step, f.t0, now)
+        return live, self._stats_row(f.step, f.t0, now)
 
     def _stats_row(self, step: ScheduledStep, t0: float, now: float) -> dict[str, float]:
         """``seconds``: from the forward's start, or from the previous step's end where it

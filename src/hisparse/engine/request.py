@@ -75,6 +75,12 @@ class Request:
             self.generator = torch.Generator().manual_seed(
                 completion_seed(self.params.seed, self.index)
             )
+        elif not self.params.greedy:
+            # a stream of its own, seeded from torch's global generator (`torch.manual_seed`
+            # makes a run reproducible): its draws do not depend on what runs beside it, nor
+            # on an extra step computed for another request (async scheduling)
+            seed = int(torch.randint(0, 2**63 - 1, ()).item())
+            self.generator = torch.Generator().manual_seed(seed)
         if self.params.logprobs is not None:
             self.logprobs, self.cumulative_logprob = [], 0.0
 

@@ -254,12 +254,19 @@ def sample_on_device(
 def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Per row of ``probs [R, V]`` (unnormalized, >= 0) the first token whose cumulative
     probability exceeds ``uniform [R]`` (in ``[0, 1)``) times the row's total: a draw from
-    the row's distribution that never picks a zero-probability token; ``-1`` for a row with
-    a non-finite value or nothing to draw."""
-    cdf = torch.cumsum(probs, dim=-1)
+    the row's distribution; ``-1`` for a row with a non-finite value or nothing to draw.
+
+    A parallel prefix sum (CUDA's) does not add strictly left to right, so a zero-probability
+    token's interval may come out a few ulps wide instead of empty: the sum runs in fp64
+    (ulps of 1e-16), and a pick that still lands on a zero-probability token (top-k / top-p
+    excluded it) takes the row's most likely token instead, so an excluded token is never
+    drawn."""
+    cdf = torch.cumsum(probs.double(), dim=-1)
     total = cdf[:, -1]
-    picked = torch.searchsorted(cdf, (uniform * total)[:, None], right=True)[:, 0]
+    picked = torch.searchsorted(cdf, (uniform.double() * total)[:, None], right=True)
     picked = picked.clamp_max(probs.shape[-1] - 1)
+    zero = probs.gather(1, picked)[:, 0] <= 0
+    picked = torch.where(zero, probs.argmax(dim=-1), picked[:, 0])
     ok = torch.isfinite(probs).all(dim=-1) & (total > 0)
     return torch.where(ok, picked, -1)
 

@@ -116,6 +116,8 @@ class Scheduler:
                 continue
             if not kv.free_slots or not kv.host_fits(total):
                 break  # wait for a request to finish (demoting would not make this room)
+            if need_gpu > self._room(promised):
+                break  # demoting every page that could be would not make the room: wait
             # demotions leave `promised` as it is: it counts no reclaimable block
             while need_gpu > kv.gpu_blocks.num_free - promised and self.demote():
                 pass
@@ -329,7 +331,7 @@ class Scheduler:
         """Whether `_admit` would admit nothing now, without admitting: no request waits, or
         ``max_num_seqs`` run, or the first waiting request lacks a slot, its host blocks or
         its GPU blocks beside what the running requests are promised, even after demoting
-        every page that could be (``under_pressure``). The running requests' promise is
+        every page that could be (`_room`: `_admit`'s own test). The running requests' promise is
         taken from their recorded tokens, which may lag the computed ones by the tokens still
         on the device: it is then no larger than after reading them, so a "blocked" here is
         blocked there too (the other way round, the caller reads the tokens first)."""
@@ -343,10 +345,17 @@ class Scheduler:
             return False  # `_admit` fails it at once
         if not kv.free_slots or not kv.host_fits(total):
             return True
-        room = kv.gpu_blocks.num_free - self._promised()
+        return need_gpu > self._room(self._promised())
+
+    def _room(self, promised: int) -> int:
+        """GPU blocks a waiting request can get beside ``promised``: the free ones and, under
+        ``offload="under_pressure"``, those that demoting every page that could be would free
+        (`reclaimable`; `_admit` demotes only where that makes the room)."""
+        kv = self.kv
+        room = kv.gpu_blocks.num_free - promised
         if kv.sticky:
             room += sum(kv.reclaimable(r.req_id, r.num_computed) for r in self.running)
-        return need_gpu > room
+        return room
 
     def update(
         self,
