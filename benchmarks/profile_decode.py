@@ -91,7 +91,7 @@ def parse_args() -> argparse.Namespace:
         "--async-scheduling",
         choices=("on", "off"),
         default="on",
-        help="LLM(async_scheduling=): greedy decodes launched before the last one's tokens "
+        help="LLM(async_scheduling=): decodes launched before the last one's tokens "
         "are read (step ms: the interval between consecutive steps' tokens)",
     )
     p.add_argument("--block-size", type=int, default=64)
