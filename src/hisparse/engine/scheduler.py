@@ -102,8 +102,7 @@ class Scheduler:
         promised = None
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            total = self._total(req)
-            need_gpu = kv.gpu_need(kv.reserved_len(req.num_tokens, total))
+            total, need_gpu = self._need(req)
             if promised is None:
                 promised = self._promised()
             if need_gpu > kv.gpu_blocks.num_usable:
@@ -114,10 +113,8 @@ class Scheduler:
                     f"{kv.gpu_blocks.num_usable}; raise gpu_memory_gib or shorten the prompt.",
                 )
                 continue
-            if not kv.free_slots or not kv.host_fits(total):
-                break  # wait for a request to finish (demoting would not make this room)
-            if need_gpu > self._room(promised):
-                break  # demoting every page that could be would not make the room: wait
+            if self._must_wait(total, need_gpu, promised):
+                break
             # demotions leave `promised` as it is: it counts no reclaimable block
             while need_gpu > kv.gpu_blocks.num_free - promised and self.demote():
                 pass
@@ -331,31 +328,35 @@ class Scheduler:
         """Whether `_admit` would admit nothing now, without admitting: no request waits, or
         ``max_num_seqs`` run, or the first waiting request lacks a slot, its host blocks or
         its GPU blocks beside what the running requests are promised, even after demoting
-        every page that could be (`_room`: `_admit`'s own test). The running requests' promise is
-        taken from their recorded tokens, which may lag the computed ones by the tokens still
-        on the device: it is then no larger than after reading them, so a "blocked" here is
-        blocked there too (the other way round, the caller reads the tokens first)."""
+        every page that could be (`_must_wait`: `_admit`'s own test). The running requests'
+        promise is taken from their recorded tokens, which may lag the computed ones by the
+        tokens still on the device: it is then no larger than after reading them, so a
+        "blocked" here is blocked there too (the other way round, the caller reads the tokens
+        first)."""
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return True
-        kv = self.kv
-        req = self.waiting[0]
-        total = self._total(req)
-        need_gpu = kv.gpu_need(kv.reserved_len(req.num_tokens, total))
-        if need_gpu > kv.gpu_blocks.num_usable:
+        total, need_gpu = self._need(self.waiting[0])
+        if need_gpu > self.kv.gpu_blocks.num_usable:
             return False  # `_admit` fails it at once
+        return self._must_wait(total, need_gpu, self._promised())
+
+    def _need(self, req: Request) -> tuple[int, int]:
+        """A waiting request's most tokens and the GPU blocks its admission needs."""
+        total = self._total(req)
+        return total, self.kv.gpu_need(self.kv.reserved_len(req.num_tokens, total))
+
+    def _must_wait(self, total: int, need_gpu: int, promised: int) -> bool:
+        """Whether a waiting request (its most tokens ``total``, GPU blocks ``need_gpu``)
+        waits for a request to finish: no slot, no host blocks, or fewer GPU blocks beside
+        ``promised`` than it needs even after demoting every page that could be
+        (``offload="under_pressure"``; `_admit` demotes only where that makes the room)."""
+        kv = self.kv
         if not kv.free_slots or not kv.host_fits(total):
             return True
-        return need_gpu > self._room(self._promised())
-
-    def _room(self, promised: int) -> int:
-        """GPU blocks a waiting request can get beside ``promised``: the free ones and, under
-        ``offload="under_pressure"``, those that demoting every page that could be would free
-        (`reclaimable`; `_admit` demotes only where that makes the room)."""
-        kv = self.kv
         room = kv.gpu_blocks.num_free - promised
         if kv.sticky:
             room += sum(kv.reclaimable(r.req_id, r.num_computed) for r in self.running)
-        return room
+        return need_gpu > room
 
     def update(
         self,
