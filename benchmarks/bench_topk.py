@@ -38,6 +38,8 @@ from hisparse.attention.indexer_triton import topk_from_scores
 from hisparse.attention.topk_triton import topk_select_reference, topk_select_triton
 
 K = 2048
+#: ``--sweep-parts``: programs per SM over the call (the default, `topk_triton._parts`, is 2).
+PARTS_PER_SM = (1, 2, 4, 8, 16)
 CASES = [(1, 131072), (8, 131072), (29, 131072), (64, 131072), (2048, 131072), (1, 32768),
          (29, 32768)]  # fmt: skip
 
@@ -51,6 +53,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", help="a module file whose topk_select_triton runs beside")
     ap.add_argument("--sweep-sparse", action="store_true", help="time other SPARSE_KEYS too")
+    ap.add_argument(
+        "--sweep-parts", action="store_true", help="time other programs per SM (8-64 rows)"
+    )
     args = ap.parse_args()
     before = baseline_function(args.baseline, "topk_select_triton")
     dev = torch.device("cuda")
@@ -98,11 +103,26 @@ def main() -> None:
                     print(sweep[-1], flush=True)
             finally:
                 topk_triton.SPARSE_KEYS = default_sparse
+        if args.sweep_parts and 8 <= t <= 64:  # programs per row: about f per SM over the call
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            for f in PARTS_PER_SM:
+                p = max(1, min(-(-f * sms // t), s // topk_triton.MIN_PART))
+                out.fill_(-7777)
+                ok = torch.equal(topk_select_triton(x, K, out, parts=p), want)
+                us = _graph_us(lambda x=x, out=out, p=p: topk_select_triton(x, K, out, parts=p))
+                sweep.append(dict(rows=t, keys=s, per_sm=f, parts=p, select_us=us, exact=ok))
+                print(sweep[-1], flush=True)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_topk.json").write_text(json.dumps(rows + sweep, indent=2))
-    if sweep:
+    if any("sparse_keys" in r for r in sweep):
         print(f"\nSPARSE_KEYS (default {default_sparse}; rows, keys: value -> µs)")
     for r in sweep:
+        if "per_sm" in r:
+            print(
+                f"  {r['rows']:5d} {r['keys']:7d}: {r['per_sm']:2d}/SM ({r['parts']:4d} parts)"
+                f" -> {r['select_us']:7.1f}{'' if r['exact'] else '  NOT EXACT'}"
+            )
+            continue
         print(
             f"  {r['rows']:5d} {r['keys']:7d}: {r['sparse_keys']:4d} -> {r['select_us']:7.1f}"
             f"{'' if r['exact'] else '  NOT EXACT'}"

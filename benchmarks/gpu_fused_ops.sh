@@ -7,14 +7,15 @@
 #            compositions, HISPARSE_FUSED=reference, and the fused kernels), both placements, the
 #            model's own indexer (no replayed top-k), one checkpoint for both; per ASYNC
 #            (default "on"; "off on": the synchronous engine beside it, profile_<v>_sync);
-#   topk     the indexer's top-k select against torch.topk (benchmarks/bench_topk.py; with
+#   topk     the indexer's top-k select against torch.topk (benchmarks/bench_topk.py, TOPK_ARGS; with
 #            TOPK_BASELINE=FILE also another version's select, a module file, beside it);
-#   indexer  the indexer's score stage and its config sweep (benchmarks/bench_indexer.py; with
+#   indexer  the indexer's score stage and its config sweep (benchmarks/bench_indexer.py, INDEXER_ARGS; with
 #            INDEXER_BASELINE=FILE also another version's score stage beside it);
 #   smol_a   keep the first half of the SmolLM2 GGUF (.smol1/part0) on the machine;
 #   smol     SmolLM2-135M (a GGUF at $SMOL_GGUF, else assembled from that half and
 #            .smol2/part1) at batch 64 against transformers per variant
 #            (benchmarks/bench_smollm2.py), then its full-batch decode step profiled;
+#            with SMOL_BASE=DIR first another version's tree (the same bench, its own code);
 #            with smol_prefill also the prefill of 8 prompts of 492 tokens profiled, the
 #            batched torch path against the decode kernels' one row per token.
 # Prints each part's summary last; details under $OUT.
@@ -72,11 +73,11 @@ make_tiny('deepseek_v32', '$CKPT', preset='v32-attention', num_hidden_layers=4)"
   done
 fi
 if has topk; then
-  timeout 240 $PY benchmarks/bench_topk.py ${TOPK_BASELINE:+--baseline "$TOPK_BASELINE"} \
+  timeout 300 $PY benchmarks/bench_topk.py ${TOPK_BASELINE:+--baseline "$TOPK_BASELINE"} ${TOPK_ARGS:-} \
     >"$OUT/bench_topk.txt" 2>&1 || echo "topk: rc $?"
 fi
 if has indexer; then
-  timeout 300 $PY benchmarks/bench_indexer.py ${INDEXER_BASELINE:+--baseline "$INDEXER_BASELINE"} \
+  timeout 300 $PY benchmarks/bench_indexer.py ${INDEXER_BASELINE:+--baseline "$INDEXER_BASELINE"} ${INDEXER_ARGS:-} \
     >"$OUT/bench_indexer.txt" 2>&1 || echo "indexer: rc $?"
 fi
 if has smol; then
@@ -90,6 +91,12 @@ if has smol; then
         --out "$OUT/smol_prefill_$route" >"$OUT/smol_prefill_$route.txt" 2>&1 \
         || echo "smol prefill $route: rc $?"
     done
+  fi
+  if [ -f "$GGUF" ] && [ -n "${SMOL_BASE:-}" ]; then  # another version's tree (src/, benchmarks/),
+    # e.g. the code the issue started from: `git archive REV src benchmarks | tar -x -C .base`
+    PYTHONPATH=$SMOL_BASE/src${PYTHONPATH#src} timeout 150 $PY "$SMOL_BASE/benchmarks/bench_smollm2.py" \
+      --device cuda --batch 64 --max-tokens 64 --top-k 256 --model "$GGUF" \
+      --out "$OUT/smol_base" >"$OUT/smol_base.txt" 2>&1 || echo "smol base: rc $?"
   fi
   if [ -f "$GGUF" ]; then
     for v in $VARIANTS; do
@@ -134,6 +141,7 @@ if has smol && has smol_prefill; then
   done
 fi
 if has smol; then
+  [ -f "$OUT/smol_base.txt" ] && { echo "== smol base ($SMOL_BASE)"; grep "^| \|tok/s" "$OUT/smol_base.txt" | tail -6; }
   for v in $VARIANTS; do
     for a in ${ASYNC:-on}; do
       n=${v}; [ "$a" = off ] && n=${n}_sync

@@ -72,6 +72,10 @@ SPARSE_KEYS = 256
 #: row, 128 parts of 1,024 keys beat 32 of 4,096; a part's histogram costs per key).
 MIN_PART = 1024
 INT32_MIN = tl.constexpr(-(2**31))
+#: Programs per SM over a call: each program's histogram waits on its loads and atomics, so an
+#: SM needs several (bench_topk.py --sweep-parts: 8 beat 2 by a sixth at 29 and 64 rows of
+#: 128K, equal at 8 rows; at 2, ncu saw a histogram launch keep an eighth of an SM's warps).
+PROGRAMS_PER_SM = 8
 #: Longest part (keys a program reads) whose launches go as programmatic dependents: they
 #: save the launch gap, which counts for short programs (H200: 1 / 8 rows of 128K and 29 of
 #: 32K, 1K-4K keys a part, 5-13% faster) and cost ~5% for long ones (29 / 64 rows of 128K).
@@ -282,9 +286,10 @@ def _write_kernel(
 
 
 def _parts(t: int, s: int, device: torch.device) -> int:
-    """Programs per row: about two per SM over the whole call, none shorter than `MIN_PART`."""
+    """Programs per row: about `PROGRAMS_PER_SM` per SM over the whole call, none shorter than
+    `MIN_PART`."""
     sms = num_sms(device)
-    return max(1, min(triton.cdiv(2 * sms, max(t, 1)), triton.cdiv(s, MIN_PART)))
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, max(t, 1)), triton.cdiv(s, MIN_PART)))
 
 
 def topk_select_triton(
