@@ -24,6 +24,7 @@ against a same-run HBM copy (``2 x bytes`` read and written over the copy's time
 mode (fp32 keys) runs at batch 8 only. Writes ``$OUT/bench_indexer.json`` when ``OUT`` is set.
 
     PYTHONPATH=src python3 benchmarks/bench_indexer.py [--quick] [--no-sweep] [--baseline FILE]
+        [--cases 29x131072,64x131072]
 """
 
 from __future__ import annotations
@@ -189,6 +190,9 @@ VARIANTS: dict[str, it.IndexerConfig] = {
     "fp8dot": it.IndexerConfig(dot="fp8"),
     "fp8dot_acc32": it.IndexerConfig(dot="fp8", fp8_acc_k=32),
     "fp8dot_acc64": it.IndexerConfig(dot="fp8", fp8_acc_k=64),
+    "no_permute_k": it.IndexerConfig(permute_k=False),
+    "maxnreg96_5sm": it.IndexerConfig(maxnreg=96, programs_per_sm=5),
+    "maxnreg80_6sm": it.IndexerConfig(maxnreg=80, programs_per_sm=6),
 }
 
 
@@ -307,6 +311,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at 32K only")
     parser.add_argument("--no-sweep", action="store_true", help="skip the VARIANTS sweep")
     parser.add_argument("--baseline", help="a module file whose score stage runs beside")
+    parser.add_argument("--cases", help="only these fp8 batch x context cases, e.g. 29x131072")
     args = parser.parse_args()
     before = baseline_function(args.baseline, "indexer_scores_paged_triton")
     if not torch.cuda.is_available():
@@ -317,6 +322,9 @@ def main() -> int:
     cases += [("exact", 8, 32768), ("exact", 8, 131072)]
     if args.quick:
         cases = [c for c in cases if c[2] == 32768 and c[1] <= 8]
+    if args.cases:
+        pick = {tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")}
+        cases = [c for c in cases if c[0] == "fp8" and (c[1], c[2]) in pick]
     t0 = time.perf_counter()
     copy = copy_GBps()
     print(f"HBM copy: {copy:.0f} GB/s", flush=True)

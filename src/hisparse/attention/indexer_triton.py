@@ -94,6 +94,15 @@ class IndexerConfig:
     #: ``dot="fp8"`` only: fp32 accumulation every this many products (``None``: Triton's
     #: default, all of K in the fp8 MMA accumulator).
     fp8_acc_k: int | None = None
+    #: Page tiles of fp8 keys: reorder the 128 dims (keys and query alike; a dot does not
+    #: depend on the order of its terms) so that the bytes each thread feeds the f16 MMA lie
+    #: together, read from shared memory in a few wide loads instead of one load per pair.
+    permute_k: bool = True
+    #: Register cap per thread (Triton's ``maxnreg``; ``None``: the compiler's choice), and the
+    #: programs per SM that `chunk_for` sizes the grid's waves for (4 at the default tile:
+    #: registers and shared memory both allow 4, ncu).
+    maxnreg: int | None = None
+    programs_per_sm: int = 4
 
     def __post_init__(self) -> None:
         if self.dot not in ("f16", "bf16", "fp8"):
@@ -142,10 +151,19 @@ def supports(q: Tensor, q_scale: Tensor | None, pages: Tensor, fmt: IndexerCache
 
 
 @triton.jit
+def _k_order(x, D: tl.constexpr):
+    """``x [R, D]`` with its columns reordered so that the dims one thread feeds the f16 MMA
+    (pairs ``2j, 2j+1`` and ``+8`` of every 16) are ``D / 4`` contiguous bytes per row."""
+    r: tl.constexpr = x.shape[0]
+    return tl.reshape(tl.permute(tl.reshape(x, [r, 4, D // 16, 2, 2]), [0, 2, 3, 1, 4]), [r, D])
+
+
+@triton.jit
 def _page_tile(
-    q_t, w, key_ptr, ksc_ptr, table_row, row, n0, end, stop, block_size, sc_off, s_key_b,
-    s_ksc_b, softmax_scale, IS_FP8: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, FP8_ACC_K: tl.constexpr, MASKED: tl.constexpr,
+    q_t, w, key_ptr, ksc_ptr, table_row, row, n0, end, stop, block_size: tl.constexpr,
+    sc_off: tl.constexpr, s_key_b, s_ksc_b, softmax_scale, IS_FP8: tl.constexpr,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8_ACC_K: tl.constexpr,
+    MASKED: tl.constexpr, PERMUTE_K: tl.constexpr,
 ):  # fmt: skip
     """Scores of keys ``n0 .. n0 + BLOCK_N``, one page's contiguous run: one
     ``[BLOCK_N, D] x [D, H]`` dot, ReLU, the weighted head sum; masked only at the limit."""
@@ -161,6 +179,8 @@ def _page_tile(
         keys = tl.load(key_rows, mask=valid[:, None], other=0.0)
     else:
         keys = tl.load(key_rows)
+    if PERMUTE_K:
+        keys = _k_order(keys, D)
     logits = tl.dot(
         keys.to(q_t.dtype), q_t, input_precision=PRECISION, max_num_imprecise_acc=FP8_ACC_K
     )  # [BLOCK_N, HP]
@@ -192,9 +212,9 @@ def _indexer_scores_kernel(
     softmax_scale,
     num_heads,
     num_cols,
-    block_size,
+    block_size: tl.constexpr,  # (constexpr: the page arithmetic per tile becomes shifts)
     chunk,
-    sc_off,  # fp32 element of a page's first key scale
+    sc_off: tl.constexpr,  # fp32 element of a page's first key scale
     s_q_t,
     s_q_h,
     s_qs_t,
@@ -213,6 +233,7 @@ def _indexer_scores_kernel(
     PRECISION: tl.constexpr,
     PAGE_TILES: tl.constexpr,
     FP8_ACC_K: tl.constexpr,
+    PERMUTE_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * chunk
@@ -234,6 +255,8 @@ def _indexer_scores_kernel(
     if IS_FP8:
         w = w * tl.load(qs_ptr + t * s_qs_t + h64 * s_qs_h, mask=hmask, other=0.0)
         w = w * softmax_scale
+    if PERMUTE_K:
+        q = _k_order(q, D)
     q_t = tl.trans(q)  # [D, HP]
     table_row = table_ptr + tl.maximum(req, 0).to(tl.int64) * s_tab_r
 
@@ -247,11 +270,13 @@ def _indexer_scores_kernel(
             _page_tile(
                 q_t, w, key_ptr, ksc_ptr, table_row, row, n0, end, stop, block_size, sc_off,
                 s_key_b, s_ksc_b, softmax_scale, IS_FP8, D, BLOCK_N, PRECISION, FP8_ACC_K, False,
+                PERMUTE_K,
             )  # fmt: skip
         if full < end:
             _page_tile(
                 q_t, w, key_ptr, ksc_ptr, table_row, row, full, end, stop, block_size, sc_off,
                 s_key_b, s_ksc_b, softmax_scale, IS_FP8, D, BLOCK_N, PRECISION, FP8_ACC_K, True,
+                PERMUTE_K,
             )  # fmt: skip
     else:
         for n0 in range(start, end, BLOCK_N):
@@ -281,9 +306,6 @@ def _indexer_scores_kernel(
         tl.store(row + pos, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=pos < stop)
 
 
-#: Score-kernel programs resident per SM with the default fp8 tile (H200, ncu: 125 registers
-#: per thread and 34 KB of shared memory each, both limits at 4).
-PROGRAMS_PER_SM = 4
 #: Fewest and most key tiles per program.
 MIN_TILES, MAX_TILES = 2, 64
 #: A program's fixed cost (its query and weights, the pipeline's fill) in key tiles: what
@@ -291,13 +313,17 @@ MIN_TILES, MAX_TILES = 2, 64
 PROGRAM_TILES = 4
 
 
-def chunk_for(num_tokens: int, num_cols: int, block_n: int, device: torch.device) -> int:
+def chunk_for(
+    num_tokens: int, num_cols: int, block_n: int, device: torch.device, programs_per_sm: int = 4
+) -> int:
     """Keys per program (shapes only): the tile count with the least modelled time, waves x
-    (tiles + `PROGRAM_TILES`), so that no wave runs mostly empty (29 rows of 128K in 64-tile
-    chunks made 957 programs: 1.8 waves of 528, the second 0.8 full). Ties go to the shorter
-    chunk: more waves, which balance rows of different lengths better."""
+    (tiles + `PROGRAM_TILES`), a wave being ``programs_per_sm`` programs on every SM, so that
+    no wave runs mostly empty (29 rows of 128K in 64-tile chunks made 957 programs: 1.8 waves
+    of 528, the second 0.8 full). Ties go to the shorter chunk: more waves, which balance
+    rows of different lengths better."""
     tiles = triton.cdiv(max(num_cols, 1), block_n)
-    return block_n * _tiles_per_chunk(max(num_tokens, 1), tiles, PROGRAMS_PER_SM * num_sms(device))
+    slots = programs_per_sm * num_sms(device)
+    return block_n * _tiles_per_chunk(max(num_tokens, 1), tiles, slots)
 
 
 @functools.lru_cache(maxsize=256)
@@ -355,7 +381,7 @@ def indexer_scores_paged_triton(
     if t == 0 or cols == 0:
         return out
     cfg = config or default_config(fmt.kind)
-    chunk = chunk or chunk_for(t, cols, cfg.block_n, device)
+    chunk = chunk or chunk_for(t, cols, cfg.block_n, device, cfg.programs_per_sm)
     if chunk % cfg.block_n:
         raise ValueError(f"chunk {chunk} is not a multiple of block_n {cfg.block_n}")
     while triton.cdiv(cols, chunk) > triton_split.MAX_GRID_YZ:  # chunks are grid axis 1
@@ -382,6 +408,8 @@ def indexer_scores_paged_triton(
         dot = {"f16": tl.float16, "bf16": tl.bfloat16, "fp8": tl.float8e4nv}[cfg.dot]
     fp8_acc_k = cfg.fp8_acc_k if dot == tl.float8e4nv else None
     grid = (t, triton.cdiv(cols, chunk))
+    page_tiles = cfg.page_tiles and bs % cfg.block_n == 0
+    extra = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
     last_compiled[0] = _indexer_scores_kernel[grid](
         q, qs, weights, key_view, ksc_view, block_table, req_index, positions, out,
         softmax_scale, h, cols, bs, chunk, bs * d // 4,
@@ -391,9 +419,10 @@ def indexer_scores_paged_triton(
         IS_FP8=is_fp8, D=d, HP=max(16, triton.next_power_of_2(h)), BLOCK_N=cfg.block_n,
         DOT=dot,
         PRECISION="ieee" if dot == tl.float32 else "tf32",  # only fp32 operands read it
-        PAGE_TILES=cfg.page_tiles and bs % cfg.block_n == 0,
+        PAGE_TILES=page_tiles,
         FP8_ACC_K=fp8_acc_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PERMUTE_K=cfg.permute_k and page_tiles and is_fp8 and d % 16 == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip
     return out
 
@@ -475,7 +504,7 @@ def indexer_topk_paged_triton(
         )  # fmt: skip
         return topk_from_scores(scores, top_k, positions=positions, req_index=req_index)
     cfg = config or default_config(fmt.kind)
-    chunk = chunk or chunk_for(t, cols, cfg.block_n, q.device)
+    chunk = chunk or chunk_for(t, cols, cfg.block_n, q.device, cfg.programs_per_sm)
     out = torch.empty((t, top_k), dtype=torch.int32, device=q.device)
     for lo, hi in blocks:  # one block's scores alive at a time
         topk_from_scores(
