@@ -13,9 +13,12 @@ Two stages:
    get ``-inf``. When ``BLOCK_N`` divides the block size each tile is one contiguous run of
    one page: one block-table read per tile (not per key), which with 5 pipeline stages keeps
    two key tiles in flight per program (the table read is a load level of its own). The
-   per-tile instruction count (conversions, masks, addresses) is the limit: at batch 29-64
-   of 128K this reads ~62-66% of a copy's bandwidth (bench_indexer.py), the fp8-MMA variant
-   (no conversions) more, and tiles wholly before the causal limit run without masks.
+   per-tile instructions (conversions, operand loads, masks, addresses) and the few
+   programs an SM holds are the limit, so: tiles wholly before the causal limit run without
+   masks; the page arithmetic is in compile-time shifts; the fp8 keys' dims (and the
+   query's, alike) are reordered so that each thread's f16 MMA operand bytes sit together
+   and come from shared memory in 16-byte loads, not two bytes at a time; and the chunks
+   per row are sized so that the grid fills whole waves (`chunk_for`).
 2. the exact top-k of each row: on CUDA the Triton radix select (`topk_triton`: five
    launches over a (row, part) grid, each row read only up to its token's causal limit; ties
    at the k-th score to the lowest positions, picks in ascending positions), elsewhere or with
@@ -38,8 +41,9 @@ Numerics, per mode (the reference's operation order is kept where it costs nothi
   scales): e4m3 queries and keys go to the tensor cores as f16 (exact; bf16, the first
   kernel's choice, is exact too but costs three conversions per two values where f16 costs
   one) and accumulate in fp32, so each ``q . k`` product is exact and only the summation
-  order differs from the reference; ``w * q_scale * softmax_scale`` is folded per head and
-  the key scale multiplies the head sum, as in the reference.
+  order differs from the reference (the reordered dims change only that order);
+  ``w * q_scale * softmax_scale`` is folded per head and the key scale multiplies the head
+  sum, as in the reference.
 - ``fp32`` pages (exact mode): fp32 dots (``ieee``, no tf32), ``ReLU(q . k * scale)``.
 
 Under Triton's CPU interpreter (CI) every dot runs in fp32.
@@ -421,7 +425,7 @@ def indexer_scores_paged_triton(
         PRECISION="ieee" if dot == tl.float32 else "tf32",  # only fp32 operands read it
         PAGE_TILES=page_tiles,
         FP8_ACC_K=fp8_acc_k,
-        PERMUTE_K=cfg.permute_k and page_tiles and is_fp8 and d % 16 == 0,
+        PERMUTE_K=cfg.permute_k and page_tiles and is_fp8 and d % 16 == 0 and dot != tl.float8e4nv,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip
     return out
