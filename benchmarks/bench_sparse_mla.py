@@ -17,7 +17,9 @@ registers and spills.
 
 ``--splits 1,2,4,...`` times instead, for fp8_ds_mla rows and the default shape, the call
 (kernel and combine) at each of those split counts per batch, beside `num_splits_for`'s
-choice: the data its cost model is fitted to.
+choice: the data its cost model is fitted to. With ``--baseline FILE`` (another version's
+module file, e.g. ``git show REV:src/hisparse/attention/sparse_mla_triton.py``) it also times
+that version's call and this one at the model's split count, alternating, per batch.
 
 Prints a table last and writes JSON to ``$OUT/bench_sparse_mla.json`` (or ``--out``).
 """
@@ -34,6 +36,7 @@ import time
 import torch
 import triton
 
+from bench_indexer import baseline_function  # (this script's folder is on sys.path)
 from hisparse.attention import sparse_mla_triton as smt
 from hisparse.attention.sparse_mla_reference import sparse_mla_decode_reference
 from hisparse.kv.row_formats import mla_row_bytes, pack_mla_rows
@@ -250,8 +253,12 @@ def bench_case(
     }  # fmt: skip
 
 
-def split_sweep(pool: torch.Tensor, batches: list[int], splits: list[int]) -> list[dict]:
-    """µs of one call (CUDA-graph replays, fresh index sets) per batch and split count."""
+def split_sweep(
+    pool: torch.Tensor, batches: list[int], splits: list[int], before=None
+) -> list[dict]:
+    """µs of one call (CUDA-graph replays, fresh index sets) per batch and split count; with
+    ``before`` (another version's ``sparse_mla_decode_triton``) also that version and this
+    one at the model's split count, in three alternating rounds (medians)."""
     cfg = smt.default_config(1, H)
     rows = []
     for t in batches:
@@ -275,6 +282,18 @@ def split_sweep(pool: torch.Tensor, batches: list[int], splits: list[int]) -> li
                 ),
                 sets,
             )
+        if before is not None:
+            got = before(ql, qr, pool, sets[0], SCALE, "fp8_ds_mla")
+            torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2e-2, atol=2e-2)
+            ab: dict[str, list[float]] = {"before": [], "now": []}
+            for _ in range(3):
+                for name, fn in (("before", before), ("now", smt.sparse_mla_decode_triton)):
+                    ab[name].append(graph_us(
+                        lambda idx, fn=fn, ql=ql, qr=qr: fn(ql, qr, pool, idx, SCALE, "fp8_ds_mla"),
+                        sets,
+                    ))  # fmt: skip
+            row["before_us"] = statistics.median(ab["before"])
+            row["now_us"] = statistics.median(ab["now"])
         print(row, flush=True)
         rows.append(row)
     return rows
@@ -290,12 +309,14 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time every shape in CONFIGS")
     ap.add_argument("--prefill", type=int, default=PREFILL_TOKENS, help="0 = no prefill case")
     ap.add_argument("--splits", help="time these split counts per batch (fp8 rows) instead")
+    ap.add_argument("--baseline", help="with --splits: a module file whose kernel runs beside")
     args = ap.parse_args()
     t0 = time.time()
     if args.splits:
         splits = [int(x) for x in args.splits.split(",")]
         batches = [int(x) for x in args.batches.split(",")]
-        rows = split_sweep(make_pool("fp8_ds_mla", args.pool_gib), batches, splits)
+        before = baseline_function(args.baseline, "sparse_mla_decode_triton")
+        rows = split_sweep(make_pool("fp8_ds_mla", args.pool_gib), batches, splits, before)
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "split_sweep": rows}, f, indent=1)
         print("\nsparse MLA decode (kernel + combine), fp8_ds_mla, µs by split count; * = model")
@@ -303,6 +324,11 @@ def main() -> None:
         for r in rows:
             cells = [f"{r['us'][n]:>7.1f}{'*' if n == r['model_splits'] else ' '}" for n in splits]
             print(f"{r['tokens']:>5} " + " ".join(cells) + f"   model: {r['model_splits']}")
+        if before is not None:
+            print("\n--baseline (before) vs now at the model's split count, µs, medians of 3:")
+            for r in rows:
+                print(f"{r['tokens']:>5} {r['before_us']:>8.1f} {r['now_us']:>8.1f} "
+                      f"{r['before_us'] / r['now_us']:>6.3f}x")  # fmt: skip
         return
     configs = CONFIGS if args.sweep else [smt.default_config(1, H)]
     if smt.default_config(1, H) not in configs:

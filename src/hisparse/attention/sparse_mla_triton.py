@@ -283,7 +283,7 @@ def _sparse_mla_wide_kernel(
     sm_scale_log2,
     num_heads,
     top_k,
-    block_size,
+    block_size: tl.constexpr,  # (constexpr: row -> page arithmetic in shifts)
     split_len,
     s_ql_t,
     s_ql_h,
