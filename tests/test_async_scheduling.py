@@ -199,18 +199,38 @@ def test_an_error_in_a_step_leaves_the_requests_whole(checkpoint):
         assert req.output_token_ids == ref and req.finish_reason == "length"
 
 
-def test_penalties_and_logprobs_run_synchronously(checkpoint):
+def test_penalties_run_synchronously(checkpoint):
     """Rows whose sampling reads the requests' tokens on the host are never deferred."""
     prompts = _prompts((40, 23))
-    for other in (
-        SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3),
+    other = SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3)
+    params = [SamplingParams(temperature=0, max_tokens=8), other]
+    sync, _, _ = _generate(checkpoint, "gpu", params, prompts, asynchronous=False)
+    outs, chained, _ = _generate(checkpoint, "gpu", params, prompts, asynchronous=True)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
+    assert not chained
+
+
+def test_logprobs_are_deferred_with_the_same_values(checkpoint):
+    """Logprobs travel with the deferred tokens: the same dicts (sampled token first, then the
+    top ones) and cumulative logprobs as the synchronous engine, for greedy and seeded
+    sampled rows, beside a row that asks for none."""
+    prompts = _prompts((40, 23, 33))
+    params = [
         SamplingParams(temperature=0, max_tokens=8, logprobs=2),
-    ):
-        params = [SamplingParams(temperature=0, max_tokens=8), other]
-        sync, _, _ = _generate(checkpoint, "gpu", params, prompts, asynchronous=False)
-        outs, chained, _ = _generate(checkpoint, "gpu", params, prompts, asynchronous=True)
-        assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
-        assert not chained
+        SamplingParams(temperature=0.8, seed=5, max_tokens=8, logprobs=0),
+        SamplingParams(temperature=0, max_tokens=8),
+    ]
+    sync, _, _ = _generate(checkpoint, "gpu", params, prompts, asynchronous=False)
+    outs, chained, _ = _generate(checkpoint, "gpu", params, prompts, asynchronous=True)
+    assert chained
+    assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
+    got = [(o.outputs[0].logprobs, o.outputs[0].cumulative_logprob) for o in outs]
+    assert got == [(o.outputs[0].logprobs, o.outputs[0].cumulative_logprob) for o in sync]
+    first, second, third = got
+    assert len(first[0]) == 8 and all(2 <= len(d) <= 3 for d in first[0])
+    assert all(len(d) == 1 for d in second[0])  # the sampled token's own
+    assert [next(iter(d)) for d in first[0]] == outs[0].token_ids  # sampled token first
+    assert third == (None, None)
 
 
 def test_abort_while_a_decode_is_in_flight(checkpoint):

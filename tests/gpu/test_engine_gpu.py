@@ -277,3 +277,25 @@ def test_async_scheduling_with_seeded_sampling_on_cuda(checkpoint):
             runs[placement, asynchronous] = [o.token_ids for o in outs]
     assert runs["gpu", True] == runs["gpu", False]
     assert runs["hisparse", True] == runs["hisparse", False] == runs["gpu", False]
+
+
+def test_async_scheduling_with_logprobs_on_cuda(checkpoint):
+    """Logprobs computed on the device at launch and copied to pinned memory with the
+    tokens (async scheduling) against the synchronous engine, both on graphs: the same tokens,
+    logprob dicts and cumulative logprobs."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 23, 70)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, logprobs=3),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=16, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=16),
+    ]
+    runs = {}
+    for asynchronous in (False, True):
+        outs, _ = _generate(checkpoint, "gpu", prompts, params, cuda_graphs=True,
+                            llm_kw=dict(async_scheduling=asynchronous))  # fmt: skip
+        runs[asynchronous] = [
+            (o.token_ids, o.outputs[0].logprobs, o.outputs[0].cumulative_logprob) for o in outs
+        ]
+    assert runs[True] == runs[False]
+    assert all(len(d) >= 3 for d in runs[True][0][1]) and runs[True][2][1] is None

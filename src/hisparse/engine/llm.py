@@ -39,7 +39,13 @@ from hisparse.engine.inputs import (
 from hisparse.engine.kv_manager import KVCacheManager
 from hisparse.engine.model_runner import ModelRunner
 from hisparse.engine.request import Request, RequestOutput, Status
-from hisparse.engine.sampling import SamplingParams, sample_on_device, sample_rows
+from hisparse.engine.sampling import (
+    LogprobRows,
+    SamplingParams,
+    logprob_rows,
+    sample_on_device,
+    sample_rows,
+)
 from hisparse.engine.scheduler import SCHEDULE_POLICIES, ScheduledStep, Scheduler, StopChecker
 from hisparse.engine.setup import (
     check_device_memory,
@@ -131,11 +137,12 @@ class LLM:
             first and fills the rest of ``max_num_batched_tokens`` with prompt chunks;
             ``"prefill-first"``: prompt chunks run alone while any prompt is unfinished.
         async_scheduling: on the fixed-shape decode path (CUDA graphs), a decode step whose
-            requests ask for no penalties, logprobs or pending ``min_tokens`` leaves its
-            tokens on the device: the next decode of the same requests is scheduled and
-            launched reading them there, and the host reads and processes the tokens while
-            the GPU runs it (vLLM's async scheduling). The same tokens either way; a request
-            that stops on a token computes one step more, which is dropped. Default on.
+            requests ask for no penalties or pending ``min_tokens`` leaves its tokens (and
+            the logprobs asked for) on the device: the next decode of the same requests is
+            scheduled and launched reading them there, and the host reads and processes the
+            tokens while the GPU runs it (vLLM's async scheduling). The same tokens either
+            way; a request that stops on a token computes one step more, which is dropped.
+            Default on.
         tensor_parallel_size: ranks to shard the model over, one GPU each (on the CPU one
             process each, gloo); it must divide the attention heads (and KV heads) and the
             MLP widths. This object is rank 0; it spawns the others (a script needs the
@@ -640,8 +647,8 @@ class LLM:
 
     def _deferrable(self, step: ScheduledStep) -> bool:
         """Whether ``step`` may leave its tokens on the device (`async_scheduling`): a
-        fixed-shape decode, one rank, no request with penalties, logprobs or end tokens
-        masked (those read the requests' tokens on the host)."""
+        fixed-shape decode, one rank, no request with penalties or end tokens masked (those
+        read the requests' tokens on the host); logprobs go to the host with the tokens."""
         if not (
             self.async_scheduling
             and step.decode
@@ -652,7 +659,7 @@ class LLM:
             return False
         for req, _ in step.batch:
             p = req.params
-            if p.penalized or p.logprobs is not None:
+            if p.penalized:
                 return False
             if len(req.output_token_ids) < p.min_tokens:  # end tokens masked
                 return False
@@ -667,7 +674,10 @@ class LLM:
             step.batch, decode=True, finishing=step.finishing, device_ids=device_ids
         )
         assert result.logits is not None
-        tokens, _ = sample_on_device(result.logits, result.sample_reqs, self.eos_token_ids)
+        tokens, raw = sample_on_device(result.logits, result.sample_reqs, self.eos_token_ids)
+        lp = logprob_rows(raw, [r.params for r in result.sample_reqs], tokens)
+        if lp is not None:
+            lp = lp.to_host()
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
@@ -678,7 +688,7 @@ class LLM:
         # a row without a distribution (-1) fails its request when read; the next step must
         # still embed a valid id for it
         feed = tokens.clamp_min(0)
-        self._inflight = _InFlight(step, result.sample_reqs, feed, host, ready, t0)
+        self._inflight = _InFlight(step, result.sample_reqs, feed, host, lp, ready, t0)
         self.scheduler.advance(step)
         self.scheduler.trim(step)
 
@@ -689,9 +699,12 @@ class LLM:
         if f.ready is not None:
             f.ready.synchronize()
         tokens: list[int | None] = [t if t >= 0 else None for t in f.host.tolist()]
+        logprobs: list[dict[int, float] | None] = [None] * len(tokens)
+        if f.logprobs is not None:
+            logprobs = f.logprobs.dicts([r.params for r in f.sample_reqs], tokens)
         live = [r for r in f.sample_reqs if not r.finished]
         now = time.perf_counter()
-        self.scheduler.record(f.step, f.sample_reqs, tokens, [None] * len(tokens), now)
+        self.scheduler.record(f.step, f.sample_reqs, tokens, logprobs, now)
         return live, self._stats_row(f.step, f.t0, now)
 
     def _stats_row(self, step: ScheduledStep, t0: float, now: float) -> dict[str, float]:
@@ -787,13 +800,15 @@ class LLM:
 @dataclasses.dataclass
 class _InFlight:
     """A decode step launched with its sampled tokens left on the device (async scheduling):
-    ``tokens`` feed the next decode's input ids on the device; ``host`` holds them once
-    ``ready`` (``None`` on the CPU) has completed."""
+    ``tokens`` feed the next decode's input ids on the device; ``host`` holds them, and
+    ``logprobs`` the rows' logprobs where asked, once ``ready`` (``None`` on the CPU) has
+    completed."""
 
     step: ScheduledStep
     sample_reqs: list[Request]
     tokens: torch.Tensor
     host: torch.Tensor
+    logprobs: LogprobRows | None
     ready: torch.cuda.Event | None
     t0: float
 

@@ -221,8 +221,10 @@ def sample_rows(
     if not rows:
         return Sampled([], [])
     on_device, raw = sample_on_device(logits, rows, eos_token_ids)
+    params = [r.params for r in rows]
+    lp = logprob_rows(raw, params, on_device)
     tokens: list[int | None] = [t if t >= 0 else None for t in on_device.tolist()]
-    return Sampled(tokens, _logprobs(raw, [r.params for r in rows], tokens))
+    return Sampled(tokens, [None] * len(rows) if lp is None else lp.dicts(params, tokens))
 
 
 def sample_on_device(
@@ -364,25 +366,64 @@ def _apply_penalties(x: torch.Tensor, rows: list[Any], index: list[int]) -> None
     x[index] = sub
 
 
-def _logprobs(
-    raw: torch.Tensor, params: list[SamplingParams], tokens: list[int | None]
-) -> list[dict[int, float] | None]:
-    """``{token: logprob}`` of the sampled token and the ``logprobs`` most likely ones, for
-    the rows that asked (one read of the device for all of them)."""
-    out: list[dict[int, float] | None] = [None] * len(params)
-    want = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] is not None]
-    if not want:
+@dataclass
+class LogprobRows:
+    """The logprobs of the rows that asked for them, still tensors: ``rows`` (their indices
+    in the step), each row's ``chosen`` token logprob and its ``k`` most likely tokens
+    (``top_values`` / ``top_ids``). Computed on the logits' device; `to_host` starts the copy
+    to pinned memory (async scheduling reads it a step later), `dicts` builds the output."""
+
+    rows: list[int]
+    chosen: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+
+    def to_host(self) -> LogprobRows:
+        """The same values in host memory, the copies queued on the current stream (pinned
+        where on CUDA: read them only after the stream has passed this point)."""
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            if not t.is_cuda:
+                return t
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return out.copy_(t, non_blocking=True)
+
+        return LogprobRows(self.rows, host(self.chosen), host(self.top_values), host(self.top_ids))
+
+    def dicts(
+        self, params: list[SamplingParams], tokens: list[int | None]
+    ) -> list[dict[int, float] | None]:
+        """``{token: logprob}`` per row: the sampled token's first, then up to ``logprobs``
+        most likely ones; ``None`` for rows that did not ask or took no token."""
+        out: list[dict[int, float] | None] = [None] * len(params)
+        chosen = self.chosen.tolist()
+        top_v, top_i = self.top_values.tolist(), self.top_ids.tolist()
+        for j, i in enumerate(self.rows):
+            token = tokens[i]
+            if token is None:
+                continue
+            d = {int(token): float(chosen[j])}
+            for t, v in zip(top_i[j][: params[i].logprobs], top_v[j], strict=False):
+                d.setdefault(int(t), float(v))
+            out[i] = d
         return out
+
+
+def logprob_rows(
+    raw: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor
+) -> LogprobRows | None:
+    """The logprobs of the rows of ``raw [B, V]`` (fp32 logits, before any processing:
+    vLLM's ``raw_logprobs``) that ask for them, for the device tokens ``tokens [B]`` (``-1``
+    rows give a value `LogprobRows.dicts` drops); ``None`` when no row asks. Nothing here
+    waits for the device."""
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not want:
+        return None
     dev, V = raw.device, raw.shape[-1]
-    lp = torch.log_softmax(raw[want], dim=-1)
-    picked = torch.tensor([tokens[i] for i in want], dtype=torch.long).to(dev)
-    chosen = lp.gather(1, picked[:, None])[:, 0].tolist()
+    index = None if len(want) == len(params) else to_device(want, torch.long, dev)
+    lp = torch.log_softmax(raw if index is None else raw.index_select(0, index), dim=-1)
+    picked = (tokens if index is None else tokens.index_select(0, index)).clamp_min(0)
+    chosen = lp.gather(1, picked[:, None].long())[:, 0]
     k = min(max(params[i].logprobs or 0 for i in want), V)
     top_v, top_i = torch.topk(lp, k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    for j, i in enumerate(want):
-        d = {int(tokens[i]): float(chosen[j])}  # type: ignore[arg-type]
-        for t, v in zip(top_i[j][: params[i].logprobs], top_v[j], strict=False):
-            d.setdefault(int(t), float(v))
-        out[i] = d
-    return out
+    return LogprobRows(want, chosen, top_v, top_i)
