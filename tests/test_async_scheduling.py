@@ -199,15 +199,35 @@ def test_an_error_in_a_step_leaves_the_requests_whole(checkpoint):
         assert req.output_token_ids == ref and req.finish_reason == "length"
 
 
-def test_penalties_run_synchronously(checkpoint):
-    """Rows whose sampling reads the requests' tokens on the host are never deferred."""
-    prompts = _prompts((40, 23))
-    other = SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3)
-    params = [SamplingParams(temperature=0, max_tokens=8), other]
+def test_penalties_and_min_tokens_are_deferred_with_the_same_tokens(checkpoint):
+    """Penalties and ``min_tokens`` count the token still on the device (each chained launch
+    adds it to the request's counts): the synchronous engine's tokens for repetition,
+    frequency and presence penalties (greedy and seeded sampled) and for a ``min_tokens``
+    whose masked end token would otherwise stop the request early."""
+    prompts = _prompts((40, 23, 33, 50))
+    sync0, _, _ = _generate(
+        checkpoint, "gpu", [SamplingParams(temperature=0, max_tokens=12)], prompts[:1],
+        asynchronous=False,
+    )  # fmt: skip
+    stop = sync0[0].token_ids[3]  # met early without min_tokens
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=12, frequency_penalty=0.7, presence_penalty=0.4),
+        SamplingParams(temperature=0.9, seed=11, max_tokens=12, frequency_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop], min_tokens=8),
+    ]
+    prompts = [prompts[1], prompts[2], prompts[3], prompts[0]]
     sync, _, _ = _generate(checkpoint, "gpu", params, prompts, asynchronous=False)
     outs, chained, _ = _generate(checkpoint, "gpu", params, prompts, asynchronous=True)
+    assert chained
     assert [o.token_ids for o in outs] == [o.token_ids for o in sync]
-    assert not chained
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in sync]
+    plain, _, _ = _generate(
+        checkpoint, "gpu", [SamplingParams(temperature=0, max_tokens=12)], prompts[:1],
+        asynchronous=True,
+    )  # fmt: skip
+    assert plain[0].token_ids != outs[0].token_ids  # the penalty changed the tokens
+    assert len(outs[3].token_ids) >= 8
 
 
 def test_logprobs_are_deferred_with_the_same_values(checkpoint):

@@ -136,11 +136,11 @@ class LLM:
         schedule: ``"mixed"`` (default): every step runs the decoding requests' next tokens
             first and fills the rest of ``max_num_batched_tokens`` with prompt chunks;
             ``"prefill-first"``: prompt chunks run alone while any prompt is unfinished.
-        async_scheduling: on the fixed-shape decode path (CUDA graphs), a decode step whose
-            requests ask for no penalties or pending ``min_tokens`` leaves its tokens (and
-            the logprobs asked for) on the device: the next decode of the same requests is
-            scheduled and launched reading them there, and the host reads and processes the
-            tokens while the GPU runs it (vLLM's async scheduling). The same tokens either
+        async_scheduling: on the fixed-shape decode path (CUDA graphs), a decode step
+            leaves its tokens (and the logprobs asked for) on the device: the next decode of
+            the same requests is scheduled and launched reading them there (its penalties and
+            ``min_tokens`` counting them), and the host reads and processes the tokens while
+            the GPU runs it (vLLM's async scheduling). The same tokens either
             way; a request that stops on a token computes one step more, which is dropped.
             Default on.
         tensor_parallel_size: ranks to shard the model over, one GPU each (on the CPU one
@@ -647,23 +647,16 @@ class LLM:
 
     def _deferrable(self, step: ScheduledStep) -> bool:
         """Whether ``step`` may leave its tokens on the device (`async_scheduling`): a
-        fixed-shape decode, one rank, no request with penalties or end tokens masked (those
-        read the requests' tokens on the host); logprobs go to the host with the tokens."""
-        if not (
+        fixed-shape decode on one rank. Logprobs go to the host with the tokens; the next
+        step's penalties and ``min_tokens`` count the token still on the device
+        (`sampling.sample_on_device`'s ``pending``)."""
+        return (
             self.async_scheduling
             and step.decode
             and self._tp is None
             and self.runner.graphs is not None
             and all(n == 1 for _, n in step.batch)
-        ):
-            return False
-        for req, _ in step.batch:
-            p = req.params
-            if p.penalized:
-                return False
-            if len(req.output_token_ids) < p.min_tokens:  # end tokens masked
-                return False
-        return True
+        )
 
     def _launch_decode(self, step: ScheduledStep, device_ids: torch.Tensor | None) -> None:
         """Run a deferrable decode ``step`` (its input ids from the previous decode's device
@@ -674,7 +667,9 @@ class LLM:
             step.batch, decode=True, finishing=step.finishing, device_ids=device_ids
         )
         assert result.logits is not None
-        tokens, raw = sample_on_device(result.logits, result.sample_reqs, self.eos_token_ids)
+        tokens, raw = sample_on_device(
+            result.logits, result.sample_reqs, self.eos_token_ids, pending=device_ids
+        )
         lp = logprob_rows(raw, [r.params for r in result.sample_reqs], tokens)
         if lp is not None:
             lp = lp.to_host()

@@ -228,16 +228,21 @@ def sample_rows(
 
 
 def sample_on_device(
-    logits: torch.Tensor, rows: Sequence[Any], eos_token_ids: Set[int] = frozenset()
+    logits: torch.Tensor,
+    rows: Sequence[Any],
+    eos_token_ids: Set[int] = frozenset(),
+    pending: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_rows`'s tokens left on the device, ``[B]`` int64 (``-1``: a sampled row whose
     logits give no distribution), and the fp32 logits. Nothing here waits for the device:
     the host values it copies (a row's uniform, temperature, ...) go through pinned memory.
-    Penalties read their requests' output tokens on the host."""
+    ``pending [B]`` (async scheduling): each row's token still on the device, sampled a step
+    before and not yet in its request's output tokens; the penalties count it and
+    ``min_tokens`` counts it as generated, as the synchronous engine would once it is read."""
     params = [r.params for r in rows]
     B = len(rows)
     raw = logits.float()
-    x = process_logits(raw, rows, eos_token_ids)
+    x = process_logits(raw, rows, eos_token_ids, pending)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if not drawn:
         return greedy_tokens(x), raw
@@ -280,17 +285,22 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def process_logits(
-    raw: torch.Tensor, rows: Sequence[Any], eos_token_ids: Set[int] = frozenset()
+    raw: torch.Tensor,
+    rows: Sequence[Any],
+    eos_token_ids: Set[int] = frozenset(),
+    pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``raw [B, V]`` fp32 logits after ``min_tokens`` masking and the penalties: ``raw``
-    itself when no row asks for either, else a copy changed only in the rows that do."""
+    itself when no row asks for either, else a copy changed only in the rows that do
+    (``pending``: see `sample_on_device`)."""
     params = [r.params for r in rows]
     dev, V = raw.device, raw.shape[-1]
     pen = [i for i, p in enumerate(params) if p.penalized]
+    in_flight = 0 if pending is None else 1
     masked_rows: list[int] = []
     masked_ids: list[int] = []
     for i, (r, p) in enumerate(zip(rows, params, strict=True)):
-        if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
+        if p.min_tokens and len(r.output_token_ids) + in_flight < p.min_tokens:
             ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             ids = sorted(t for t in ids if 0 <= t < V)
             masked_rows += [i] * len(ids)
@@ -299,7 +309,10 @@ def process_logits(
         return raw
     x = raw.clone()
     if pen:
-        _apply_penalties(x, [rows[i] for i in pen], pen)
+        ahead = (
+            None if pending is None else pending.index_select(0, to_device(pen, torch.long, dev))
+        )
+        _apply_penalties(x, [rows[i] for i in pen], pen, ahead)
     if masked_rows:
         where = to_device([masked_rows, masked_ids], torch.long, dev)
         x[where[0], where[1]] = float("-inf")
@@ -328,9 +341,14 @@ def _probabilities(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     return probs
 
 
-def _apply_penalties(x: torch.Tensor, rows: list[Any], index: list[int]) -> None:
+def _apply_penalties(
+    x: torch.Tensor, rows: list[Any], index: list[int], pending: torch.Tensor | None = None
+) -> None:
     """vLLM's repetition (prompt + output), frequency and presence (output) penalties on
-    rows ``index`` of ``x``, in place; one host-to-device copy of the new output tokens."""
+    rows ``index`` of ``x``, in place; one host-to-device copy of the new output tokens.
+    ``pending [len(rows)]``: each row's token on the device that its output tokens do not
+    hold yet (async scheduling), counted here on the device; ``PenaltyState.counted`` then
+    runs one ahead of the output tokens, which the token's recording catches up."""
     dev, V = x.device, x.shape[-1]
     states = []
     for r in rows:
@@ -342,26 +360,32 @@ def _apply_penalties(x: torch.Tensor, rows: list[Any], index: list[int]) -> None
     new = [list(r.output_token_ids[st.counted :]) for r, st in zip(rows, states, strict=True)]
     flat = [t for ts in new for t in ts]
     if flat:
-        ids = torch.tensor(flat, dtype=torch.long).to(dev)
+        ids = to_device(flat, torch.long, dev)
         at = 0
         for st, ts in zip(states, new, strict=True):
             if ts:
                 st.counts.index_add_(0, ids[at : at + len(ts)], torch.ones(len(ts), device=dev))
                 at += len(ts)
     for r, st in zip(rows, states, strict=True):
-        st.counted = len(r.output_token_ids)
+        st.counted = max(st.counted, len(r.output_token_ids))
+    if pending is not None:
+        one = torch.ones(1, device=dev)
+        for j, st in enumerate(states):
+            if st.counted == len(rows[j].output_token_ids):  # not counted yet (one a step)
+                st.counts.index_add_(0, pending[j : j + 1].clamp(0, V - 1), one)
+                st.counted += 1
     counts = torch.stack([st.counts for st in states])
     p = [r.params for r in rows]
     sub = x[index]
     if any(q.repetition_penalty != 1 for q in p):
-        rep = torch.tensor([q.repetition_penalty for q in p], dtype=torch.float32).to(dev)[:, None]
+        rep = to_device([q.repetition_penalty for q in p], torch.float32, dev)[:, None]
         no_prompt = torch.zeros(V, dtype=torch.bool, device=dev)
         seen = torch.stack([no_prompt if s.prompt_mask is None else s.prompt_mask for s in states])
         seen = seen | (counts > 0)
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    coef = torch.tensor(
-        [[q.frequency_penalty for q in p], [q.presence_penalty for q in p]], dtype=torch.float32
-    ).to(dev)
+    coef = to_device(
+        [[q.frequency_penalty for q in p], [q.presence_penalty for q in p]], torch.float32, dev
+    )
     sub = sub - coef[0][:, None] * counts - coef[1][:, None] * (counts > 0).float()
     x[index] = sub
 
