@@ -299,3 +299,25 @@ def test_async_scheduling_with_logprobs_on_cuda(checkpoint):
         ]
     assert runs[True] == runs[False]
     assert all(len(d) >= 3 for d in runs[True][0][1]) and runs[True][2][1] is None
+
+
+def test_async_scheduling_with_penalties_on_cuda(checkpoint):
+    """Penalties and ``min_tokens`` counting the token still on the device (async scheduling)
+    against the synchronous engine, both on graphs: the same tokens in both placements."""
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 23, 70)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3),
+        SamplingParams(
+            temperature=0.9, seed=4, max_tokens=16, frequency_penalty=0.6, presence_penalty=0.3
+        ),
+        SamplingParams(temperature=0, max_tokens=16, min_tokens=12),
+    ]
+    runs = {}
+    for placement in ("gpu", "hisparse"):
+        for asynchronous in (False, True):
+            outs, _ = _generate(checkpoint, placement, prompts, params, cuda_graphs=True,
+                                llm_kw=dict(async_scheduling=asynchronous))  # fmt: skip
+            runs[placement, asynchronous] = [o.token_ids for o in outs]
+    assert runs["gpu", True] == runs["gpu", False]
+    assert runs["hisparse", True] == runs["hisparse", False] == runs["gpu", False]
