@@ -20,7 +20,13 @@ import torch
 import hisparse
 from api_helpers import add_tokenizer, prompts, tiny_llm
 from hisparse import LLM, CompletionOutput, HiSparseConfig, RequestOutput, SamplingParams
-from hisparse.engine.sampling import PenaltyState, _Row, process_logits, sample_rows
+from hisparse.engine.sampling import (
+    PenaltyState,
+    _Row,
+    logprob_rows,
+    process_logits,
+    sample_rows,
+)
 
 pytest.importorskip("transformers")
 
@@ -106,6 +112,19 @@ def test_logprobs_are_the_raw_distributions():
     assert out.logprobs[0] == pytest.approx({1: want[0, 1].item(), 0: want[0, 0].item()})
     assert next(iter(out.logprobs[0])) == 1  # the sampled token first, then the top ones
     assert out.logprobs[1] == pytest.approx({2: want[1, 2].item()})
+
+
+def test_logprob_ties_do_not_depend_on_the_batch():
+    """Equal logprobs at a row's cut go to the lowest ids, whatever the other rows ask for
+    (async scheduling runs a stopped request's extra row beside the others)."""
+    raw = torch.zeros(2, 1000)
+    raw[:, ::7] = 5.0  # 143 tied maxima
+    tokens = torch.tensor([0, 0])
+    a, b = SamplingParams(temperature=0, logprobs=1), SamplingParams(temperature=0, logprobs=5)
+    alone = logprob_rows(raw[:1], [a], tokens[:1]).dicts([a], [0])[0]
+    beside = logprob_rows(raw, [a, b], tokens).dicts([a, b], [0, 0])
+    assert alone == beside[0] == {0: pytest.approx(float(torch.log_softmax(raw[0], 0)[0]))}
+    assert list(beside[1]) == [0, 7, 14, 21, 28]  # the sampled token, then the lowest ids
 
 
 # --- vLLM's shape on a tiny DSA checkpoint -----------------------------------------------------

@@ -449,5 +449,7 @@ def logprob_rows(
     picked = (tokens if index is None else tokens.index_select(0, index)).clamp_min(0)
     chosen = lp.gather(1, picked[:, None].long())[:, 0]
     k = min(max(params[i].logprobs or 0 for i in want), V)
-    top_v, top_i = torch.topk(lp, k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    return LogprobRows(want, chosen, top_v, top_i)
+    # a stable sort, not topk: equal logprobs go to the lowest ids whatever k (the batch's
+    # largest request) and the batch, so a row's dict never depends on its batch-mates
+    top_v, top_i = torch.sort(lp, dim=-1, descending=True, stable=True) if k else (lp, lp.long())
+    return LogprobRows(want, chosen, top_v[:, :k], top_i[:, :k])
