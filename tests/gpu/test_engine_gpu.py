@@ -259,16 +259,30 @@ def test_async_scheduling_on_cuda_graphs_gives_the_synchronous_tokens(checkpoint
     assert runs["gpu", True][0][1] == "stop"
 
 
-def test_async_scheduling_with_seeded_sampling_on_cuda(checkpoint):
-    """Sampled rows beside a greedy one, drawn on the device from one host-drawn uniform per
-    row: the same tokens with async scheduling on and off, in both placements."""
-    g = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 23, 70)]
-    params = [
+_SAMPLING_CASES = {
+    # sampled rows beside a greedy one, drawn on the device from one host-drawn uniform per row
+    "seeded": (6, [
         SamplingParams(temperature=0, max_tokens=16),
         SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True),
         SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=3, max_tokens=16),
-    ]
+    ]),
+    # penalties and min_tokens counting the token still on the device
+    "penalties": (8, [
+        SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3),
+        SamplingParams(temperature=0.9, seed=4, max_tokens=16, frequency_penalty=0.6,
+                       presence_penalty=0.3),
+        SamplingParams(temperature=0, max_tokens=16, min_tokens=12),
+    ]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(_SAMPLING_CASES))
+def test_async_scheduling_with_sampling_options_on_cuda(checkpoint, case):
+    """Seeded sampling, penalties and ``min_tokens``: the same tokens with async scheduling
+    on and off (both on graphs), in both placements."""
+    seed, params = _SAMPLING_CASES[case]
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 23, 70)]
     runs = {}
     for placement in ("gpu", "hisparse"):
         for asynchronous in (False, True):
@@ -299,25 +313,3 @@ def test_async_scheduling_with_logprobs_on_cuda(checkpoint):
         ]
     assert runs[True] == runs[False]
     assert all(len(d) >= 3 for d in runs[True][0][1]) and runs[True][2][1] is None
-
-
-def test_async_scheduling_with_penalties_on_cuda(checkpoint):
-    """Penalties and ``min_tokens`` counting the token still on the device (async scheduling)
-    against the synchronous engine, both on graphs: the same tokens in both placements."""
-    g = torch.Generator().manual_seed(8)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 23, 70)]
-    params = [
-        SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3),
-        SamplingParams(
-            temperature=0.9, seed=4, max_tokens=16, frequency_penalty=0.6, presence_penalty=0.3
-        ),
-        SamplingParams(temperature=0, max_tokens=16, min_tokens=12),
-    ]
-    runs = {}
-    for placement in ("gpu", "hisparse"):
-        for asynchronous in (False, True):
-            outs, _ = _generate(checkpoint, placement, prompts, params, cuda_graphs=True,
-                                llm_kw=dict(async_scheduling=asynchronous))  # fmt: skip
-            runs[placement, asynchronous] = [o.token_ids for o in outs]
-    assert runs["gpu", True] == runs["gpu", False]
-    assert runs["hisparse", True] == runs["hisparse", False] == runs["gpu", False]
