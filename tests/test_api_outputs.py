@@ -23,6 +23,7 @@ from hisparse import LLM, CompletionOutput, HiSparseConfig, RequestOutput, Sampl
 from hisparse.engine.sampling import (
     PenaltyState,
     _Row,
+    _top_logprobs,
     logprob_rows,
     process_logits,
     sample_rows,
@@ -125,6 +126,22 @@ def test_logprob_ties_do_not_depend_on_the_batch():
     beside = logprob_rows(raw, [a, b], tokens).dicts([a, b], [0, 0])
     assert alone == beside[0] == {0: pytest.approx(float(torch.log_softmax(raw[0], 0)[0]))}
     assert list(beside[1]) == [0, 7, 14, 21, 28]  # the sampled token, then the lowest ids
+
+
+def test_top_logprobs_equal_a_stable_sort():
+    """`_top_logprobs` (linear in the vocabulary) picks what a stable descending sort picks,
+    ties in ascending ids, for every k and row on its own."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        vocab = int(torch.randint(5, 200, (1,), generator=g))
+        x = torch.randint(-4, 4, (3, vocab), generator=g).float() * 0.37  # many ties
+        if trial % 2:
+            x = torch.log_softmax(torch.randn(3, vocab, generator=g), dim=-1)
+        k = int(torch.randint(1, min(vocab, 20) + 1, (1,), generator=g))
+        values, ids = _top_logprobs(x, k)
+        want_v, want_i = torch.sort(x, dim=-1, descending=True, stable=True)
+        assert torch.equal(values, want_v[:, :k]) and torch.equal(ids, want_i[:, :k])
+        assert torch.equal(_top_logprobs(x[2:], k)[1], ids[2:])
 
 
 # --- vLLM's shape on a tiny DSA checkpoint -----------------------------------------------------

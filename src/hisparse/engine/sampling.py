@@ -449,7 +449,24 @@ def logprob_rows(
     picked = (tokens if index is None else tokens.index_select(0, index)).clamp_min(0)
     chosen = lp.gather(1, picked[:, None].long())[:, 0]
     k = min(max(params[i].logprobs or 0 for i in want), V)
-    # a stable sort, not topk: equal logprobs go to the lowest ids whatever k (the batch's
-    # largest request) and the batch, so a row's dict never depends on its batch-mates
-    top_v, top_i = torch.sort(lp, dim=-1, descending=True, stable=True) if k else (lp, lp.long())
-    return LogprobRows(want, chosen, top_v[:, :k], top_i[:, :k])
+    top_v, top_i = _top_logprobs(lp, k) if k else (lp[:, :0], lp[:, :0].long())
+    return LogprobRows(want, chosen, top_v, top_i)
+
+
+def _top_logprobs(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest of each row of ``lp [W, V]``, best first, equal values in ascending
+    id order: the same per row whatever ``k`` (the batch's largest request) and the other
+    rows, which ``torch.topk``'s tie order is not. Linear in ``V`` and no host sync (on the
+    CPU ~5x a plain ``topk``, several times faster than a full sort)."""
+    V = lp.shape[-1]
+    kth = torch.topk(lp, k, dim=-1).values[:, k - 1 :]  # the k-th value: exact either way
+    above = lp > kth
+    tied = lp == kth
+    # of the values equal to the k-th, the lowest ids, as many as the row still needs
+    room = k - above.sum(dim=-1, keepdim=True)
+    keep = above | (tied & (torch.cumsum(tied.int(), dim=-1) <= room))
+    ids = torch.arange(V, device=lp.device)
+    kept = torch.topk(torch.where(keep, V - ids, -1), k, dim=-1).indices  # ascending ids
+    values = lp.gather(1, kept)
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    return values.gather(1, order), kept.gather(1, order)
