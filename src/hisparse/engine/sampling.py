@@ -172,8 +172,8 @@ class PenaltyState:
         self.prompt_mask: torch.Tensor | None = None
         if rep:
             self.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
-            ids = torch.tensor([t for t in prompt if 0 <= t < vocab], dtype=torch.long)
-            self.prompt_mask[ids.to(device)] = True
+            ids = to_device([t for t in prompt if 0 <= t < vocab], torch.long, device)
+            self.prompt_mask[ids] = True
         self.counted = 0
 
 
@@ -309,10 +309,7 @@ def process_logits(
         return raw
     x = raw.clone()
     if pen:
-        ahead = (
-            None if pending is None else pending.index_select(0, to_device(pen, torch.long, dev))
-        )
-        _apply_penalties(x, [rows[i] for i in pen], pen, ahead)
+        _apply_penalties(x, [rows[i] for i in pen], pen, pending)
     if masked_rows:
         where = to_device([masked_rows, masked_ids], torch.long, dev)
         x[where[0], where[1]] = float("-inf")
@@ -346,8 +343,8 @@ def _apply_penalties(
 ) -> None:
     """vLLM's repetition (prompt + output), frequency and presence (output) penalties on
     rows ``index`` of ``x``, in place; one host-to-device copy of the new output tokens.
-    ``pending [len(rows)]``: each row's token on the device that its output tokens do not
-    hold yet (async scheduling), counted here on the device; ``PenaltyState.counted`` then
+    ``pending [B]`` (rows of ``x``): each row's token on the device that its output tokens do
+    not hold yet (async scheduling), counted here on the device; ``PenaltyState.counted`` then
     runs one ahead of the output tokens, which the token's recording catches up."""
     dev, V = x.device, x.shape[-1]
     states = []
@@ -372,7 +369,8 @@ def _apply_penalties(
         one = torch.ones(1, device=dev)
         for j, st in enumerate(states):
             if st.counted == len(rows[j].output_token_ids):  # not counted yet (one a step)
-                st.counts.index_add_(0, pending[j : j + 1].clamp(0, V - 1), one)
+                i = index[j]
+                st.counts.index_add_(0, pending[i : i + 1].clamp(0, V - 1), one)
                 st.counted += 1
     counts = torch.stack([st.counts for st in states])
     p = [r.params for r in rows]
