@@ -73,6 +73,29 @@ def test_penalties_follow_vllm():
     assert process_logits(raw, [row]).tolist() == [[2.0, -1.0, 1.25, -0.25, 1.0]]
 
 
+def test_pending_tokens_count_like_recorded_ones():
+    """A token still on the device (``pending``, async scheduling) counts in the penalties and
+    ``min_tokens`` as it will once recorded, in the row it belongs to (penalized rows after
+    one that is not)."""
+    raw = torch.tensor([[3.0, -1.0, 2.0, 0.5, 1.0]] * 3)
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
+        SamplingParams(min_tokens=2, stop_token_ids=[4]),
+    ]
+    pending = torch.tensor([2, 3, 0])
+    outputs = ([], [3], [1])
+    now = [_row(p, output=out) for p, out in zip(params, outputs, strict=True)]
+    later = [
+        _row(p, output=[*out, t])
+        for p, out, t in zip(params, outputs, pending.tolist(), strict=True)
+    ]
+    got = process_logits(raw, now, pending=pending)
+    assert got.tolist() == process_logits(raw, later).tolist()
+    # min_tokens 2: one recorded token and the pending one unmask the stop token
+    assert got[2, 4] == raw[2, 4] and process_logits(raw, now)[2, 4] == float("-inf")
+
+
 def test_greedy_rows_without_options_are_the_argmax_bit_for_bit():
     g = torch.Generator().manual_seed(0)
     raw = torch.randn(4, 97, generator=g)
