@@ -1,25 +1,31 @@
 """The lightning indexer's top-k: the Triton radix select against ``torch.topk``.
 
 Rows of 128K (and 32K) fp32 scores, ``top_k`` 2048, at the decode batches of one layer (1, 8,
-29, 64 rows) and a prefill row block (2048 rows). Each case first checks the select against
+29, 64 rows) and a prefill row block (2048 rows), in two distributions: ``spread`` (standard
+normal: both signs, many binades) and ``crowded`` (normal around 10 with unit spread: nearly
+every key in one binade, so that the first byte, sign and exponent, tells few apart, as sums
+of ReLU terms can crowd). Each case first checks the select against
 `topk_select_reference` (exact) and against ``torch.topk``'s set, then times, as medians of
 CUDA-graph replays (what a captured decode step pays; `triton.testing.do_bench`):
 
 - ``torch``: ``torch.topk`` + the ``-inf`` -> ``-1`` mapping (the path before the select);
 - ``select``: `topk_select_triton` (and with ``--sweep-sparse``, up to 29 rows, the same at
   other `SPARSE_KEYS`: up to how many matching keys a block adds one atomic each instead of
-  a histogram);
+  a histogram; with ``--sweep-parts``, 8 to 64 rows, at other programs per SM);
 - ``no PDL``: the same with ``HISPARSE_PDL=0`` (each launch waits for the one before to
   end, instead of starting as a programmatic dependent while it finishes);
 - ``before``: with ``--baseline FILE``, another version's ``topk_select_triton`` (a module
   file, e.g. ``git show HEAD~1:src/hisparse/attention/topk_triton.py``), checked and timed
   beside in the same process;
+- with ``--launches``, each kernel's device time per call (torch.profiler, programmatic
+  dependent launches off so that no kernel's time holds its wait for the one before);
 - ``read``: the bytes the select must read once (``rows x keys x 4 B``) at the HBM copy rate
   measured in the same run (1 GiB copy): the floor of any top-k.
 
 Writes ``$OUT/bench_topk.json`` when ``OUT`` is set; prints the table last.
 
-    PYTHONPATH=src python3 benchmarks/bench_topk.py [--baseline old_topk.py] [--sweep-sparse]
+    PYTHONPATH=src python3 benchmarks/bench_topk.py [--baseline old_topk.py] [--launches]
+        [--cases 29x131072,...] [--dists spread,crowded] [--sweep-sparse] [--sweep-parts]
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,10 +45,17 @@ from hisparse.attention.indexer_triton import topk_from_scores
 from hisparse.attention.topk_triton import topk_select_reference, topk_select_triton
 
 K = 2048
-#: ``--sweep-parts``: programs per SM over the call (the default, `topk_triton._parts`, is 2).
+#: ``--sweep-parts``: programs per SM over the call (the default: `topk_triton.PROGRAMS_PER_SM`).
 PARTS_PER_SM = (1, 2, 4, 8, 16)
 CASES = [(1, 131072), (8, 131072), (29, 131072), (64, 131072), (2048, 131072), (1, 32768),
          (29, 32768)]  # fmt: skip
+DISTS = ("spread", "crowded")
+
+
+def _scores(t: int, s: int, dist: str, dev: torch.device) -> torch.Tensor:
+    g = torch.Generator(device=dev).manual_seed(t * 7 + s)
+    x = torch.randn(t, s, generator=g, device=dev)
+    return x if dist == "spread" else x + 10.0
 
 
 def _torch_topk(x: torch.Tensor, out: torch.Tensor) -> None:
@@ -53,6 +67,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", help="a module file whose topk_select_triton runs beside")
     ap.add_argument("--sweep-sparse", action="store_true", help="time other SPARSE_KEYS too")
+    ap.add_argument("--cases", help="ROWSxKEYS,... instead of the default cases")
+    ap.add_argument("--dists", default=",".join(DISTS), help="score distributions to run")
+    ap.add_argument(
+        "--launches", action="store_true", help="each launch's time (torch.profiler), per case"
+    )
     ap.add_argument(
         "--sweep-parts", action="store_true", help="time other programs per SM (8-64 rows)"
     )
@@ -66,9 +85,13 @@ def main() -> None:
     src = dst = None  # freed
     rows, sweep = [], []
     default_sparse = topk_triton.SPARSE_KEYS
-    for t, s in CASES:
-        g = torch.Generator(device=dev).manual_seed(t * 7 + s)
-        x = torch.randn(t, s, generator=g, device=dev)
+    cases = CASES
+    if args.cases:
+        cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+    for (t, s), dist in ((c, d) for d in args.dists.split(",") for c in cases):
+        if dist != "spread" and t > 64:  # (a prefill block: torch.topk in the engine)
+            continue
+        x = _scores(t, s, dist, dev)
         out = torch.full((t, K), -7777, dtype=torch.int32, device=dev)
         topk_select_triton(x, K, out)
         want = topk_select_reference(x, K)
@@ -87,7 +110,7 @@ def main() -> None:
             exact = exact and torch.equal(before(x, K, out), want)
             t_before = _graph_us(lambda x=x, out=out: before(x, K, out))
         read_us = t * s * 4 / copy_gb_s / 1e3
-        rows.append(dict(rows=t, keys=s, exact=exact, same_set_as_torch=same_set,
+        rows.append(dict(rows=t, keys=s, dist=dist, exact=exact, same_set_as_torch=same_set,
                          torch_us=t_torch, select_us=t_sel, no_pdl_us=t_no_pdl,
                          before_us=t_before, read_us=read_us,
                          speedup=t_torch / t_sel, copy_gb_s=copy_gb_s))  # fmt: skip
@@ -99,10 +122,17 @@ def main() -> None:
                     out.fill_(-7777)
                     ok = torch.equal(topk_select_triton(x, K, out), want)
                     us = _graph_us(lambda x=x, out=out: topk_select_triton(x, K, out))
-                    sweep.append(dict(rows=t, keys=s, sparse_keys=sparse, select_us=us, exact=ok))
+                    sweep.append(
+                        dict(dist=dist, rows=t, keys=s, sparse_keys=sparse, select_us=us, exact=ok)
+                    )
                     print(sweep[-1], flush=True)
             finally:
                 topk_triton.SPARSE_KEYS = default_sparse
+        if args.launches:
+            rows[-1]["launches_us"] = _launch_us(lambda x=x, out=out: topk_select_triton(x, K, out))
+            if before is not None:
+                rows[-1]["before_launches_us"] = _launch_us(lambda x=x, out=out: before(x, K, out))
+            print("  launches:", rows[-1]["launches_us"], rows[-1].get("before_launches_us"))
         if args.sweep_parts and 8 <= t <= 64:  # programs per row: about f per SM over the call
             sms = torch.cuda.get_device_properties(dev).multi_processor_count
             for f in PARTS_PER_SM:
@@ -110,34 +140,60 @@ def main() -> None:
                 out.fill_(-7777)
                 ok = torch.equal(topk_select_triton(x, K, out, parts=p), want)
                 us = _graph_us(lambda x=x, out=out, p=p: topk_select_triton(x, K, out, parts=p))
-                sweep.append(dict(rows=t, keys=s, per_sm=f, parts=p, select_us=us, exact=ok))
+                sweep.append(
+                    dict(dist=dist, rows=t, keys=s, per_sm=f, parts=p, select_us=us, exact=ok)
+                )
                 print(sweep[-1], flush=True)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_topk.json").write_text(json.dumps(rows + sweep, indent=2))
-    if any("sparse_keys" in r for r in sweep):
-        print(f"\nSPARSE_KEYS (default {default_sparse}; rows, keys: value -> µs)")
     for r in sweep:
-        if "per_sm" in r:
+        if "sparse_keys" in r:
             print(
-                f"  {r['rows']:5d} {r['keys']:7d}: {r['per_sm']:2d}/SM ({r['parts']:4d} parts)"
-                f" -> {r['select_us']:7.1f}{'' if r['exact'] else '  NOT EXACT'}"
+                f"  {r['dist']:8s} {r['rows']:5d} {r['keys']:7d}: SPARSE_KEYS"
+                f" {r['sparse_keys']:4d} -> {r['select_us']:7.1f}"
+                f"{'' if r['exact'] else '  NOT EXACT'}"
             )
             continue
         print(
-            f"  {r['rows']:5d} {r['keys']:7d}: {r['sparse_keys']:4d} -> {r['select_us']:7.1f}"
+            f"  {r['dist']:8s} {r['rows']:5d} {r['keys']:7d}: {r['per_sm']:2d}/SM"
+            f" ({r['parts']:4d} parts) -> {r['select_us']:7.1f}"
             f"{'' if r['exact'] else '  NOT EXACT'}"
         )
     print(f"\nHBM copy {copy_gb_s:.0f} GB/s; top_k {K}; medians of CUDA-graph replays, µs")
-    head = ["rows", "keys", "exact", "torch.topk µs", "before µs", "no PDL µs", "select µs",
-            "speedup", "read floor µs", "select / floor"]  # fmt: skip
+    head = ["scores", "rows", "keys", "exact", "torch.topk µs", "before µs", "no PDL µs",
+            "select µs", "speedup", "read floor µs", "select / floor"]  # fmt: skip
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
-        print(f"| {r['rows']} | {r['keys']} | {r['exact'] and r['same_set_as_torch']} | "
+        print(f"| {r['dist']} | {r['rows']} | {r['keys']} | "
+              f"{r['exact'] and r['same_set_as_torch']} | "
               f"{r['torch_us']:.1f} | {_us(r['before_us'])} | {r['no_pdl_us']:.1f} | "
               f"{r['select_us']:.1f} | "
               f"{r['speedup']:.2f}x | "
               f"{r['read_us']:.2f} | {r['select_us'] / r['read_us']:.1f}x |")  # fmt: skip
+
+
+def _launch_us(fn: Callable[[], object], reps: int = 20) -> dict[str, float]:
+    """Mean device time of each kernel ``fn`` launches (µs per call), by kernel name; without
+    programmatic dependent launches, whose early start would count the wait for the launch
+    before in each kernel's time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ["HISPARSE_PDL"] = "0"
+    try:
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+    finally:
+        del os.environ["HISPARSE_PDL"]
+    return {
+        e.key: round(e.device_time_total / reps, 2)
+        for e in prof.key_averages()
+        if e.device_time_total > 0 and "Memcpy" not in e.key
+    }
 
 
 def _us(v: float | None) -> str:
