@@ -5,10 +5,8 @@ step's resolve to one SM: ~30 full-width passes of scattered 4-byte accesses ove
 and hot slot, whatever the miss rate. Here the same stages
 run as five launches over a ``(Q, P)`` grid, each program taking ``1/P`` of the request's
 entries and hot slots; the kernel boundaries are the barriers between stages, so nothing
-spins and the CPU interpreter runs it as is. On Hopper each stage is a programmatic dependent
-of the one before (`triton_common.dependent_launch`: it starts launching while that one
-finishes and waits for its writes first), so the launch gaps between stages are hidden. Same
-outputs and state as the reference, bit for bit:
+spins and the CPU interpreter runs it as is. Same outputs and state as the reference, bit for
+bit:
 
 0. one fill empties every request's bucket table and first-appearance table (``-1``);
 1. entries: physical rows of resident entries written at once; every distinct host row
@@ -34,8 +32,6 @@ import triton.language as tl
 from hisparse.runtime.ops.triton_common import (
     add_totals,
     decode_entries,
-    dependent_launch,
-    grid_dependency_wait,
     hash_bucket,
     next_pow2,
     padding_rows_and_row_list,
@@ -58,10 +54,8 @@ def _split_entries_kernel(
     K, bs, n_sc, n_hm,
     ROWS: tl.constexpr, KP: tl.constexpr, LOGB: tl.constexpr, C: tl.constexpr,
     BR: tl.constexpr, HAS_RES: tl.constexpr, HAS_VALID: tl.constexpr, HAS_HM: tl.constexpr,
-    GDC: tl.constexpr,
 ):  # fmt: skip
     """Stage 1: each program's ``C`` entries; rows claim cells (module docstring)."""
-    grid_dependency_wait(GDC)
     N: tl.constexpr = ROWS * KP
     NCELL: tl.constexpr = (1 << LOGB) * 4
     CS: tl.constexpr = NCELL + N
@@ -133,10 +127,8 @@ def _split_entries_kernel(
 def _split_hits_kernel(
     state_ptr, hot_index_ptr, s_hi_s, s_hi_h, tab_ptr, hit_ptr, parts_ptr, H,
     N: tl.constexpr, LOGB: tl.constexpr, BHS: tl.constexpr, P: tl.constexpr,
-    GDC: tl.constexpr,
 ):  # fmt: skip
     """Stage 2: each program's ``BHS`` hot slots look their row up; a hit's cell holds it."""
-    grid_dependency_wait(GDC)
     NCELL: tl.constexpr = (1 << LOGB) * 4
     CS: tl.constexpr = NCELL + N
     q = tl.program_id(0)
@@ -174,11 +166,9 @@ def _split_count_kernel(
     state_ptr, lru_ptr, s_lru_s, s_lru_h, tab_ptr, first_ptr, ent_cell_ptr, head_ptr,
     hit_ptr, parts_ptr, H,
     N: tl.constexpr, LOGB: tl.constexpr, C: tl.constexpr, BHS: tl.constexpr, P: tl.constexpr,
-    GDC: tl.constexpr,
 ):  # fmt: skip
     """Stage 3: miss heads in this program's entries; evictable and hit slots in its part of
     the LRU order."""
-    grid_dependency_wait(GDC)
     NCELL: tl.constexpr = (1 << LOGB) * 4
     CS: tl.constexpr = NCELL + N
     q = tl.program_id(0)
@@ -211,11 +201,9 @@ def _split_rank_kernel(
     totals_ptr, n_layers,
     N: tl.constexpr, C: tl.constexpr, BHS: tl.constexpr, P: tl.constexpr,
     HAS_HM: tl.constexpr, HAS_TOTALS: tl.constexpr,
-    GDC: tl.constexpr,
 ):  # fmt: skip
     """Stage 4: the programs' counts, summed before this one, rank its miss heads and its
     slots (the new LRU order in closed form, as the one-program kernel)."""
-    grid_dependency_wait(GDC)
     q = tl.program_id(0)
     p = tl.program_id(1)
     q64 = q.to(tl.int64)
@@ -275,10 +263,8 @@ def _split_place_kernel(
     newlru_ptr, H, bs,
     ROWS: tl.constexpr, KP: tl.constexpr, LOGB: tl.constexpr, C: tl.constexpr,
     BHS: tl.constexpr, P: tl.constexpr, S: tl.constexpr,
-    GDC: tl.constexpr,
 ):  # fmt: skip
     """Stage 5: every entry's hot row, the heads' ``hot_index``, LRU copy, swap list."""
-    grid_dependency_wait(GDC)
     N: tl.constexpr = ROWS * KP
     NCELL: tl.constexpr = (1 << LOGB) * 4
     CS: tl.constexpr = NCELL + N
@@ -371,36 +357,31 @@ def resolve_split(common: tuple, flags: dict, Q: int, rows: int, kp: int, logb: 
     hit, head = i8[: Q * H], i8[Q * H :]
     grid = (Q, P)
     nw = 4
-    # each stage a programmatic dependent of the one before (Hopper): it starts launching
-    # while that one finishes and waits for its writes first (no launch gap between stages)
-    gdc = dependent_launch(dev)
-    pdl = dict(GDC=gdc, **({"launch_pdl": True} if gdc else {}))
     _split_entries_kernel[grid](
         topk, stk_r, stk_c, row_req, R, state, Q,
         src_bt, s_src_q, s_src_b, res_bt, s_res_q, s_res_b,
         out, s_out_r, s_out_c, swap_count, s_sc, vc, s_v, hm, s_hm_q, s_hm_c,
         tab, first, dummy, sc_rows, ent_g, ent_cell, K, block_size, swap_count.shape[0],
         hm.shape[0] if flags["HAS_HM"] else 0,
-        ROWS=rows, KP=kp, LOGB=logb, C=c, BR=256, num_warps=nw, **flags, **pdl,
+        ROWS=rows, KP=kp, LOGB=logb, C=c, BR=256, num_warps=nw, **flags,
     )  # fmt: skip
     _split_hits_kernel[grid](
         state, hot_index, s_hi_s, s_hi_h, tab, hit, counts, H,
-        N=n, LOGB=logb, BHS=bhs, P=P, num_warps=nw, **pdl,
+        N=n, LOGB=logb, BHS=bhs, P=P, num_warps=nw,
     )  # fmt: skip
     _split_count_kernel[grid](
         state, lru, s_lru_s, s_lru_h, tab, first, ent_cell, head, hit, counts, H,
-        N=n, LOGB=logb, C=c, BHS=bhs, P=P, num_warps=nw, **pdl,
+        N=n, LOGB=logb, C=c, BHS=bhs, P=P, num_warps=nw,
     )  # fmt: skip
     _split_rank_kernel[grid](
         state, lru, s_lru_s, s_lru_h, swap_count, s_sc, hm, s_hm_q, s_hm_c,
         ent_g, head, mrank, mg, hit, counts, evict, i16, H, totals, n_layers,
         N=n, C=c, BHS=bhs, P=P, HAS_HM=flags["HAS_HM"], HAS_TOTALS=has_totals, num_warps=nw,
-        **pdl,
     )  # fmt: skip
     _split_place_kernel[grid](
         state, hot_bt, s_hbt_s, s_hbt_b, hot_index, s_hi_s, s_hi_h,
         lru, s_lru_s, s_lru_h, out, s_out_r, s_out_c,
         swap_src, s_ss_q, s_ss_h, swap_dst, s_sd_q, s_sd_h, swap_count, s_sc,
         tab, first, sc_rows, ent_g, ent_cell, mrank, mg, evict, i16, H, block_size,
-        ROWS=rows, KP=kp, LOGB=logb, C=c, BHS=bhs, P=P, S=SPLIT_RANK_TILE, num_warps=nw, **pdl,
+        ROWS=rows, KP=kp, LOGB=logb, C=c, BHS=bhs, P=P, S=SPLIT_RANK_TILE, num_warps=nw,
     )  # fmt: skip
