@@ -11,6 +11,11 @@
 #            TOPK_BASELINE=FILE also another version's select, a module file, beside it);
 #   indexer  the indexer's score stage and its config sweep (benchmarks/bench_indexer.py, INDEXER_ARGS; with
 #            INDEXER_BASELINE=FILE also another version's score stage beside it);
+#   mla      the sparse MLA decode kernel (benchmarks/bench_sparse_mla.py, MLA_ARGS, default
+#            "--splits 2 --batches 1,8,29,64"; with MLA_BASELINE=FILE another version's kernel
+#            module beside it, alternating);
+#   ttgir    every Triton kernel this call compiled, as TTGIR ($OUT/ttgir.tar.gz: which
+#            loads the pipeliner staged, which ran synchronously in a loop), last;
 #   smol_a   keep the first half of the SmolLM2 GGUF (.smol1/part0) on the machine;
 #   smol     SmolLM2-135M (a GGUF at $SMOL_GGUF, else assembled from that half and
 #            .smol2/part1) at batch 64 against transformers per variant
@@ -80,6 +85,10 @@ if has indexer; then
   timeout 300 $PY benchmarks/bench_indexer.py ${INDEXER_BASELINE:+--baseline "$INDEXER_BASELINE"} ${INDEXER_ARGS:-} \
     >"$OUT/bench_indexer.txt" 2>&1 || echo "indexer: rc $?"
 fi
+if has mla; then
+  timeout 300 $PY benchmarks/bench_sparse_mla.py ${MLA_ARGS:---splits 2 --batches 1,8,29,64} \
+    ${MLA_BASELINE:+--baseline "$MLA_BASELINE"} >"$OUT/bench_sparse_mla.txt" 2>&1 || echo "mla: rc $?"
+fi
 if has smol; then
   if [ -f "$GGUF" ] && has smol_prefill; then  # where a batch's prefill time goes: the
     # batched torch path (the attention and indexer references) against one decode-kernel
@@ -118,8 +127,16 @@ if has smol; then
   fi
 fi
 
+if has ttgir; then
+  find "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" -name "*.ttgir" -print0 2>/dev/null \
+    | tar -czf "$OUT/ttgir.tar.gz" --null -T - 2>/dev/null || echo "ttgir: none"
+fi
+
 if has tests; then
   for t in $TESTS; do tail -n 3 "$OUT/$t.txt"; done
+fi
+if has mla && [ -f "$OUT/bench_sparse_mla.txt" ]; then
+  echo "== mla"; tail -n 12 "$OUT/bench_sparse_mla.txt"
 fi
 if has profile; then
   for v in $VARIANTS; do

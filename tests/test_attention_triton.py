@@ -36,14 +36,16 @@ C, R = 512, 64
 SCALE = 192**-0.5
 
 
-def _pool(fmt: str, nb: int, bs: int, g: torch.Generator) -> torch.Tensor:
-    """A ``[nb, bs, row_bytes]`` view with a token stride of two rows (any strides allowed)."""
+def _pool(fmt: str, nb: int, bs: int, g: torch.Generator, pad: int = 0) -> torch.Tensor:
+    """A ``[nb, bs, row_bytes]`` view with a token stride of two rows (any strides allowed);
+    ``pad`` bytes after each row (row strides that are not multiples of 16 bytes)."""
     lat = torch.randn(nb * bs, C, generator=g) * 2
     rope = torch.randn(nb * bs, R, generator=g)
     rows = pack_mla_rows(fmt, lat, rope).view(nb, bs, -1)
-    big = torch.randint(0, 255, (nb, 2 * bs, rows.shape[-1]), generator=g, dtype=torch.uint8)
-    big[:, ::2] = rows
-    return big[:, ::2]
+    rb = rows.shape[-1]
+    big = torch.randint(0, 255, (nb, 2 * bs, rb + pad), generator=g, dtype=torch.uint8)
+    big[:, ::2, :rb] = rows
+    return big[:, ::2, :rb]
 
 
 def _indices(t: int, k: int, rows: int, g: torch.Generator) -> torch.Tensor:
@@ -56,12 +58,12 @@ def _indices(t: int, k: int, rows: int, g: torch.Generator) -> torch.Tensor:
 
 def _run(
     fmt: str, t: int, h: int, k: int, dtype: torch.dtype, seed: int, *, head_major: bool = False,
-    **kw,
+    pad: int = 0, **kw,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``head_major``: q as the model's einsum returns it (a ``[H, T, C]`` buffer's view)."""
     g = torch.Generator().manual_seed(seed)
     nb, bs = 5, 8
-    kv = _pool(fmt, nb, bs, g)
+    kv = _pool(fmt, nb, bs, g, pad)
     idx = _indices(t, k, nb * bs, g)
     ql = torch.randn(t, h, C, generator=g).to(dtype)
     qr = torch.randn(t, h, R, generator=g).to(dtype)
@@ -99,6 +101,14 @@ def test_decode_matches_reference(kernel: str, fmt: str, dtype: torch.dtype, spl
     seed = 10 * (fmt == "bf16") + 5 * (dtype == torch.bfloat16) + splits + 20 * (kernel == "wide")
     cfg = smt.DecodeConfig(4, 8, kernel=kernel)
     _run(fmt, 3, 4, 32, dtype, seed, num_splits=splits, config=cfg)
+
+
+@pytest.mark.parametrize("kernel", ["wide", "tiled"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16"])
+def test_decode_rows_not_16_byte_aligned(kernel: str, fmt: str) -> None:
+    """Row strides off the 16-byte grid (4 bytes of padding) take the unhinted loads."""
+    cfg = smt.DecodeConfig(4, 8, kernel=kernel)
+    _run(fmt, 3, 4, 32, torch.float32, 90 + (fmt == "bf16"), pad=4, num_splits=2, config=cfg)
 
 
 def test_wide_kernel_head_block_wider_than_heads() -> None:

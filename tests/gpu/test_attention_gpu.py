@@ -112,6 +112,22 @@ def test_decode_token_major_view() -> None:
     _check("fp8_ds_mla", 16, seed=9, kv=base[:, ::3])
 
 
+@pytest.mark.parametrize("kernel", ["wide", "tiled"])
+def test_decode_rows_not_16_byte_aligned(kernel: str) -> None:
+    """Row strides that are not multiples of 16 bytes run without the alignment hints."""
+    row = mla_row_bytes("fp8_ds_mla", C, R)
+    packed = _pool("fp8_ds_mla", 128, 64, 11).view(-1, row)
+    wide = torch.empty(128 * 64, row + 4, dtype=torch.uint8, device=DEV)
+    wide[:, :row] = packed
+    kv = wide.view(128, 64, row + 4)[:, :, :row]  # row stride 660 B
+    cfg = (
+        smt.DecodeConfig(64, 64, 8, 2)
+        if kernel == "wide"
+        else smt.DecodeConfig(64, 32, 8, 2, kernel="tiled")
+    )
+    _check("fp8_ds_mla", 29, seed=12, kv=kv, config=cfg)
+
+
 def test_dispatch_picks_triton_and_graph_capture(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HISPARSE_ATTENTION", raising=False)
     kv = _pool("bf16", 128, 64, 3)

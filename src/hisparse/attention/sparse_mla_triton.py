@@ -160,6 +160,7 @@ def _sparse_mla_decode_kernel(
     SCALE_ON_K: tl.constexpr,
     SC_OFF: tl.constexpr,  # fp32 element of the first scale within a row
     RP_OFF: tl.constexpr,  # bf16 element of the RoPE part within a row
+    ALIGNED: tl.constexpr,  # rows start 16-byte aligned: scales and RoPE load 16 bytes at once
     TILE: tl.constexpr,
     R: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -201,15 +202,16 @@ def _sparse_mla_decode_kernel(
         blk = safe // block_size
         off = safe % block_size
         lat_rows = blk * s_lat_b + off * s_lat_r
-        rp_rows = blk * s_rp_b + off * s_rp_r
+        rp_rows = blk * s_rp_b + off * s_rp_r + RP_OFF
+        if ALIGNED:
+            rp_rows = tl.multiple_of(rp_rows, 8)
 
         k0 = _load_tile(lat_ptr, lat_rows, 0, valid, TILE, DOT)
         k1 = _load_tile(lat_ptr, lat_rows, TILE, valid, TILE, DOT)
         k2 = _load_tile(lat_ptr, lat_rows, 2 * TILE, valid, TILE, DOT)
         k3 = _load_tile(lat_ptr, lat_rows, 3 * TILE, valid, TILE, DOT)
-        kr = tl.load(
-            rope_ptr + rp_rows[:, None] + RP_OFF + r[None, :], mask=valid[:, None], other=0.0
-        ).to(DOT)
+        kr_ptrs = rope_ptr + rp_rows[:, None] + r[None, :]
+        kr = tl.load(kr_ptrs, mask=valid[:, None], other=0.0).to(DOT)
 
         s = tl.dot(qr, tl.trans(kr), input_precision=PRECISION)
         if IS_FP8:
@@ -305,6 +307,7 @@ def _sparse_mla_wide_kernel(
     IS_FP8: tl.constexpr,
     SC_OFF: tl.constexpr,
     RP_OFF: tl.constexpr,
+    ALIGNED: tl.constexpr,
     C: tl.constexpr,
     TILE: tl.constexpr,
     R: tl.constexpr,
@@ -363,6 +366,8 @@ def _sparse_mla_wide_kernel(
                 other=0.0,
             )
             sc_rows = blk * s_sc_b + off * s_sc_r + SC_OFF
+            if ALIGNED:
+                sc_rows = tl.multiple_of(sc_rows, 4)
             sc = tl.load(scale_ptr + sc_rows[:, None] + j[None, :], mask=valid[:, None], other=0.0)
             kv = tl.reshape(k8.to(tl.float32) * sc[:, :, None], [BLOCK_N, C]).to(DOT)
         else:
@@ -370,6 +375,8 @@ def _sparse_mla_wide_kernel(
                 lat_ptr + lat_rows[:, None] + c[None, :], mask=valid[:, None], other=0.0
             ).to(DOT)
         rp_rows = blk * s_rp_b + off * s_rp_r + RP_OFF
+        if ALIGNED:
+            rp_rows = tl.multiple_of(rp_rows, 8)
         kr = tl.load(rope_ptr + rp_rows[:, None] + r[None, :], mask=valid[:, None], other=0.0)
 
         s = tl.dot(qr, tl.trans(kr.to(DOT)), input_precision=PRECISION)
@@ -473,6 +480,11 @@ def sparse_mla_decode_triton(
         scale_view = rope_view  # unused
         sc_off, rp_off = 0, LATENT_DIM
 
+    # The row strides in elements are not multiples of 16 (an fp8 row is 656 bytes), so
+    # Triton cannot see that each row's scales and RoPE part are 16-byte aligned; without
+    # the hint they load 4 and 2 bytes at a time, and the pipeliner does not stage such loads
+    # ahead (the RoPE rows were a synchronous gather every step).
+    aligned = kv_cache.stride(0) % 16 == 0 and kv_cache.stride(1) % 16 == 0
     out, lse, o_buf, l_buf, so, sl = split_buffers(t, h, c, splits, q_latent.dtype, device)
     if t == 0:
         return out, lse
@@ -492,13 +504,14 @@ def sparse_mla_decode_triton(
         )  # fmt: skip
         if cfg.kernel == "wide":
             last_compiled[0] = _sparse_mla_wide_kernel[grid](
-                *common, IS_FP8=is_fp8, SC_OFF=sc_off, RP_OFF=rp_off, C=LATENT_DIM, TILE=_TILE,
+                *common, IS_FP8=is_fp8, SC_OFF=sc_off, RP_OFF=rp_off, ALIGNED=aligned,
+                C=LATENT_DIM, TILE=_TILE,
                 R=ROPE_DIM, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, **dot, **launch,
             )  # fmt: skip
         else:
             last_compiled[0] = _sparse_mla_decode_kernel[grid](
                 *common, IS_FP8=is_fp8, SCALE_ON_K=cfg.scale_on_k and is_fp8,
-                SC_OFF=sc_off, RP_OFF=rp_off, TILE=_TILE, R=ROPE_DIM,
+                SC_OFF=sc_off, RP_OFF=rp_off, ALIGNED=aligned, TILE=_TILE, R=ROPE_DIM,
                 BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, **dot, **launch,
             )  # fmt: skip
     if splits > 1:
