@@ -505,8 +505,8 @@ def sparse_mla_decode_triton(
         if cfg.kernel == "wide":
             last_compiled[0] = _sparse_mla_wide_kernel[grid](
                 *common, IS_FP8=is_fp8, SC_OFF=sc_off, RP_OFF=rp_off, ALIGNED=aligned,
-                C=LATENT_DIM, TILE=_TILE,
-                R=ROPE_DIM, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, **dot, **launch,
+                C=LATENT_DIM, TILE=_TILE, R=ROPE_DIM, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+                **dot, **launch,
             )  # fmt: skip
         else:
             last_compiled[0] = _sparse_mla_decode_kernel[grid](
