@@ -239,3 +239,19 @@ def test_missing_smollm2_says_how_to_install(monkeypatch):
         smollm2.resolve_model_path("smollm2")
     with pytest.raises(FileNotFoundError, match="neither 'smollm2' nor an existing file"):
         smollm2.resolve_model_path("no/such/model.gguf")
+
+
+def test_loading_does_not_import_dynamo(tiny):
+    """A load builds the model on the meta device; a random init or ``arange`` there runs
+    torch's Python decompositions, which import ``torch._dynamo`` (seconds of a CPU start-up).
+    A fresh process, since other tests import it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from hisparse.models.gguf_loader import load_llama_gguf; "
+        f"m = load_llama_gguf({str(tiny[0])!r}); "
+        "assert not any(k.startswith('torch._dynamo') for k in sys.modules), 'dynamo imported'"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]

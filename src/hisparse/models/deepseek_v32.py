@@ -31,6 +31,7 @@ from hisparse.models.layers import (
     CachedRotary,
     RMSNorm,
     StackedLinear,
+    embedding,
     rope_half_split,
     rope_interleaved,
     stackable,
@@ -409,7 +410,7 @@ class DecoderLayer(nn.Module):
 class DsaBackbone(nn.Module):
     def __init__(self, config: DsaConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )

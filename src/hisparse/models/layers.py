@@ -31,6 +31,15 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(num, dim)``; built on the meta device (a loader that assigns the weights
+    next) without its random init, whose meta form imports ``torch._dynamo`` (seconds of a
+    CPU start-up)."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """``norm(x)``; in fp32 on the CPU as one ``F.rms_norm`` (the same bits as `RMSNorm`'s
     six steps there, in one pass)."""

@@ -64,6 +64,7 @@ from hisparse.models.layers import (
     MLP,
     CachedRotary,
     RMSNorm,
+    embedding,
     full_width_rope,
     fused_weight,
     rope_full_width,
@@ -210,7 +211,10 @@ class Rotary(CachedRotary):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         d = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        # On the CPU even under a meta device (a loader's skeleton: it replaces this module,
+        # and a meta arange would import torch._dynamo); the model's .to() moves it.
+        dims = torch.arange(0, d, 2, dtype=torch.float, device="cpu")
+        inv_freq = 1.0 / (config.rope_theta ** (dims / d))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -518,7 +522,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaBackbone(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
