@@ -211,9 +211,10 @@ class Rotary(CachedRotary):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         d = config.head_dim
-        # On the CPU even under a meta device (a loader's skeleton: it replaces this module,
-        # and a meta arange would import torch._dynamo); the model's .to() moves it.
-        dims = torch.arange(0, d, 2, dtype=torch.float, device="cpu")
+        # A loader's meta skeleton replaces this module: compute it on the CPU there (a meta
+        # arange would import torch._dynamo), on the default device otherwise.
+        meta = torch.get_default_device().type == "meta"
+        dims = torch.arange(0, d, 2, dtype=torch.float, device="cpu" if meta else None)
         inv_freq = 1.0 / (config.rope_theta ** (dims / d))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
