@@ -390,8 +390,12 @@ class MLAttention(nn.Module):
         out_latent, _ = sparse_mla_decode(
             q_latent, q_pe, view, physical, self.scale, cache.row_format
         )
-        out = torch.einsum("nhc,hvc->nhv", out_latent.to(x.dtype), w_uv)
-        return self.o_proj(out.reshape(n, self.n_heads * self.v_dim)), topk
+        # per head: out_latent [h, n, c] @ w_uv.T, written straight into token-major rows
+        # (an einsum's head-major result cost a copy before o_proj)
+        out = torch.empty(n, self.n_heads, self.v_dim, dtype=x.dtype, device=x.device)
+        lat = out_latent.to(x.dtype).transpose(0, 1)
+        torch.bmm(lat, w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return self.o_proj(out.view(n, self.n_heads * self.v_dim)), topk
 
 
 class DecoderLayer(nn.Module):
