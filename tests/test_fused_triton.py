@@ -185,12 +185,13 @@ def test_indexer_head_weights(monkeypatch) -> None:
     g = torch.Generator().manual_seed(7)
     proj = torch.nn.Linear(7168, 64, bias=False)
     proj.weight.data = torch.randn(64, 7168, generator=g) * 0.02
-    x = (torch.randn(5, 7300, generator=g)).to(torch.bfloat16)[:, :7168]  # strided rows
-    (ref, _), (got, _) = reference_and_kernel(
-        monkeypatch, fused.indexer_head_weights, proj, x, 0.125
-    )
-    assert got.dtype == torch.float32 and got.shape == (5, 64)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    for n in (5, 29):  # one program per (row, head); tiles of rows x heads
+        x = (torch.randn(n, 7300, generator=g)).to(torch.bfloat16)[:, :7168]  # strided rows
+        (ref, _), (got, _) = reference_and_kernel(
+            monkeypatch, fused.indexer_head_weights, proj, x, 0.125
+        )
+        assert got.dtype == torch.float32 and got.shape == (n, 64)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     many = torch.randn(fused.HEAD_WEIGHTS_MAX_ROWS + 1, 7168, generator=g).to(torch.bfloat16)
     (ref, _), (got, _) = reference_and_kernel(
         monkeypatch, fused.indexer_head_weights, proj, many, 0.125

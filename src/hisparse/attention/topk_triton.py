@@ -24,7 +24,8 @@ time over a ``(row, part)`` grid, each program reading a part of the row:
    of finite scores, so the next launch reads only the fourth byte's histogram;
 3. a write launch: the exact k-th key and how many keys equal to it to take, each part's
    output offset from prefix sums over the parts before it, then its picks in position
-   order (ties: the first ones by position).
+   order (ties: the first ones by position; a block's tie ranks, a prefix sum, only where it
+   holds the k-th key, and its write only where it has picks).
 
 The histograms must start at zero. Up to `KEPT_HIST_ROWS` rows (a decode batch) they live in
 one buffer per device that is zero at rest but for the last byte's histogram: the write
@@ -271,13 +272,18 @@ def _write_kernel(
             u, ok = _keys(row, offs, hi)
             u = u ^ INT32_MIN
             is_eq = (ok & (u == kth)).to(tl.int32)
-            eq_rank = eq_seen + tl.cumsum(is_eq, axis=0) - is_eq
-            take = (ok & (u > kth)) | ((is_eq != 0) & (eq_rank < need_eq))
+            n_eq = tl.sum(is_eq, axis=0)
+            take = ok & (u > kth)
+            if n_eq > 0:  # the k-th key's ties in this block: the first ones still to take
+                eq_rank = eq_seen + tl.cumsum(is_eq, axis=0) - is_eq
+                take = take | ((is_eq != 0) & (eq_rank < need_eq))
             ti = take.to(tl.int32)
-            dst = slot + tl.cumsum(ti, axis=0) - ti
-            tl.store(orow + dst, offs.to(tl.int32), mask=take)
-            slot += tl.sum(ti, axis=0)
-            eq_seen += tl.sum(is_eq, axis=0)
+            n_take = tl.sum(ti, axis=0)
+            if n_take > 0:
+                dst = slot + tl.cumsum(ti, axis=0) - ti
+                tl.store(orow + dst, offs.to(tl.int32), mask=take)
+            slot += n_take
+            eq_seen += n_eq
     if part == 0:  # the padding after the row's picks
         for start in range(0, top_k, PAD_BLOCK):
             cols = start + tl.arange(0, PAD_BLOCK)

@@ -616,6 +616,10 @@ def silu_mul(x: Tensor) -> Tensor:
     return out
 
 
+#: Rows from which `head_weights` takes tiles of rows (see `head_weights_tile`).
+HEAD_WEIGHTS_ROW_TILES = 8
+
+
 @triton.jit
 def _head_weights_kernel(
     x_ptr, x_stride, w_ptr, o_ptr, N, K, H, scale,
@@ -639,11 +643,15 @@ def _head_weights_kernel(
 
 
 def head_weights_tile(n: int) -> tuple[int, int, int, int]:
-    """``(rows, heads, K step, warps)`` of one program of `head_weights`: a tile of rows times
-    heads, so that each weight row is read once per row block and each input row once per
-    head block (one program per (row, head) read the 1.8 MB weight once per row, 53 MB from
-    L2 at 29 rows of K 7168: 12.7 µs a call on the H200)."""
-    return min(8, triton.next_power_of_2(max(n, 1))), 2, 1024, 8
+    """``(rows, heads, K step, warps)`` of one program of `head_weights` for ``n`` rows. Past
+    `HEAD_WEIGHTS_ROW_TILES` rows, a tile of rows times heads, each weight row read once per
+    row block (one program per (row, head) read the 1.8 MB weight once per row: at 29 rows of
+    K 7168, 53 MB from L2, 12.7 µs a call on the H200 against 8.5). Up to it, one program
+    per (row, head) and a whole weight row in one load, which the few rows' latency favours
+    (one row: 4.0 µs against 5.8 with tiles)."""
+    if n <= HEAD_WEIGHTS_ROW_TILES:
+        return 1, 1, 8192, 8
+    return 8, 2, 1024, 8
 
 
 def head_weights(x: Tensor, weight: Tensor, scale: float) -> Tensor:
