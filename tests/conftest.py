@@ -28,6 +28,9 @@ def _one_torch_thread():
 # pool has room: `HiSparseConfig.offload` unset means "always" here (the library's default,
 # "under_pressure", keeps such requests resident). Tests of the default unset the variable.
 os.environ.setdefault("HISPARSE_OFFLOAD", "always")
+# CPU pools start poisoned (0xFF: NaN) as GPU pools always do, so that a read of a row nothing
+# wrote fails a test instead of passing as zero (the library skips the CPU fill: it is slow).
+os.environ.setdefault("HISPARSE_POISON", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -18,6 +18,7 @@ Python over the context, which at 128K tokens (2048 pages) would dominate a deco
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +36,16 @@ from hisparse.kv.layout import (
     plan_kv_layout,
 )
 from hisparse.kv.specs import LayerCacheSpec
+
+
+def _poison(pool: torch.Tensor) -> None:
+    """Fill ``pool`` with 0xFF (NaN in every float format), so that a read of a row nothing
+    wrote shows up as NaN instead of passing as a plausible zero: always on a GPU (one memset),
+    on the CPU only with ``HISPARSE_POISON=1`` (the test suite sets it). On the CPU the fill
+    touches every page of the pool, so it cost seconds of start-up (3-4 s for the default
+    1 GiB on a 2-core machine) and committed the whole pool's memory."""
+    if pool.device.type != "cpu" or os.environ.get("HISPARSE_POISON") == "1":
+        pool.fill_(255)
 
 
 class KVCapacityError(RuntimeError):
@@ -124,12 +135,10 @@ class KVCacheManager:
     def _allocate(self, max_num_seqs: int, device: torch.device) -> None:
         lay, config = self.layout, self.config
         self.gpu_raw = torch.empty(lay.gpu_pool_bytes, dtype=torch.uint8, device=device)
-        # Poisoned (0xFF: NaN in every float format) so a read of a row nothing wrote shows
-        # up as NaN in tests instead of passing as a plausible zero.
-        self.gpu_raw.fill_(255)
+        _poison(self.gpu_raw)
         #: the prefill staging area (HiSparse; `PrefillStaging` views it one layer at a time)
         self.staging_raw = torch.empty(lay.staging_bytes, dtype=torch.uint8, device=device)
-        self.staging_raw.fill_(255)
+        _poison(self.staging_raw)
         self.gpu_blocks = BlockPool(lay.gpu_num_blocks, "GPU block pool")
         self.host_blocks: BlockPool | None = None
         if self.offload:
