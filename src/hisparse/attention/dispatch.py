@@ -1,6 +1,7 @@
 """The attention and indexer dispatch points: each op's Triton kernel for CUDA tensors, its
 reference elsewhere, unless an environment variable forces one for A/B checks and debugging
-(``HISPARSE_ATTENTION``: sparse MLA and sparse GQA; ``HISPARSE_INDEXER``: the lightning
+(``HISPARSE_ATTENTION``: sparse MLA and sparse GQA; ``HISPARSE_MLA_KERNEL=triton``: sparse MLA
+on the Triton kernel where the Gluon one would run; ``HISPARSE_INDEXER``: the lightning
 indexer; ``HISPARSE_GQA_INDEXER``: the fused GQA decode indexer; ``HISPARSE_TOPK``: the
 lightning indexer's top-k, Triton's radix select or ``torch.topk``). ``triton`` on CPU tensors
 needs ``TRITON_INTERPRET=1`` set before Triton is imported. Triton modules are imported on
@@ -54,19 +55,51 @@ def sparse_mla_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA (contract of `sparse_mla_decode_reference`) on the best backend available.
 
-    Inputs the kernel does not handle (the fp32 test format, latent widths other than 512,
-    a non-contiguous byte dim) and machines without Triton fall back to the reference.
+    On Hopper, ``fp8_ds_mla`` rows of calls with at least `sparse_mla_gluon.MIN_TOKENS` query
+    tokens go to the Gluon kernel (``HISPARSE_MLA_KERNEL=triton`` keeps them on the Triton
+    one). Inputs the kernels do not
+    handle (the fp32 test format, latent widths other than 512, a non-contiguous byte dim)
+    and machines without Triton fall back to the reference.
     """
     if _attention_backend(q_latent.device) == "triton":
         try:
             from hisparse.attention import sparse_mla_triton as smt
         except ImportError:  # pragma: no cover - Triton missing: the reference still works
             smt = None
+        if smt is not None and _use_gluon_mla(q_latent, q_rope, kv_cache, row_format):
+            from hisparse.attention import sparse_mla_gluon as smg
+
+            return smg.sparse_mla_decode_gluon(q_latent, q_rope, kv_cache, indices, scale)
         if smt is not None and smt.supports(q_latent, q_rope, kv_cache, row_format):
             return smt.sparse_mla_decode_triton(
                 q_latent, q_rope, kv_cache, indices, scale, row_format
             )
     return sparse_mla_decode_reference(q_latent, q_rope, kv_cache, indices, scale, row_format)
+
+
+def _use_gluon_mla(
+    q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, row_format: MlaFormat
+) -> bool:
+    """Whether the Gluon sparse MLA kernel takes this call (``HISPARSE_MLA_KERNEL`` decides:
+    ``auto``, the default, where it runs and is faster; ``triton`` never)."""
+    choice = os.environ.get("HISPARSE_MLA_KERNEL", "auto")
+    if choice not in ("auto", "triton"):
+        raise ValueError(f"HISPARSE_MLA_KERNEL={choice!r}: use 'auto' or 'triton'.")
+    if choice == "triton" or q_latent.device.type != "cuda":
+        return False
+    from hisparse.attention import sparse_mla_gluon as smg
+    from hisparse.kv.row_formats import mla_format_name
+
+    return (
+        q_latent.shape[0] >= smg.MIN_TOKENS
+        and smg.supported(q_latent.device)
+        and mla_format_name(row_format) == "fp8_ds_mla"
+        and q_latent.shape[-1] == smg.LATENT_DIM
+        and q_rope.shape[-1] == smg.ROPE_DIM
+        and kv_cache.dim() == 3
+        and kv_cache.shape[2] == smg.ROW_BYTES
+        and smg.rows_aligned(kv_cache)
+    )
 
 
 def sparse_gqa_decode(
