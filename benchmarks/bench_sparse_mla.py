@@ -299,6 +299,69 @@ def split_sweep(
     return rows
 
 
+def gluon_vs_triton(
+    pool: torch.Tensor, batches: list[int], splits: list[int], variants: list[str]
+) -> list[dict]:
+    """The Gluon kernel (`sparse_mla_gluon`, and other versions' module files ``variants``)
+    beside the Triton one, fp8 rows: each checked against the reference (a tenth of the
+    indices -1 over a NaN-poisoned null row, one token with none), then µs of one call
+    (kernel + combine, CUDA-graph replays of fresh index sets) in three alternating rounds
+    (medians); the committed Gluon kernel also at each of ``splits``."""
+    from hisparse.attention import sparse_mla_gluon as smg
+
+    fmt = "fp8_ds_mla"
+    kernels = {"triton": lambda ql, qr, idx, n=None: smt.sparse_mla_decode_triton(
+        ql, qr, pool, idx, SCALE, fmt, num_splits=n)}  # fmt: skip
+    for name, path in [("gluon", None), *((os.path.basename(v)[:-3], v) for v in variants)]:
+        fn = smg.sparse_mla_decode_gluon if path is None else baseline_function(
+            path, "sparse_mla_decode_gluon")  # fmt: skip
+        kernels[name] = lambda ql, qr, idx, n=None, fn=fn: fn(
+            ql, qr, pool, idx, SCALE, num_splits=n)  # fmt: skip
+    pool[0, 0].fill_(0xFF)  # NaN bytes in the row -1 entries would read unmasked
+    rows = []
+    for t in batches:
+        g = torch.Generator(device=DEV).manual_seed(300 + t)
+        n_rows = pool.shape[0] * pool.shape[1]
+        n_sets = min(128, max(4, math.ceil(GRAPH_BYTES / smt.decode_bytes(t, H, K, fmt))))
+        sets = [torch.randint(1, n_rows, (t, K), generator=g, device=DEV, dtype=torch.int32)
+                for _ in range(n_sets)]  # fmt: skip
+        ql = torch.randn(t, H, C, generator=g, device=DEV).bfloat16()
+        qr = torch.randn(t, H, R, generator=g, device=DEV).bfloat16()
+        chk = sets[0].clone()
+        chk[torch.rand(chk.shape, generator=g, device=DEV) < 0.1] = -1
+        if t > 1:
+            chk[-1] = -1  # a token with no row: out 0, lse -inf
+        ref_o, ref_l = sparse_mla_decode_reference(ql, qr, pool, chk, SCALE, fmt)
+        fin = torch.isfinite(ref_l)
+        splits_t = smt.num_splits_for(t, H, K, smt.DecodeConfig(), DEV)
+        row: dict = {"tokens": t, "model_splits": splits_t}
+        for name, fn in kernels.items():
+            o, lse = fn(ql, qr, chk)
+            torch.cuda.synchronize()
+            row[name] = {
+                "err": (o.float() - ref_o.float()).abs().max().item(),
+                "rel": ((o.float() - ref_o.float()).norm() / ref_o.float().norm()).item(),
+                "lse_err": (lse[fin] - ref_l[fin]).abs().max().item(),
+                "ok": bool((lse[~fin] == float("-inf")).all().item())
+                and not bool(o.isnan().any().item()),
+            }  # fmt: skip
+        rounds: dict[str, list[float]] = {name: [] for name in kernels}
+        for _ in range(3):
+            for name, fn in kernels.items():
+                rounds[name].append(
+                    graph_us(lambda idx, fn=fn, ql=ql, qr=qr: fn(ql, qr, idx), sets)
+                )
+        for name in kernels:
+            row[name]["us"] = statistics.median(rounds[name])
+        row["gluon_split_us"] = {
+            n: graph_us(lambda idx, n=n, ql=ql, qr=qr: kernels["gluon"](ql, qr, idx, n), sets)
+            for n in splits
+        }  # fmt: skip
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
@@ -310,8 +373,30 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=PREFILL_TOKENS, help="0 = no prefill case")
     ap.add_argument("--splits", help="time these split counts per batch (fp8 rows) instead")
     ap.add_argument("--baseline", help="with --splits: a module file whose kernel runs beside")
+    ap.add_argument("--gluon", action="store_true", help="the Gluon kernel beside the Triton one")
+    ap.add_argument("--variants", default="", help="with --gluon: other Gluon module files")
     args = ap.parse_args()
     t0 = time.time()
+    if args.gluon:
+        batches = [int(x) for x in args.batches.split(",")]
+        splits = [int(x) for x in (args.splits or "1,2,4").split(",")]
+        variants = [v for v in args.variants.split(",") if v]
+        rows = gluon_vs_triton(make_pool("fp8_ds_mla", args.pool_gib), batches, splits, variants)
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "gluon": rows}, f, indent=1)
+        names = [k for k in rows[0] if isinstance(rows[0][k], dict) and "us" in rows[0][k]]
+        print(
+            "\nsparse MLA decode, fp8_ds_mla, H=128, top_k 2048: µs (medians of 3 rounds), "
+            "max abs error vs the reference; gluon at each split count"
+        )
+        print(f"{'T':>5} {'splits':>6} " + " ".join(f"{n:>16}" for n in names) + " "
+              + " ".join(f"{'G/' + str(n):>8}" for n in splits))  # fmt: skip
+        for r in rows:
+            cells = [f"{r[n]['us']:>8.1f} {r[n]['err']:>6.0e}{'' if r[n]['ok'] else '!'}"
+                     for n in names]  # fmt: skip
+            print(f"{r['tokens']:>5} {r['model_splits']:>6} " + " ".join(f"{c:>16}" for c in cells)
+                  + " " + " ".join(f"{r['gluon_split_us'][n]:>8.1f}" for n in splits))  # fmt: skip
+        return
     if args.splits:
         splits = [int(x) for x in args.splits.split(",")]
         batches = [int(x) for x in args.batches.split(",")]

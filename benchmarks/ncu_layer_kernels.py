@@ -6,7 +6,8 @@ random inputs (DeepSeek-V3.2 shapes: 64 indexer heads x 128, top_k 2048; 128 MLA
 fp8_ds_mla rows) so that ``ncu`` can read their counters (stall reasons, occupancy, issue and
 memory throughput):
 
-    ncu --clock-control none -k regex:'_indexer_scores|_hist_kernel|_sparse_mla_wide' \\
+    ncu --clock-control none \\
+        -k regex:'_indexer_scores|_hist_kernel|_sparse_mla_wide|_sparse_mla_gluon' \\
         --section SpeedOfLight --section WarpStateStats --section Occupancy \\
         python3 benchmarks/ncu_layer_kernels.py
 """
@@ -28,14 +29,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=29)
     ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--mla-only", action="store_true", help="the sparse MLA kernels alone")
     args = ap.parse_args()
     dev = torch.device("cuda")
     t, s = args.batch, args.context
     case = ic.random_indexer_case(
         "fp8", [s] * t, [1] * t, heads=64, head_dim=128, block_size=64, device=dev, seed=0
     )
-    scores = it.indexer_scores_paged_triton(*case.args(), case.softmax_scale)
-    picks = topk_select_triton(scores, 2048, positions=case.positions, req_index=case.req_index)
+    if args.mla_only:  # random picks in place of the indexer's
+        picks = torch.randint(0, s, (t, 2048), device=dev, dtype=torch.int32)
+    else:
+        scores = it.indexer_scores_paged_triton(*case.args(), case.softmax_scale)
+        picks = topk_select_triton(scores, 2048, positions=case.positions, req_index=case.req_index)
     # MLA rows: random bytes, with finite scales and RoPE (fp8_ds_mla layout)
     rb = mla_row_bytes("fp8_ds_mla", 512, 64)
     pool = torch.randint(0, 120, (t * s // 64, 64, rb), dtype=torch.uint8, device=dev)
@@ -47,6 +52,11 @@ def main() -> None:
     qr = torch.randn(t, 128, 64, generator=g, device=dev).bfloat16()
     rows = picks + (torch.arange(t, device=dev, dtype=torch.int32) * s)[:, None]
     out, _ = smt.sparse_mla_decode_triton(ql, qr, pool, rows, 0.1, "fp8_ds_mla")
+    from hisparse.attention import sparse_mla_gluon as smg
+
+    if smg.supported(dev):  # the Gluon kernel on the same rows
+        out_g, _ = smg.sparse_mla_decode_gluon(ql, qr, pool, rows, 0.1)
+        print("gluon vs triton max abs diff", float((out_g.float() - out.float()).abs().max()))
     torch.cuda.synchronize()
     print("ok", float(out.float().abs().mean()))
 
