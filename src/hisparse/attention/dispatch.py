@@ -57,9 +57,8 @@ def sparse_mla_decode(
 
     On Hopper, ``fp8_ds_mla`` rows of calls with at least `sparse_mla_gluon.MIN_TOKENS` query
     tokens go to the Gluon kernel (``HISPARSE_MLA_KERNEL=triton`` keeps them on the Triton
-    one). Inputs the kernels do not
-    handle (the fp32 test format, latent widths other than 512, a non-contiguous byte dim)
-    and machines without Triton fall back to the reference.
+    one). Inputs the kernels do not handle (the fp32 test format, latent widths other than
+    512, a non-contiguous byte dim) and machines without Triton fall back to the reference.
     """
     if _attention_backend(q_latent.device) == "triton":
         try:

@@ -275,6 +275,8 @@ def _issue_tile(
 @gluon.jit
 def _dequantise(raw_lat, raw_sc, raw_rp, kv_smem, kr_smem, lat_layout: gl.constexpr,
                 sc_layout: gl.constexpr, r_layout: gl.constexpr):  # fmt: skip
+    """The staged rows as bf16 (``bf16(k8 * scale)`` per 128-value tile) into the tile the
+    dots read, and their RoPE part as it is."""
     k8 = raw_lat.load(lat_layout)
     sc = raw_sc.load(sc_layout)
     kv = gl.reshape((k8.to(gl.float32) * sc[:, :, None]).to(gl.bfloat16), [k8.shape[0], 512])
