@@ -33,17 +33,17 @@ import triton
 import triton.language as tl
 
 from hisparse.attention.sparse_gqa_reference import GqaRowFormat
-from hisparse.attention.sparse_mla_triton import interpreting
+from hisparse.attention.sparse_mla_triton import LOG2E, interpreting
 from hisparse.attention.triton_split import (
     combine_splits,
     grid_slices,
     num_sms,
     split_buffers,
+    split_length,
 )
 
 Tensor = torch.Tensor
 
-_LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 #: Rows of a tensor-core dot: the query group is padded up to this.
 _MIN_BLOCK_Q = 16
@@ -208,7 +208,7 @@ def sparse_gqa_decode_triton(
     group = h // g
     cfg = config or default_config(t, k)
     splits = num_splits or num_splits_for(t, g, k, cfg, device)
-    split_len = triton.cdiv(triton.cdiv(max(k, 1), splits), cfg.block_n) * cfg.block_n
+    split_len = split_length(k, splits, cfg.block_n)
 
     q = q if q.stride(-1) == 1 else q.contiguous()
     if indices.dtype != torch.int32 or indices.stride(-1) != 1:
@@ -225,7 +225,7 @@ def sparse_gqa_decode_triton(
     for lo, hi in grid_slices(t):  # tokens are grid axis 1: at most 65535 per launch
         _sparse_gqa_decode_kernel[(g, hi - lo, splits)](
             q[lo:hi], kv, indices[lo:hi], o_buf[lo:hi], l_buf[lo:hi],
-            scale * _LOG2E, group, k, kv.shape[1], split_len,
+            scale * LOG2E, group, k, kv.shape[1], split_len,
             q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), indices.stride(0),
             so[0], so[1], so[2], sl[0], sl[1], sl[2],
             KV_WIDTH=row_format.kv_width, D=d, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,

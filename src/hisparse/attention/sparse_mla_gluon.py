@@ -46,20 +46,31 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from hisparse.attention.triton_split import combine_splits, grid_slices, split_buffers
+from hisparse.attention.sparse_mla_triton import (
+    LATENT_DIM,
+    LOG2E,
+    ROPE_DIM,
+    DecodeConfig,
+    decode_operands,
+    num_splits_for,
+)
+from hisparse.attention.triton_split import (
+    combine_splits,
+    grid_slices,
+    split_buffers,
+    split_length,
+)
+from hisparse.kv.row_formats import mla_row_bytes
 
 Tensor = torch.Tensor
 
-LATENT_DIM = 512
-ROPE_DIM = 64
-ROW_BYTES = 656
+ROW_BYTES = mla_row_bytes("fp8_ds_mla", LATENT_DIM, ROPE_DIM)
 BLOCK_H = 64
 BLOCK_N = 64
 NUM_WARPS = 8
 #: Fewest query tokens the dispatch sends here: below them the Triton kernel's shorter
 #: prologue wins (one or two 64-row steps a program; docs/benchmarks.md §9).
 MIN_TOKENS = 16
-_LOG2E = 1.4426950408889634
 
 
 @functools.cache
@@ -308,8 +319,6 @@ def sparse_mla_decode_gluon(
 
     ``kv_cache`` ``[num_blocks, block_size, 656]`` uint8 with 16-byte aligned row and block
     strides; ``indices [T, K]`` int32 physical rows (``-1`` masked)."""
-    from hisparse.attention.sparse_mla_triton import DecodeConfig, num_splits_for
-
     t, h, c = q_latent.shape
     if c != LATENT_DIM or q_rope.shape != (t, h, ROPE_DIM) or kv_cache.shape[2] != ROW_BYTES:
         raise ValueError(
@@ -324,11 +333,8 @@ def sparse_mla_decode_gluon(
     device = q_latent.device
     k = indices.shape[1]
     splits = num_splits or num_splits_for(t, h, k, DecodeConfig(), device)
-    split_len = triton.cdiv(triton.cdiv(max(k, 1), splits), BLOCK_N) * BLOCK_N
-    q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
-    q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
-    if indices.dtype != torch.int32 or indices.stride(-1) != 1:
-        indices = indices.to(torch.int32).contiguous()
+    split_len = split_length(k, splits, BLOCK_N)
+    q_latent, q_rope, indices = decode_operands(q_latent, q_rope, indices)
     out, lse, o_buf, l_buf, so, sl = split_buffers(t, h, c, splits, q_latent.dtype, device)
     if t == 0:
         return out, lse
@@ -338,7 +344,7 @@ def sparse_mla_decode_gluon(
             q_latent[lo:hi], q_rope[lo:hi], kv_cache.view(torch.float8_e4m3fn),
             kv_cache.view(torch.float32), kv_cache.view(torch.bfloat16), indices[lo:hi],
             o_buf[lo:hi], l_buf[lo:hi],
-            scale * _LOG2E, h, k, split_len,
+            scale * LOG2E, h, k, split_len,
             q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), indices.stride(0),
             so[0], so[1], so[2], sl[0], sl[1], sl[2],

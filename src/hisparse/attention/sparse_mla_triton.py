@@ -53,6 +53,7 @@ from hisparse.attention.triton_split import (
     grid_slices,
     num_sms,
     split_buffers,
+    split_length,
 )
 from hisparse.kv.row_formats import MlaFormat, mla_format_name, mla_row_bytes
 from hisparse.runtime.ops.triton_common import interpreting  # also its interpreter fix
@@ -63,7 +64,8 @@ Tensor = torch.Tensor
 LATENT_DIM = 512
 ROPE_DIM = 64
 _TILE = 128
-_LOG2E = 1.4426950408889634
+#: log2(e): the kernels run the softmax in base 2.
+LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 
 
@@ -428,6 +430,16 @@ def num_splits_for(
     return max(1, min(tiles, sms // programs))
 
 
+def decode_operands(q_latent: Tensor, q_rope: Tensor, indices: Tensor) -> tuple[Tensor, ...]:
+    """The queries with unit stride on their last dim and the indices as int32 rows (copies
+    only where they are not already): what the decode kernels (Triton and Gluon) index."""
+    q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
+    q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
+    if indices.dtype != torch.int32 or indices.stride(-1) != 1:
+        indices = indices.to(torch.int32).contiguous()
+    return q_latent, q_rope, indices
+
+
 def sparse_mla_decode_triton(
     q_latent: Tensor,
     q_rope: Tensor,
@@ -462,12 +474,8 @@ def sparse_mla_decode_triton(
     k = indices.shape[1]
     cfg = config or default_config(t, h)
     splits = num_splits or num_splits_for(t, h, k, cfg, device)
-    split_len = triton.cdiv(triton.cdiv(max(k, 1), splits), cfg.block_n) * cfg.block_n
-
-    q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
-    q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
-    if indices.dtype != torch.int32 or indices.stride(-1) != 1:
-        indices = indices.to(torch.int32).contiguous()
+    split_len = split_length(k, splits, cfg.block_n)
+    q_latent, q_rope, indices = decode_operands(q_latent, q_rope, indices)
 
     is_fp8 = name == "fp8_ds_mla"
     rope_view = kv_cache.view(torch.bfloat16)
@@ -496,7 +504,7 @@ def sparse_mla_decode_triton(
         grid = (triton.cdiv(h, cfg.block_h), hi - lo, splits)
         common = (
             q_latent[lo:hi], q_rope[lo:hi], lat_view, scale_view, rope_view, indices[lo:hi],
-            o_buf[lo:hi], l_buf[lo:hi], scale * _LOG2E, h, k, kv_cache.shape[1], split_len,
+            o_buf[lo:hi], l_buf[lo:hi], scale * LOG2E, h, k, kv_cache.shape[1], split_len,
             q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
             lat_view.stride(0), lat_view.stride(1), scale_view.stride(0), scale_view.stride(1),
             rope_view.stride(0), rope_view.stride(1), indices.stride(0),

@@ -79,6 +79,11 @@ def _combine_kernel(
     tl.store(lse_ptr + t * s_l_t + h, lse)
 
 
+def split_length(top_k: int, splits: int, block_n: int) -> int:
+    """Rows per split: ``top_k`` over ``splits``, rounded up to whole ``block_n`` steps."""
+    return triton.cdiv(triton.cdiv(max(top_k, 1), splits), block_n) * block_n
+
+
 def split_buffers(
     t: int, h: int, d: int, splits: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, ...]:
