@@ -33,6 +33,7 @@ DEV = torch.device("cuda")
 C, R, H, K = 512, 64, 128, 2048
 SCALE = 192**-0.5
 FMT = "fp8_ds_mla"
+TOKENS = 16
 
 
 def _inputs(t: int, seed: int, kv: torch.Tensor, p_neg: float = 0.02):  # type: ignore[no-untyped-def]
@@ -106,13 +107,13 @@ def test_gluon_token_major_view() -> None:
 
 
 def test_dispatch_picks_gluon_and_graph_capture(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp8 rows of 16+ tokens on sm_90 go to the Gluon kernel (fewer tokens, a row stride
-    that is not 16-byte aligned, or ``HISPARSE_MLA_KERNEL=triton``: Triton), and a call
-    replays in a CUDA graph."""
+    """fp8 rows on sm_90 go to the Gluon kernel, one token as well as many (a row stride that
+    is not 16-byte aligned, or ``HISPARSE_MLA_KERNEL=triton``: Triton), and a call replays
+    in a CUDA graph."""
     monkeypatch.delenv("HISPARSE_ATTENTION", raising=False)
     monkeypatch.delenv("HISPARSE_MLA_KERNEL", raising=False)
     kv = _pool(FMT, 128, 64, 3)
-    ql, qr, idx = _inputs(smg.MIN_TOKENS, 3, kv)
+    ql, qr, idx = _inputs(TOKENS, 3, kv)
     calls: list[str] = []
     real_g, real_t = smg.sparse_mla_decode_gluon, smt.sparse_mla_decode_triton
     monkeypatch.setattr(smg, "sparse_mla_decode_gluon",
@@ -127,8 +128,8 @@ def test_dispatch_picks_gluon_and_graph_capture(monkeypatch: pytest.MonkeyPatch)
     wide = torch.zeros(128 * 64, row + 4, dtype=torch.uint8, device=DEV)
     wide[:, :row] = kv.view(-1, row)
     sparse_mla_decode(ql, qr, wide.view(128, 64, row + 4)[:, :, :row], idx, SCALE, FMT)
-    sparse_mla_decode(ql[:4], qr[:4], kv, idx[:4], SCALE, FMT)
-    assert calls == ["gluon", "triton", "triton", "triton"]
+    sparse_mla_decode(ql[:1], qr[:1], kv, idx[:1], SCALE, FMT)
+    assert calls == ["gluon", "triton", "triton", "gluon"]
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -138,12 +139,12 @@ def test_dispatch_picks_gluon_and_graph_capture(monkeypatch: pytest.MonkeyPatch)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         g_out, g_lse = real_g(ql, qr, kv, idx, SCALE)
-    _, _, idx2 = _inputs(smg.MIN_TOKENS, 4, kv)
+    _, _, idx2 = _inputs(TOKENS, 4, kv)
     idx.copy_(idx2)
     graph.replay()
     torch.cuda.synchronize()
     ref_o, ref_l = sparse_mla_decode_reference(ql, qr, kv, idx, SCALE, FMT)
-    few = torch.zeros(smg.MIN_TOKENS, dtype=torch.bool, device=DEV)
+    few = torch.zeros(TOKENS, dtype=torch.bool, device=DEV)
     few[2] = True
     _check_against_reference(g_out, g_lse, ref_o, ref_l, few)
 

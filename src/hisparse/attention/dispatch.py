@@ -55,10 +55,10 @@ def sparse_mla_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA (contract of `sparse_mla_decode_reference`) on the best backend available.
 
-    On Hopper, ``fp8_ds_mla`` rows of calls with at least `sparse_mla_gluon.MIN_TOKENS` query
-    tokens go to the Gluon kernel (``HISPARSE_MLA_KERNEL=triton`` keeps them on the Triton
-    one). Inputs the kernels do not handle (the fp32 test format, latent widths other than
-    512, a non-contiguous byte dim) and machines without Triton fall back to the reference.
+    On Hopper, calls on 16-byte aligned ``fp8_ds_mla`` rows go to the Gluon kernel
+    (``HISPARSE_MLA_KERNEL=triton`` keeps them on the Triton one). Inputs the kernels do not
+    handle (the fp32 test format, latent widths other than 512, a non-contiguous byte dim) and
+    machines without Triton fall back to the reference.
     """
     if _attention_backend(q_latent.device) == "triton":
         try:
@@ -90,8 +90,7 @@ def _use_gluon_mla(
     from hisparse.kv.row_formats import mla_format_name
 
     return (
-        q_latent.shape[0] >= smg.MIN_TOKENS
-        and smg.supported(q_latent.device)
+        smg.supported(q_latent.device)
         and mla_format_name(row_format) == "fp8_ds_mla"
         and q_latent.shape[-1] == smg.LATENT_DIM
         and q_rope.shape[-1] == smg.ROPE_DIM

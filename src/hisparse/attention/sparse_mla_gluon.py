@@ -1,33 +1,36 @@
-"""Sparse MLA decode over ``fp8_ds_mla`` rows as a Gluon kernel for Hopper (sm_90).
+"""Sparse MLA decode over ``fp8_ds_mla`` rows as a warp-specialised Gluon kernel for Hopper.
 
 Same contract and grid as `sparse_mla_triton` (a program takes 64 heads of one token and one
 split of its top-k; an fp32 partial per split when there are several, merged by
 `triton_split.combine_splits`) and the same numerics as its default "wide" kernel: each fp8
-row is dequantised to bf16 once (``bf16(k8 * scale)``), the scores are one ``K = 512`` dot
-plus the RoPE dot, the values one ``N = 512`` dot, fp32 accumulation, online softmax in
+row is dequantised to bf16 once (``bf16(f32(k8) * scale)``), the scores are one ``K = 512``
+dot plus the RoPE dot, the values one ``N = 512`` dot, fp32 accumulation, online softmax in
 base 2.
 
-Why a second kernel: plain Triton decides where each warp group works. For this loop it
-gives the score dot ``[8, 1]`` warps, so both warp groups of a program compute the same
-``64 x 64`` score tile. Gluon states the layouts, so here the score dot's warps are
-``[4, 2]`` (each group computes the scores of 32 of the step's 64 rows; the softmax's row
-maximum and sum cross the two groups through shared memory) and the value dot's too (each
-group owns 256 of the 512 output columns, reading the probabilities from shared memory).
-Each step's rows are copied one step ahead (``cp.async``) and their indices loaded one step
-before that, so that the loads' latency hides behind a step's work.
+Why Gluon: a program's 64-row steps have three kinds of work (dequantise the rows, the score
+dot and softmax, the value dot) that plain Triton runs one after another in every warp. Here
+three warp groups each own one and hand tiles over through shared memory and mbarriers:
 
-Measured and not kept (docs/benchmarks.md §9): running the value dot of step ``i`` while the
-registers dequantise step ``i + 1`` (the dequantised tile held in registers spilled; into a
-second shared buffer it needs 32-row steps), and any dot left in flight across the loop's
-back edge: ptxas then copies the in-flight accumulator's registers for the loop and
-serialises every wgmma of the kernel (its C7515 note).
+- `_rows` gathers a tile's rows into registers while the dots run on the tile before, waits
+  for a free tile of the two-tile ring, dequantises into it, writes the tile's score bias
+  (``-inf`` for rows ``-1``) and signals it full;
+- `_scores` (the default partition) computes the tile's ``64 x 64`` scores, the online
+  softmax, leaves the probabilities and the rescale factor in shared memory for `_values`,
+  and accumulates output columns 0-255;
+- `_values` rescales and accumulates columns 256-511 from those probabilities.
 
-Shared memory: the query (72 KB), the dequantised tile (72 KB), the staged raw tile (41 KB)
-and the probabilities (8 KB). Gluon kernels do not run under Triton's CPU interpreter, so CI
-compiles this one for sm_90 (``tests/test_sparse_mla_gluon.py``) and runs the Triton kernel;
-``tests/gpu/test_sparse_mla_gluon_gpu.py`` runs it against the reference and beside the
-Triton kernel. `supported` says where it runs; the dispatch takes it from
-`MIN_TOKENS` query tokens on (below that the Triton kernel's shorter prologue wins).
+A tile is free again when both dot groups are done with it. The query (72 KB), the ring
+(2 x 72 KB) and the probabilities (8 KB) fill an SM's shared memory: there is no room to stage
+raw rows, so `_rows` holds the next tile's rows in registers. The registers are split by
+warp group (`WORKER_REGS`). The fp8 values cross `_rows`' loop as int32 words, since a
+register per value spilled, and the dequantisation is inline PTX that stays below the
+mbarrier wait (LLVM hoisted a plain conversion above it).
+
+Gluon kernels do not run under Triton's CPU interpreter, so CI compiles this one for sm_90
+(``tests/test_sparse_mla_gluon.py``: shared memory, spills, wgmma serialisation) and runs the
+Triton kernel; ``tests/gpu/test_sparse_mla_gluon_gpu.py`` runs it against the reference and
+beside the Triton kernel. `supported` says where it runs; the dispatch takes it there for
+every call on 16-byte aligned rows (docs/benchmarks.md §9).
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    async_copy,
     fence_async_shared,
+    mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -67,10 +70,16 @@ Tensor = torch.Tensor
 ROW_BYTES = mla_row_bytes("fp8_ds_mla", LATENT_DIM, ROPE_DIM)
 BLOCK_H = 64
 BLOCK_N = 64
-NUM_WARPS = 8
-#: Fewest query tokens the dispatch sends here: below them the Triton kernel's shorter
-#: prologue wins (one or two 64-row steps a program; docs/benchmarks.md §9).
-MIN_TOKENS = 16
+#: Warps of the default partition (`_scores`, the launch's ``num_warps``) and of the two
+#: workers (`_values`, `_rows`).
+NUM_WARPS = 4
+WORKER_WARPS = gl.constexpr([4, 4])
+#: Registers a thread: the workers get these and `_scores` what ``MAX_REGS`` over the 12
+#: warps leaves (``3 * 168 - 160 - 136 = 208``), the register file's 64K. Fewer for `_rows`
+#: spill there, fewer for `_scores` spill its accumulators, and `_values` needs more than 152
+#: (ptxas: tests/test_sparse_mla_gluon.py compiles the kernel).
+WORKER_REGS = gl.constexpr([160, 136])
+MAX_REGS = 168
 
 
 @functools.cache
@@ -91,39 +100,18 @@ def _sparse_mla_gluon_kernel(
 ):  # fmt: skip
     C: gl.constexpr = 512
     R: gl.constexpr = 64
-    TILE: gl.constexpr = 128
     BH: gl.constexpr = 64
-    SC_OFF: gl.constexpr = 128  # fp32 element of a row's first scale
-    RP_OFF: gl.constexpr = 264  # bf16 element of a row's RoPE part
-
-    # -- layouts ---------------------------------------------------------------------------
-    # scores [heads, rows]: each warp group computes half of the rows
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16]
-    )
-    # output [heads, 512]: each warp group owns 256 columns
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16]
-    )
-    # [rows, 4, 128] fp8 latent: 16 bytes a thread, one row a warp
-    lat_layout: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 4, 8], [8, 1, 1], [2, 1, 0])
-    sc_layout: gl.constexpr = gl.SliceLayout(2, lat_layout)
-    # [rows, 64] bf16 (RoPE) and [heads, 64] bf16 (q RoPE): 16 bytes a thread
-    r_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    # [heads, 512] bf16 (q latent)
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-    idx_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, lat_layout))
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-
     mma16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
-    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    # [heads, 512] bf16 (q latent) and [heads, 64] (q RoPE) over the default partition's 4 warps
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    r_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
     hb = gl.program_id(0)
     t = gl.program_id(1).to(gl.int64)
     sp = gl.program_id(2)
 
-    # -- the token's query, once ---------------------------------------------------------------
+    # -- the token's query, once, in shared memory ----------------------------------------------
     qh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, q_layout))
     qc = gl.arange(0, C, layout=gl.SliceLayout(0, q_layout))
     q = gl.load(
@@ -141,61 +129,79 @@ def _sparse_mla_gluon_kernel(
     ).to(gl.bfloat16)
     qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, R], mma16, qr)
 
-    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, C], mma16)  # dequantised latent
-    kr_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, R], mma16)  # its RoPE part
+    # -- a ring of two dequantised tiles, the probabilities, one value per head -----------------
+    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, C], mma16)
+    kr_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, R], mma16)
     p_layout: gl.constexpr = gl.NVMMASharedLayout(
         swizzle_byte_width=min(128, 2 * BN), element_bitwidth=16, rank=2
     )
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BN], p_layout)
-    raw_lat = gl.allocate_shared_memory(gl.float8e4nv, [BN, 4, TILE], plain3)
-    raw_sc = gl.allocate_shared_memory(gl.float32, [BN, 4], plain2)
-    raw_rp = gl.allocate_shared_memory(gl.bfloat16, [BN, R], plain2)
+    head_smem = gl.allocate_shared_memory(gl.float32, [BH], plain1)
+    # each tile's row mask as a score bias: 0, or -inf for rows -1 and past the split's end
+    bias_smem = gl.allocate_shared_memory(gl.float32, [2, BN], plain1)
+    # tile b full (rows -> scores), tile b empty (both dot groups -> rows), probabilities
+    # ready (scores -> values), probabilities read (values -> scores), 1/l written
+    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    sync = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(2):
+        mbarrier.init(full.index(b), count=1)
+        mbarrier.init(empty.index(b), count=2)
+    for j in gl.static_range(3):
+        mbarrier.init(sync.index(j), count=1)
 
     start = sp * split_len
     end = gl.minimum(start + split_len, top_k)
-    n_tiles = gl.cdiv(end - start, BN)
-
-    # element offsets inside a row, per layout
-    lr = gl.arange(0, BN, layout=idx_layout)
-    lj = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, lat_layout)))
-    ld = gl.arange(0, TILE, layout=gl.SliceLayout(0, gl.SliceLayout(1, lat_layout)))
-    lat_cols = (lj * TILE)[None, :, None] + ld[None, None, :]
-    sj = gl.arange(0, 4, layout=gl.SliceLayout(0, sc_layout))
+    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BN)
     idx_row = idx_ptr + t * s_idx_t
+    o_row = out_ptr + t * s_o_t + sp * s_o_s
+    lse_row = lse_ptr + t * s_l_t + sp * s_l_s
+    out = (hb, num_heads, o_row, s_o_h)
+    gl.warp_specialize(
+        [
+            (_scores, (q_smem, qr_smem, kv_smem, kr_smem, bias_smem, p_smem, head_smem, full,
+                       empty, sync, n_tiles, sm_scale_log2, out, lse_row, s_l_h, BN)),
+            (_values, (kv_smem, p_smem, head_smem, empty, sync, n_tiles, out)),
+            (_rows, (kv_smem, kr_smem, bias_smem, full, empty, idx_row, start, end, n_tiles,
+                     lat_ptr, sc_ptr, rp_ptr, s_kv_b, s_kv_r, block_size, BN)),
+        ],
+        WORKER_WARPS,
+        WORKER_REGS,
+    )  # fmt: skip
 
-    # -- prologue: step 0's rows dequantised, step 1's in flight -------------------------------
-    _issue_tile(_indices(idx_row, start, end, lr), lat_ptr, sc_ptr, rp_ptr, lat_cols, sj, rc,
-                raw_lat, raw_sc, raw_rp, s_kv_b, s_kv_r, block_size, SC_OFF, RP_OFF,
-                lat_layout, sc_layout, r_layout)  # fmt: skip
-    async_copy.wait_group(0)
-    gl.thread_barrier()
-    _dequantise(raw_lat, raw_sc, raw_rp, kv_smem, kr_smem, lat_layout,
-                sc_layout, r_layout)  # fmt: skip
-    fence_async_shared()
-    gl.thread_barrier()
-    _issue_tile(_indices(idx_row, start + BN, end, lr), lat_ptr, sc_ptr, rp_ptr, lat_cols, sj,
-                rc, raw_lat, raw_sc, raw_rp, s_kv_b, s_kv_r, block_size, SC_OFF, RP_OFF,
-                lat_layout, sc_layout, r_layout)  # fmt: skip
 
+@gluon.jit
+def _scores(q_smem, qr_smem, kv_smem, kr_smem, bias_smem, p_smem, head_smem, full, empty,
+            sync, n_tiles, sm_scale_log2, out, lse_row, s_l_h, BN: gl.constexpr):  # fmt: skip
+    """The default partition (one warp group): each tile's scores, the online softmax, the
+    probabilities handed to `_values` through shared memory, and output columns 0-255."""
+    hb = out[0]
+    num_heads = out[1]
+    p_ready = sync.index(0)
+    p_read = sync.index(1)
+    inv_ready = sync.index(2)
+    BH: gl.constexpr = 64
+    HALF: gl.constexpr = 256
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+    )
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BH, C], gl.float32, layout=o_layout)
-    cols = gl.arange(0, BN, layout=col_layout)
-    # index loads one step ahead of their use (their latency hides behind a step's work)
-    valid = _indices(idx_row, start, end, cols) >= 0
-    idx_next = _indices(idx_row, start + 2 * BN, end, lr)
-
-    # Each dot is waited for in the step that issues it (see the module docstring).
+    acc = gl.zeros([BH, HALF], gl.float32, layout=o_layout)
     for i in range(n_tiles):
-        n0 = start + i * BN
-        s_tok = warpgroup_mma(qr_smem, kr_smem.permute((1, 0)),
+        b = i % 2
+        mbarrier.wait(full.index(b), (i // 2) & 1)
+        kv = kv_smem.index(b)
+        s_tok = warpgroup_mma(qr_smem, kr_smem.index(b).permute((1, 0)),
                               gl.zeros([BH, BN], gl.float32, layout=s_layout), use_acc=False,
                               is_async=True)  # fmt: skip
-        s_tok = warpgroup_mma(q_smem, kv_smem.permute((1, 0)), s_tok, is_async=True)
-        valid_next = _indices(idx_row, n0 + BN, end, cols) >= 0
-        idx_after = _indices(idx_row, n0 + 3 * BN, end, lr)
+        s_tok = warpgroup_mma(q_smem, kv.permute((1, 0)), s_tok, is_async=True)
+        bias = bias_smem.index(b).load(gl.SliceLayout(0, s_layout))
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+        s = s * sm_scale_log2 + bias[None, :]
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
@@ -203,36 +209,183 @@ def _sparse_mla_gluon_kernel(
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        mbarrier.wait(p_read, (i & 1) ^ 1)  # `_values` is done with the last probabilities
         p_smem.store(p.to(gl.bfloat16))
+        head_smem.store(alpha)
         fence_async_shared()
-        async_copy.wait_group(0)  # step i + 1's rows (copied during step i - 1)
         gl.thread_barrier()
-        acc = warpgroup_mma(p_smem, kv_smem, acc, is_async=True)
+        mbarrier.arrive(p_ready)
+        acc = warpgroup_mma(p_smem, kv.slice(0, HALF, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        gl.thread_barrier()  # both groups' value dots are done with the tile
-        _dequantise(raw_lat, raw_sc, raw_rp, kv_smem, kr_smem, lat_layout, sc_layout, r_layout)
-        fence_async_shared()
-        gl.thread_barrier()  # the staging is read, the tile written
-        _issue_tile(idx_next, lat_ptr, sc_ptr, rp_ptr, lat_cols, sj, rc, raw_lat, raw_sc,
-                    raw_rp, s_kv_b, s_kv_r, block_size, SC_OFF, RP_OFF, lat_layout, sc_layout,
-                    r_layout)  # fmt: skip
-        valid = valid_next
-        idx_next = idx_after
-    async_copy.wait_group(0)
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(b))
 
-    # -- normalise and store; a head that saw no valid row gets out 0 and lse -inf -------------
+    # -- normalise; a head that saw no valid row gets out 0 and lse -inf -----------------------
     has = l_i > 0
     inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
     lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))  # fmt: skip
     lh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, s_layout))
-    gl.store(lse_ptr + t * s_l_t + sp * s_l_s + lh * s_l_h, lse, mask=lh < num_heads)
-    oh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, o_layout))
-    oc = gl.arange(0, C, layout=gl.SliceLayout(0, o_layout))
-    o = acc * gl.convert_layout(inv, gl.SliceLayout(1, o_layout))[:, None]
+    gl.store(lse_row + lh * s_l_h, lse, mask=lh < num_heads)
+    mbarrier.wait(p_read, (n_tiles & 1) ^ 1)  # `_values` has read the last rescale
+    head_smem.store(inv)
+    gl.thread_barrier()
+    mbarrier.arrive(inv_ready)
+    _store_half(acc, gl.convert_layout(inv, gl.SliceLayout(1, o_layout)), out, 0, o_layout)
+
+
+@gluon.jit
+def _values(kv_smem, p_smem, head_smem, empty, sync, n_tiles, out):
+    """A worker warp group: output columns 256-511, from the probabilities `_scores` leaves in
+    shared memory (rescaled by the factor beside them) and each tile's upper half."""
+    p_ready = sync.index(0)
+    p_read = sync.index(1)
+    inv_ready = sync.index(2)
+    BH: gl.constexpr = 64
+    HALF: gl.constexpr = 256
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+    )
+    acc = gl.zeros([BH, HALF], gl.float32, layout=o_layout)
+    for i in range(n_tiles):
+        mbarrier.wait(p_ready, i & 1)
+        alpha = head_smem.load(gl.SliceLayout(1, o_layout))
+        acc = acc * alpha[:, None]
+        acc = warpgroup_mma(p_smem, kv_smem.index(i % 2).slice(HALF, HALF, dim=1), acc,
+                            is_async=True)  # fmt: skip
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        gl.thread_barrier()
+        mbarrier.arrive(p_read)
+        mbarrier.arrive(empty.index(i % 2))
+    mbarrier.wait(inv_ready, 0)
+    inv = head_smem.load(gl.SliceLayout(1, o_layout))
+    _store_half(acc, inv, out, HALF, o_layout)
+
+
+@gluon.jit
+def _rows(kv_smem, kr_smem, bias_smem, full, empty, idx_row, start, end, n_tiles, lat_ptr,
+          sc_ptr, rp_ptr, s_kv_b, s_kv_r, block_size: gl.constexpr, BN: gl.constexpr):  # fmt: skip
+    """A worker warp group: gathers each tile's rows into registers while the dots run on the
+    tile before, then dequantises them (``bf16(k8 * scale)`` per 128-value tile) into the
+    ring's free tile, with the tile's score bias."""
+    SC_OFF: gl.constexpr = 128  # fp32 element of a row's first scale
+    RP_OFF: gl.constexpr = 264  # bf16 element of a row's RoPE part
+    # one 128-value fp8 tile of each row as int32 words: [rows, 32], 16 bytes a thread;
+    # [rows, 64] bf16 RoPE
+    lat_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    r_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    lr = gl.arange(0, BN, layout=gl.SliceLayout(1, lat_layout))
+    ld = gl.arange(0, 32, layout=gl.SliceLayout(0, lat_layout))
+    rc = gl.arange(0, 64, layout=gl.SliceLayout(0, r_layout))
+    k0, k1, k2, k3, s0, s1, s2, s3, rp, bias = _gather(
+        _indices(idx_row, start, end, lr), ld, rc, lat_ptr, sc_ptr, rp_ptr, s_kv_b, s_kv_r,
+        block_size, SC_OFF, RP_OFF)  # fmt: skip
+    # indices a tile ahead of the rows (the rows' loads would wait on theirs)
+    idx_next = _indices(idx_row, start + BN, end, lr)
+    for i in range(n_tiles):
+        b = i % 2
+        mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)
+        kv = kv_smem.index(b)
+        kr_smem.index(b).store(rp)
+        bias_smem.index(b).store(bias)
+        kv.slice(0, 128, dim=1).store(_dequantise(k0, s0))
+        kv.slice(128, 128, dim=1).store(_dequantise(k1, s1))
+        kv.slice(256, 128, dim=1).store(_dequantise(k2, s2))
+        kv.slice(384, 128, dim=1).store(_dequantise(k3, s3))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(full.index(b))
+        # the next tile's rows: in flight while the dots run on this one
+        k0, k1, k2, k3, s0, s1, s2, s3, rp, bias = _gather(
+            idx_next, ld, rc, lat_ptr, sc_ptr, rp_ptr, s_kv_b, s_kv_r, block_size, SC_OFF,
+            RP_OFF)  # fmt: skip
+        idx_next = _indices(idx_row, start + (i + 2) * BN, end, lr)
+
+
+@gluon.jit
+def _gather(idx, ld, rc, lat_ptr, sc_ptr, rp_ptr, s_kv_b, s_kv_r, block_size: gl.constexpr,
+            SC_OFF: gl.constexpr, RP_OFF: gl.constexpr):  # fmt: skip
+    """Rows ``idx`` (``-1`` reads nothing: zeros) as their four fp8 tiles (int32 words), their
+    four scales, their RoPE part and their score bias (``-inf`` for rows ``-1``)."""
+    valid = idx >= 0
+    safe = gl.where(valid, idx, 0)
+    row = (safe // block_size).to(gl.int64) * s_kv_b + (safe % block_size).to(gl.int64) * s_kv_r
+    lat = lat_ptr + (row // 4)[:, None] + ld[None, :]
+    m2 = valid[:, None]
+    k0 = gl.load(lat, mask=m2, other=0)
+    k1 = gl.load(lat + 32, mask=m2, other=0)
+    k2 = gl.load(lat + 64, mask=m2, other=0)
+    k3 = gl.load(lat + 96, mask=m2, other=0)
+    sc = sc_ptr + (row // 4 + SC_OFF)
+    s0 = gl.load(sc, mask=valid, other=0.0)
+    s1 = gl.load(sc + 1, mask=valid, other=0.0)
+    s2 = gl.load(sc + 2, mask=valid, other=0.0)
+    s3 = gl.load(sc + 3, mask=valid, other=0.0)
+    # (the same rows a thread as the latent's layout: no data moves)
+    rrow = gl.convert_layout(row, gl.SliceLayout(1, rc.type.layout.parent))
+    rvalid = gl.convert_layout(valid, gl.SliceLayout(1, rc.type.layout.parent))
+    rp = gl.load(rp_ptr + (rrow[:, None] // 2 + RP_OFF) + rc[None, :], mask=rvalid[:, None],
+                 other=0.0)  # fmt: skip
+    bias = gl.where(valid, 0.0, float("-inf"))
+    return k0, k1, k2, k3, s0, s1, s2, s3, rp, bias
+
+
+@gluon.jit
+def _dequantise(words, scale):
+    """``bf16(f32(k8) * scale)`` of the four fp8 values in each int32 word, as the Triton
+    kernel rounds it, ``[rows, words] -> [rows, 4 * words]``. The words cross the loop as
+    int32 (as fp8 each value would take a register of its own); the PTX is inline and
+    volatile because LLVM would hoist a plain conversion above the mbarrier wait before it
+    and hold the tile's bf16 values (twice the fp8 bytes) in registers across the wait."""
+    words, scale = gl.broadcast(words, scale[:, None])
+    v0, v1, v2, v3 = gl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi;
+        .reg .b32 h01, h23;
+        .reg .f16 e0, e1, e2, e3;
+        .reg .f32 f0, f1, f2, f3;
+        mov.b32 {lo, hi}, $4;
+        cvt.rn.f16x2.e4m3x2 h01, lo;
+        cvt.rn.f16x2.e4m3x2 h23, hi;
+        mov.b32 {e0, e1}, h01;
+        mov.b32 {e2, e3}, h23;
+        cvt.f32.f16 f0, e0;
+        cvt.f32.f16 f1, e1;
+        cvt.f32.f16 f2, e2;
+        cvt.f32.f16 f3, e3;
+        mul.f32 f0, f0, $5;
+        mul.f32 f1, f1, $5;
+        mul.f32 f2, f2, $5;
+        mul.f32 f3, f3, $5;
+        cvt.rn.bf16.f32 $0, f0;
+        cvt.rn.bf16.f32 $1, f1;
+        cvt.rn.bf16.f32 $2, f2;
+        cvt.rn.bf16.f32 $3, f3;
+        }""",
+        "=h,=h,=h,=h,r,r",
+        [words, scale],
+        dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
+        is_pure=False,
+        pack=1,
+    )
+    # (join adds a minor dimension: [.., i, j] is value 2 * i + j of the word)
+    v = gl.join(gl.join(v0, v2), gl.join(v1, v3))
+    return gl.reshape(v, [v.shape[0], 4 * v.shape[1]])
+
+
+@gluon.jit
+def _store_half(acc, inv, out, col0: gl.constexpr, o_layout: gl.constexpr):
+    """``acc * inv`` (``1 / l``) into output columns ``col0 .. col0 + 255`` of the program's
+    heads; ``out`` is (head block, heads, the program's output row, its head stride)."""
+    hb = out[0]
+    num_heads = out[1]
+    o_row = out[2]
+    s_o_h = out[3]
+    oh = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+    oc = col0 + gl.arange(0, 256, layout=gl.SliceLayout(0, o_layout))
     gl.store(
-        out_ptr + t * s_o_t + sp * s_o_s + oh.to(gl.int64)[:, None] * s_o_h + oc[None, :],
-        o.to(out_ptr.dtype.element_ty),
+        o_row + oh.to(gl.int64)[:, None] * s_o_h + oc[None, :],
+        (acc * inv[:, None]).to(o_row.dtype.element_ty),
         mask=(oh < num_heads)[:, None],
     )
 
@@ -242,57 +395,6 @@ def _indices(idx_row, n0, end, lanes):
     """The token's row indices ``n0 + lanes`` (``-1`` past ``end``), in ``lanes``' layout."""
     offs = n0 + lanes
     return gl.load(idx_row + offs, mask=offs < end, other=-1)
-
-
-@gluon.jit
-def _issue_tile(
-    idx,
-    lat_ptr,
-    sc_ptr,
-    rp_ptr,
-    lat_cols,
-    sj,
-    rc,
-    raw_lat,
-    raw_sc,
-    raw_rp,
-    s_kv_b,
-    s_kv_r,
-    block_size: gl.constexpr,
-    SC_OFF: gl.constexpr,
-    RP_OFF: gl.constexpr,
-    lat_layout: gl.constexpr,
-    sc_layout: gl.constexpr,
-    r_layout: gl.constexpr,
-):
-    """Start copying the rows ``idx`` into the staging buffers (rows ``-1`` read nothing:
-    zeros), as one commit group."""
-    valid = idx >= 0
-    safe = gl.where(valid, idx, 0)
-    row = (safe // block_size).to(gl.int64) * s_kv_b + (safe % block_size).to(gl.int64) * s_kv_r
-    lat = lat_ptr + row[:, None, None] + lat_cols
-    async_copy.async_copy_global_to_shared(raw_lat, lat, mask=valid[:, None, None])
-    row_s = gl.convert_layout(row, gl.SliceLayout(1, sc_layout))
-    valid_s = gl.convert_layout(valid, gl.SliceLayout(1, sc_layout))
-    sc = sc_ptr + (row_s[:, None] // 4 + SC_OFF) + sj[None, :]
-    async_copy.async_copy_global_to_shared(raw_sc, sc, mask=valid_s[:, None])
-    row_r = gl.convert_layout(row, gl.SliceLayout(1, r_layout))
-    valid_r = gl.convert_layout(valid, gl.SliceLayout(1, r_layout))
-    rp = rp_ptr + (row_r[:, None] // 2 + RP_OFF) + rc[None, :]
-    async_copy.async_copy_global_to_shared(raw_rp, rp, mask=valid_r[:, None])
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _dequantise(raw_lat, raw_sc, raw_rp, kv_smem, kr_smem, lat_layout: gl.constexpr,
-                sc_layout: gl.constexpr, r_layout: gl.constexpr):  # fmt: skip
-    """The staged rows as bf16 (``bf16(k8 * scale)`` per 128-value tile) into the tile the
-    dots read, and their RoPE part as it is."""
-    k8 = raw_lat.load(lat_layout)
-    sc = raw_sc.load(sc_layout)
-    kv = gl.reshape((k8.to(gl.float32) * sc[:, :, None]).to(gl.bfloat16), [k8.shape[0], 512])
-    kv_smem.store(kv)
-    kr_smem.store(raw_rp.load(r_layout))
 
 
 def rows_aligned(kv_cache: Tensor) -> bool:
@@ -341,14 +443,14 @@ def sparse_mla_decode_gluon(
     for lo, hi in grid_slices(t):
         grid = (triton.cdiv(h, BLOCK_H), hi - lo, splits)
         _sparse_mla_gluon_kernel[grid](
-            q_latent[lo:hi], q_rope[lo:hi], kv_cache.view(torch.float8_e4m3fn),
+            q_latent[lo:hi], q_rope[lo:hi], kv_cache.view(torch.int32),
             kv_cache.view(torch.float32), kv_cache.view(torch.bfloat16), indices[lo:hi],
             o_buf[lo:hi], l_buf[lo:hi],
             scale * LOG2E, h, k, split_len,
             q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), indices.stride(0),
             so[0], so[1], so[2], sl[0], sl[1], sl[2],
-            block_size=kv_cache.shape[1], BN=BLOCK_N, num_warps=NUM_WARPS,
+            block_size=kv_cache.shape[1], BN=BLOCK_N, num_warps=NUM_WARPS, maxnreg=MAX_REGS,
         )  # fmt: skip
     if splits > 1:
         combine_splits(o_buf, l_buf, out, lse)
