@@ -11,9 +11,9 @@ Why Gluon: a program's 64-row steps have three kinds of work (dequantise the row
 dot and softmax, the value dot) that plain Triton runs one after another in every warp. Here
 three warp groups each own one and hand tiles over through shared memory and mbarriers:
 
-- `_rows` gathers a tile's rows into registers while the dots run on the tile before, waits
-  for a free tile of the two-tile ring, dequantises into it, writes the tile's score bias
-  (``-inf`` for rows ``-1``) and signals it full;
+- `_rows` gathers a tile's rows into registers (issued as soon as it has stored the tile
+  before), waits for a free tile of the two-tile ring, dequantises into it, writes the
+  tile's score bias (``-inf`` for rows ``-1``) and signals it full;
 - `_scores` (the default partition) computes the tile's ``64 x 64`` scores, the online
   softmax, leaves the probabilities and the rescale factor in shared memory for `_values`,
   and accumulates output columns 0-255;
@@ -265,9 +265,9 @@ def _values(kv_smem, p_smem, head_smem, empty, sync, n_tiles, out):
 @gluon.jit
 def _rows(kv_smem, kr_smem, bias_smem, full, empty, idx_row, start, end, n_tiles, lat_ptr,
           sc_ptr, rp_ptr, s_kv_b, s_kv_r, block_size: gl.constexpr, BN: gl.constexpr):  # fmt: skip
-    """A worker warp group: gathers each tile's rows into registers while the dots run on the
-    tile before, then dequantises them (``bf16(k8 * scale)`` per 128-value tile) into the
-    ring's free tile, with the tile's score bias."""
+    """A worker warp group: gathers each tile's rows into registers, then dequantises them
+    (``bf16(k8 * scale)`` per 128-value tile) into the ring's free tile, with the tile's score
+    bias. The bottleneck at many tokens: it waits for its own gathers (design.md §17)."""
     SC_OFF: gl.constexpr = 128  # fp32 element of a row's first scale
     RP_OFF: gl.constexpr = 264  # bf16 element of a row's RoPE part
     # one 128-value fp8 tile of each row as int32 words: [rows, 32], 16 bytes a thread;
@@ -295,7 +295,8 @@ def _rows(kv_smem, kr_smem, bias_smem, full, empty, idx_row, start, end, n_tiles
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(full.index(b))
-        # the next tile's rows: in flight while the dots run on this one
+        # the next tile's rows: in flight while this one is consumed (and while `_rows` waits
+        # for a free tile, if the dots are the slower side)
         k0, k1, k2, k3, s0, s1, s2, s3, rp, bias = _gather(
             idx_next, ld, rc, lat_ptr, sc_ptr, rp_ptr, s_kv_b, s_kv_r, block_size, SC_OFF,
             RP_OFF)  # fmt: skip
