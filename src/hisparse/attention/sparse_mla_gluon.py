@@ -80,6 +80,10 @@ WORKER_WARPS = gl.constexpr([4, 4])
 #: (ptxas: tests/test_sparse_mla_gluon.py compiles the kernel).
 WORKER_REGS = gl.constexpr([160, 136])
 MAX_REGS = 168
+#: A warp group's half of a program's output, ``[64 heads, 256 columns]`` fp32 (wgmma layout).
+HALF_LAYOUT = gl.constexpr(
+    gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+)
 
 
 @functools.cache
@@ -149,6 +153,7 @@ def _sparse_mla_gluon_kernel(
         mbarrier.init(empty.index(b), count=2)
     for j in gl.static_range(3):
         mbarrier.init(sync.index(j), count=1)
+    handoff = (sync.index(0), sync.index(1), sync.index(2))  # p ready, p read, 1/l ready
 
     start = sp * split_len
     end = gl.minimum(start + split_len, top_k)
@@ -160,8 +165,8 @@ def _sparse_mla_gluon_kernel(
     gl.warp_specialize(
         [
             (_scores, (q_smem, qr_smem, kv_smem, kr_smem, bias_smem, p_smem, head_smem, full,
-                       empty, sync, n_tiles, sm_scale_log2, out, lse_row, s_l_h, BN)),
-            (_values, (kv_smem, p_smem, head_smem, empty, sync, n_tiles, out)),
+                       empty, handoff, n_tiles, sm_scale_log2, out, lse_row, s_l_h, BN)),
+            (_values, (kv_smem, p_smem, head_smem, empty, handoff, n_tiles, out)),
             (_rows, (kv_smem, kr_smem, bias_smem, full, empty, idx_row, start, end, n_tiles,
                      lat_ptr, sc_ptr, rp_ptr, s_kv_b, s_kv_r, block_size, BN)),
         ],
@@ -172,22 +177,18 @@ def _sparse_mla_gluon_kernel(
 
 @gluon.jit
 def _scores(q_smem, qr_smem, kv_smem, kr_smem, bias_smem, p_smem, head_smem, full, empty,
-            sync, n_tiles, sm_scale_log2, out, lse_row, s_l_h, BN: gl.constexpr):  # fmt: skip
+            handoff, n_tiles, sm_scale_log2, out, lse_row, s_l_h, BN: gl.constexpr):  # fmt: skip
     """The default partition (one warp group): each tile's scores, the online softmax, the
     probabilities handed to `_values` through shared memory, and output columns 0-255."""
     hb = out[0]
     num_heads = out[1]
-    p_ready = sync.index(0)
-    p_read = sync.index(1)
-    inv_ready = sync.index(2)
+    p_ready, p_read, inv_ready = handoff
     BH: gl.constexpr = 64
     HALF: gl.constexpr = 256
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
     )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
-    )
+    o_layout: gl.constexpr = HALF_LAYOUT
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BH, HALF], gl.float32, layout=o_layout)
@@ -235,17 +236,13 @@ def _scores(q_smem, qr_smem, kv_smem, kr_smem, bias_smem, p_smem, head_smem, ful
 
 
 @gluon.jit
-def _values(kv_smem, p_smem, head_smem, empty, sync, n_tiles, out):
+def _values(kv_smem, p_smem, head_smem, empty, handoff, n_tiles, out):
     """A worker warp group: output columns 256-511, from the probabilities `_scores` leaves in
     shared memory (rescaled by the factor beside them) and each tile's upper half."""
-    p_ready = sync.index(0)
-    p_read = sync.index(1)
-    inv_ready = sync.index(2)
+    p_ready, p_read, inv_ready = handoff
     BH: gl.constexpr = 64
     HALF: gl.constexpr = 256
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
-    )
+    o_layout: gl.constexpr = HALF_LAYOUT
     acc = gl.zeros([BH, HALF], gl.float32, layout=o_layout)
     for i in range(n_tiles):
         mbarrier.wait(p_ready, i & 1)
