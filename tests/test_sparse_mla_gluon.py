@@ -107,3 +107,23 @@ def test_dispatch_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HISPARSE_MLA_KERNEL", "auto")
     assert not dispatch._use_gluon_mla(q, qr, kv, "fp8_ds_mla")  # CPU tensors
     assert not smg.supported(torch.device("cpu"))
+
+
+def test_diagnostic_versions_still_apply(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`benchmarks/gluon_mla_diagnostics.py` edits the kernel's source by text; a kernel change
+    that breaks its anchors should fail here rather than on the GPU machine."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gluon_mla_diagnostics.py")
+    spec = importlib.util.spec_from_file_location("gluon_mla_diagnostics", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    paths = mod.write_variants(str(tmp_path))
+    from pathlib import Path
+
+    src = Path(smg.__file__).read_text()
+    for p in paths:
+        text = Path(p).read_text()
+        assert text != src and "_sparse_mla_gluon_kernel" in text
+        compile(text, p, "exec")  # still Python
