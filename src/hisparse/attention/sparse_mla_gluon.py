@@ -116,22 +116,9 @@ def _sparse_mla_gluon_kernel(
     sp = gl.program_id(2)
 
     # -- the token's query, once, in shared memory ----------------------------------------------
-    qh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, q_layout))
-    qc = gl.arange(0, C, layout=gl.SliceLayout(0, q_layout))
-    q = gl.load(
-        q_lat_ptr + t * s_ql_t + qh.to(gl.int64)[:, None] * s_ql_h + qc[None, :],
-        mask=(qh < num_heads)[:, None],
-        other=0.0,
-    ).to(gl.bfloat16)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, C], mma16, q)
-    rh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, r_layout))
-    rc = gl.arange(0, R, layout=gl.SliceLayout(0, r_layout))
-    qr = gl.load(
-        q_rope_ptr + t * s_qr_t + rh.to(gl.int64)[:, None] * s_qr_h + rc[None, :],
-        mask=(rh < num_heads)[:, None],
-        other=0.0,
-    ).to(gl.bfloat16)
-    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, R], mma16, qr)
+    q_smem = _query_to_shared(q_lat_ptr + t * s_ql_t, s_ql_h, hb, num_heads, C, q_layout, mma16)
+    qr_smem = _query_to_shared(q_rope_ptr + t * s_qr_t, s_qr_h, hb, num_heads, R, r_layout,
+                               mma16)  # fmt: skip
 
     # -- a ring of two dequantised tiles, the probabilities, one value per head -----------------
     kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, C], mma16)
@@ -173,6 +160,18 @@ def _sparse_mla_gluon_kernel(
         WORKER_WARPS,
         WORKER_REGS,
     )  # fmt: skip
+
+
+@gluon.jit
+def _query_to_shared(q_row, s_h, hb, num_heads, width: gl.constexpr, layout: gl.constexpr,
+                     smem_layout: gl.constexpr):  # fmt: skip
+    """The program's 64 heads of one query part (``width`` columns) as bf16 in shared memory
+    (heads past ``num_heads`` zero)."""
+    h = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+    c = gl.arange(0, width, layout=gl.SliceLayout(0, layout))
+    q = gl.load(q_row + h.to(gl.int64)[:, None] * s_h + c[None, :], mask=(h < num_heads)[:, None],
+                other=0.0)  # fmt: skip
+    return gl.allocate_shared_memory(gl.bfloat16, [64, width], smem_layout, q.to(gl.bfloat16))
 
 
 @gluon.jit
