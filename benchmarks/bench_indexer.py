@@ -65,6 +65,21 @@ def _graph_us(fn) -> float:
     return _us(graph.replay)
 
 
+def _graph_call_us(fn, calls: int = 10) -> float:
+    """µs a call with ``calls`` calls captured in one CUDA graph: the GPU's time, as a
+    graph-captured decode step pays it, without a launch's host time per call."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return _us(graph.replay) / calls
+
+
 def copy_GBps() -> float:
     """HBM bandwidth of a 1 GiB device-to-device copy (bytes read + written per second)."""
     n = 2**30
@@ -91,7 +106,9 @@ def baseline_function(path: str | None, name: str):
     return getattr(mod, name)
 
 
-def run_case(kind: str, batch: int, context: int, seed: int, sweep: bool, before=None) -> dict:
+def run_case(
+    kind: str, batch: int, context: int, seed: int, sweep: bool, before=None, stages=()
+) -> dict:
     dev = torch.device(DEVICE)
     case = ic.random_indexer_case(
         kind,
@@ -171,7 +188,56 @@ def run_case(kind: str, batch: int, context: int, seed: int, sweep: bool, before
         row["ab_GBps"] = key_bytes / (row["ab_scores_us"] * 1e3)
     if kind == "fp8" and sweep:
         row["variants"] = _variants(case, ref, tol, key_bytes)
+    if kind == "fp8" and stages:
+        row["gluon"] = _gluon_stages(case, ref, tol, key_bytes, stages)
     return row
+
+
+def _gluon_stages(
+    case: ic.PagedIndexerCase, ref: torch.Tensor, tol: torch.Tensor, key_bytes: int, stages
+) -> dict:
+    """The Gluon score kernel (`indexer_gluon`) at each ring depth, beside the Triton kernel
+    (the default config passed explicitly), three alternating rounds each of ten calls in one
+    CUDA graph; its error and its largest difference from the Triton scores."""
+    from hisparse.attention import indexer_gluon as ig
+
+    def triton_fn() -> torch.Tensor:
+        return it.indexer_scores_paged_triton(
+            *case.args(), case.softmax_scale, config=it.IndexerConfig()
+        )
+
+    def gluon_fn() -> torch.Tensor:
+        return it.indexer_scores_paged_triton(*case.args(), case.softmax_scale)
+
+    want = triton_fn()
+    saved = ig.STAGES, ig.PROGRAMS_PER_SM, ig.MAX_REGS
+    out = {}
+    try:
+        for spec in stages:
+            n, per_sm, regs = (*spec, None, None)[:3]
+            ig.STAGES = n
+            if per_sm is None:
+                smem = 2 * H * D + n * (BS * case.fmt.row_bytes) + 2048
+                per_sm = max(1, min(4, 232448 // smem))
+            ig.PROGRAMS_PER_SM, ig.MAX_REGS = per_sm, regs
+            got = gluon_fn()
+            finite = torch.isfinite(ref)
+            rounds = [(_graph_call_us(triton_fn), _graph_call_us(gluon_fn)) for _ in range(3)]
+            name = ":".join(str(v) for v in spec)
+            out[name] = {
+                "per_sm": ig.PROGRAMS_PER_SM,
+                "triton_us": sorted(a for a, _ in rounds)[1],
+                "gluon_us": sorted(b for _, b in rounds)[1],
+                "err_over_tol": _score_err(got, ref, tol),
+                "max_diff_vs_triton": float((got - want).abs()[finite].max()),
+                "neginf_equal": bool(torch.equal(torch.isneginf(got), torch.isneginf(want))),
+                "regs": getattr(it.last_compiled[0], "n_regs", None),
+            }
+            out[name]["GBps"] = key_bytes / (out[name]["gluon_us"] * 1e3)
+            out[name]["triton_GBps"] = key_bytes / (out[name]["triton_us"] * 1e3)
+    finally:
+        ig.STAGES, ig.PROGRAMS_PER_SM, ig.MAX_REGS = saved
+    return out
 
 
 #: Score-stage configurations swept besides the default (``chunk_x2`` / ``chunk_half``: the
@@ -284,6 +350,22 @@ def _print_tables(rows: list[dict], seconds: float, copy: float) -> None:
             f"{100 * r['score_GBps'] / copy:>5.0f}% "
             f"{r['old_scores_us'] / r['scores_us']:>6.2f}x {r['score_err_over_tol']:>7.3f}"
         )
+    if any("gluon" in r for r in rows):
+        print(
+            "\nscore stage, Triton kernel vs Gluon TMA kernel per ring depth (stages, programs "
+            "per SM): µs a call in CUDA graphs / % of copy, medians of three alternating rounds; "
+            "error x tol, max |gluon - triton|"
+        )
+        for r in rows:
+            for n, g in r.get("gluon", {}).items():
+                print(
+                    f"{r['batch']:>5} {r['context']:>7} stages {n:>8} x{g['per_sm']} "
+                    f"triton {g['triton_us']:>7.1f} {100 * g['triton_GBps'] / copy:>4.0f}%  "
+                    f"gluon {g['gluon_us']:>7.1f} {100 * g['GBps'] / copy:>4.0f}%  "
+                    f"{g['triton_us'] / g['gluon_us']:>5.2f}x  err {g['err_over_tol']:.3f}  "
+                    f"diff {g['max_diff_vs_triton']:.2e} -inf equal {g['neginf_equal']} "
+                    f"regs {g['regs']}"
+                )
     names = list(VARIANTS)
     if not any("variants" in r for r in rows):
         return
@@ -312,7 +394,13 @@ def main() -> int:
     parser.add_argument("--no-sweep", action="store_true", help="skip the VARIANTS sweep")
     parser.add_argument("--baseline", help="a module file whose score stage runs beside")
     parser.add_argument("--cases", help="only these fp8 batch x context cases, e.g. 29x131072")
+    parser.add_argument(
+        "--gluon-stages",
+        default="",
+        help="time the Gluon kernel at ring depths[:programs per SM[:maxnreg]], e.g. 4,6:3:80",
+    )
     args = parser.parse_args()
+    stages = [tuple(int(x) for x in v.split(":")) for v in args.gluon_stages.split(",") if v]
     before = baseline_function(args.baseline, "indexer_scores_paged_triton")
     if not torch.cuda.is_available():
         print("bench_indexer needs CUDA", file=sys.stderr)
@@ -330,7 +418,9 @@ def main() -> int:
     print(f"HBM copy: {copy:.0f} GB/s", flush=True)
     rows = []
     for i, (kind, batch, context) in enumerate(cases):
-        row = run_case(kind, batch, context, seed=i, sweep=not args.no_sweep, before=before)
+        row = run_case(
+            kind, batch, context, seed=i, sweep=not args.no_sweep, before=before, stages=stages
+        )
         rows.append(row)
         print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()

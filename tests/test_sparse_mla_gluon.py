@@ -10,9 +10,6 @@ in flight across the loop's back edge once made every step wait on every dot).
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 
 # (as every kernel test file: the other Triton kernels of the suite run interpreted; the
 # Gluon kernel's compile below runs in a process of its own without it)
@@ -23,22 +20,13 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from gluon_sm90 import SM90_SMEM, compile_sm90, spilled_bytes  # noqa: E402
 from hisparse.attention import dispatch  # noqa: E402
 from hisparse.attention import sparse_mla_gluon as smg  # noqa: E402
 
-#: Dynamic shared memory one block may use on sm_90.
-SM90_SMEM = 232448
-
-
 #: Compiles the kernel for sm_90 as a decode launch specialises it (16-aligned pointers,
-#: strides and sizes); prints its shared memory, writes its PTX to argv[1]. It runs in a
-#: process of its own without TRITON_INTERPRET: interpreted, `gluon.jit` functions are
-#: wrapped, and `gl.warp_specialize` takes only real ones as partitions.
+#: strides and sizes).
 _COMPILE = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
 from hisparse.attention import sparse_mla_gluon as smg
 
 fn = smg._sparse_mla_gluon_kernel
@@ -50,51 +38,19 @@ sig = {a: "constexpr" if a in consts else ptrs.get(a, "fp32" if a == "sm_scale_l
 odd = {"sm_scale_log2", "s_l_h", "s_l_s", "block_size", "BN"}
 attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a not in odd}
 options = dict(num_warps=smg.NUM_WARPS, maxnreg=smg.MAX_REGS)
-try:
-    k = triton.compile(GluonASTSource(fn, sig, consts, attrs),
-                       target=GPUTarget("cuda", 90, 128), options=options)
-except RuntimeError as exc:  # a Triton build without the NVIDIA backend
-    print("NO-SM90", exc)
-    sys.exit(0)
-open(sys.argv[1], "w").write(k.asm["ptx"])
-print("SHARED", k.metadata.shared)
 """
 
 
 def test_gluon_kernel_compiles_for_sm90_without_serialised_wgmma(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # compile afresh
-    ptx = tmp_path / "k.ptx"
-    out = subprocess.run(
-        [sys.executable, "-c", _COMPILE, str(ptx)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-        timeout=600,
-    ).stdout
-    if out.startswith("NO-SM90"):  # pragma: no cover
-        pytest.skip(f"no sm_90 compiler here: {out}")
-    shared = int(re.search(r"SHARED (\d+)", out).group(1))  # type: ignore[union-attr]
+    shared, info, ptx = compile_sm90(_COMPILE, tmp_path)
     assert shared <= SM90_SMEM
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
-    if not os.path.exists(ptxas):  # pragma: no cover
-        pytest.skip("no ptxas in this Triton build")
-    res = subprocess.run(
-        [ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "k.cubin")],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    info = res.stdout + res.stderr
     assert "C7515" not in info, info  # "wgmma.mma_async instructions are serialized"
     assert "C7512" not in info, info  # serialised for want of registers (a partition's budget)
     assert "C7507" not in info, info  # a partition's register budget ignored
     # the warp-specialize dispatch saves the shared-memory base once (4 bytes); the partitions'
     # loops spilling their tiles or accumulators would be hundreds
-    spilled = [int(n) for n in re.findall(r"(\d+) bytes spill stores", info)]
-    assert spilled and max(spilled) <= 16, info
-    assert "wgmma.mma_async" in ptx.read_text()
+    assert spilled_bytes(info) <= 16, info
+    assert "wgmma.mma_async" in ptx
 
 
 def test_dispatch_choice(monkeypatch: pytest.MonkeyPatch) -> None:

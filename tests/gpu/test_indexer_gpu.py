@@ -238,3 +238,57 @@ def test_large_table_past_the_grid_limit() -> None:
     cols = case.block_table.shape[1] * BS
     assert -(-cols // 128) > 65535
     _check(case, chunk=128)
+
+
+def _kernel_name(compiled) -> str:  # type: ignore[no-untyped-def]
+    return compiled.name if hasattr(compiled, "name") else compiled.metadata.name
+
+
+@pytest.mark.parametrize(("heads", "block_size"), [(64, 64), (32, 64), (128, 64), (64, 256)])
+def test_gluon_kernel_taken_and_beside_triton(
+    monkeypatch: pytest.MonkeyPatch, heads: int, block_size: int
+) -> None:
+    """The default call on sm_90 runs the Gluon TMA kernel (poisoned outputs: every score is
+    written); its scores pass the reference's checks and equal the Triton kernel's (the
+    default config passed explicitly) bit for bit: the same f16 products, summed by the same
+    wgmma instructions in the same order. Heads: GLM-5's 32, DeepSeek's 64, the most a
+    program takes; 256-key pages put four tiles in a page."""
+    from hisparse.attention import indexer_gluon as ig
+
+    if not ig.supported(DEV):
+        pytest.skip("the Gluon kernel needs sm_90")
+    contexts = [4096, 1000, 16384, 32768, 65536 + 17, 131072, 8192, 2049] * 3 + [300, 64, 65]
+    case = ic.random_indexer_case(
+        "fp8", contexts, [1] * len(contexts), heads=heads, head_dim=D, block_size=block_size,
+        device=DEV, seed=31 + heads, extra_blocks=3, pad_tokens=2,
+    )  # fmt: skip
+    with monkeypatch.context() as m:
+        _poison_empty(m)
+        got = it.indexer_scores_paged_triton(*case.args(), case.softmax_scale)
+        assert "gluon" in _kernel_name(it.last_compiled[0])
+        want = it.indexer_scores_paged_triton(
+            *case.args(), case.softmax_scale, config=it.IndexerConfig()
+        )
+        assert "gluon" not in _kernel_name(it.last_compiled[0])
+    torch.cuda.synchronize()
+    ref = ic.reference_scores(case, got.shape[1])
+    tol = ic.score_tolerance(ref, RTOL, ATOL)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
+    finite = torch.isfinite(ref)
+    assert torch.isfinite(got[finite]).all()
+    assert float(((got - ref).abs().masked_fill(~finite, 0) / tol).max()) <= 1.0
+    assert torch.equal(got, want)
+    assert ic.selection_errors(it.topk_from_scores(got, K), ref, case.limits, K, tol) == []
+
+
+def test_unaligned_pages_fall_back_to_triton() -> None:
+    """Pages at an address a TMA descriptor cannot take (4 bytes past 16-byte alignment) go to
+    the Triton kernel and still match the reference."""
+    case = _case("fp8", [20000, 131072], seed=41)
+    nb, pb = case.pages.shape
+    pool = torch.empty(nb * pb + 16, dtype=torch.uint8, device=DEV)
+    pages = pool[4 : 4 + nb * pb].view(nb, pb)
+    pages.copy_(case.pages)
+    case = dataclasses.replace(case, pages=pages)
+    _check(case)
+    assert "gluon" not in _kernel_name(it.last_compiled[0])

@@ -58,8 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hisparse.attention import indexer_gluon, triton_split
 from hisparse.attention import indexer_reference as _ref
-from hisparse.attention import triton_split
 from hisparse.attention.dispatch import env_backend
 from hisparse.attention.sparse_mla_triton import interpreting
 from hisparse.attention.topk_triton import topk_select_triton
@@ -385,6 +385,16 @@ def indexer_scores_paged_triton(
     if t == 0 or cols == 0:
         return out
     cfg = config or default_config(fmt.kind)
+    page_tiles = cfg.page_tiles and bs % cfg.block_n == 0
+    gluon = (
+        config is None
+        and not interpreting()
+        and indexer_gluon.usable(q, q_scale, pages, fmt, page_tiles)
+    )
+    if gluon and chunk is None:
+        chunk = chunk_for(t, cols, cfg.block_n, device, indexer_gluon.PROGRAMS_PER_SM)
+        gluon = chunk >= indexer_gluon.MIN_TILES * cfg.block_n
+        chunk = chunk if gluon else None
     chunk = chunk or chunk_for(t, cols, cfg.block_n, device, cfg.programs_per_sm)
     if chunk % cfg.block_n:
         raise ValueError(f"chunk {chunk} is not a multiple of block_n {cfg.block_n}")
@@ -404,6 +414,12 @@ def indexer_scores_paged_triton(
     if block_table.dtype != torch.int32:
         block_table = block_table.to(torch.int32)
     q = q if q.stride(-1) == 1 else q.contiguous()
+    if gluon:
+        last_compiled[0] = indexer_gluon.launch(
+            q, qs, weights, pages, fmt, block_table, req_index, positions, out, softmax_scale,
+            chunk,
+        )  # fmt: skip
+        return out
 
     interp = interpreting() or device.type != "cuda"
     if not is_fp8 or interp:
@@ -412,7 +428,6 @@ def indexer_scores_paged_triton(
         dot = {"f16": tl.float16, "bf16": tl.bfloat16, "fp8": tl.float8e4nv}[cfg.dot]
     fp8_acc_k = cfg.fp8_acc_k if dot == tl.float8e4nv else None
     grid = (t, triton.cdiv(cols, chunk))
-    page_tiles = cfg.page_tiles and bs % cfg.block_n == 0
     extra = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
     last_compiled[0] = _indexer_scores_kernel[grid](
         q, qs, weights, key_view, ksc_view, block_table, req_index, positions, out,
