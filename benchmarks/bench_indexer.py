@@ -53,18 +53,6 @@ def _us(fn, rep: int = 100) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
-def _graph_us(fn) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return _us(graph.replay)
-
-
 def _graph_call_us(fn, calls: int = 10) -> float:
     """µs a call with ``calls`` calls captured in one CUDA graph: the GPU's time, as a
     graph-captured decode step pays it, without a launch's host time per call."""
@@ -161,7 +149,7 @@ def run_case(
         "set_overlap_vs_reference": overlap,
         "reference_us": _us(reference),
         "triton_us": _us(triton_topk),
-        "graph_us": _graph_us(triton_topk),
+        "graph_us": _graph_call_us(triton_topk, calls=1),
         "old_scores_us": _us(lambda: scores(old)),
         "scores_us": _us(scores),
         "topk_us": _us(lambda: it.topk_from_scores(sc, K)),

@@ -29,6 +29,8 @@ import torch
 if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
     pytest.skip("needs CUDA", allow_module_level=True)
 
+from gpu_helpers import capture, poison_empty  # (tests/gpu is on sys.path under pytest)
+
 from hisparse.attention import sparse_mla_decode, triton_split
 from hisparse.attention import sparse_mla_triton as smt
 from hisparse.attention.sparse_mla_reference import sparse_mla_decode_reference
@@ -146,30 +148,12 @@ def test_dispatch_picks_triton_and_graph_capture(monkeypatch: pytest.MonkeyPatch
     assert calls == [1]
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=1.6e-2)
     # Capturable: no host sync, no data-dependent shapes.
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        real(ql, qr, kv, idx, SCALE, "bf16")
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, _ = real(ql, qr, kv, idx, SCALE, "bf16")
+    graph, (g_out, _) = capture(lambda: real(ql, qr, kv, idx, SCALE, "bf16"))
     idx.copy_(torch.randint(0, 128 * 64, (4, K), device=DEV, dtype=torch.int32))
     graph.replay()
     torch.cuda.synchronize()
     ref2, _ = sparse_mla_decode_reference(ql, qr, kv, idx, SCALE, "bf16")
     torch.testing.assert_close(g_out.float(), ref2.float(), atol=2e-3, rtol=1.6e-2)
-
-
-def _poison_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``torch.empty`` returns NaN-filled floats: an element no kernel writes fails a check."""
-    real_empty = torch.empty
-
-    def poisoned(*a, **kw):  # type: ignore[no-untyped-def]
-        x = real_empty(*a, **kw)
-        return x.fill_(float("nan")) if x.is_floating_point() else x
-
-    monkeypatch.setattr(torch, "empty", poisoned)
 
 
 #: Query tokens of the large prefill chunk (more than grid axis 1 takes: 65535), the pool it
@@ -228,7 +212,7 @@ def test_large_prefill_chunk_past_grid_and_int32_limits(
     ql = torch.randn(h, t, C, generator=g, device=DEV, dtype=torch.bfloat16).transpose(0, 1)
     qr = torch.randn(t, h, R, generator=g, device=DEV, dtype=torch.bfloat16)
     with monkeypatch.context() as m:
-        _poison_empty(m)
+        poison_empty(m)
         out, lse = smt.sparse_mla_decode_triton(
             ql, qr, kv, idx, SCALE, fmt, config=cfg, num_splits=splits
         )

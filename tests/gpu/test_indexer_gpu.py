@@ -23,6 +23,8 @@ import torch
 if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
     pytest.skip("needs CUDA", allow_module_level=True)
 
+from gpu_helpers import capture, poison_empty  # (tests/gpu is on sys.path under pytest)
+
 from hisparse.attention import dispatch
 from hisparse.attention import indexer_reference as ir
 from hisparse.attention import indexer_triton as it
@@ -148,33 +150,12 @@ def test_cuda_graph_replay_matches_eager() -> None:
         )  # fmt: skip
 
     call()  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = call()
+    graph, static_out = capture(call)
     fresh = _case("fp8", [32768] * 8, seed=8)
     static_q.copy_(fresh.q)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, call())
-
-
-def _poison_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``torch.empty`` returns NaN floats and ``-7777`` int32 / int64: unwritten elements
-    show."""
-    real_empty = torch.empty
-
-    def poisoned(*a, **kw):  # type: ignore[no-untyped-def]
-        x = real_empty(*a, **kw)
-        if x.is_floating_point():
-            return x.fill_(float("nan"))
-        return x.fill_(-7777) if x.dtype in (torch.int32, torch.int64) else x
-
-    monkeypatch.setattr(torch, "empty", poisoned)
 
 
 def _lift_pages(case: ic.PagedIndexerCase, above: int) -> ic.PagedIndexerCase:
@@ -212,7 +193,7 @@ def test_large_prefill_chunk_scored_in_row_blocks(monkeypatch: pytest.MonkeyPatc
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     with monkeypatch.context() as m:
-        _poison_empty(m)
+        poison_empty(m, ints=True)
         got = it.indexer_topk_paged_triton(*case.args(), K, case.softmax_scale, max_len=cols)
         torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base  # un-blocked: 4 GiB of scores alone
@@ -263,7 +244,7 @@ def test_gluon_kernel_taken_and_beside_triton(
         device=DEV, seed=31 + heads, extra_blocks=3, pad_tokens=2,
     )  # fmt: skip
     with monkeypatch.context() as m:
-        _poison_empty(m)
+        poison_empty(m, ints=True)
         got = it.indexer_scores_paged_triton(*case.args(), case.softmax_scale)
         assert "gluon" in _kernel_name(it.last_compiled[0])
         want = it.indexer_scores_paged_triton(

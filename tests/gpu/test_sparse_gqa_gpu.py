@@ -28,6 +28,8 @@ import torch
 if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
     pytest.skip("needs CUDA", allow_module_level=True)
 
+from gpu_helpers import capture, poison_empty  # (tests/gpu is on sys.path under pytest)
+
 from hisparse.attention import sparse_gqa_triton as sgt
 from hisparse.attention import triton_split
 from hisparse.attention.dispatch import sparse_gqa_decode
@@ -120,14 +122,7 @@ def test_dispatch_picks_triton_and_graph_capture(monkeypatch: pytest.MonkeyPatch
     assert calls == [1]
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=1.6e-2)
     # Capturable: no host sync, no data-dependent shapes.
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        real(q, kv, idx, SCALE, fmt)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, _ = real(q, kv, idx, SCALE, fmt)
+    graph, (g_out, _) = capture(lambda: real(q, kv, idx, SCALE, fmt))
     idx.copy_(torch.randint(0, 256 * 64, (4, 1024), device=DEV, dtype=torch.int32))
     graph.replay()
     torch.cuda.synchronize()
@@ -192,17 +187,6 @@ def test_smollm2_decode_through_the_kernel_is_lossless(
     assert tokens["hisparse"] == tokens["gpu"]
 
 
-def _poison_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``torch.empty`` returns NaN-filled floats: an element no kernel writes fails a check."""
-    real_empty = torch.empty
-
-    def poisoned(*a, **kw):  # type: ignore[no-untyped-def]
-        x = real_empty(*a, **kw)
-        return x.fill_(float("nan")) if x.is_floating_point() else x
-
-    monkeypatch.setattr(torch, "empty", poisoned)
-
-
 #: The large prefill chunk: a Llama-8B-like GQA shape (32 query heads, 8 KV heads, head dim
 #: 128) at 600,000 tokens (past grid axis 1's 65535, and ``t * H * D`` past 2^31 elements),
 #: top_k 128, rows in a 4.5 GiB pool, most past byte `HIGH_BYTE`.
@@ -239,7 +223,7 @@ def test_large_prefill_chunk_past_grid_and_int32_limits(monkeypatch: pytest.Monk
     # q head-major (any strides are allowed): head offsets past 2^31 too.
     q = torch.randn(h, t, d, generator=g, device=DEV, dtype=torch.bfloat16).transpose(0, 1)
     with monkeypatch.context() as m:
-        _poison_empty(m)
+        poison_empty(m)
         out, lse = sgt.sparse_gqa_decode_triton(q, kv, idx, d**-0.5, fmt)
         torch.cuda.synchronize()
     assert all(bool(torch.isfinite(part).all()) for part in out.split(65536))

@@ -14,12 +14,8 @@ import torch
 if not torch.cuda.is_available():  # pragma: no cover - CI has no GPU
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from test_attention_gpu import (  # (tests/gpu is on sys.path under pytest's rootdir conftest)
-    LARGE_POOL_GIB,
-    _poison_empty,
-    _pool,
-    _spread_pool,
-)
+from gpu_helpers import capture, poison_empty  # (tests/gpu is on sys.path under pytest)
+from test_attention_gpu import LARGE_POOL_GIB, _pool, _spread_pool
 
 from hisparse.attention import sparse_mla_decode, triton_split
 from hisparse.attention import sparse_mla_gluon as smg
@@ -131,14 +127,7 @@ def test_dispatch_picks_gluon_and_graph_capture(monkeypatch: pytest.MonkeyPatch)
     sparse_mla_decode(ql[:1], qr[:1], kv, idx[:1], SCALE, FMT)
     assert calls == ["gluon", "triton", "triton", "gluon"]
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        real_g(ql, qr, kv, idx, SCALE)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, g_lse = real_g(ql, qr, kv, idx, SCALE)
+    graph, (g_out, g_lse) = capture(lambda: real_g(ql, qr, kv, idx, SCALE))
     _, _, idx2 = _inputs(TOKENS, 4, kv)
     idx.copy_(idx2)
     graph.replay()
@@ -164,7 +153,7 @@ def test_gluon_large_prefill_chunk_past_grid_and_int32_limits(
     ql = torch.randn(H, t, C, generator=g, device=DEV, dtype=torch.bfloat16).transpose(0, 1)
     qr = torch.randn(t, H, R, generator=g, device=DEV, dtype=torch.bfloat16)
     with monkeypatch.context() as m:
-        _poison_empty(m)
+        poison_empty(m)
         out, lse = smg.sparse_mla_decode_gluon(ql, qr, kv, idx, SCALE)
         torch.cuda.synchronize()
     assert all(bool(torch.isfinite(part).all()) for part in out.split(8192))

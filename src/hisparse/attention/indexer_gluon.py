@@ -55,6 +55,10 @@ MAX_REGS: int | None = None
 #: context, a short prefill) are dominated by a program's fixed cost, where the Triton
 #: kernel is ahead.
 MIN_TILES = 8
+#: Fewest keys (tokens x score columns) of an eager call for this kernel: a launch costs
+#: more host time than the Triton kernel's (its TMA descriptors), which a smaller call's GPU
+#: time does not hide. Inside a CUDA graph capture the host time is paid once: any size.
+EAGER_MIN_KEYS = 1 << 21
 
 #: Keys ``[64, 128]`` fp8 as each thread holds them after the 16-byte shared-memory loads: a
 #: thread's 32 bytes of a row are the dims it feeds the f16 wgmma once reordered

@@ -390,6 +390,7 @@ def indexer_scores_paged_triton(
         config is None
         and not interpreting()
         and indexer_gluon.usable(q, q_scale, pages, fmt, page_tiles)
+        and (t * cols >= indexer_gluon.EAGER_MIN_KEYS or torch.cuda.is_current_stream_capturing())
     )
     if gluon and chunk is None:
         chunk = chunk_for(t, cols, cfg.block_n, device, indexer_gluon.PROGRAMS_PER_SM)
