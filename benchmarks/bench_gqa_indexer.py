@@ -33,6 +33,7 @@ from hisparse.attention import dispatch
 from hisparse.attention import gqa_indexer_reference as gr
 from hisparse.attention import gqa_indexer_triton as git
 from hisparse.testing import gqa_indexer_cases as gcases
+from hisparse.testing.cuda_graphs import graph_call_us
 
 H, G, D, BS, TOP_K = 9, 3, 64, 64, 256
 CFG = gr.GqaIndexerConfig(top_k=TOP_K, sink_tokens=4, recent_window=64)
@@ -88,17 +89,7 @@ def _graph_us(calls) -> float:
         for fn in calls:
             fn()
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        all_calls()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        all_calls()
-    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
-    del graph
-    return 1e3 * ms / len(calls)
+    return graph_call_us(all_calls, calls=1) / len(calls)
 
 
 def _agreement(got: torch.Tensor, want: torch.Tensor) -> float:

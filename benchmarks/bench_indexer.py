@@ -43,6 +43,7 @@ import triton.testing
 from hisparse.attention import indexer_triton as it
 from hisparse.attention.indexer_reference import indexer_topk_paged_reference
 from hisparse.testing import indexer_cases as ic
+from hisparse.testing.cuda_graphs import graph_call_us
 
 H, D, K, BS = 64, 128, 2048, 64
 RTOL, ATOL = 1e-4, 1e-6
@@ -51,21 +52,6 @@ DEVICE = "cuda"
 
 def _us(fn, rep: int = 100) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
-
-
-def _graph_call_us(fn, calls: int = 10) -> float:
-    """µs a call with ``calls`` calls captured in one CUDA graph: the GPU's time, as a
-    graph-captured decode step pays it, without a launch's host time per call."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return _us(graph.replay) / calls
 
 
 def copy_GBps() -> float:
@@ -149,7 +135,7 @@ def run_case(
         "set_overlap_vs_reference": overlap,
         "reference_us": _us(reference),
         "triton_us": _us(triton_topk),
-        "graph_us": _graph_call_us(triton_topk, calls=1),
+        "graph_us": graph_call_us(triton_topk, calls=1),
         "old_scores_us": _us(lambda: scores(old)),
         "scores_us": _us(scores),
         "topk_us": _us(lambda: it.topk_from_scores(sc, K)),
@@ -210,7 +196,7 @@ def _gluon_stages(
             ig.PROGRAMS_PER_SM, ig.MAX_REGS = per_sm, regs
             got = gluon_fn()
             finite = torch.isfinite(ref)
-            rounds = [(_graph_call_us(triton_fn), _graph_call_us(gluon_fn)) for _ in range(3)]
+            rounds = [(graph_call_us(triton_fn), graph_call_us(gluon_fn)) for _ in range(3)]
             name = ":".join(str(v) for v in spec)
             out[name] = {
                 "per_sm": ig.PROGRAMS_PER_SM,

@@ -1,26 +1,14 @@
-"""What the GPU tests share: capturing a call in a CUDA graph, and poisoned allocations."""
+"""What the GPU tests share: capturing a call in a CUDA graph (`hisparse.testing.cuda_graphs`),
+and poisoned allocations."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 
+from hisparse.testing.cuda_graphs import capture
 
-def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """``fn`` run once on a side stream (compiles, allocates, as capture needs), then captured:
-    the graph and the call's static output, which each replay rewrites."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
+__all__ = ["capture", "poison_empty"]
 
 
 def poison_empty(monkeypatch: pytest.MonkeyPatch, ints: bool = False) -> None:
