@@ -18,7 +18,9 @@ Two stages:
    masks; the page arithmetic is in compile-time shifts; the fp8 keys' dims (and the
    query's, alike) are reordered so that each thread's f16 MMA operand bytes sit together
    and come from shared memory in 16-byte loads, not two bytes at a time; and the chunks
-   per row are sized so that the grid fills whole waves (`chunk_for`).
+   per row are sized so that the grid fills whole waves (`chunk_for`). On Hopper, where it
+   applies, `indexer_gluon`'s kernel takes this stage instead: the same tiles and
+   instructions, the keys copied through a TMA ring, the same scores bit for bit.
 2. the exact top-k of each row: on CUDA the Triton radix select (`topk_triton`: five
    launches over a (row, part) grid, each row read only up to its token's causal limit; ties
    at the k-th score to the lowest positions, picks in ascending positions), elsewhere or with
