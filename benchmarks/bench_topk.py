@@ -1,17 +1,20 @@
 """The lightning indexer's top-k: the Triton radix select against ``torch.topk``.
 
 Rows of 128K (and 32K) fp32 scores, ``top_k`` 2048, at the decode batches of one layer (1, 8,
-29, 64 rows) and a prefill row block (2048 rows), in two distributions: ``spread`` (standard
-normal: both signs, many binades) and ``crowded`` (normal around 10 with unit spread: nearly
+29, 64 rows) and a prefill row block (2048 rows), in three distributions: ``spread`` (standard
+normal: both signs, many binades), ``crowded`` (normal around 10 with unit spread: nearly
 every key in one binade, so that the first byte, sign and exponent, tells few apart, as sums
-of ReLU terms can crowd). Each case first checks the select against
-`topk_select_reference` (exact) and against ``torch.topk``'s set, then times, as medians of
-CUDA-graph replays (what a captured decode step pays; `triton.testing.do_bench`):
+of ReLU terms can crowd) and ``relu`` (the lightning indexer's form: 64 heads' ReLU'd dot
+products of random 128-dim queries and keys, summed with random signed head weights), with
+the keys per row at or above the select's floor from group maxima. Each case first checks the
+select against `topk_select_reference` (exact) and against ``torch.topk``'s set, then times,
+as medians of CUDA-graph replays (what a captured decode step pays; `triton.testing.do_bench`):
 
 - ``torch``: ``torch.topk`` + the ``-inf`` -> ``-1`` mapping (the path before the select);
-- ``select``: `topk_select_triton` (and with ``--sweep-sparse``, up to 29 rows, the same at
-  other `SPARSE_KEYS`: up to how many matching keys a block adds one atomic each instead of
-  a histogram; with ``--sweep-parts``, 8 to 64 rows, at other programs per SM);
+- ``select``: `topk_select_triton`; ``no floor``: the same counting every key (and with
+  ``--sweep-sparse``, up to 29 rows, the same at other `SPARSE_KEYS`: up to how many
+  matching keys a block adds one atomic each instead of a histogram; with ``--sweep-parts``,
+  8 to 64 rows, at other programs per SM);
 - ``no PDL``: the same with ``HISPARSE_PDL=0`` (each launch waits for the one before to
   end, instead of starting as a programmatic dependent while it finishes);
 - ``before``: with ``--baseline FILE``, another version's ``topk_select_triton`` (a module
@@ -39,23 +42,44 @@ from pathlib import Path
 import torch
 import triton.testing
 
-from bench_indexer import _graph_us, baseline_function  # (this script's folder is on sys.path)
+from bench_indexer import baseline_function  # (this script's folder is on sys.path)
 from hisparse.attention import topk_triton
 from hisparse.attention.indexer_triton import topk_from_scores
 from hisparse.attention.topk_triton import topk_select_reference, topk_select_triton
+from hisparse.testing.cuda_graphs import graph_call_us as _graph_us
 
 K = 2048
 #: ``--sweep-parts``: programs per SM over the call (the default: `topk_triton.PROGRAMS_PER_SM`).
 PARTS_PER_SM = (1, 2, 4, 8, 16)
 CASES = [(1, 131072), (8, 131072), (29, 131072), (64, 131072), (2048, 131072), (1, 32768),
          (29, 32768)]  # fmt: skip
-DISTS = ("spread", "crowded")
+DISTS = ("spread", "crowded", "relu")
 
 
 def _scores(t: int, s: int, dist: str, dev: torch.device) -> torch.Tensor:
     g = torch.Generator(device=dev).manual_seed(t * 7 + s)
+    if dist == "relu":  # sum_h w_h * relu(q_h . k), the indexer's score
+        keys = torch.randn(s, 128, generator=g, device=dev)
+        x = torch.empty(t, s, device=dev)
+        for r in range(t):
+            q = torch.randn(64, 128, generator=g, device=dev)
+            w = torch.randn(64, generator=g, device=dev)
+            x[r] = w @ torch.relu(q @ keys.T)
+        return x
     x = torch.randn(t, s, generator=g, device=dev)
     return x if dist == "spread" else x + 10.0
+
+
+def _floor_keys(x: torch.Tensor) -> float:
+    """Mean keys per row at or above the floor the select computes (all rows finite)."""
+    group = topk_triton._floor_group(x.shape[1], K)
+    if not group:
+        return float(x.shape[1])
+    bits = torch.where(x == 0, 0.0, x).view(torch.int32)
+    v = bits ^ ((bits >> 31) | -(2**31)) ^ -(2**31)  # signed ints in the floats' order
+    kth = v.view(x.shape[0], -1, group).amax(dim=2).topk(K, dim=1).values[:, -1]
+    floor = (((kth ^ -(2**31)) >> 16) << 16) ^ -(2**31)
+    return (v >= floor[:, None]).sum(dim=1).float().mean().item()
 
 
 def _torch_topk(x: torch.Tensor, out: torch.Tensor) -> None:
@@ -101,6 +125,9 @@ def main() -> None:
         assert picked.equal(out.sort(dim=1).values), "the indexer's top-k picks another set"
         t_torch = _graph_us(lambda x=x, out=out: _torch_topk(x, out))
         t_sel = _graph_us(lambda x=x, out=out: topk_select_triton(x, K, out))
+        out.fill_(-7777)
+        exact = exact and torch.equal(topk_select_triton(x, K, out, floor=False), want)
+        t_no_floor = _graph_us(lambda x=x, out=out: topk_select_triton(x, K, out, floor=False))
         os.environ["HISPARSE_PDL"] = "0"
         t_no_pdl = _graph_us(lambda x=x, out=out: topk_select_triton(x, K, out))
         del os.environ["HISPARSE_PDL"]
@@ -112,6 +139,7 @@ def main() -> None:
         read_us = t * s * 4 / copy_gb_s / 1e3
         rows.append(dict(rows=t, keys=s, dist=dist, exact=exact, same_set_as_torch=same_set,
                          torch_us=t_torch, select_us=t_sel, no_pdl_us=t_no_pdl,
+                         no_floor_us=t_no_floor, floor_keys=_floor_keys(x),
                          before_us=t_before, read_us=read_us,
                          speedup=t_torch / t_sel, copy_gb_s=copy_gb_s))  # fmt: skip
         print(rows[-1], flush=True)
@@ -130,9 +158,13 @@ def main() -> None:
                 topk_triton.SPARSE_KEYS = default_sparse
         if args.launches:
             rows[-1]["launches_us"] = _launch_us(lambda x=x, out=out: topk_select_triton(x, K, out))
+            rows[-1]["no_floor_launches_us"] = _launch_us(
+                lambda x=x, out=out: topk_select_triton(x, K, out, floor=False)
+            )
             if before is not None:
                 rows[-1]["before_launches_us"] = _launch_us(lambda x=x, out=out: before(x, K, out))
-            print("  launches:", rows[-1]["launches_us"], rows[-1].get("before_launches_us"))
+            for key in ("launches_us", "no_floor_launches_us", "before_launches_us"):
+                print(f"  {key}:", rows[-1].get(key))
         if args.sweep_parts and 8 <= t <= 64:  # programs per row: about f per SM over the call
             sms = torch.cuda.get_device_properties(dev).multi_processor_count
             for f in PARTS_PER_SM:
@@ -160,15 +192,17 @@ def main() -> None:
             f"{'' if r['exact'] else '  NOT EXACT'}"
         )
     print(f"\nHBM copy {copy_gb_s:.0f} GB/s; top_k {K}; medians of CUDA-graph replays, µs")
-    head = ["scores", "rows", "keys", "exact", "torch.topk µs", "before µs", "no PDL µs",
-            "select µs", "speedup", "read floor µs", "select / floor"]  # fmt: skip
+    head = ["scores", "rows", "keys", "exact", "keys >= floor", "torch.topk µs", "before µs",
+            "no PDL µs", "no floor µs", "select µs", "speedup", "read µs",
+            "select / read"]  # fmt: skip
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
         print(f"| {r['dist']} | {r['rows']} | {r['keys']} | "
               f"{r['exact'] and r['same_set_as_torch']} | "
+              f"{r['floor_keys']:.0f} | "
               f"{r['torch_us']:.1f} | {_us(r['before_us'])} | {r['no_pdl_us']:.1f} | "
-              f"{r['select_us']:.1f} | "
+              f"{r['no_floor_us']:.1f} | {r['select_us']:.1f} | "
               f"{r['speedup']:.2f}x | "
               f"{r['read_us']:.2f} | {r['select_us'] / r['read_us']:.1f}x |")  # fmt: skip
 

@@ -114,8 +114,8 @@ def test_strided_limits_and_a_transposed_output() -> None:
 
 def test_kept_histograms_are_zero_at_rest() -> None:
     """Up to `KEPT_HIST_ROWS` rows the calls share one histogram buffer: each call's write
-    launch zeroes its rows' first three histograms and the next call's first launch the
-    fourth. After each call the first three are all zero; a fourth left dirty (poisoned here
+    launch zeroes its rows' histograms but the fourth and the next call's first launch the
+    fourth. After each call the others are all zero; a fourth left dirty (poisoned here
     between calls) does not change the picks; calls of other data in a row (the kept buffer)
     and one of more rows (a fresh buffer) still equal the reference."""
     from hisparse.attention import topk_triton as tt
@@ -130,7 +130,87 @@ def test_kept_histograms_are_zero_at_rest() -> None:
         got = topk_select_triton(x, k, _poisoned(t, k))
         assert torch.equal(got, topk_select_reference(x, k))
         kept = tt._kept_hist[x.device]
-        assert kept.shape[0] == tt.KEPT_HIST_ROWS and not kept[:, :3].any()
+        assert kept.shape[0] == tt.KEPT_HIST_ROWS and not kept[:, [0, 1, 2, 4, 5]].any()
+
+
+def _floor_counts(x: torch.Tensor, k: int, group: int) -> torch.Tensor:
+    """Per row, the keys at or above the floor (the lower edge of the 16-bit bin of the k-th
+    largest ``group``-key maximum), or every finite key where the row has fewer than ``k``
+    finite maxima."""
+    x = torch.where(torch.isnan(x), float("-inf"), x)
+    x = torch.where(x == 0, 0.0, x)  # -0.0 as 0.0
+    bits = x.view(torch.int32)
+    v = bits ^ ((bits >> 31) | -(2**31)) ^ -(2**31)  # signed ints in the floats' order
+    finite = x > float("-inf")
+    pad = (-x.shape[1]) % group
+    gm = torch.nn.functional.pad(torch.where(finite, v, -(2**31)), (0, pad), value=-(2**31))
+    gm = gm.view(x.shape[0], -1, group).amax(dim=2)
+    counts = []
+    for r in range(x.shape[0]):
+        m = gm[r][gm[r] > -(2**31)]
+        if m.numel() < k:
+            counts.append(int(finite[r].sum()))
+            continue
+        kth = m.sort(descending=True).values[k - 1]
+        floor = (((kth ^ -(2**31)) >> 16) << 16) ^ -(2**31)  # low 16 bits of the key cleared
+        counts.append(int((finite[r] & (v[r] >= floor)).sum()))
+    return torch.tensor(counts, dtype=torch.int32)
+
+
+def test_the_floor_counts_only_keys_at_or_above_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the floor (here for calls of any row count) the first pass keeps each row's keys at
+    or above its floor from group maxima as the candidates, and the first histogram counts
+    them (its total, read from a fresh buffer, equals a torch count): far fewer than the row's
+    keys on random rows, all on a row of fewer maxima than picks, many on a row where the
+    floor's bin holds a third of the keys; the picks equal the reference's with the floor and
+    without, with limits, with parts of other sizes."""
+    from hisparse.attention import topk_triton as tt
+
+    monkeypatch.setattr(tt, "FLOOR_MIN_ROWS", 1)
+    t, s, k = 5, 20000, 256
+    group = tt._floor_group(s, k)
+    assert group == tt.FLOOR_GROUP
+    x = _rows(t, s, seed=21)  # (row 1: -inf from s // 3 on)
+    x[2] = torch.randint(0, 3, (s,)).float()  # ties at the k-th score, across parts
+    x[3, 3000:] = float("-inf")  # fewer finite maxima than picks: no floor
+    x[4, ::5] = float("nan")
+    bufs = []
+
+    def fresh(rows: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+        bufs.append(torch.zeros((rows, tt.HISTS, tt.BINS), dtype=torch.int32, device=device))
+        return bufs[-1], False
+
+    monkeypatch.setattr(tt, "_histograms", fresh)
+    want = topk_select_reference(x, k)
+    assert torch.equal(topk_select_triton(x, k, _poisoned(t, k)), want)
+    counted = bufs[-1][:, 0].sum(dim=1)
+    assert torch.equal(counted, _floor_counts(x, k, group))
+    assert (counted[[0, 1, 4]] < s // 20).all() and (counted >= k).all()
+    assert counted[3] == 3000 and counted[2] > s // 4
+    assert torch.equal(topk_select_triton(x, k, _poisoned(t, k), floor=False), want)
+    assert bufs[-1][:, 0].sum(dim=1)[0] == s  # (no floor: every key)
+    limits = torch.tensor([s, 4000, 9000, 2000, 17])
+    cut = torch.where(torch.arange(s)[None, :] < limits[:, None], x, float("-inf"))
+    for parts in (1, 7, 40):
+        got = topk_select_triton(x, k, _poisoned(t, k), limits, parts=parts)
+        assert torch.equal(got, topk_select_reference(x, k, limits)), parts
+        assert torch.equal(bufs[-1][:, 0].sum(dim=1), _floor_counts(cut, k, group))
+
+
+@pytest.mark.parametrize("t,s,k", [(3, 9000, 64), (2, 131168, 2048), (4, 33000, 2048)])
+def test_random_rows_with_the_floor(
+    t: int, s: int, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random rows through the floor (forced on for these row counts and, at 33K keys, for
+    groups of 4) equal the reference, up to the engine's largest decode row."""
+    from hisparse.attention import topk_triton as tt
+
+    monkeypatch.setattr(tt, "FLOOR_MIN_ROWS", 1)
+    monkeypatch.setattr(tt, "FLOOR_MIN_GROUP", 4)
+    assert tt._floor_group(s, k) >= 4
+    x = _rows(t, s, seed=s + k)
+    got = topk_select_triton(x, k, out=_poisoned(t, k))
+    assert torch.equal(got, topk_select_reference(x, k))
 
 
 def test_sparse_blocks_take_single_atomics() -> None:

@@ -1,7 +1,8 @@
 """The Triton radix select on CUDA against `topk_select_reference`, at the engine's sizes:
-decode batches of 1..64 rows and a prefill row block of 2048 rows, 128K keys (and the block
-table's width past it), ``top_k`` 2048; ties, causal limits, a poisoned output, and a CUDA
-graph replayed on new scores. Runs on the GPU machine only (CI ignores ``tests/gpu``)."""
+decode batches of 1..64 rows and a prefill row block of 2048 rows, 32K and 128K keys (and the
+block table's width past it), ``top_k`` 2048, with and without the floor from group maxima;
+ties, causal limits, a poisoned output, and a CUDA graph replayed on new scores. Runs on the
+GPU machine only (CI ignores ``tests/gpu``)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _poisoned(t: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("t", [1, 2, 29, 64, 2048])
-@pytest.mark.parametrize("s", [131072, 131168])
+@pytest.mark.parametrize("s", [32768, 131072, 131168])
 def test_rows_equal_the_reference(t: int, s: int) -> None:
     x = _rows(t, s, seed=t + s)
     limits = torch.randint(1, s + 1, (t,), device=DEV)
@@ -38,6 +39,23 @@ def test_rows_equal_the_reference(t: int, s: int) -> None:
     assert torch.equal(got, topk_select_reference(x, K, limits))
     got = topk_select_triton(x, K, _poisoned(t))
     assert torch.equal(got, topk_select_reference(x, K))
+
+
+@pytest.mark.parametrize("s", [32768, 131072])
+@pytest.mark.parametrize("t", [8, 29])
+def test_with_and_without_the_floor(t: int, s: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The floor from group maxima changes no pick: 29 rows of 128K keys (groups of 16) and,
+    forced on, 8 rows and rows of 32K (groups of 4); crowded rows and a short one among them."""
+    from hisparse.attention import topk_triton as tt
+
+    monkeypatch.setattr(tt, "FLOOR_MIN_GROUP", 4)
+    monkeypatch.setattr(tt, "FLOOR_MIN_ROWS", 8)
+    x = _rows(t, s, seed=s + t)
+    x[3] += 10.0  # crowded: one binade
+    x[5, 40000 % s :] = float("-inf")
+    want = topk_select_reference(x, K)
+    assert torch.equal(topk_select_triton(x, K, _poisoned(t)), want)
+    assert torch.equal(topk_select_triton(x, K, _poisoned(t), floor=False), want)
 
 
 def test_heavy_ties_and_short_rows() -> None:
@@ -69,4 +87,5 @@ def test_cuda_graph_replay() -> None:
         assert torch.equal(topk_select_triton(y, K, _poisoned(5)), topk_select_reference(y, K))
     from hisparse.attention import topk_triton as tt
 
-    assert not tt._kept_hist[x.device][:, :3].any()  # (the fourth: zeroed by the next call)
+    kept = tt._kept_hist[x.device]
+    assert not kept[:, [0, 1, 2, 4, 5]].any()  # (the fourth: zeroed by the next call)

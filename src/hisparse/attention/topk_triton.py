@@ -1,4 +1,4 @@
-"""Exact top-k of score rows by radix select in five Triton launches, for the lightning indexer.
+"""Exact top-k of score rows by radix select in Triton launches, for the lightning indexer.
 
 `topk_select_reference` is the contract: per row the ``k`` largest finite scores (``-inf`` and
 NaN never picked; with fewer than ``k`` finite scores, all of them), ties at the k-th value
@@ -27,10 +27,26 @@ time over a ``(row, part)`` grid, each program reading a part of the row:
    order (ties: the first ones by position; a block's tie ranks, a prefix sum, only where it
    holds the k-th key, and its write only where it has picks).
 
+**The floor** (decode batches of long rows: `FLOOR_MIN_ROWS`, `FLOOR_GROUP`): two launches
+before the first histogram find, per row, a floor below which no pick lies, and the first
+histogram launch keeps only the keys at or above it, so that the later launches read a
+few thousand candidates a row instead of every score:
+
+0. the largest key of each group of 16 (the row's finite keys only), and a histogram of the
+   first byte of those maxima; then the second byte's, among the maxima that share the
+   first byte of the row's k-th largest maximum. The floor is the lower edge of that 16-bit
+   bin: at least ``k`` groups have a maximum at or above it, each a distinct key, so the
+   row's ``k`` largest keys all are (rows of fewer than ``k`` maxima get none: every key);
+1. the first histogram launch stores each part's keys at or above the floor, in position
+   order, from the part's first slot on (keys, positions, count); the other launches read
+   those instead of the scores, and the write launch writes their stored positions. The
+   picks are the same: the floor only removes keys no pick can be. Fewer programs per SM
+   (`FLOOR_PROGRAMS_PER_SM`): over candidates a launch's cost is each program's fixed part.
+
 The histograms must start at zero. Up to `KEPT_HIST_ROWS` rows (a decode batch) they live in
 one buffer per device that is zero at rest but for the last byte's histogram: the write
-launch zeroes each row's first three histograms (which no program of it reads) and the next
-call's first launch zeroes the fourth (which no program of that launch reads), so a step
+launch zeroes each row's other histograms (no program of it reads them) and the next
+call's first histogram launch zeroes the fourth (which no program of it reads), so a step
 needs no fill (larger calls, prefill chunks, get a zeroed buffer of their own). Calls on one
 device therefore run one after another on its streams, as the engine's compute stream runs
 them.
@@ -81,6 +97,26 @@ PROGRAMS_PER_SM = 8
 #: save the launch gap, which counts for short programs (H200: 1 / 8 rows of 128K and 29 of
 #: 32K, 1K-4K keys a part, 5-13% faster) and cost ~5% for long ones (29 / 64 rows of 128K).
 PDL_MAX_PART = 4096
+#: Histograms per row: the select's four bytes, then the floor's two (bytes 0 and 1 of the
+#: group maxima).
+HISTS = 6
+#: Widest key group whose maximum the floor takes, and the fewest group maxima per pick: a
+#: call gets a floor when its groups, at most `FLOOR_GROUP` keys wide, can be at least
+#: `FLOOR_MIN_GROUP` wide with `FLOOR_MAXIMA_PER_PICK` maxima per pick (``k`` 2048: rows of
+#: 128K keys and more).
+FLOOR_GROUP = 16
+FLOOR_MIN_GROUP = 16
+FLOOR_MAXIMA_PER_PICK = 4
+#: Rows a call must have for the floor, and may have (the candidates take 8 bytes a key).
+#: bench_topk.py on the H200: with the floor 16, 29 and 64 rows of 128K were faster; 8 rows
+#: and rows of 32K (groups of 4) slower, the launches after the compaction costing more than
+#: the passes over every key they replace.
+FLOOR_MIN_ROWS = 16
+FLOOR_MAX_ROWS = 64
+#: Programs per SM over a call with the floor: its launches after the first pass read few
+#: candidates, so their cost is each program's fixed part (bench_topk.py --sweep-parts, 29
+#: rows of 128K: 2 per SM beat 8 by a fifth).
+FLOOR_PROGRAMS_PER_SM = 2
 #: Rows of the zero-at-rest histogram buffer kept per device (see the module docstring).
 KEPT_HIST_ROWS = 64
 _kept_hist: dict[torch.device, Tensor] = {}
@@ -157,54 +193,152 @@ def _descend(hist_row, k, NPASS: tl.constexpr, BINS: tl.constexpr, DIGIT_BITS: t
 
 
 @triton.jit
+def _floor_max_kernel(
+    scores, stride_s, S, limits, req_index, hist, gmax, stride_g, PART,
+    LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr, GROUP: tl.constexpr,
+    HISTS: tl.constexpr, GDC: tl.constexpr,
+):  # fmt: skip
+    """The floor's first launch: each ``GROUP`` keys' largest finite key (signed order,
+    ``INT32_MIN`` for none) into ``gmax``, and the maxima's first byte into histogram 4."""
+    grid_dependency_wait(GDC)
+    t, _part, lo, hi, row = _program(scores, stride_s, S, limits, req_index, PART, LIMITS)
+    hist_row = hist + t.to(tl.int64) * (HISTS * BINS)
+    grow = gmax + t.to(tl.int64) * stride_g
+    bins = tl.arange(0, BINS)
+    acc = tl.zeros([BINS], dtype=tl.int32)
+    for start in range(lo, hi, BLOCK):
+        u, take = _keys(row, start + tl.arange(0, BLOCK), hi)
+        v = tl.where(take, u ^ INT32_MIN, INT32_MIN)
+        m = tl.max(tl.reshape(v, [BLOCK // GROUP, GROUP]), axis=1)
+        g = start // GROUP + tl.arange(0, BLOCK // GROUP)
+        tl.store(grow + g, m, mask=g * GROUP < hi)
+        acc += tl.histogram(((m ^ INT32_MIN) >> 24) & (BINS - 1), BINS, mask=m > INT32_MIN)
+    tl.atomic_add(hist_row + 4 * BINS + bins, acc, mask=acc != 0, sem="relaxed")
+
+
+@triton.jit
+def _floor_byte_kernel(
+    scores, stride_s, S, limits, req_index, hist, gmax, stride_g, k, PART,
+    LIMITS: tl.constexpr, GBLOCK: tl.constexpr, BINS: tl.constexpr, DIGIT_BITS: tl.constexpr,
+    GROUP: tl.constexpr, HISTS: tl.constexpr, GDC: tl.constexpr,
+):  # fmt: skip
+    """The floor's second launch: the second byte of the group maxima whose first byte is
+    that of the row's k-th largest maximum, into histogram 5 (rows of fewer than ``k``
+    maxima: none, they get no floor)."""
+    grid_dependency_wait(GDC)
+    t, _part, lo, hi, _row = _program(scores, stride_s, S, limits, req_index, PART, LIMITS)
+    hist_row = hist + t.to(tl.int64) * (HISTS * BINS)
+    grow = gmax + t.to(tl.int64) * stride_g
+    bins = tl.arange(0, BINS)
+    d0, _rem, total = _descend(hist_row + 4 * BINS, k, 1, BINS, DIGIT_BITS)
+    g_hi = (hi + GROUP - 1) // GROUP
+    if (lo < hi) & (total >= k):
+        acc = tl.zeros([BINS], dtype=tl.int32)
+        for gs in range(lo // GROUP, g_hi, GBLOCK):
+            g = gs + tl.arange(0, GBLOCK)
+            u = tl.load(grow + g, mask=g < g_hi, other=INT32_MIN) ^ INT32_MIN
+            take = (u != 0) & (((u >> 24) & (BINS - 1)) == d0)
+            acc += tl.histogram((u >> 16) & (BINS - 1), BINS, mask=take)
+        tl.atomic_add(hist_row + 5 * BINS + bins, acc, mask=acc != 0, sem="relaxed")
+
+
+@triton.jit
+def _candidates(t, part, lo, hi, row, cand, count, S, NPARTS, FLOOR: tl.constexpr):
+    """What a launch after the compaction reads (with ``FLOOR``): the part's candidate keys,
+    ``[lo, lo + count)`` of the row's candidate buffer; else the part's scores."""
+    if FLOOR:
+        row = cand + t.to(tl.int64) * S
+        hi = lo + tl.load(count + t.to(tl.int64) * NPARTS + part)
+    return row, hi
+
+
+@triton.jit
+def _load_keys(row, offs, hi, FLOOR: tl.constexpr):
+    """`_keys` of scores, or (``FLOOR``) candidate keys, finite and in range by construction."""
+    if FLOOR:
+        m = offs < hi
+        return tl.load(row + offs, mask=m, other=0), m
+    else:
+        return _keys(row, offs, hi)
+
+
+@triton.jit
 def _hist_kernel(
-    scores, stride_s, S, limits, req_index, hist, k, PART,
+    scores, stride_s, S, limits, req_index, hist, cand, cand_pos, count, k, PART, NPARTS,
     PASS: tl.constexpr, LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-    DIGIT_BITS: tl.constexpr, SPARSE_KEYS: tl.constexpr, GDC: tl.constexpr,
+    DIGIT_BITS: tl.constexpr, SPARSE_KEYS: tl.constexpr, FLOOR: tl.constexpr,
+    HISTS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Histogram ``PASS`` (0..2) of the row: its byte ``PASS`` among the keys whose higher
-    bytes equal those the earlier histograms found."""
+    bytes equal those the earlier histograms found. With ``FLOOR``, the first pass keeps the
+    part's keys at or above the row's floor, in position order, as the candidates that the
+    later launches read instead of the scores (keys, positions and their count)."""
     grid_dependency_wait(GDC)
     t, part, lo, hi, row = _program(scores, stride_s, S, limits, req_index, PART, LIMITS)
-    hist_row = hist + t.to(tl.int64) * (4 * BINS)
+    hist_row = hist + t.to(tl.int64) * (HISTS * BINS)
     bins = tl.arange(0, BINS)
     if PASS == 0 and part == 0:  # the last byte's histogram, as the previous call left it
         tl.store(hist_row + 3 * BINS + bins, 0)
+    if PASS > 0:
+        row, hi = _candidates(t, part, lo, hi, row, cand, count, S, NPARTS, FLOOR)
     prefix, rem, _total = _descend(hist_row, k, PASS, BINS, DIGIT_BITS)
     dest = hist_row + PASS * BINS
     go = lo < hi
     if PASS > 0:
         go = go & (rem > 0)  # rem == 0: the row has no finite score
+    kept = 0
     if go:
+        if PASS == 0 and FLOOR:  # the lower edge of the 16-bit bin of the k-th group maximum
+            fprefix, _frem, maxima = _descend(hist_row + 4 * BINS, k, 2, BINS, DIGIT_BITS)
+            floor = tl.where(maxima >= k, (fprefix << 16) ^ INT32_MIN, INT32_MIN)
+            crow = cand + t.to(tl.int64) * S
+            prow = cand_pos + t.to(tl.int64) * S
         acc = tl.zeros([BINS], dtype=tl.int32)
         for start in range(lo, hi, BLOCK):
-            u, take = _keys(row, start + tl.arange(0, BLOCK), hi)
-            digit = (u >> (32 - DIGIT_BITS * (PASS + 1))) & (BINS - 1)
+            offs = start + tl.arange(0, BLOCK)
             if PASS == 0:
-                acc += tl.histogram(digit, BINS, mask=take)
+                u, take = _keys(row, offs, hi)
             else:
+                u, take = _load_keys(row, offs, hi, FLOOR)
+            digit = (u >> (32 - DIGIT_BITS * (PASS + 1))) & (BINS - 1)
+            if PASS > 0:
                 high = (u >> (32 - DIGIT_BITS * PASS)) & ((1 << (DIGIT_BITS * PASS)) - 1)
                 take = take & (high == prefix)
-                n = tl.sum(take.to(tl.int32), axis=0)
-                if n > SPARSE_KEYS:
-                    acc += tl.histogram(digit, BINS, mask=take)
-                elif n > 0:  # few keys: one atomic each
-                    ones = tl.full([BLOCK], 1, tl.int32)
-                    tl.atomic_add(dest + digit, ones, mask=take, sem="relaxed")
+            if PASS == 0 and FLOOR:
+                take = take & ((u ^ INT32_MIN) >= floor)
+            if PASS == 0 and not FLOOR:
+                acc += tl.histogram(digit, BINS, mask=take)
+            else:
+                ti = take.to(tl.int32)
+                n = tl.sum(ti, axis=0)
+                if n > 0:
+                    if PASS == 0:  # keep them, in position order
+                        dst = lo + kept + tl.cumsum(ti, axis=0) - ti
+                        tl.store(crow + dst, u, mask=take)
+                        tl.store(prow + dst, offs, mask=take)
+                        kept += n
+                    if n > SPARSE_KEYS:
+                        acc += tl.histogram(digit, BINS, mask=take)
+                    else:  # few keys: one atomic each
+                        ones = tl.full([BLOCK], 1, tl.int32)
+                        tl.atomic_add(dest + digit, ones, mask=take, sem="relaxed")
         tl.atomic_add(dest + bins, acc, mask=acc != 0, sem="relaxed")  # (bins it has keys in)
+    if PASS == 0 and FLOOR:
+        tl.store(count + t.to(tl.int64) * NPARTS + part, kept)
 
 
 @triton.jit
 def _last_kernel(
-    scores, stride_s, S, limits, req_index, hist, counts, found, k, PART, NPARTS,
+    scores, stride_s, S, limits, req_index, hist, cand, count, counts, found, k, PART, NPARTS,
     LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-    DIGIT_BITS: tl.constexpr, GDC: tl.constexpr,
+    DIGIT_BITS: tl.constexpr, FLOOR: tl.constexpr, HISTS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """The last byte's histogram, and each part's counts for the write launch: its keys
     above the three bytes found, and its own last-byte histogram as suffix sums."""
     grid_dependency_wait(GDC)
     t, part, lo, hi, row = _program(scores, stride_s, S, limits, req_index, PART, LIMITS)
-    hist_row = hist + t.to(tl.int64) * (4 * BINS)
+    row, hi = _candidates(t, part, lo, hi, row, cand, count, S, NPARTS, FLOOR)
+    hist_row = hist + t.to(tl.int64) * (HISTS * BINS)
     prefix, rem, total = _descend(hist_row, k, 3, BINS, DIGIT_BITS)
     if part == 0:  # the row's three bytes, keys still to take and finite count
         f = found + t.to(tl.int64) * 3
@@ -216,7 +350,7 @@ def _last_kernel(
     acc = tl.zeros([BINS], dtype=tl.int32)
     if (lo < hi) & (rem > 0):  # rem == 0: no finite score in the row, nothing to take
         for start in range(lo, hi, BLOCK):
-            u, ok = _keys(row, start + tl.arange(0, BLOCK), hi)
+            u, ok = _load_keys(row, start + tl.arange(0, BLOCK), hi, FLOOR)
             high = (u >> DIGIT_BITS) & ((1 << (32 - DIGIT_BITS)) - 1)
             gt += tl.sum((ok & (high > prefix)).to(tl.int32), axis=0)
             take = ok & (high == prefix)
@@ -231,28 +365,30 @@ def _last_kernel(
 
 @triton.jit
 def _write_kernel(
-    scores, stride_s, S, limits, req_index, hist, counts, found, out, stride_o, k, top_k, PART,
-    NPARTS, LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-    DIGIT_BITS: tl.constexpr, PARTS_P2: tl.constexpr, PAD_BLOCK: tl.constexpr,
-    CLEAR: tl.constexpr, GDC: tl.constexpr,
+    scores, stride_s, S, limits, req_index, hist, cand, cand_pos, count, counts, found, out,
+    stride_o, k, top_k, PART, NPARTS, LIMITS: tl.constexpr, BLOCK: tl.constexpr,
+    BINS: tl.constexpr, DIGIT_BITS: tl.constexpr, PARTS_P2: tl.constexpr,
+    PAD_BLOCK: tl.constexpr, CLEAR: tl.constexpr, FLOOR: tl.constexpr, HISTS: tl.constexpr,
+    GDC: tl.constexpr,
 ):  # fmt: skip
     grid_dependency_wait(GDC)
     t, part, lo, hi, row = _program(scores, stride_s, S, limits, req_index, PART, LIMITS)
+    row, hi = _candidates(t, part, lo, hi, row, cand, count, S, NPARTS, FLOOR)
     orow = out + t.to(tl.int64) * stride_o
     f = found + t.to(tl.int64) * 3
     prefix = tl.load(f)
     rem = tl.load(f + 1)
     total = tl.load(f + 2)
-    hist_row = hist + t.to(tl.int64) * (4 * BINS)
+    hist_row = hist + t.to(tl.int64) * (HISTS * BINS)
     # the last byte of the k-th key, and how many keys equal to it to take
     bins = tl.arange(0, BINS)
     h = tl.load(hist_row + 3 * BINS + bins)
     at_least = tl.cumsum(h, axis=0, reverse=True)
     d = tl.max(tl.where(at_least >= rem, bins, 0), axis=0)
     need_eq = rem - tl.sum(tl.where(bins > d, h, 0), axis=0)
-    if CLEAR and part == 0:  # no program reads the first three histograms again: zero them
-        first = tl.arange(0, 4 * BINS)
-        tl.store(hist_row + first, 0, mask=first < 3 * BINS)
+    if CLEAR and part == 0:  # no program reads histograms other than the fourth: zero them
+        every = tl.arange(0, 8 * BINS)
+        tl.store(hist_row + every, 0, mask=(every < HISTS * BINS) & (every // BINS != 3))
     kth = ((prefix << DIGIT_BITS) | d) ^ INT32_MIN
     taken_all = tl.minimum(k, total)
     # where this part's picks start: the picks and ties of the parts before it
@@ -269,7 +405,7 @@ def _write_kernel(
     if need_eq > 0:
         for start in range(lo, hi, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            u, ok = _keys(row, offs, hi)
+            u, ok = _load_keys(row, offs, hi, FLOOR)
             u = u ^ INT32_MIN
             is_eq = (ok & (u == kth)).to(tl.int32)
             n_eq = tl.sum(is_eq, axis=0)
@@ -281,7 +417,10 @@ def _write_kernel(
             n_take = tl.sum(ti, axis=0)
             if n_take > 0:
                 dst = slot + tl.cumsum(ti, axis=0) - ti
-                tl.store(orow + dst, offs.to(tl.int32), mask=take)
+                pos = offs.to(tl.int32)
+                if FLOOR:  # the candidates' positions
+                    pos = tl.load(cand_pos + t.to(tl.int64) * S + offs, mask=take)
+                tl.store(orow + dst, pos, mask=take)
             slot += n_take
             eq_seen += n_eq
     if part == 0:  # the padding after the row's picks
@@ -291,11 +430,11 @@ def _write_kernel(
                      mask=(cols >= taken_all) & (cols < top_k))  # fmt: skip
 
 
-def _parts(t: int, s: int, device: torch.device) -> int:
-    """Programs per row: about `PROGRAMS_PER_SM` per SM over the whole call, none shorter than
+def _parts(t: int, s: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Programs per row: about ``per_sm`` per SM over the whole call, none shorter than
     `MIN_PART`."""
     sms = num_sms(device)
-    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, max(t, 1)), triton.cdiv(s, MIN_PART)))
+    return max(1, min(triton.cdiv(per_sm * sms, max(t, 1)), triton.cdiv(s, MIN_PART)))
 
 
 def topk_select_triton(
@@ -307,6 +446,7 @@ def topk_select_triton(
     positions: Tensor | None = None,
     req_index: Tensor | None = None,
     parts: int | None = None,
+    floor: bool = True,
 ) -> Tensor:
     """`topk_select_reference`'s contract, written into ``out`` (every element) when given.
     ``scores``: fp32 ``[T, S]``; row ``t`` reads keys below ``limits[t]``, or below a
@@ -319,7 +459,7 @@ def topk_select_triton(
         return out
     if out.stride(1) != 1 or out.dtype != torch.int32:  # the kernel writes int32 rows
         out.copy_(topk_select_triton(scores, top_k, None, limits, positions=positions,
-                                     req_index=req_index, parts=parts))  # fmt: skip
+                                     req_index=req_index, parts=parts, floor=floor))  # fmt: skip
         return out
     if scores.dtype != torch.float32 or scores.stride(1) != 1:
         scores = scores.float().contiguous()
@@ -327,7 +467,10 @@ def topk_select_triton(
     limits, positions, req_index = (
         None if v is None else v.contiguous() for v in (limits, positions, req_index)
     )
-    p = parts or _parts(t, s, scores.device)
+    k = min(top_k, s)
+    group = _floor_group(s, k) if floor and FLOOR_MIN_ROWS <= t <= FLOOR_MAX_ROWS else 0
+    per_sm = FLOOR_PROGRAMS_PER_SM if group else PROGRAMS_PER_SM
+    p = parts or _parts(t, s, scores.device, per_sm)
     per = triton.cdiv(max(s, 1), p)
     block = BLOCK if per >= BLOCK else max(MIN_BLOCK, triton.next_power_of_2(per))
     part = triton.cdiv(per, block) * block
@@ -341,26 +484,47 @@ def topk_select_triton(
     elif positions is not None:
         mode, lim = 2, positions
         req = req_index if req_index is not None else positions  # positions >= 0: all real
-    k = min(top_k, s)
     gdc = dependent_launch(scores.device) and part <= PDL_MAX_PART
-    common = dict(LIMITS=mode, BLOCK=block, BINS=BINS, DIGIT_BITS=DIGIT_BITS, GDC=gdc)
+    common = dict(LIMITS=mode, BINS=BINS, HISTS=HISTS, GDC=gdc)
     if gdc:  # each launch starts while the one before finishes (a launch gap fewer each)
         common["launch_pdl"] = True
     grid = (t, p)
     head = (scores, scores.stride(0), s, lim, req, hist)
+    if group:  # the floor: group maxima, then their first two bytes
+        gmax = torch.empty((t, triton.cdiv(s, group)), dtype=torch.int32, device=scores.device)
+        _floor_max_kernel[grid](*head, gmax, gmax.stride(0), part, BLOCK=block, GROUP=group,
+                                **common)  # fmt: skip
+        _floor_byte_kernel[grid](*head, gmax, gmax.stride(0), k, part, GBLOCK=block // group,
+                                 DIGIT_BITS=DIGIT_BITS, GROUP=group, **common)  # fmt: skip
+    common.update(BLOCK=block, DIGIT_BITS=DIGIT_BITS, FLOOR=bool(group))
+    cand = cand_pos = count = hist  # (not read without the floor)
+    if group:  # the candidates' keys and positions, each part's from its first key's slot on
+        cand = torch.empty((t, s), dtype=torch.int32, device=scores.device)
+        cand_pos = torch.empty_like(cand)
+        count = torch.empty((t, p), dtype=torch.int32, device=scores.device)
     for pas in range(PASSES - 1):
-        _hist_kernel[grid](*head, k, part, PASS=pas, SPARSE_KEYS=SPARSE_KEYS, **common)
-    _last_kernel[grid](*head, counts, found, k, part, p, **common)
+        _hist_kernel[grid](*head, cand, cand_pos, count, k, part, p, PASS=pas,
+                           SPARSE_KEYS=SPARSE_KEYS, **common)  # fmt: skip
+    _last_kernel[grid](*head, cand, count, counts, found, k, part, p, **common)
     _write_kernel[grid](
-        *head, counts, found, out, out.stride(0), k, top_k, part, p,
+        *head, cand, cand_pos, count, counts, found, out, out.stride(0), k, top_k, part, p,
         PARTS_P2=triton.next_power_of_2(p), PAD_BLOCK=min(1024, triton.next_power_of_2(top_k)),
         CLEAR=clear, **common,
     )  # fmt: skip
     return out
 
 
+def _floor_group(s: int, k: int) -> int:
+    """Keys per group of the floor's maxima for rows of ``s`` keys and ``k`` picks: the widest
+    power of two up to `FLOOR_GROUP` that leaves `FLOOR_MAXIMA_PER_PICK` maxima per pick, or
+    0 (no floor) where that is narrower than `FLOOR_MIN_GROUP`."""
+    width = s // max(1, FLOOR_MAXIMA_PER_PICK * k)
+    group = min(FLOOR_GROUP, 1 << (width.bit_length() - 1)) if width > 0 else 0
+    return group if group >= FLOOR_MIN_GROUP else 0
+
+
 def _histograms(t: int, device: torch.device) -> tuple[Tensor, bool]:
-    """Histograms for ``t`` rows, the first three zero (the first launch zeroes the fourth),
+    """Histograms for ``t`` rows, all zero but the fourth (the first histogram launch zeroes it),
     and whether the write launch must zero them again: the device's kept buffer up to
     `KEPT_HIST_ROWS` rows (made outside a graph capture, so that it outlives every graph that
     bakes its address), else a fresh one."""
@@ -368,11 +532,11 @@ def _histograms(t: int, device: torch.device) -> tuple[Tensor, bool]:
         kept = _kept_hist.get(device)
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if kept is None and not capturing:
-            shape = (KEPT_HIST_ROWS, PASSES, BINS)
+            shape = (KEPT_HIST_ROWS, HISTS, BINS)
             kept = _kept_hist[device] = torch.zeros(shape, dtype=torch.int32, device=device)
         if kept is not None:
             return kept, True
-    return torch.zeros((t, PASSES, BINS), dtype=torch.int32, device=device), False
+    return torch.zeros((t, HISTS, BINS), dtype=torch.int32, device=device), False
 
 
 __all__ = ["topk_select_reference", "topk_select_triton"]
