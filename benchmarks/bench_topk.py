@@ -8,7 +8,8 @@ of ReLU terms can crowd) and ``relu`` (the lightning indexer's form: 64 heads' R
 products of random 128-dim queries and keys, summed with random signed head weights), with
 the keys per row at or above the select's floor from group maxima. Each case first checks the
 select against `topk_select_reference` (exact) and against ``torch.topk``'s set, then times,
-as medians of CUDA-graph replays (what a captured decode step pays; `triton.testing.do_bench`):
+as medians of CUDA-graph replays of 10 calls each (what a captured decode step pays, without
+a graph launch per call; `hisparse.testing.cuda_graphs.graph_call_us`):
 
 - ``torch``: ``torch.topk`` + the ``-inf`` -> ``-1`` mapping (the path before the select);
 - ``select``: `topk_select_triton`; ``no floor``: the same counting every key (and with

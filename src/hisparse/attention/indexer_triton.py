@@ -22,7 +22,8 @@ Two stages:
    applies, `indexer_gluon`'s kernel takes this stage instead: the same tiles and
    instructions, the keys copied through a TMA ring, the same scores bit for bit.
 2. the exact top-k of each row: on CUDA the Triton radix select (`topk_triton`: five
-   launches over a (row, part) grid, each row read only up to its token's causal limit; ties
+   launches over a (row, part) grid, seven with the floor that decode batches of long rows
+   take, each row read only up to its token's causal limit; ties
    at the k-th score to the lowest positions, picks in ascending positions), elsewhere or with
    ``HISPARSE_TOPK=reference`` ``torch.topk`` (the reference's selection code; picks best
    first). Both run on the same scores and give the same set wherever the k-th score is not
