@@ -112,17 +112,20 @@ def test_strided_limits_and_a_transposed_output() -> None:
     assert torch.equal(out, want)
 
 
-def test_kept_histograms_are_zero_at_rest() -> None:
+def test_kept_histograms_are_zero_at_rest(monkeypatch: pytest.MonkeyPatch) -> None:
     """Up to `KEPT_HIST_ROWS` rows the calls share one histogram buffer: each call's write
     launch zeroes its rows' histograms but the fourth and the next call's first launch the
-    fourth. After each call the others are all zero; a fourth left dirty (poisoned here
+    fourth. After each call the others are all zero (the floor's two included: 20,000 keys
+    and ``k`` 256 take it, forced on for few rows); a fourth left dirty (poisoned here
     between calls) does not change the picks; calls of other data in a row (the kept buffer)
     and one of more rows (a fresh buffer) still equal the reference."""
     from hisparse.attention import topk_triton as tt
 
+    monkeypatch.setattr(tt, "FLOOR_MIN_ROWS", 1)
     g = torch.Generator().manual_seed(0)
     for t, s, k, seed in [(3, 5000, 300, 1), (1, 777, 50, 2), (tt.KEPT_HIST_ROWS + 1, 600, 9, 3),
-                          (tt.KEPT_HIST_ROWS, 900, 40, 4), (2, 5000, 300, 5)]:  # fmt: skip
+                          (3, 20000, 256, 6), (tt.KEPT_HIST_ROWS, 900, 40, 4),
+                          (2, 20000, 256, 7), (2, 5000, 300, 5)]:  # fmt: skip
         x = _rows(t, s, seed)
         kept = tt._kept_hist.get(x.device)
         if kept is not None:
