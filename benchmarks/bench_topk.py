@@ -72,15 +72,11 @@ def _scores(t: int, s: int, dist: str, dev: torch.device) -> torch.Tensor:
 
 
 def _floor_keys(x: torch.Tensor) -> float:
-    """Mean keys per row at or above the floor the select computes (all rows finite)."""
+    """Mean keys per row at or above the floor the select computes."""
     group = topk_triton._floor_group(x.shape[1], K)
     if not group:
         return float(x.shape[1])
-    bits = torch.where(x == 0, 0.0, x).view(torch.int32)
-    v = bits ^ ((bits >> 31) | -(2**31)) ^ -(2**31)  # signed ints in the floats' order
-    kth = v.view(x.shape[0], -1, group).amax(dim=2).topk(K, dim=1).values[:, -1]
-    floor = (((kth ^ -(2**31)) >> 16) << 16) ^ -(2**31)
-    return (v >= floor[:, None]).sum(dim=1).float().mean().item()
+    return topk_triton.floor_counts_reference(x, K, group).float().mean().item()
 
 
 def _torch_topk(x: torch.Tensor, out: torch.Tensor) -> None:

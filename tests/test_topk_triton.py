@@ -20,7 +20,12 @@ pytest.importorskip("triton")
 from hisparse.attention import indexer_reference as ir
 from hisparse.attention import indexer_triton as it
 from hisparse.attention.sparse_mla_triton import interpreting
-from hisparse.attention.topk_triton import BLOCK, topk_select_reference, topk_select_triton
+from hisparse.attention.topk_triton import (
+    BLOCK,
+    floor_counts_reference,
+    topk_select_reference,
+    topk_select_triton,
+)
 from hisparse.testing import indexer_cases as ic
 
 pytestmark = pytest.mark.skipif(
@@ -136,30 +141,6 @@ def test_kept_histograms_are_zero_at_rest(monkeypatch: pytest.MonkeyPatch) -> No
         assert kept.shape[0] == tt.KEPT_HIST_ROWS and not kept[:, [0, 1, 2, 4, 5]].any()
 
 
-def _floor_counts(x: torch.Tensor, k: int, group: int) -> torch.Tensor:
-    """Per row, the keys at or above the floor (the lower edge of the 16-bit bin of the k-th
-    largest ``group``-key maximum), or every finite key where the row has fewer than ``k``
-    finite maxima."""
-    x = torch.where(torch.isnan(x), float("-inf"), x)
-    x = torch.where(x == 0, 0.0, x)  # -0.0 as 0.0
-    bits = x.view(torch.int32)
-    v = bits ^ ((bits >> 31) | -(2**31)) ^ -(2**31)  # signed ints in the floats' order
-    finite = x > float("-inf")
-    pad = (-x.shape[1]) % group
-    gm = torch.nn.functional.pad(torch.where(finite, v, -(2**31)), (0, pad), value=-(2**31))
-    gm = gm.view(x.shape[0], -1, group).amax(dim=2)
-    counts = []
-    for r in range(x.shape[0]):
-        m = gm[r][gm[r] > -(2**31)]
-        if m.numel() < k:
-            counts.append(int(finite[r].sum()))
-            continue
-        kth = m.sort(descending=True).values[k - 1]
-        floor = (((kth ^ -(2**31)) >> 16) << 16) ^ -(2**31)  # low 16 bits of the key cleared
-        counts.append(int((finite[r] & (v[r] >= floor)).sum()))
-    return torch.tensor(counts, dtype=torch.int32)
-
-
 def test_the_floor_counts_only_keys_at_or_above_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the floor (here for calls of any row count) the first pass keeps each row's keys at
     or above its floor from group maxima as the candidates, and the first histogram counts
@@ -187,7 +168,7 @@ def test_the_floor_counts_only_keys_at_or_above_it(monkeypatch: pytest.MonkeyPat
     want = topk_select_reference(x, k)
     assert torch.equal(topk_select_triton(x, k, _poisoned(t, k)), want)
     counted = bufs[-1][:, 0].sum(dim=1)
-    assert torch.equal(counted, _floor_counts(x, k, group))
+    assert torch.equal(counted, floor_counts_reference(x, k, group))
     assert (counted[[0, 1, 4]] < s // 20).all() and (counted >= k).all()
     assert counted[3] == 3000 and counted[2] > s // 4
     assert torch.equal(topk_select_triton(x, k, _poisoned(t, k), floor=False), want)
@@ -197,7 +178,7 @@ def test_the_floor_counts_only_keys_at_or_above_it(monkeypatch: pytest.MonkeyPat
     for parts in (1, 7, 40):
         got = topk_select_triton(x, k, _poisoned(t, k), limits, parts=parts)
         assert torch.equal(got, topk_select_reference(x, k, limits)), parts
-        assert torch.equal(bufs[-1][:, 0].sum(dim=1), _floor_counts(cut, k, group))
+        assert torch.equal(bufs[-1][:, 0].sum(dim=1), floor_counts_reference(cut, k, group))
 
 
 @pytest.mark.parametrize("t,s,k", [(3, 9000, 64), (2, 131168, 2048), (4, 33000, 2048)])

@@ -143,6 +143,30 @@ def topk_select_reference(scores: Tensor, top_k: int, limits: Tensor | None = No
     return out
 
 
+def floor_counts_reference(scores: Tensor, top_k: int, group: int) -> Tensor:
+    """Per row, the keys the floor keeps (``int32 [T]``): the finite scores at or above the
+    lower edge of the 16-bit bin (in the select's key order) of the row's ``top_k``-th
+    largest ``group``-key maximum; every finite score in a row of fewer finite maxima."""
+    x = torch.where(torch.isnan(scores), float("-inf"), scores.float())
+    x = torch.where(x == 0, 0.0, x)  # -0.0 as 0.0
+    bits = x.view(torch.int32)
+    v = bits ^ ((bits >> 31) | -(2**31)) ^ -(2**31)  # signed ints in the floats' order
+    finite = x > float("-inf")
+    pad = (-x.shape[1]) % group
+    gm = torch.nn.functional.pad(torch.where(finite, v, -(2**31)), (0, pad), value=-(2**31))
+    gm = gm.view(x.shape[0], -1, group).amax(dim=2)
+    counts = []
+    for r in range(x.shape[0]):
+        m = gm[r][gm[r] > -(2**31)]
+        if m.numel() < top_k:
+            counts.append(int(finite[r].sum()))
+            continue
+        kth = m.sort(descending=True).values[top_k - 1]
+        floor = (((kth ^ -(2**31)) >> 16) << 16) ^ -(2**31)  # low 16 bits of the key cleared
+        counts.append(int((finite[r] & (v[r] >= floor)).sum()))
+    return torch.tensor(counts, dtype=torch.int32)
+
+
 @triton.jit
 def _keys(row, offs, hi):
     """Scores ``row[offs]`` (``offs < hi``) as int32 bits whose unsigned order is the float
@@ -490,18 +514,17 @@ def topk_select_triton(
         common["launch_pdl"] = True
     grid = (t, p)
     head = (scores, scores.stride(0), s, lim, req, hist)
-    if group:  # the floor: group maxima, then their first two bytes
+    cand = cand_pos = count = hist  # (not read without the floor)
+    if group:  # the floor from group maxima's first two bytes; room for the candidates
         gmax = torch.empty((t, triton.cdiv(s, group)), dtype=torch.int32, device=scores.device)
+        cand = torch.empty((t, s), dtype=torch.int32, device=scores.device)  # keys, positions:
+        cand_pos = torch.empty_like(cand)  # each part's from its first key's slot on
+        count = torch.empty((t, p), dtype=torch.int32, device=scores.device)
         _floor_max_kernel[grid](*head, gmax, gmax.stride(0), part, BLOCK=block, GROUP=group,
                                 **common)  # fmt: skip
         _floor_byte_kernel[grid](*head, gmax, gmax.stride(0), k, part, GBLOCK=block // group,
                                  DIGIT_BITS=DIGIT_BITS, GROUP=group, **common)  # fmt: skip
     common.update(BLOCK=block, DIGIT_BITS=DIGIT_BITS, FLOOR=bool(group))
-    cand = cand_pos = count = hist  # (not read without the floor)
-    if group:  # the candidates' keys and positions, each part's from its first key's slot on
-        cand = torch.empty((t, s), dtype=torch.int32, device=scores.device)
-        cand_pos = torch.empty_like(cand)
-        count = torch.empty((t, p), dtype=torch.int32, device=scores.device)
     for pas in range(PASSES - 1):
         _hist_kernel[grid](*head, cand, cand_pos, count, k, part, p, PASS=pas,
                            SPARSE_KEYS=SPARSE_KEYS, **common)  # fmt: skip
@@ -539,4 +562,4 @@ def _histograms(t: int, device: torch.device) -> tuple[Tensor, bool]:
     return torch.zeros((t, HISTS, BINS), dtype=torch.int32, device=device), False
 
 
-__all__ = ["topk_select_reference", "topk_select_triton"]
+__all__ = ["floor_counts_reference", "topk_select_reference", "topk_select_triton"]
