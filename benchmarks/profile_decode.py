@@ -275,6 +275,13 @@ def profile_run(
     top_dev = sorted(ka, key=lambda e: getattr(e, device_key, 0), reverse=True)[: args.top_ops]
     hits = sum(o.metrics.hits for o in outs)
     misses = sum(o.metrics.misses for o in outs)
+    # the swap-in's bytes per decode step (every step of the run), and what crossing the host
+    # link at its bulk rate would take: issue #21's "HiSparse likewise, plus its swap-in"
+    swap_mb = sum(o.metrics.bytes_swapped for o in outs) / max(len(stats), 1) / 1e6
+    copy = hbm_copy_gbps() if cuda else None
+    h2d = h2d_copy_gbps() if cuda and swap_mb > 0 else None
+    roof = roofline_ms(llm, batch, args.context, copy) if copy else None
+    swap_ms = swap_mb / h2d if h2d else 0.0
     row = dict(
         tag=tag,
         batch=batch,
@@ -295,7 +302,12 @@ def profile_run(
         launches_per_step=count(LAUNCHES),
         graph_launches_per_step=count(GRAPH_LAUNCHES),
         kernels_by_name=[(k, c / n) for k, c in kernel_names.most_common(args.top_kernels)],
-        roofline_ms=roofline_ms(llm, batch, args.context) if cuda else None,
+        copy_gbps=copy,
+        roofline_ms=roof,
+        swap_mb_per_step=swap_mb,
+        h2d_gbps=h2d,
+        swap_ms_at_h2d=swap_ms,
+        roofline_with_swap_ms=roof + swap_ms if roof else None,
         hit_rate=hits / (hits + misses) if hits + misses else None,
         wall_s=wall,
         graphs_captured=sorted(runner.graphs.graphs) if runner.graphs is not None else [],
@@ -323,29 +335,38 @@ def profile_run(
     return row
 
 
-_COPY_GBPS: list[float] = []
-
-
 def hbm_copy_gbps() -> float:
-    """Bytes read + written per second by a 1 GiB device-to-device copy (median of 10)."""
-    if not _COPY_GBPS:
-        a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-        b = torch.empty_like(a)
-        times = []
-        for _ in range(12):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            b.copy_(a)
-            e.record()
-            e.synchronize()
+    """Bytes read + written per second by a 1 GiB device-to-device copy: the median of 20
+    timed copies after 4 untimed, measured afresh at each call (each profiled batch), so a
+    row's roofline uses the rate beside its own steps."""
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() / _median_copy_s(lambda: b.copy_(a)) / 1e9
+
+
+def h2d_copy_gbps() -> float:
+    """Bytes per second of a 256 MiB pinned host to device copy (median of 10 after 2): the
+    rate at which a swap-in's bytes could at best cross the host link."""
+    a = torch.empty(2**28, dtype=torch.uint8, pin_memory=True)
+    b = torch.empty(a.shape, dtype=torch.uint8, device="cuda")
+    return a.numel() / _median_copy_s(lambda: b.copy_(a, non_blocking=True), 2, 10) / 1e9
+
+
+def _median_copy_s(copy: Any, untimed: int = 4, timed: int = 20) -> float:
+    times = []
+    for i in range(untimed + timed):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        copy()
+        e.record()
+        e.synchronize()
+        if i >= untimed:
             times.append(s.elapsed_time(e) / 1e3)
-        _COPY_GBPS.append(2 * a.numel() / statistics.median(times[2:]) / 1e9)
-        del a, b
-    return _COPY_GBPS[0]
+    return statistics.median(times)
 
 
-def roofline_ms(llm: Any, batch: int, context: int) -> float:
-    """The step's must-read bytes at the measured copy rate: every weight but the embedding,
+def roofline_ms(llm: Any, batch: int, context: int, gbps: float) -> float:
+    """The step's must-read bytes at the copy rate ``gbps``: every weight but the embedding,
     each request's indexer keys (full-indexer layers) and its top-k MLA rows (every layer)."""
     from hisparse.kv.row_formats import mla_row_bytes
 
@@ -357,11 +378,11 @@ def roofline_ms(llm: Any, batch: int, context: int) -> float:
     if not hasattr(cfg, "kv_lora_rank"):  # GQA: the top-k K+V rows of every layer
         top_k = llm.runner.config.top_k or context
         rows = llm.runner.row_format.row_bytes * min(top_k, context) * cfg.num_hidden_layers
-        return (weights + batch * rows) / (hbm_copy_gbps() * 1e9) * 1e3
+        return (weights + batch * rows) / (gbps * 1e9) * 1e3
     row = mla_row_bytes(llm.runner.row_format, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
     idx = model.indexer_format.row_bytes * context * sum(cfg.indexer_full)
     mla = row * min(cfg.index_topk, context) * cfg.num_hidden_layers
-    return (weights + batch * (idx + mla)) / (hbm_copy_gbps() * 1e9) * 1e3
+    return (weights + batch * (idx + mla)) / (gbps * 1e9) * 1e3
 
 
 def main() -> int:
@@ -415,9 +436,10 @@ def main() -> int:
     print(
         "\n| placement | path | batch | step ms (median) | min | max | GPU busy ms/step | "
         "host to launch ms | graph launch ms | syncs/step | scalar reads/step | launches/step | "
-        "graph launches/step | hit rate | GPU kernels/layer | roofline ms | step / roofline |"
+        "graph launches/step | hit rate | GPU kernels/layer | copy GB/s | roofline ms | "
+        "step / roofline | swap MB/step | + swap ms | step / (roofline + swap) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * 21 + "|")
 
     def f(v: Any, fmt: str = ".2f") -> str:
         return "-" if v is None else format(v, fmt)
@@ -433,8 +455,10 @@ def main() -> int:
             f"{f(r['syncs_per_step'], '.1f')} | {f(r['scalar_reads_per_step'], '.1f')} | "
             f"{f(r['launches_per_step'], '.0f')} | {f(r['graph_launches_per_step'], '.1f')} | "
             f"{f(r['hit_rate'], '.3f')} | {r['gpu_kernels_per_step'] / args.layers:.0f} | "
-            f"{f(r['roofline_ms'], '.3f')} | "
-            f"{f(r['step_ms_median'] / r['roofline_ms'] if r['roofline_ms'] else None)} |"
+            f"{f(r['copy_gbps'], '.0f')} | {f(r['roofline_ms'], '.3f')} | "
+            f"{f(r['step_ms_median'] / r['roofline_ms'] if r['roofline_ms'] else None)} | "
+            f"{f(r['swap_mb_per_step'], '.1f')} | {f(r['swap_ms_at_h2d'], '.3f')} | "
+            f"{f(r['step_ms_median'] / rs if (rs := r['roofline_with_swap_ms']) else None)} |"
         )
     for b in batches:
         for path in paths:
