@@ -16,7 +16,9 @@ the first failure), then times:
 - ``before``: with ``--baseline FILE``, another version's score stage (a module file holding
   ``indexer_scores_paged_triton``, e.g. ``git show REV:src/hisparse/attention/indexer_triton.py``)
   at its own default config, checked like the rest and timed in three rounds alternating with
-  the current default.
+  the current default;
+- with ``--maxima``: scores + top-k in CUDA graphs, the indexer's call (the score kernel writes
+  the top-k floor's group maxima) against the two stages called apart.
 
 Times are medians of `triton.testing.do_bench` (which flushes L2 between runs), in µs.
 ``GB/s`` is the score stage's key bytes (``contexts x 132 B``) over its time; ``% copy`` puts it
@@ -24,7 +26,7 @@ against a same-run HBM copy (``2 x bytes`` read and written over the copy's time
 mode (fp32 keys) runs at batch 8 only. Writes ``$OUT/bench_indexer.json`` when ``OUT`` is set.
 
     PYTHONPATH=src python3 benchmarks/bench_indexer.py [--quick] [--no-sweep] [--baseline FILE]
-        [--cases 29x131072,64x131072]
+        [--cases 29x131072,64x131072] [--maxima]
 """
 
 from __future__ import annotations
@@ -81,8 +83,9 @@ def baseline_function(path: str | None, name: str):
 
 
 def run_case(
-    kind: str, batch: int, context: int, seed: int, sweep: bool, before=None, stages=()
-) -> dict:
+    kind: str, batch: int, context: int, seed: int, sweep: bool, before=None, stages=(),
+    maxima: bool = False,
+) -> dict:  # fmt: skip
     dev = torch.device(DEVICE)
     case = ic.random_indexer_case(
         kind,
@@ -164,7 +167,33 @@ def run_case(
         row["variants"] = _variants(case, ref, tol, key_bytes)
     if kind == "fp8" and stages:
         row["gluon"] = _gluon_stages(case, ref, tol, key_bytes, stages)
+    if maxima:
+        row["maxima"] = _maxima_handoff(case, got)
     return row
+
+
+def _maxima_handoff(case: ic.PagedIndexerCase, want: torch.Tensor) -> dict:
+    """Scores + top-k in CUDA graphs (ten calls a graph, three alternating rounds, medians):
+    the indexer's call, where the score kernel writes the top-k floor's group maxima
+    (`indexer_triton.select_maxima`), against the two stages called apart (the select finds
+    the maxima itself). Each picks ``want``'s picks."""
+    args, pos, req = case.args(), case.positions, case.req_index
+
+    def handed() -> torch.Tensor:
+        return it.indexer_topk_paged_triton(*args, K, case.softmax_scale)
+
+    def apart() -> torch.Tensor:
+        s = it.indexer_scores_paged_triton(*args, case.softmax_scale)
+        return it.topk_from_scores(s, K, positions=pos, req_index=req)
+
+    fns = {"handed": handed, "apart": apart}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(3):
+        for name, fn in fns.items():
+            if not torch.equal(fn(), want):
+                raise SystemExit(f"maxima hand-off {name}: picks differ")
+            times[name].append(graph_call_us(fn))
+    return {f"{name}_us": sorted(v)[1] for name, v in times.items()}
 
 
 def _gluon_stages(
@@ -296,6 +325,14 @@ def _print_tables(rows: list[dict], seconds: float, copy: float) -> None:
             f"{r['topk_us']:>8.1f} {r['score_GBps']:>6.0f} "
             f"{r['speedup_vs_reference']:>6.1f}x {r['set_overlap_vs_reference']:>7.4f}"
         )
+    if any("maxima" in r for r in rows):
+        print("\nscores + top-k in graphs, µs: the top-k's group maxima from the score kernel "
+              "vs the stages apart")  # fmt: skip
+        for r in rows:
+            if "maxima" in r:
+                m = r["maxima"]
+                print(f"{r['batch']:>5} x {r['context']:>7}: handed over {m['handed_us']:7.1f}"
+                      f"  apart {m['apart_us']:7.1f}")  # fmt: skip
     if any("before_scores_us" in r for r in rows):
         print(
             "\nscore stage, --baseline (before) vs default (now), µs / GB/s / % of copy, "
@@ -373,6 +410,11 @@ def main() -> int:
         default="",
         help="time the Gluon kernel at ring depths[:programs per SM[:maxnreg]], e.g. 4,6:3:80",
     )
+    parser.add_argument(
+        "--maxima",
+        action="store_true",
+        help="time scores + top-k with the floor's group maxima handed over and apart",
+    )
     args = parser.parse_args()
     stages = [tuple(int(x) for x in v.split(":")) for v in args.gluon_stages.split(",") if v]
     before = baseline_function(args.baseline, "indexer_scores_paged_triton")
@@ -393,8 +435,9 @@ def main() -> int:
     rows = []
     for i, (kind, batch, context) in enumerate(cases):
         row = run_case(
-            kind, batch, context, seed=i, sweep=not args.no_sweep, before=before, stages=stages
-        )
+            kind, batch, context, seed=i, sweep=not args.no_sweep, before=before, stages=stages,
+            maxima=args.maxima,
+        )  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()

@@ -15,7 +15,8 @@ a graph launch per call; `hisparse.testing.cuda_graphs.graph_call_us`):
 - ``select``: `topk_select_triton`; ``no floor``: the same counting every key (and with
   ``--sweep-sparse``, up to 29 rows, the same at other `SPARSE_KEYS`: up to how many
   matching keys a block adds one atomic each instead of a histogram; with ``--sweep-parts``,
-  8 to 64 rows, at other programs per SM);
+  8 to 64 rows, at other programs per SM; with ``--sweep-floor``, calls that take the
+  floor, at other `FLOOR_BYTE_BLOCK`);
 - ``no PDL``: the same with ``HISPARSE_PDL=0`` (each launch waits for the one before to
   end, instead of starting as a programmatic dependent while it finishes);
 - ``before``: with ``--baseline FILE``, another version's ``topk_select_triton`` (a module
@@ -30,6 +31,7 @@ Writes ``$OUT/bench_topk.json`` when ``OUT`` is set; prints the table last.
 
     PYTHONPATH=src python3 benchmarks/bench_topk.py [--baseline old_topk.py] [--launches]
         [--cases 29x131072,...] [--dists spread,crowded] [--sweep-sparse] [--sweep-parts]
+        [--sweep-floor]
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ PARTS_PER_SM = (1, 2, 4, 8, 16)
 CASES = [(1, 131072), (8, 131072), (29, 131072), (64, 131072), (2048, 131072), (1, 32768),
          (29, 32768)]  # fmt: skip
 DISTS = ("spread", "crowded", "relu")
+#: ``--sweep-floor``: group maxima an iteration of the floor's second launch.
+FLOOR_SWEEP = (128, 1024)
 
 
 def _scores(t: int, s: int, dist: str, dev: torch.device) -> torch.Tensor:
@@ -92,6 +96,9 @@ def main() -> None:
     ap.add_argument("--dists", default=",".join(DISTS), help="score distributions to run")
     ap.add_argument(
         "--launches", action="store_true", help="each launch's time (torch.profiler), per case"
+    )
+    ap.add_argument(
+        "--sweep-floor", action="store_true", help="time other floor launch shapes (16-64 rows)"
     )
     ap.add_argument(
         "--sweep-parts", action="store_true", help="time other programs per SM (8-64 rows)"
@@ -173,9 +180,29 @@ def main() -> None:
                     dict(dist=dist, rows=t, keys=s, per_sm=f, parts=p, select_us=us, exact=ok)
                 )
                 print(sweep[-1], flush=True)
+        if args.sweep_floor and topk_triton.FLOOR_MIN_ROWS <= t <= topk_triton.FLOOR_MAX_ROWS:
+            saved = topk_triton.FLOOR_BYTE_BLOCK
+            try:
+                for shape in FLOOR_SWEEP:
+                    topk_triton.FLOOR_BYTE_BLOCK = shape
+                    out.fill_(-7777)
+                    ok = torch.equal(topk_select_triton(x, K, out), want)
+                    us = _graph_us(lambda x=x, out=out: topk_select_triton(x, K, out))
+                    sweep.append(dict(dist=dist, rows=t, keys=s, floor_shape=shape,
+                                      select_us=us, exact=ok))  # fmt: skip
+                    print(sweep[-1], flush=True)
+            finally:
+                topk_triton.FLOOR_BYTE_BLOCK = saved
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_topk.json").write_text(json.dumps(rows + sweep, indent=2))
     for r in sweep:
+        if "floor_shape" in r:
+            print(
+                f"  {r['dist']:8s} {r['rows']:5d} {r['keys']:7d}: floor maxima an iteration"
+                f" {r['floor_shape']:4d} -> {r['select_us']:7.1f}"
+                f"{'' if r['exact'] else '  NOT EXACT'}"
+            )
+            continue
         if "sparse_keys" in r:
             print(
                 f"  {r['dist']:8s} {r['rows']:5d} {r['keys']:7d}: SPARSE_KEYS"

@@ -22,7 +22,9 @@ from hisparse.attention import indexer_triton as it
 from hisparse.attention.sparse_mla_triton import interpreting
 from hisparse.attention.topk_triton import (
     BLOCK,
+    GroupMaxima,
     floor_counts_reference,
+    group_maxima_reference,
     topk_select_reference,
     topk_select_triton,
 )
@@ -181,20 +183,74 @@ def test_the_floor_counts_only_keys_at_or_above_it(monkeypatch: pytest.MonkeyPat
         assert torch.equal(bufs[-1][:, 0].sum(dim=1), floor_counts_reference(cut, k, group))
 
 
-@pytest.mark.parametrize("t,s,k", [(3, 9000, 64), (2, 131168, 2048), (4, 33000, 2048)])
+@pytest.mark.parametrize(
+    "t,s,k,byte_block",
+    [(3, 9000, 64, None), (2, 131168, 2048, None), (4, 33000, 2048, None),
+     (3, 9000, 64, 128), (4, 33000, 2048, 128)],
+)  # fmt: skip
 def test_random_rows_with_the_floor(
-    t: int, s: int, k: int, monkeypatch: pytest.MonkeyPatch
+    t: int, s: int, k: int, byte_block: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Random rows through the floor (forced on for these row counts and, at 33K keys, for
-    groups of 4) equal the reference, up to the engine's largest decode row."""
+    groups of 4) equal the reference, up to the engine's largest decode row; also with the
+    floor's second launch reading other maxima an iteration. The first row's largest keys
+    are its last."""
     from hisparse.attention import topk_triton as tt
 
     monkeypatch.setattr(tt, "FLOOR_MIN_ROWS", 1)
     monkeypatch.setattr(tt, "FLOOR_MIN_GROUP", 4)
+    if byte_block:
+        monkeypatch.setattr(tt, "FLOOR_BYTE_BLOCK", byte_block)
     assert tt._floor_group(s, k) >= 4
     x = _rows(t, s, seed=s + k)
+    x[0, -k // 2 :] += 1e6
     got = topk_select_triton(x, k, out=_poisoned(t, k))
     assert torch.equal(got, topk_select_reference(x, k))
+
+
+def test_group_maxima_written_or_handed_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The floor's group maxima: given unfilled buffers (`GroupMaxima`), the select's first
+    launch writes each group's maximum up to the row's limit and the maxima's first-byte
+    histogram as `group_maxima_reference` has them (a fresh histogram buffer, which the write
+    launch leaves as it is); handed in filled (as the Gluon score kernel writes them) it
+    skips that launch and picks the same. A group width other than the call's is refused."""
+    from hisparse.attention import topk_triton as tt
+
+    monkeypatch.setattr(tt, "FLOOR_MIN_ROWS", 1)
+    t, s, k = 4, 20000, 256
+    group = tt._floor_group(s, k)
+    x = _rows(t, s, seed=33)
+    x[2] = torch.randint(0, 3, (s,)).float()
+    x[3, ::5] = float("nan")
+    x[0, 5:9] = -0.0
+    limits = torch.tensor([s, 4000, 9001, 17])
+    want = topk_select_reference(x, k, limits)
+    gmax, hist = group_maxima_reference(x, group, limits)
+    n_groups = (limits + group - 1) // group
+
+    def buffers(filled: bool) -> GroupMaxima:
+        g = torch.full_like(gmax, 12345)
+        h = torch.zeros((t, tt.HISTS, tt.BINS), dtype=torch.int32)
+        if filled:
+            g.copy_(gmax)
+            h[:, 4] = hist
+        return GroupMaxima(group, g, h, clear=False, filled=filled)
+
+    m = buffers(False)
+    assert torch.equal(topk_select_triton(x, k, _poisoned(t, k), limits, maxima=m), want)
+    for r in range(t):
+        assert torch.equal(m.gmax[r, : n_groups[r]], gmax[r, : n_groups[r]]), r
+    assert torch.equal(m.hist[:, 4], hist) and (hist.sum(1) > 0).all()
+
+    class NotLaunched:
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            raise AssertionError("the maxima were handed in")
+
+    monkeypatch.setattr(tt, "_floor_max_kernel", NotLaunched())
+    m = buffers(True)
+    assert torch.equal(topk_select_triton(x, k, _poisoned(t, k), limits, maxima=m), want)
+    with pytest.raises(ValueError, match="groups of"):
+        topk_select_triton(x, k, None, limits, maxima=GroupMaxima(8, gmax, m.hist, False))
 
 
 def test_sparse_blocks_take_single_atomics() -> None:

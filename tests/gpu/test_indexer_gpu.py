@@ -263,6 +263,43 @@ def test_gluon_kernel_taken_and_beside_triton(
     assert ic.selection_errors(it.topk_from_scores(got, K), ref, case.limits, K, tol) == []
 
 
+def test_gluon_kernel_writes_the_top_k_group_maxima(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a decode batch the top-k takes a floor for (29 requests of up to 128K keys and a
+    padding token) the Gluon score kernel writes the floor's group maxima and their first-byte
+    histogram beside the scores (poisoned buffers first): equal to `group_maxima_reference`
+    on its own scores up to each row's limit. The select reading them picks what the
+    reference picks, and the indexer's top-k (which hands them over) passes its check."""
+    from hisparse.attention import indexer_gluon as ig
+    from hisparse.attention import topk_triton as tt
+
+    if not ig.supported(DEV):
+        pytest.skip("the Gluon kernel needs sm_90")
+    g = torch.Generator().manual_seed(52)
+    contexts = [*torch.randint(2049, 131073, (27,), generator=g).tolist(), 131072, 1000]
+    case = _case("fp8", contexts, seed=52, pad_tokens=1)
+    t = case.q.shape[0]
+    cols = it.score_cols(case.pages, case.fmt, case.block_table, None)
+    maxima = tt.group_maxima(t, cols, K, DEV)
+    assert maxima is not None and maxima.group == tt.FLOOR_GROUP
+    hist = torch.zeros((t, tt.HISTS, tt.BINS), dtype=torch.int32, device=DEV)
+    maxima = dataclasses.replace(maxima, gmax=torch.full_like(maxima.gmax, 12345), hist=hist,
+                                 clear=False)  # fmt: skip
+    scores = it.indexer_scores_paged_triton(*case.args(), case.softmax_scale, maxima=maxima)
+    assert maxima.filled and "gluon" in _kernel_name(it.last_compiled[0])
+    torch.cuda.synchronize()
+    limits = case.limits
+    want_g, want_h = tt.group_maxima_reference(scores, maxima.group, limits)
+    n_groups = ((limits + maxima.group - 1) // maxima.group).tolist()
+    for r in range(t):
+        assert torch.equal(maxima.gmax[r, : n_groups[r]], want_g[r, : n_groups[r]]), r
+    assert torch.equal(hist[:, 4], want_h)
+    got = it.topk_from_scores(
+        scores, K, positions=case.positions, req_index=case.req_index, maxima=maxima
+    )
+    assert torch.equal(got, tt.topk_select_reference(scores, K, limits))
+    _check(case)
+
+
 def test_unaligned_pages_fall_back_to_triton() -> None:
     """Pages at an address a TMA descriptor cannot take (4 bytes past 16-byte alignment) are
     not the Gluon kernel's (the same pages aligned are) and still match the reference."""

@@ -5,6 +5,9 @@ program ``(token, chunk)`` holds the token's ``[H, 128]`` query (f16, its dims i
 `indexer_triton`'s reordered order) in shared memory and walks its chunk in 64-key tiles, each
 one page run: a ``[64, 128] x [128, H]`` f16 wgmma with the keys as the register operand,
 ReLU, the weighted head sum, times the key scale; ``-inf`` at and past the causal limit.
+Given the top-k's `topk_triton.GroupMaxima` (decode batches that take its floor), it also
+writes each 16 keys' largest score and counts its first key byte, so that the select skips
+the launch that would read every score again to find them.
 
 Why a second kernel: the Triton one keeps at most two key tiles in flight per program, with
 the page arithmetic and the block-table read between its loads, and streams the keys well
@@ -37,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from hisparse.attention.sparse_mla_gluon import supported
+from hisparse.attention.topk_triton import GroupMaxima
 from hisparse.kv.row_formats import IndexerCacheFormat
 
 Tensor = torch.Tensor
@@ -102,9 +106,10 @@ def usable(
 @gluon.jit
 def _indexer_scores_gluon_kernel(
     key_desc, scale_desc, q_ptr, qs_ptr, w_ptr, table_ptr, req_ptr, pos_ptr, out_ptr,
-    softmax_scale, num_heads, num_cols, chunk,
-    s_q_t, s_q_h, s_qs_t, s_qs_h, s_w_t, s_w_h, s_tab_r, s_out_t,
+    gmax_ptr, hist_ptr, softmax_scale, num_heads, num_cols, chunk,
+    s_q_t, s_q_h, s_qs_t, s_qs_h, s_w_t, s_w_h, s_tab_r, s_out_t, s_g_t, s_h_t,
     block_size: gl.constexpr, sc_off: gl.constexpr, HP: gl.constexpr, STAGES: gl.constexpr,
+    GROUP: gl.constexpr,
 ):  # fmt: skip
     D: gl.constexpr = 128
     BN: gl.constexpr = 64
@@ -184,7 +189,11 @@ def _indexer_scores_gluon_kernel(
                                use_acc=False)  # fmt: skip
         score = gl.sum(gl.maximum(logits, 0.0) * w[None, :], axis=1) * scale
         pos = start + i * BN + nr
-        gl.store(row + pos, gl.where(pos < end, score, float("-inf")), mask=pos < stop)
+        score = gl.where(pos < end, score, float("-inf"))
+        gl.store(row + pos, score, mask=pos < stop)
+        if GROUP > 0:
+            _group_maxima(score, gmax_ptr + t * s_g_t, hist_ptr + t * s_h_t, start + i * BN,
+                          stop, BN, GROUP)  # fmt: skip
 
     # tiles wholly past the causal limit: -inf without reading anything
     nv = gl.arange(0, BN, layout=vec)
@@ -193,6 +202,25 @@ def _indexer_scores_gluon_kernel(
         gl.store(row + pos, gl.full([BN], float("-inf"), gl.float32, vec), mask=pos < stop)
     for k in gl.static_range(STAGES):
         mbarrier.invalidate(full.index(k))
+
+
+@gluon.jit
+def _group_maxima(score, gmax_row, hist_row, n0, stop, BN: gl.constexpr, GROUP: gl.constexpr):
+    """The tile's largest finite score of each ``GROUP`` keys (positions ``n0 ..``), in
+    `topk_triton`'s signed key order (``-0.0`` as ``0.0``; ``INT32_MIN`` for none), into
+    ``gmax_row``, and one count each in ``hist_row`` at the first byte of its key. A group is
+    one warp's rows of the tile: its maximum is a shuffle reduction, stored and counted by
+    one lane (bench_indexer.py --maxima: cheaper than one histogram a program at its end)."""
+    x = gl.where(score == 0.0, 0.0, score)
+    bits = x.to(gl.int32, bitcast=True)
+    v = gl.where(x > float("-inf"), bits ^ ((bits >> 31) & 0x7FFFFFFF), -(2**31))  # NaN: none
+    m = gl.max(gl.reshape(v, [BN // GROUP, GROUP]), axis=1)
+    g = n0 // GROUP + gl.arange(0, BN // GROUP, layout=m.type.layout)
+    keep = g * GROUP < stop
+    gl.store(gmax_row + g, m, mask=keep)
+    byte = ((m ^ -(2**31)) >> 24) & 255
+    ones = gl.full(m.shape, 1, gl.int32, layout=m.type.layout)
+    gl.atomic_add(hist_row + byte, ones, mask=keep & (m > -(2**31)), sem="relaxed")
 
 
 @gluon.jit
@@ -247,22 +275,31 @@ def _descriptors(pages: Tensor, fmt: IndexerCacheFormat) -> tuple:
 def launch(
     q: Tensor, qs: Tensor, weights: Tensor, pages: Tensor, fmt: IndexerCacheFormat,
     block_table: Tensor, req_index: Tensor, positions: Tensor, out: Tensor,
-    softmax_scale: float, chunk: int,
+    softmax_scale: float, chunk: int, maxima: GroupMaxima | None = None,
 ):  # fmt: skip
     """Fill ``out [T, S]`` (`indexer_triton.indexer_scores_paged_triton` has checked and
     prepared the operands: ``qs`` fp32 ``[T, H]``, weights fp32, an int32 block table) with
-    ``chunk`` keys a program; returns the compiled kernel."""
+    ``chunk`` keys a program, and ``maxima`` (the top-k's floor, `topk_triton.group_maxima`)
+    when given; returns the compiled kernel."""
     t, h, _ = q.shape
     bs = pages.shape[1] // fmt.row_bytes
     key_desc, scale_desc = descriptors(pages, fmt)
     grid = (t, triton.cdiv(out.shape[1], chunk))
+    group = 0
+    gmax = hist = out  # (not read without maxima)
+    if maxima is not None:
+        if chunk % maxima.group or BLOCK_N % maxima.group:
+            raise ValueError(f"chunk {chunk} splits groups of {maxima.group} keys")
+        group, gmax, hist = maxima.group, maxima.gmax, maxima.hist[:, 4]
+        maxima.filled = True
     return _indexer_scores_gluon_kernel[grid](
-        key_desc, scale_desc, q, qs, weights, block_table, req_index, positions, out,
-        softmax_scale, h, out.shape[1], chunk,
+        key_desc, scale_desc, q, qs, weights, block_table, req_index, positions, out, gmax,
+        hist, softmax_scale, h, out.shape[1], chunk,
         q.stride(0), q.stride(1), qs.stride(0), qs.stride(1), weights.stride(0),
-        weights.stride(1), block_table.stride(0), out.stride(0),
+        weights.stride(1), block_table.stride(0), out.stride(0), gmax.stride(0), hist.stride(0),
         block_size=bs, sc_off=bs * HEAD_DIM // 4, HP=max(32, triton.next_power_of_2(h)),
-        STAGES=STAGES, num_warps=NUM_WARPS, **({} if MAX_REGS is None else {"maxnreg": MAX_REGS}),
+        STAGES=STAGES, GROUP=group, num_warps=NUM_WARPS,
+        **({} if MAX_REGS is None else {"maxnreg": MAX_REGS}),
     )  # fmt: skip
 
 

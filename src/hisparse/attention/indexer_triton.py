@@ -23,7 +23,8 @@ Two stages:
    instructions, the keys copied through a TMA ring, the same scores bit for bit.
 2. the exact top-k of each row: on CUDA the Triton radix select (`topk_triton`: five
    launches over a (row, part) grid, seven with the floor that decode batches of long rows
-   take, each row read only up to its token's causal limit; ties
+   take, six where the Gluon score kernel writes the floor's group maxima beside the scores
+   (`select_maxima`), each row read only up to its token's causal limit; ties
    at the k-th score to the lowest positions, picks in ascending positions), elsewhere or with
    ``HISPARSE_TOPK=reference`` ``torch.topk`` (the reference's selection code; picks best
    first). Both run on the same scores and give the same set wherever the k-th score is not
@@ -65,7 +66,7 @@ from hisparse.attention import indexer_gluon, triton_split
 from hisparse.attention import indexer_reference as _ref
 from hisparse.attention.dispatch import env_backend
 from hisparse.attention.sparse_mla_triton import interpreting
-from hisparse.attention.topk_triton import topk_select_triton
+from hisparse.attention.topk_triton import GroupMaxima, group_maxima, topk_select_triton
 from hisparse.attention.triton_split import num_sms
 from hisparse.kv.row_formats import IndexerCacheFormat
 
@@ -361,12 +362,14 @@ def indexer_scores_paged_triton(
     max_len: int | None = None,
     config: IndexerConfig | None = None,
     chunk: int | None = None,
+    maxima: GroupMaxima | None = None,
 ) -> Tensor:
     """``fp32 [T, S]`` scores of each token against its request's keys, ``-inf`` past its limit.
 
     ``S`` is ``block_table.shape[1] * block_size``, or ``max_len`` when given (it must be at
     least every ``positions[t] + 1``). Arguments as in `indexer_topk_paged_reference`;
-    ``config`` / ``chunk`` override the tile shape and keys per program.
+    ``config`` / ``chunk`` override the tile shape and keys per program. ``maxima``: the
+    top-k's group maxima, which the Gluon kernel writes with the scores (then ``filled``).
     """
     if not supports(q, q_scale, pages, fmt):
         raise ValueError(
@@ -421,7 +424,7 @@ def indexer_scores_paged_triton(
     if gluon:
         last_compiled[0] = indexer_gluon.launch(
             q, qs, weights, pages, fmt, block_table, req_index, positions, out, softmax_scale,
-            chunk,
+            chunk, maxima if maxima and chunk % maxima.group == 0 else None,
         )  # fmt: skip
         return out
 
@@ -471,15 +474,17 @@ def topk_from_scores(
     *,
     positions: Tensor | None = None,
     req_index: Tensor | None = None,
+    maxima: GroupMaxima | None = None,
 ) -> Tensor:
     """``int32 [T, top_k]`` best positions of each row, ``-inf`` picks and padding ``-1``;
     written into ``out`` (every element) when given. On CUDA, up to `SELECT_MAX_ROWS` rows,
     the Triton radix select (`topk_triton`; ``HISPARSE_TOPK=reference`` keeps ``torch.topk``),
     which reads each row only up to the token's causal limit when ``positions`` (and
-    ``req_index``) are given."""
-    choice = env_backend("HISPARSE_TOPK", scores.device)
-    if choice == "triton" and (scores.shape[0] <= SELECT_MAX_ROWS or not scores.is_cuda):
-        return topk_select_triton(scores, top_k, out, positions=positions, req_index=req_index)
+    ``req_index``) are given. ``maxima``: from `select_maxima` for this call."""
+    if _triton_select(scores.shape[0], scores.device):
+        return topk_select_triton(
+            scores, top_k, out, positions=positions, req_index=req_index, maxima=maxima
+        )
     t, s = scores.shape
     kk = min(top_k, s)
     if out is None:
@@ -490,6 +495,21 @@ def topk_from_scores(
     vals, idx = scores.topk(kk, dim=-1)
     out[:, :kk] = torch.where(torch.isneginf(vals), -1, idx).to(torch.int32)
     return out
+
+
+def _triton_select(t: int, device: torch.device) -> bool:
+    return env_backend("HISPARSE_TOPK", device) == "triton" and (
+        t <= SELECT_MAX_ROWS or device.type != "cuda"
+    )
+
+
+def select_maxima(t: int, cols: int, top_k: int, device: torch.device) -> GroupMaxima | None:
+    """The group maxima that `topk_from_scores` will read for ``[t, cols]`` scores on CUDA,
+    for the score kernel to write (None where its select takes no floor). The select must
+    follow the score kernel that fills them: they add to its histograms."""
+    if device.type != "cuda" or not _triton_select(t, device):
+        return None
+    return group_maxima(t, cols, top_k, device)
 
 
 def indexer_topk_paged_triton(
@@ -521,11 +541,14 @@ def indexer_topk_paged_triton(
     cols = score_cols(pages, fmt, block_table, max_len)
     blocks = _ref.score_row_blocks(t, 4 * cols)
     if len(blocks) <= 1:
+        maxima = select_maxima(t, cols, top_k, q.device)
         scores = indexer_scores_paged_triton(
             q, q_scale, weights, pages, fmt, block_table, req_index, positions, softmax_scale,
-            max_len=max_len, config=config, chunk=chunk,
+            max_len=max_len, config=config, chunk=chunk, maxima=maxima,
         )  # fmt: skip
-        return topk_from_scores(scores, top_k, positions=positions, req_index=req_index)
+        return topk_from_scores(
+            scores, top_k, positions=positions, req_index=req_index, maxima=maxima
+        )
     cfg = config or default_config(fmt.kind)
     chunk = chunk or chunk_for(t, cols, cfg.block_n, q.device, cfg.programs_per_sm)
     out = torch.empty((t, top_k), dtype=torch.int32, device=q.device)

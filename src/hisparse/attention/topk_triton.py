@@ -36,12 +36,16 @@ few thousand candidates a row instead of every score:
    first byte of those maxima; then the second byte's, among the maxima that share the
    first byte of the row's k-th largest maximum. The floor is the lower edge of that 16-bit
    bin: at least ``k`` groups have a maximum at or above it, each a distinct key, so the
-   row's ``k`` largest keys all are (rows of fewer than ``k`` maxima get none: every key);
+   row's ``k`` largest keys all are (rows of fewer than ``k`` maxima get none: every key).
+   A score kernel can write the maxima and their first-byte histogram with the scores
+   (`GroupMaxima`, `indexer_gluon`): then the first of these launches is skipped;
 1. the first histogram launch stores each part's keys at or above the floor, in position
-   order, from the part's first slot on (keys, positions, count); the other launches read
-   those instead of the scores, and the write launch writes their stored positions. The
-   picks are the same: the floor only removes keys no pick can be. Fewer programs per SM
-   (`FLOOR_PROGRAMS_PER_SM`): over candidates a launch's cost is each program's fixed part.
+   order, from the part's first slot on (keys, positions, count), and histograms their first
+   byte once it has them all (an atomic a key would queue on the few bins a row's candidates
+   share); the other launches read those instead of the scores, and the write launch writes
+   their stored positions. The picks are the same: the floor only removes keys no pick can
+   be. Fewer programs per SM (`FLOOR_PROGRAMS_PER_SM`): over candidates a launch's cost is
+   each program's fixed part.
 
 The histograms must start at zero. Up to `KEPT_HIST_ROWS` rows (a decode batch) they live in
 one buffer per device that is zero at rest but for the last byte's histogram: the write
@@ -64,6 +68,8 @@ starts while that one finishes and waits for its writes first, saving the launch
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -117,9 +123,40 @@ FLOOR_MAX_ROWS = 64
 #: candidates, so their cost is each program's fixed part (bench_topk.py --sweep-parts, 29
 #: rows of 128K: 2 per SM beat 8 by a fifth).
 FLOOR_PROGRAMS_PER_SM = 2
+#: Group maxima the floor's second launch reads an iteration, at most (bench_topk.py
+#: --sweep-floor: 1,024 beat 128 by 1-2 µs at 16-64 rows of 128K).
+FLOOR_BYTE_BLOCK = 1024
 #: Rows of the zero-at-rest histogram buffer kept per device (see the module docstring).
 KEPT_HIST_ROWS = 64
 _kept_hist: dict[torch.device, Tensor] = {}
+
+
+@dataclass
+class GroupMaxima:
+    """The floor's group maxima of one call's scores, for a score kernel to write beside the
+    scores (`indexer_gluon`), saving the floor's first launch: ``gmax`` ``int32 [T, S / group]``
+    (each ``group`` keys' largest finite key in signed order, `INT32_MIN` for none, up to each
+    row's limit), and the maxima's first-byte histogram added into histogram 4 of ``hist``,
+    the call's histograms (`_histograms`). ``filled``: the writer sets it; the select
+    computes the maxima itself when it is not."""
+
+    group: int
+    gmax: Tensor
+    hist: Tensor
+    clear: bool
+    filled: bool = False
+
+
+def group_maxima(t: int, s: int, top_k: int, device: torch.device) -> GroupMaxima | None:
+    """Buffers for the group maxima of a ``[t, s]`` call with ``top_k`` picks, where the select
+    takes a floor (else None). The histograms are the ones that call's select will use: a
+    writer adds to them, so a call that gets these must run the select after it."""
+    group = _floor_group(s, min(top_k, s)) if FLOOR_MIN_ROWS <= t <= FLOOR_MAX_ROWS else 0
+    if not group:
+        return None
+    hist, clear = _histograms(t, device)
+    gmax = torch.empty((t, triton.cdiv(s, group)), dtype=torch.int32, device=device)
+    return GroupMaxima(group, gmax, hist, clear)
 
 
 def topk_select_reference(scores: Tensor, top_k: int, limits: Tensor | None = None) -> Tensor:
@@ -143,6 +180,29 @@ def topk_select_reference(scores: Tensor, top_k: int, limits: Tensor | None = No
     return out
 
 
+def group_maxima_reference(
+    scores: Tensor, group: int, limits: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """`GroupMaxima`'s contract: ``int32 [T, S / group]`` each group's largest finite score
+    below the row's limit in signed key order (``INT32_MIN`` for none), and ``int32 [T, 256]``
+    the histogram of the first key byte of the maxima that are not."""
+    x = torch.where(torch.isnan(scores), float("-inf"), scores.float())
+    if limits is not None:
+        pos = torch.arange(x.shape[1], device=x.device)
+        x = torch.where(pos[None, :] < limits.to(x.device).long()[:, None], x, float("-inf"))
+    x = torch.where(x == 0, 0.0, x)  # -0.0 as 0.0
+    bits = x.view(torch.int32)
+    v = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed ints in the floats' order
+    v = torch.where(x > float("-inf"), v, -(2**31))
+    pad = (-x.shape[1]) % group
+    gm = torch.nn.functional.pad(v, (0, pad), value=-(2**31)).view(x.shape[0], -1, group)
+    gm = gm.amax(dim=2)
+    byte = ((gm ^ -(2**31)) >> 24) & 0xFF
+    hist = torch.zeros((x.shape[0], 256), dtype=torch.int32, device=x.device)
+    hist.scatter_add_(1, byte.long(), (gm > -(2**31)).to(torch.int32))
+    return gm.to(torch.int32), hist
+
+
 def floor_counts_reference(scores: Tensor, top_k: int, group: int) -> Tensor:
     """Per row, the keys the floor keeps (``int32 [T]``): the finite scores at or above the
     lower edge of the 16-bit bin (in the select's key order) of the row's ``top_k``-th
@@ -150,11 +210,9 @@ def floor_counts_reference(scores: Tensor, top_k: int, group: int) -> Tensor:
     x = torch.where(torch.isnan(scores), float("-inf"), scores.float())
     x = torch.where(x == 0, 0.0, x)  # -0.0 as 0.0
     bits = x.view(torch.int32)
-    v = bits ^ ((bits >> 31) | -(2**31)) ^ -(2**31)  # signed ints in the floats' order
+    v = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed ints in the floats' order
     finite = x > float("-inf")
-    pad = (-x.shape[1]) % group
-    gm = torch.nn.functional.pad(torch.where(finite, v, -(2**31)), (0, pad), value=-(2**31))
-    gm = gm.view(x.shape[0], -1, group).amax(dim=2)
+    gm = group_maxima_reference(x, group)[0]
     counts = []
     for r in range(x.shape[0]):
         m = gm[r][gm[r] > -(2**31)]
@@ -336,16 +394,24 @@ def _hist_kernel(
                 ti = take.to(tl.int32)
                 n = tl.sum(ti, axis=0)
                 if n > 0:
-                    if PASS == 0:  # keep them, in position order
+                    if PASS == 0:  # keep them, in position order (their histogram: below)
                         dst = lo + kept + tl.cumsum(ti, axis=0) - ti
                         tl.store(crow + dst, u, mask=take)
                         tl.store(prow + dst, offs, mask=take)
                         kept += n
-                    if n > SPARSE_KEYS:
+                    elif n > SPARSE_KEYS:
                         acc += tl.histogram(digit, BINS, mask=take)
                     else:  # few keys: one atomic each
                         ones = tl.full([BLOCK], 1, tl.int32)
                         tl.atomic_add(dest + digit, ones, mask=take, sem="relaxed")
+        if PASS == 0 and FLOOR:  # the first byte of the part's candidates, read back once:
+            # one atomic a key would serialise on the few bins every candidate of a row is in
+            tl.debug_barrier()  # (the CTA's stores above visible to all its threads)
+            for start in range(lo, lo + kept, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                m = offs < lo + kept
+                u = tl.load(crow + offs, mask=m, other=0)
+                acc += tl.histogram((u >> (32 - DIGIT_BITS)) & (BINS - 1), BINS, mask=m)
         tl.atomic_add(dest + bins, acc, mask=acc != 0, sem="relaxed")  # (bins it has keys in)
     if PASS == 0 and FLOOR:
         tl.store(count + t.to(tl.int64) * NPARTS + part, kept)
@@ -471,11 +537,14 @@ def topk_select_triton(
     req_index: Tensor | None = None,
     parts: int | None = None,
     floor: bool = True,
+    maxima: GroupMaxima | None = None,
 ) -> Tensor:
     """`topk_select_reference`'s contract, written into ``out`` (every element) when given.
     ``scores``: fp32 ``[T, S]``; row ``t`` reads keys below ``limits[t]``, or below a
     token's causal limit ``positions[t] + 1`` (none where ``req_index[t] < 0``): the same
-    picks as without, where the scores past those limits are ``-inf``, read in less time."""
+    picks as without, where the scores past those limits are ``-inf``, read in less time.
+    ``maxima``: `group_maxima`'s buffers for this call (its histograms are then the call's;
+    when ``filled``, the floor's first launch is skipped)."""
     t, s = scores.shape
     if out is None:
         out = torch.empty((t, top_k), dtype=torch.int32, device=scores.device)
@@ -483,7 +552,8 @@ def topk_select_triton(
         return out
     if out.stride(1) != 1 or out.dtype != torch.int32:  # the kernel writes int32 rows
         out.copy_(topk_select_triton(scores, top_k, None, limits, positions=positions,
-                                     req_index=req_index, parts=parts, floor=floor))  # fmt: skip
+                                     req_index=req_index, parts=parts, floor=floor,
+                                     maxima=maxima))  # fmt: skip
         return out
     if scores.dtype != torch.float32 or scores.stride(1) != 1:
         scores = scores.float().contiguous()
@@ -499,7 +569,9 @@ def topk_select_triton(
     block = BLOCK if per >= BLOCK else max(MIN_BLOCK, triton.next_power_of_2(per))
     part = triton.cdiv(per, block) * block
     p = max(1, triton.cdiv(s, part))
-    hist, clear = _histograms(t, scores.device)
+    if maxima is not None and maxima.group != group:
+        raise ValueError(f"group maxima of {maxima.group} keys for a call of groups of {group}")
+    hist, clear = (maxima.hist, maxima.clear) if maxima else _histograms(t, scores.device)
     counts = torch.empty((t, p, BINS + 2), dtype=torch.int32, device=scores.device)
     found = torch.empty((t, 3), dtype=torch.int32, device=scores.device)
     mode, lim, req = 0, hist, hist  # (pointers not read in mode 0)
@@ -516,13 +588,19 @@ def topk_select_triton(
     head = (scores, scores.stride(0), s, lim, req, hist)
     cand = cand_pos = count = hist  # (not read without the floor)
     if group:  # the floor from group maxima's first two bytes; room for the candidates
-        gmax = torch.empty((t, triton.cdiv(s, group)), dtype=torch.int32, device=scores.device)
+        gmax = (
+            maxima.gmax
+            if maxima
+            else torch.empty((t, triton.cdiv(s, group)), dtype=torch.int32, device=scores.device)
+        )
         cand = torch.empty((t, s), dtype=torch.int32, device=scores.device)  # keys, positions:
         cand_pos = torch.empty_like(cand)  # each part's from its first key's slot on
         count = torch.empty((t, p), dtype=torch.int32, device=scores.device)
-        _floor_max_kernel[grid](*head, gmax, gmax.stride(0), part, BLOCK=block, GROUP=group,
-                                **common)  # fmt: skip
-        _floor_byte_kernel[grid](*head, gmax, gmax.stride(0), k, part, GBLOCK=block // group,
+        if not (maxima and maxima.filled):
+            _floor_max_kernel[grid](*head, gmax, gmax.stride(0), part, BLOCK=block,
+                                    GROUP=group, **common)  # fmt: skip
+        gblock = min(FLOOR_BYTE_BLOCK, triton.next_power_of_2(triton.cdiv(part, group)))
+        _floor_byte_kernel[grid](*head, gmax, gmax.stride(0), k, part, GBLOCK=gblock,
                                  DIGIT_BITS=DIGIT_BITS, GROUP=group, **common)  # fmt: skip
     common.update(BLOCK=block, DIGIT_BITS=DIGIT_BITS, FLOOR=bool(group))
     for pas in range(PASSES - 1):
@@ -562,4 +640,11 @@ def _histograms(t: int, device: torch.device) -> tuple[Tensor, bool]:
     return torch.zeros((t, HISTS, BINS), dtype=torch.int32, device=device), False
 
 
-__all__ = ["floor_counts_reference", "topk_select_reference", "topk_select_triton"]
+__all__ = [
+    "GroupMaxima",
+    "floor_counts_reference",
+    "group_maxima",
+    "group_maxima_reference",
+    "topk_select_reference",
+    "topk_select_triton",
+]
