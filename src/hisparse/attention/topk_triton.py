@@ -41,8 +41,8 @@ few thousand candidates a row instead of every score:
    (`GroupMaxima`, `indexer_gluon`): then the first of these launches is skipped;
 1. the first histogram launch stores each part's keys at or above the floor, in position
    order, from the part's first slot on (keys, positions, count), and histograms their first
-   byte once it has them all (an atomic a key would queue on the few bins a row's candidates
-   share); the other launches read those instead of the scores, and the write launch writes
+   byte once it has them all (rather than an atomic a key: a row's candidates share one or
+   two bins); the other launches read those instead of the scores, and the write launch writes
    their stored positions. The picks are the same: the floor only removes keys no pick can
    be. Fewer programs per SM (`FLOOR_PROGRAMS_PER_SM`): over candidates a launch's cost is
    each program's fixed part.
@@ -404,8 +404,8 @@ def _hist_kernel(
                     else:  # few keys: one atomic each
                         ones = tl.full([BLOCK], 1, tl.int32)
                         tl.atomic_add(dest + digit, ones, mask=take, sem="relaxed")
-        if PASS == 0 and FLOOR:  # the first byte of the part's candidates, read back once:
-            # one atomic a key would serialise on the few bins every candidate of a row is in
+        if PASS == 0 and FLOOR:  # the first byte of the part's candidates, read back once
+            # (one atomic a key would land on the one or two bins a row's candidates share)
             tl.debug_barrier()  # (the CTA's stores above visible to all its threads)
             for start in range(lo, lo + kept, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
