@@ -16,7 +16,7 @@ a graph launch per call; `hisparse.testing.cuda_graphs.graph_call_us`):
   ``--sweep-sparse``, up to 29 rows, the same at other `SPARSE_KEYS`: up to how many
   matching keys a block adds one atomic each instead of a histogram; with ``--sweep-parts``,
   8 to 64 rows, at other programs per SM; with ``--sweep-floor``, calls that take the
-  floor, at other `FLOOR_BYTE_BLOCK`);
+  floor, at other `FLOOR_CAND_BLOCK` and `FLOOR_BYTE_BLOCK`);
 - ``no PDL``: the same with ``HISPARSE_PDL=0`` (each launch waits for the one before to
   end, instead of starting as a programmatic dependent while it finishes);
 - ``before``: with ``--baseline FILE``, another version's ``topk_select_triton`` (a module
@@ -57,8 +57,9 @@ PARTS_PER_SM = (1, 2, 4, 8, 16)
 CASES = [(1, 131072), (8, 131072), (29, 131072), (64, 131072), (2048, 131072), (1, 32768),
          (29, 32768)]  # fmt: skip
 DISTS = ("spread", "crowded", "relu")
-#: ``--sweep-floor``: group maxima an iteration of the floor's second launch.
-FLOOR_SWEEP = (128, 1024)
+#: ``--sweep-floor``: (candidates an iteration of the launches after the floor's compaction,
+#: group maxima an iteration of its second launch).
+FLOOR_SWEEP = [(256, 1024), (512, 1024), (1024, 1024), (2048, 1024), (512, 128)]
 
 
 def _scores(t: int, s: int, dist: str, dev: torch.device) -> torch.Tensor:
@@ -181,10 +182,10 @@ def main() -> None:
                 )
                 print(sweep[-1], flush=True)
         if args.sweep_floor and topk_triton.FLOOR_MIN_ROWS <= t <= topk_triton.FLOOR_MAX_ROWS:
-            saved = topk_triton.FLOOR_BYTE_BLOCK
+            saved = topk_triton.FLOOR_CAND_BLOCK, topk_triton.FLOOR_BYTE_BLOCK
             try:
                 for shape in FLOOR_SWEEP:
-                    topk_triton.FLOOR_BYTE_BLOCK = shape
+                    topk_triton.FLOOR_CAND_BLOCK, topk_triton.FLOOR_BYTE_BLOCK = shape
                     out.fill_(-7777)
                     ok = torch.equal(topk_select_triton(x, K, out), want)
                     us = _graph_us(lambda x=x, out=out: topk_select_triton(x, K, out))
@@ -192,14 +193,15 @@ def main() -> None:
                                       select_us=us, exact=ok))  # fmt: skip
                     print(sweep[-1], flush=True)
             finally:
-                topk_triton.FLOOR_BYTE_BLOCK = saved
+                topk_triton.FLOOR_CAND_BLOCK, topk_triton.FLOOR_BYTE_BLOCK = saved
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_topk.json").write_text(json.dumps(rows + sweep, indent=2))
     for r in sweep:
         if "floor_shape" in r:
             print(
-                f"  {r['dist']:8s} {r['rows']:5d} {r['keys']:7d}: floor maxima an iteration"
-                f" {r['floor_shape']:4d} -> {r['select_us']:7.1f}"
+                f"  {r['dist']:8s} {r['rows']:5d} {r['keys']:7d}: candidates / maxima an"
+                f" iteration {r['floor_shape'][0]:4d} / {r['floor_shape'][1]:4d}"
+                f" -> {r['select_us']:7.1f}"
                 f"{'' if r['exact'] else '  NOT EXACT'}"
             )
             continue

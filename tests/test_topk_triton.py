@@ -184,23 +184,24 @@ def test_the_floor_counts_only_keys_at_or_above_it(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize(
-    "t,s,k,byte_block",
+    "t,s,k,blocks",
     [(3, 9000, 64, None), (2, 131168, 2048, None), (4, 33000, 2048, None),
-     (3, 9000, 64, 128), (4, 33000, 2048, 128)],
+     (3, 9000, 64, (128, 256)), (4, 33000, 2048, (128, 2048))],
 )  # fmt: skip
 def test_random_rows_with_the_floor(
-    t: int, s: int, k: int, byte_block: int | None, monkeypatch: pytest.MonkeyPatch
+    t: int, s: int, k: int, blocks: tuple[int, int] | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Random rows through the floor (forced on for these row counts and, at 33K keys, for
     groups of 4) equal the reference, up to the engine's largest decode row; also with the
-    floor's second launch reading other maxima an iteration. The first row's largest keys
-    are its last."""
+    floor's second launch reading other maxima an iteration and the launches after the
+    compaction other candidates. The first row's largest keys are its last."""
     from hisparse.attention import topk_triton as tt
 
     monkeypatch.setattr(tt, "FLOOR_MIN_ROWS", 1)
     monkeypatch.setattr(tt, "FLOOR_MIN_GROUP", 4)
-    if byte_block:
-        monkeypatch.setattr(tt, "FLOOR_BYTE_BLOCK", byte_block)
+    if blocks:
+        monkeypatch.setattr(tt, "FLOOR_BYTE_BLOCK", blocks[0])
+        monkeypatch.setattr(tt, "FLOOR_CAND_BLOCK", blocks[1])
     assert tt._floor_group(s, k) >= 4
     x = _rows(t, s, seed=s + k)
     x[0, -k // 2 :] += 1e6

@@ -126,6 +126,9 @@ FLOOR_PROGRAMS_PER_SM = 2
 #: Group maxima the floor's second launch reads an iteration, at most (bench_topk.py
 #: --sweep-floor: 1,024 beat 128 by 1-2 µs at 16-64 rows of 128K).
 FLOOR_BYTE_BLOCK = 1024
+#: Candidates the launches after the compaction read an iteration, at most: a part keeps a
+#: few hundred, and an iteration's scans cost per slot of its block, filled or not.
+FLOOR_CAND_BLOCK = 512
 #: Rows of the zero-at-rest histogram buffer kept per device (see the module docstring).
 KEPT_HIST_ROWS = 64
 _kept_hist: dict[torch.device, Tensor] = {}
@@ -606,6 +609,8 @@ def topk_select_triton(
     for pas in range(PASSES - 1):
         _hist_kernel[grid](*head, cand, cand_pos, count, k, part, p, PASS=pas,
                            SPARSE_KEYS=SPARSE_KEYS, **common)  # fmt: skip
+        if group and pas == 0:  # the launches after the compaction read a part's candidates
+            common["BLOCK"] = min(block, FLOOR_CAND_BLOCK)
     _last_kernel[grid](*head, cand, count, counts, found, k, part, p, **common)
     _write_kernel[grid](
         *head, cand, cand_pos, count, counts, found, out, out.stride(0), k, top_k, part, p,
