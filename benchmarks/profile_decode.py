@@ -339,7 +339,7 @@ def hbm_copy_gbps() -> float:
     """Bytes read + written per second by a 1 GiB device-to-device copy, measured afresh at
     each call (each profiled batch), so a row's roofline uses the rate beside its own steps:
     the median of `triton.testing.do_bench` (back-to-back copies, as the kernel benchmarks
-    time theirs; one event-timed copy at a time read ~3% slower)."""
+    time theirs; one event-timed copy at a time read 1-9% slower)."""
     import triton.testing
 
     a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
