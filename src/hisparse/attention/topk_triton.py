@@ -154,7 +154,7 @@ def group_maxima(t: int, s: int, top_k: int, device: torch.device) -> GroupMaxim
     """Buffers for the group maxima of a ``[t, s]`` call with ``top_k`` picks, where the select
     takes a floor (else None). The histograms are the ones that call's select will use: a
     writer adds to them, so a call that gets these must run the select after it."""
-    group = _floor_group(s, min(top_k, s)) if FLOOR_MIN_ROWS <= t <= FLOOR_MAX_ROWS else 0
+    group = _call_floor_group(t, s, min(top_k, s))
     if not group:
         return None
     hist, clear = _histograms(t, device)
@@ -183,25 +183,30 @@ def topk_select_reference(scores: Tensor, top_k: int, limits: Tensor | None = No
     return out
 
 
+def _signed_keys(scores: Tensor, limits: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The select's keys as signed ints in the floats' order (``-0.0`` as ``0.0``), and which
+    are finite picks (not ``-inf``, not NaN, below the row's limit when given)."""
+    x = torch.where(torch.isnan(scores), float("-inf"), scores.float())
+    if limits is not None:
+        pos = torch.arange(x.shape[1], device=x.device)
+        x = torch.where(pos[None, :] < limits.to(x.device).long()[:, None], x, float("-inf"))
+    bits = torch.where(x == 0, 0.0, x).view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF), x > float("-inf")
+
+
 def group_maxima_reference(
     scores: Tensor, group: int, limits: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """`GroupMaxima`'s contract: ``int32 [T, S / group]`` each group's largest finite score
     below the row's limit in signed key order (``INT32_MIN`` for none), and ``int32 [T, 256]``
     the histogram of the first key byte of the maxima that are not."""
-    x = torch.where(torch.isnan(scores), float("-inf"), scores.float())
-    if limits is not None:
-        pos = torch.arange(x.shape[1], device=x.device)
-        x = torch.where(pos[None, :] < limits.to(x.device).long()[:, None], x, float("-inf"))
-    x = torch.where(x == 0, 0.0, x)  # -0.0 as 0.0
-    bits = x.view(torch.int32)
-    v = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed ints in the floats' order
-    v = torch.where(x > float("-inf"), v, -(2**31))
-    pad = (-x.shape[1]) % group
-    gm = torch.nn.functional.pad(v, (0, pad), value=-(2**31)).view(x.shape[0], -1, group)
+    v, finite = _signed_keys(scores, limits)
+    v = torch.where(finite, v, -(2**31))
+    pad = (-v.shape[1]) % group
+    gm = torch.nn.functional.pad(v, (0, pad), value=-(2**31)).view(v.shape[0], -1, group)
     gm = gm.amax(dim=2)
     byte = ((gm ^ -(2**31)) >> 24) & 0xFF
-    hist = torch.zeros((x.shape[0], 256), dtype=torch.int32, device=x.device)
+    hist = torch.zeros((v.shape[0], 256), dtype=torch.int32, device=v.device)
     hist.scatter_add_(1, byte.long(), (gm > -(2**31)).to(torch.int32))
     return gm.to(torch.int32), hist
 
@@ -210,14 +215,10 @@ def floor_counts_reference(scores: Tensor, top_k: int, group: int) -> Tensor:
     """Per row, the keys the floor keeps (``int32 [T]``): the finite scores at or above the
     lower edge of the 16-bit bin (in the select's key order) of the row's ``top_k``-th
     largest ``group``-key maximum; every finite score in a row of fewer finite maxima."""
-    x = torch.where(torch.isnan(scores), float("-inf"), scores.float())
-    x = torch.where(x == 0, 0.0, x)  # -0.0 as 0.0
-    bits = x.view(torch.int32)
-    v = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed ints in the floats' order
-    finite = x > float("-inf")
-    gm = group_maxima_reference(x, group)[0]
+    v, finite = _signed_keys(scores)
+    gm = group_maxima_reference(scores, group)[0]
     counts = []
-    for r in range(x.shape[0]):
+    for r in range(v.shape[0]):
         m = gm[r][gm[r] > -(2**31)]
         if m.numel() < top_k:
             counts.append(int(finite[r].sum()))
@@ -565,7 +566,7 @@ def topk_select_triton(
         None if v is None else v.contiguous() for v in (limits, positions, req_index)
     )
     k = min(top_k, s)
-    group = _floor_group(s, k) if floor and FLOOR_MIN_ROWS <= t <= FLOOR_MAX_ROWS else 0
+    group = _call_floor_group(t, s, k) if floor else 0
     per_sm = FLOOR_PROGRAMS_PER_SM if group else PROGRAMS_PER_SM
     p = parts or _parts(t, s, scores.device, per_sm)
     per = triton.cdiv(max(s, 1), p)
@@ -618,6 +619,12 @@ def topk_select_triton(
         CLEAR=clear, **common,
     )  # fmt: skip
     return out
+
+
+def _call_floor_group(t: int, s: int, k: int) -> int:
+    """`_floor_group` for a call of ``t`` rows: 0 (no floor) outside `FLOOR_MIN_ROWS` ..
+    `FLOOR_MAX_ROWS` rows. `group_maxima` and the select both ask it, so they agree."""
+    return _floor_group(s, k) if FLOOR_MIN_ROWS <= t <= FLOOR_MAX_ROWS else 0
 
 
 def _floor_group(s: int, k: int) -> int:
