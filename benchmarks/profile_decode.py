@@ -310,6 +310,7 @@ def profile_run(
         roofline_with_swap_ms=roof + swap_ms if roof else None,
         hit_rate=hits / (hits + misses) if hits + misses else None,
         wall_s=wall,
+        # (padded size, every page resident) of each captured graph
         graphs_captured=sorted(runner.graphs.graphs) if runner.graphs is not None else [],
         top_self_cpu=[(e.key, e.count, e.self_cpu_time_total / n / 1e3) for e in top_cpu],
         top_self_cuda=[(e.key, e.count, getattr(e, device_key, 0) / n / 1e3) for e in top_dev],

@@ -94,6 +94,44 @@ def test_pressure_with_preemption_stays_lossless(checkpoint):
     assert _tokens(tight) == _tokens(ref)
 
 
+def test_all_resident_matches_the_page_sets_through_demotion_and_preemption(
+    checkpoint, monkeypatch
+):
+    """`KVCacheManager.all_resident` (which decides whether a decode step looks its rows up
+    in the resident table, `StepMetadata.all_resident`) counts pages; at every decode step it
+    must say what the requests' page sets say: every page below the indexer page count is
+    resident in every group. True while the pool has room, False for a demoted request
+    (through preemption and recompute too), never with ``offload="always"``."""
+    from hisparse.engine.kv_manager import KVCacheManager
+
+    seen = []
+    counted = KVCacheManager.all_resident
+
+    def checked(self, req_ids):
+        for r in req_ids:  # request by request, then the batch
+            b = self.requests[r]
+            want = self.sticky and all(
+                all(p in res for p in range(len(b.indexer))) for res in b.resident
+            )
+            assert counted(self, [r]) == want, (r, want)
+            seen.append(want)
+        return counted(self, req_ids)
+
+    monkeypatch.setattr(KVCacheManager, "all_resident", checked)
+    long = SamplingParams(temperature=0, max_tokens=90)
+    prompts = _prompts((20, 23, 30, 33))
+    tight, info = _run_probe(checkpoint, "hisparse", blocks=requests_pool(1.9), top_k=4,
+                             params=long, prompts=prompts, offload="under_pressure")  # fmt: skip
+    assert info["demotions"] > 0 and sum(o.metrics.preemptions for o in tight) > 0
+    assert False in seen
+    seen.clear()
+    _run_probe(checkpoint, "hisparse", params=LONG, offload="under_pressure")
+    assert seen and all(seen)  # with room: every decode step
+    seen.clear()
+    _run_probe(checkpoint, "hisparse", params=LONG, offload="always")
+    assert seen and not any(seen)
+
+
 def test_offload_policy_is_checked(monkeypatch):
     with pytest.raises(HiSparseConfigError, match=r"offload.*'always', 'under_pressure'"):
         HiSparseConfig(offload="never")

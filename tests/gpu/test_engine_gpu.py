@@ -97,7 +97,8 @@ def test_topk_replay_is_lossless_on_cuda(checkpoint, synthetic):
 
 def _generate(checkpoint, placement, prompts, params, *, cuda_graphs, blocks=None, llm_kw=None,
               **hs):  # fmt: skip
-    """Outputs and the sizes whose graphs were captured (blocks: GPU pool size in blocks)."""
+    """Outputs and the sizes whose graphs were captured (blocks: GPU pool size in blocks);
+    `_generate.kinds`: the last call's (size, every page resident) graph keys."""
     kw = dict(
         kv_placement=placement,
         device="cuda",
@@ -118,7 +119,8 @@ def _generate(checkpoint, placement, prompts, params, *, cuda_graphs, blocks=Non
     with LLM(checkpoint, gpu_memory_gib=gib, **kw) as llm:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         graphs = llm.runner.graphs
-        captured = sorted(graphs.graphs) if graphs is not None and graphs.capture else []
+        captured = graphs.captured_sizes if graphs is not None and graphs.capture else []
+        _generate.kinds = sorted(graphs.graphs) if graphs is not None else []
     assert all(o.ok for o in outs), [o.error for o in outs]
     return outs, captured
 
@@ -216,9 +218,11 @@ def test_cuda_graphs_replay_the_same_selections(checkpoint):
 @pytest.mark.parametrize("eager_mirror", [True, False], ids=["eager-mirror", "lazy-mirror"])
 def test_offload_under_pressure_with_graphs_equals_all_gpu(checkpoint, eager_mirror):
     """``offload="under_pressure"`` on CUDA with graphs: with room nothing is read through the
-    hot buffers; in a pool of the plan's requests the prompts keep pages in the slack and the
-    decodes demote them (write-back first with the lazy mirror, on the compute stream before
-    the replay); the tokens are all-GPU's under the same schedule (no preemption here)."""
+    hot buffers (every step replays the graph that looks rows up in the resident table); in a
+    pool of the plan's requests the prompts keep pages in the slack and the decodes demote
+    them (write-back first with the lazy mirror, on the compute stream before the replay) and
+    their steps replay the general graph; the tokens are all-GPU's under the same schedule (no
+    preemption here)."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 23, 70, 33)]
     params = SamplingParams(temperature=0, max_tokens=48)
@@ -226,6 +230,7 @@ def test_offload_under_pressure_with_graphs_equals_all_gpu(checkpoint, eager_mir
     ref, _ = _generate(checkpoint, "gpu", prompts, params, cuda_graphs=True, top_k=4)
     roomy, captured = _generate(checkpoint, "hisparse", prompts, params, cuda_graphs=True, **hs)
     assert captured
+    assert all(resident for _, resident in _generate.kinds)
     assert sum(o.metrics.misses + o.metrics.hits for o in roomy) == 0
     assert [o.token_ids for o in roomy] == [o.token_ids for o in ref]
     blocks = lambda lay: 1 + int(4.2 * lay.gpu_blocks_per_request(256))  # noqa: E731
@@ -233,6 +238,7 @@ def test_offload_under_pressure_with_graphs_equals_all_gpu(checkpoint, eager_mir
                          blocks=blocks, **hs)  # fmt: skip
     assert sum(o.metrics.preemptions for o in tight) == 0
     assert sum(o.metrics.misses for o in tight) > 0  # demoted rows came back from the host
+    assert not all(resident for _, resident in _generate.kinds)  # demoted: the general graph
     assert [o.token_ids for o in tight] == [o.token_ids for o in ref]
 
 

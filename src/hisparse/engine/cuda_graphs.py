@@ -8,6 +8,11 @@ resolve + gathers on the copy stream, sparse attention, the MoE) reads only thos
 persistent state, without a host read, so it is captured once per size and replayed. Sampling
 stays outside the graph.
 
+A size has two graphs at most: the general step, and the step of a batch whose requests hold
+every page resident (HiSparse with ``offload="under_pressure"`` while the pool has room), which
+looks its rows up in the resident table as the all-GPU placement does (`StepMetadata.
+all_resident`); each is captured the first time a batch of its kind runs.
+
 Padded rows carry slot ``-1``: no hot state is resolved for them, their block-table rows read
 as empty (0), their write slots are ``-1`` (nothing written, nothing mirrored) and their
 ``req_index`` is ``-1`` (the indexer picks nothing), so attention sees no row for them and the
@@ -36,8 +41,11 @@ def padded_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-#: The step body: padded size -> (logits ``[b, vocab]``, counters ``[b, 3]``).
-StepFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+#: The step body: (padded size, every page resident) -> (logits ``[b, vocab]``, counters
+#: ``[b, 3]``).
+StepFn = Callable[[int, bool], tuple[torch.Tensor, torch.Tensor]]
+#: A captured step: (padded size, every page resident).
+GraphKey = tuple[int, bool]
 
 
 class DecodeGraphs:
@@ -63,8 +71,8 @@ class DecodeGraphs:
         #: ``[INPUT_ROWS, max batch]`` int64 on the device; the graphs read slices ``[:, :b]``.
         self.inputs = torch.zeros((INPUT_ROWS, B), dtype=torch.int64, device=device)
         self._copied = torch.cuda.Event() if pin else None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, tuple[torch.Tensor, torch.Tensor]] = {}
         #: steps run per padded size (eager warm-up steps included)
         self.steps: dict[int, int] = {}
 
@@ -90,21 +98,29 @@ class DecodeGraphs:
             self._copied.record()
         return b
 
-    def run(self, b: int, step: StepFn) -> tuple[torch.Tensor, torch.Tensor]:
-        """Outputs of the step at padded size ``b``: replayed if captured; else run eagerly
-        (the first step of a size also compiles its kernels) and, with ``capture``, captured
-        for the next steps of that size. Outputs are the graph's buffers: read them before
-        the next step."""
+    @property
+    def captured_sizes(self) -> list[int]:
+        """Padded sizes with a captured graph (of either kind), ascending."""
+        return sorted({b for b, _ in self.graphs})
+
+    def run(
+        self, b: int, step: StepFn, *, all_resident: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Outputs of the step at padded size ``b`` (``all_resident``: the kind of step):
+        replayed if captured; else run eagerly (the first step of a kind also compiles its
+        kernels) and, with ``capture``, captured for the next steps of that kind. Outputs are
+        the graph's buffers: read them before the next step."""
         self.steps[b] = self.steps.get(b, 0) + 1
-        graph = self.graphs.get(b)
+        key = (b, all_resident)
+        graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
-            return self.outputs[b]
-        out = step(b)
+            return self.outputs[key]
+        out = step(b, all_resident)
         if self.capture:
             # Capture records without running: the eager step above did this step's work.
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self.outputs[b] = step(b)
-            self.graphs[b] = graph
+                self.outputs[key] = step(b, all_resident)
+            self.graphs[key] = graph
         return out

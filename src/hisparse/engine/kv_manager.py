@@ -395,6 +395,18 @@ class KVCacheManager:
             len(res) - sum(1 for p in range(keep_from, end) if p in res) for res in b.resident
         )
 
+    def all_resident(self, req_ids: list[str]) -> bool:
+        """Whether each of ``req_ids`` still has every page it holds resident in every resident
+        group: HiSparse with ``offload="under_pressure"`` while the pool had room for all of
+        them (never demoted). A step over such requests reads no row through a hot buffer, so
+        its top-k resolves as in the all-GPU placement (`StepMetadata.all_resident`). A
+        request's resident pages are distinct pages below its indexer page count, so counting
+        them is enough (O(groups), not O(context))."""
+        if not self.sticky:
+            return False
+        reqs = self.requests
+        return all(len(res) >= len(reqs[r].indexer) for r in req_ids for res in reqs[r].resident)
+
     def needs_warm_start(self, req_id: str, num_tokens: int) -> bool:
         """A HiSparse request that finished its ``num_tokens``-token prompt reads rows through
         its hot buffer, which the warm start seeds: not so where ``offload="under_pressure"``

@@ -250,6 +250,9 @@ class ModelRunner:
         self._zero_table = torch.zeros(
             (max_num_seqs, kv.max_blocks), dtype=torch.int32, device=device
         )
+        #: the counters of a step that resolves nothing (all-GPU, or every page resident):
+        #: read only, so a step returns a slice of it instead of filling a new tensor
+        self._zero_counts = torch.zeros((max_num_seqs, 3), dtype=torch.int64, device=device)
         # this step's per-request device tensors (set by `run`)
         self._slots = self._lens = self._keys = torch.zeros(0, dtype=torch.int64)
         self._max_len = 0
@@ -368,6 +371,7 @@ class ModelRunner:
         host_t, idx_table, res_tables = kv.step_tables(slot_d)
         host_bt = host_t if host_t is not None else self._zero_table[:R]
         state = slot_d.to(torch.int32) if decode else torch.full_like(slot_d, -1, dtype=torch.int32)
+        resident = decode and kv.all_resident([req.req_id for req, _ in batch])
         meta = StepMetadata(
             num_tokens=T,
             is_decode=decode,
@@ -375,6 +379,7 @@ class ModelRunner:
             request_state_indices=state,
             source_block_table=host_bt,
             host_slot_mapping=rows_of(host_bt) if kv.offload else None,
+            all_resident=resident,
         )
         tables = [GroupTables(resident_block_table=t, slot_mapping=rows_of(t)) for t in res_tables]
         for leader in self.leaders:
@@ -437,7 +442,7 @@ class ModelRunner:
             if cold:
                 self._warm_start(warm, cold, host_bt)
         if decode:
-            self._record_hits([req for req, _ in batch])
+            self._record_hits([req for req, _ in batch], resolved=not resident)
         return StepResult(logits=logits, sample_reqs=sample_reqs, token_ids=tokens)
 
     # --- fixed-shape decode (padded batch; CUDA graphs) -----------------------------------
@@ -460,16 +465,17 @@ class ModelRunner:
         else:
             ids = [0] * n  # replaced on the device below
         b = graphs.load(ids, [req.num_computed for req in reqs], slots, keys)
+        resident = kv.all_resident([req.req_id for req in reqs])
         if device_ids is not None:
             graphs.inputs[0, :n].copy_(device_ids)
         hooks = self.hooks
         if hooks is None:
-            logits, counts = graphs.run(b, self._static_step)
+            logits, counts = graphs.run(b, self._static_step, all_resident=resident)
         else:
             hooks.before_padded_decode()
             try:
                 hooks.begin_step(True)
-                logits, counts = graphs.run(b, self._static_step)
+                logits, counts = graphs.run(b, self._static_step, all_resident=resident)
                 hooks.end_step(True)
             finally:
                 lens = [req.num_computed + 1 for req in reqs]
@@ -478,12 +484,13 @@ class ModelRunner:
         self._pending.append((reqs, counts[:n].clone()))
         return StepResult(logits=logits[:n], sample_reqs=reqs)
 
-    def _static_step(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _static_step(self, b: int, all_resident: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode of the ``b`` rows in ``graphs.inputs`` (padding: slot ``-1``) to logits
-        ``[b, vocab]`` and hit / miss / byte counters ``[b, 3]``. Reads no device value on
-        the host and allocates only per-step temporaries: CUDA-graph capturable."""
+        ``[b, vocab]`` and hit / miss / byte counters ``[b, 3]``; ``all_resident``: the
+        requests hold every page resident (`StepMetadata.all_resident`). Reads no device value
+        on the host and allocates only per-step temporaries: CUDA-graph capturable."""
         assert self.graphs is not None
-        kv, bs, dev = self.kv, self.config.block_size, self.device
+        kv, bs = self.kv, self.config.block_size
         ids, pos, slot, key = self.graphs.inputs[:, :b]
         # Every persistent table's rows of this batch and the new token's row in each (both
         # placements: HiSparse has a table per layer group); padded rows read and write the
@@ -503,6 +510,7 @@ class ModelRunner:
             request_state_indices=d.slot_i32,
             source_block_table=host_bt,
             host_slot_mapping=host_rows,
+            all_resident=all_resident,
         )
         tables = [
             GroupTables(resident_block_table=t, slot_mapping=r)
@@ -515,10 +523,7 @@ class ModelRunner:
         )
         cache = _StepCache(self, True, idx_rows, idx_table)
         logits = self.model.logits(self.model(ids, step, cache))
-        if kv.offload:
-            counts = self._step_counts(b)
-        else:
-            counts = torch.zeros((b, 3), dtype=torch.int64, device=dev)
+        counts = self._step_counts(b) if kv.offload and not all_resident else self._zero_counts[:b]
         return logits, counts
 
     def _warm_start(self, warm: list[int], cold: list[int], host_bt: torch.Tensor) -> None:
@@ -557,14 +562,12 @@ class ModelRunner:
             hm = torch.stack([h.runtime.group.hit_miss for h in self.leaders])
         return step_counts(hm, n, self.group_row_bytes)
 
-    def _record_hits(self, reqs: list[Request]) -> None:
+    def _record_hits(self, reqs: list[Request], *, resolved: bool = True) -> None:
         """Keep this step's per-request hits, misses and bytes swapped in on the device (read
-        once, by `flush_metrics`): no host sync in the decode loop."""
+        once, by `flush_metrics`): no host sync in the decode loop. ``resolved`` False: the
+        step's rows were all resident (none counts)."""
         n = len(reqs)
-        if self.kv.offload:
-            counts = self._step_counts(n)
-        else:
-            counts = torch.zeros((n, 3), dtype=torch.int64, device=self.device)
+        counts = self._step_counts(n) if self.kv.offload and resolved else self._zero_counts[:n]
         self._pending.append((reqs, counts))
 
     def flush_metrics(self) -> list[dict[str, float]]:

@@ -26,6 +26,11 @@ class StepMetadata:
         source_block_table: ``[Q, NB]`` int32 host block ids (0 = none).
         host_slot_mapping: ``[T]`` int32 host row each new token's KV row is mirrored to
             (``-1``: nothing to write), or ``None`` in all-GPU placement.
+        all_resident: a decode step whose requests hold every page resident (HiSparse with
+            ``offload="under_pressure"`` while the pool has room): every row the top-k names
+            is on a resident page, so on CUDA the leader looks the rows up in the resident
+            table as the all-GPU placement does (what a resolve finds there, without its hot
+            state, swap lists and counters); the host mirror still runs.
     """
 
     num_tokens: int
@@ -34,6 +39,7 @@ class StepMetadata:
     request_state_indices: torch.Tensor
     source_block_table: torch.Tensor
     host_slot_mapping: torch.Tensor | None = None
+    all_resident: bool = False
 
     @property
     def num_reqs(self) -> int:

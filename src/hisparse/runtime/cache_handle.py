@@ -128,7 +128,7 @@ class CacheHandle:
         if group.layers[0] is rt:  # the leader (its resolve checks the rows)
             # The CPU (no copy stream) with the compiled batch-1 step first: what
             # `resolve_and_stage` would run, without its frames; declined: the general path.
-            if not rt.offload and logical_topk.is_cuda:
+            if (not rt.offload or meta.all_resident) and logical_topk.is_cuda:
                 group.resolve_resident(meta, tables, logical_topk)
             elif not (
                 group.copy.stream is None
