@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hisparse.runtime.ops.triton_common import grid_dependency_wait, pdl
+
 #: Most programs on grid axis 1 or 2 of one launch (CUDA's limit; tests lower it so the
 #: sliced launches run at interpreter sizes).
 MAX_GRID_YZ = 65535
@@ -54,9 +56,11 @@ def _combine_kernel(
     s_l_t,
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     """Merge the splits of one (token, head): weights ``exp(lse_s - max)``. Tokens are grid
     axis 0 (unbounded), heads axis 1."""
+    grid_dependency_wait(GDC)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     sidx = tl.arange(0, BLOCK_S)
@@ -114,5 +118,5 @@ def combine_splits(
         parts, part_lse, out, lse, splits,
         parts.stride(0), parts.stride(1), parts.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
-        D=d, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
+        D=d, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4, **pdl(parts.device),
     )  # fmt: skip

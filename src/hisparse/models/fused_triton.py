@@ -33,6 +33,7 @@ from torch import Tensor
 from triton.language.extra import libdevice
 
 from hisparse.runtime.ops import triton_common  # noqa: F401  (the interpreter's loop-bound fix)
+from hisparse.runtime.ops.triton_common import grid_dependency_wait, pdl
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -147,7 +148,9 @@ def _angles(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, int]:
 def _rms_norm_kernel(
     x_ptr, x_stride, r_ptr, r_stride, s_ptr, o_ptr, w_ptr, D, eps,
     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr, OUT_DT: tl.constexpr,
+    GDC: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_wait(GDC)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     m = d < D
@@ -176,7 +179,7 @@ def rms_norm(
             residual.stride(0) if residual is not None else 0, s if s is not None else out,
             out, weight, d, eps, HAS_RES=residual is not None, BLOCK=block,
             DT=_TL_DTYPES[x.dtype], OUT_DT=_TL_DTYPES[out.dtype],
-            num_warps=max(1, min(16, block // 256)),
+            num_warps=max(1, min(16, block // 256)), **pdl(x.device),
         )  # fmt: skip
     return s, out
 
@@ -188,7 +191,9 @@ def rms_norm(
 def _rope_kernel(
     x_ptr, sx_n, sx_h, cos_ptr, sin_ptr, cs_stride, o_ptr, H,
     R: tl.constexpr, BH: tl.constexpr, INTERLEAVED: tl.constexpr, DT: tl.constexpr,
+    GDC: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_wait(GDC)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     d = tl.arange(0, R)
@@ -211,7 +216,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
         bh = min(16, triton.next_power_of_2(h))
         _rope_kernel[(n, triton.cdiv(h, bh))](
             x, x.stride(0), x.stride(1), *_angles(cos, sin), out, h,
-            R=r, BH=bh, INTERLEAVED=interleaved, DT=_TL_DTYPES[x.dtype],
+            R=r, BH=bh, INTERLEAVED=interleaved, DT=_TL_DTYPES[x.dtype], **pdl(x.device),
         )  # fmt: skip
     return out
 
@@ -223,8 +228,9 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
 def _gqa_rows_kernel(
     x_ptr, sx_n, cos_ptr, sin_ptr, cs_stride, q_ptr, H, G,
     slot_ptr, row_ptr, s_rb, s_ro, row_bs, islot_ptr, key_ptr, s_kb, s_ko, key_bs,
-    D: tl.constexpr, BH: tl.constexpr, DT: tl.constexpr,
+    D: tl.constexpr, BH: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_wait(GDC)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)  # q heads, then k heads, then v heads
     d = tl.arange(0, D)
@@ -268,7 +274,7 @@ def gqa_rope_write(
             qkv, qkv.stride(0), *_angles(cos, sin), q, heads, kv_heads,
             slots.contiguous(), rows, rows.stride(0), rows.stride(1), rows.shape[1],
             key_slots.contiguous(), keys, keys.stride(0), keys.stride(1), keys.shape[1],
-            D=d, BH=bh, DT=_TL_DTYPES[qkv.dtype],
+            D=d, BH=bh, DT=_TL_DTYPES[qkv.dtype], **pdl(qkv.device),
         )  # fmt: skip
     return q
 
@@ -292,8 +298,9 @@ def _indexer_fp8_kernel(
     slot_ptr, page_stride, block_size, scale_val, nw_ptr, nb_ptr, norm_eps,
     D: tl.constexpr, LOG_D: tl.constexpr, R: tl.constexpr, TILE: tl.constexpr,
     BR: tl.constexpr, INTERLEAVED: tl.constexpr, DT: tl.constexpr, TO_PAGES: tl.constexpr,
-    NORM: tl.constexpr,
+    NORM: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_wait(GDC)
     row = tl.program_id(0) * BR + tl.arange(0, BR)
     rm = row < rows
     tok = (row // heads).to(tl.int64)
@@ -364,7 +371,7 @@ def _indexer_launch(
         *(norm if norm is not None else (x, x, 0.0)),
         D=d, LOG_D=d.bit_length() - 1, R=rope_dim, TILE=tile, BR=br,
         INTERLEAVED=interleaved, DT=_TL_DTYPES[x.dtype], TO_PAGES=slots is not None,
-        NORM=norm is not None,
+        NORM=norm is not None, **pdl(x.device),
     )  # fmt: skip
 
 
@@ -400,8 +407,9 @@ def _mla_rows_kernel(
     kv_ptr, kv_stride, w_ptr, eps, cos_ptr, sin_ptr, cs_stride, slot_ptr, view_ptr, s_blk, s_off,
     block_size,
     C: tl.constexpr, R: tl.constexpr, TILE: tl.constexpr, FP8: tl.constexpr,
-    DT: tl.constexpr,
+    DT: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_wait(GDC)
     n = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + n).to(tl.int64)
     if slot >= 0:
@@ -448,6 +456,7 @@ def write_mla_rows(
             kv, kv.stride(0), weight, eps, *_angles(cos, sin), slots.contiguous(), view,
             view.stride(0), view.stride(1), view.shape[1],
             C=c, R=r, TILE=tile, FP8=fp8, DT=_TL_DTYPES[kv.dtype], num_warps=4,
+            **pdl(kv.device),
         )  # fmt: skip
 
 
@@ -459,7 +468,9 @@ def _route_kernel(
     score_ptr, x_ptr, s_x, rw_ptr, H, bias_ptr, w_ptr, chosen_ptr, scaling,
     E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
     NORM: tl.constexpr, FROM_X: tl.constexpr, BH: tl.constexpr, LIBDEVICE: tl.constexpr,
+    GDC: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_wait(GDC)
     n = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E)
     if FROM_X:  # the scores from the row: an fp32 GEMV over the router weight, then sigmoid
@@ -517,7 +528,7 @@ def route_dense(
         _route_kernel[(n,)](
             scores.contiguous(), scores, 0, scores, 0, bias.float().contiguous(), w, chosen,
             scaling, E=e, G=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, NORM=norm,
-            FROM_X=False, BH=1, LIBDEVICE=False, num_warps=1,
+            FROM_X=False, BH=1, LIBDEVICE=False, num_warps=1, **pdl(scores.device),
         )  # fmt: skip
     return w, chosen.view(torch.bool)
 
@@ -542,7 +553,7 @@ def route_dense_rows(
         _route_kernel[(n,)](
             w, x, x.stride(0), weight.contiguous(), h, bias.float().contiguous(), w, chosen,
             scaling, E=e, G=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, NORM=norm,
-            FROM_X=True, BH=bh, LIBDEVICE=x.is_cuda, num_warps=8,
+            FROM_X=True, BH=bh, LIBDEVICE=x.is_cuda, num_warps=8, **pdl(x.device),
         )  # fmt: skip
     return w, chosen.view(torch.bool)
 
@@ -550,8 +561,9 @@ def route_dense_rows(
 @triton.jit
 def _combine_kernel(
     y_ptr, w_ptr, chosen_ptr, shared_ptr, o_ptr, N, H,
-    E: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr,
+    E: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_wait(GDC)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = h < H
@@ -576,6 +588,7 @@ def moe_combine(y: Tensor, w: Tensor, chosen: Tensor, shared: Tensor) -> Tensor:
         _combine_kernel[(n, triton.cdiv(h, block))](
             y.contiguous(), w.contiguous(), chosen.contiguous().view(torch.int8),
             shared.contiguous(), out, n, h, E=e, BLOCK=block, DT=_TL_DTYPES[y.dtype],
+            **pdl(y.device),
         )  # fmt: skip
     return out
 
@@ -586,8 +599,9 @@ def moe_combine(y: Tensor, w: Tensor, chosen: Tensor, shared: Tensor) -> Tensor:
 @triton.jit
 def _silu_mul_kernel(
     x_ptr, x_stride, o_ptr, inter,
-    BLOCK: tl.constexpr, DT: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BLOCK: tl.constexpr, DT: tl.constexpr, LIBDEVICE: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_wait(GDC)
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = i < inter
@@ -611,7 +625,7 @@ def silu_mul(x: Tensor) -> Tensor:
         block = min(1024, triton.next_power_of_2(inter))
         _silu_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
             rows, rows.stride(0), out, inter, BLOCK=block, DT=_TL_DTYPES[x.dtype],
-            LIBDEVICE=x.is_cuda,
+            LIBDEVICE=x.is_cuda, **pdl(x.device),
         )  # fmt: skip
     return out
 
@@ -623,8 +637,9 @@ HEAD_WEIGHTS_ROW_TILES = 8
 @triton.jit
 def _head_weights_kernel(
     x_ptr, x_stride, w_ptr, o_ptr, N, K, H, scale,
-    BN: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+    BN: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_wait(GDC)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     rm = rows < N
@@ -665,6 +680,6 @@ def head_weights(x: Tensor, weight: Tensor, scale: float) -> Tensor:
         bn, bh, bk, warps = head_weights_tile(n)
         _head_weights_kernel[(triton.cdiv(n, bn), triton.cdiv(h, bh))](
             x, x.stride(0), weight.contiguous(), out, n, k, h, scale, BN=bn, BH=bh,
-            BK=min(bk, triton.next_power_of_2(k)), num_warps=warps,
+            BK=min(bk, triton.next_power_of_2(k)), num_warps=warps, **pdl(x.device),
         )  # fmt: skip
     return out

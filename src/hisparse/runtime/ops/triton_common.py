@@ -62,6 +62,14 @@ def _hopper_or_later(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def pdl(device: torch.device) -> dict[str, bool]:
+    """The launch keywords of a kernel that calls `grid_dependency_wait(GDC)` first: ``GDC``
+    and ``launch_pdl`` where `dependent_launch` holds, else ``GDC=False`` (a plain launch)."""
+    if dependent_launch(device):
+        return {"GDC": True, "launch_pdl": True}
+    return {"GDC": False}
+
+
 @triton.jit
 def grid_dependency_wait(ON: tl.constexpr):
     """With ``ON`` (the kernel launched by `dependent_launch`): wait until the kernel before

@@ -47,9 +47,11 @@ import triton.language as tl
 from hisparse.runtime.ops.triton_common import (
     add_totals,
     decode_entries,
+    grid_dependency_wait,
     hash_bucket,
     next_pow2,
     padding_rows_and_row_list,
+    pdl,
     zero_count_tails,
 )
 from hisparse.runtime.ops.triton_resolve_split import resolve_split
@@ -455,8 +457,9 @@ def resolve_residency(
 @triton.jit
 def _resident_rows_kernel(
     topk, s_tr, s_tk, row_req, table, s_br, s_bc, out, s_or, s_ok, valid, K, block_size,
-    HAS_VALID: tl.constexpr, BK: tl.constexpr,
+    HAS_VALID: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency_wait(GDC)
     r = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BK)
     m = k < K
@@ -491,4 +494,5 @@ def resident_rows(
         topk, topk.stride(0), topk.stride(1), row_req, table, table.stride(0), table.stride(1),
         out_physical, out_physical.stride(0), out_physical.stride(1), vc, k, block_size,
         HAS_VALID=valid_counts is not None, BK=next_pow2(max(k, 1)), num_warps=4,
+        **pdl(topk.device),
     )  # fmt: skip
