@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from hisparse.attention.dispatch import env_backend
 from hisparse.engine.host_copy import to_device
 from hisparse.validation import _fail, check_bool, check_float, check_int, is_integer
 
@@ -234,21 +235,22 @@ def sample_on_device(
     pending: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_rows`'s tokens left on the device, ``[B]`` int64 (``-1``: a sampled row whose
-    logits give no distribution), and the fp32 logits. Nothing here waits for the device:
+    logits give no distribution), and the logits as given (`logprob_rows` reads them in fp32;
+    the greedy rows' argmax too, without a copy). Nothing here waits for the device:
     the host values it copies (a row's uniform, temperature, ...) go through pinned memory.
     ``pending [B]`` (async scheduling): each row's token still on the device, sampled a step
     before and not yet in its request's output tokens; the penalties count it and
     ``min_tokens`` counts it as generated, as the synchronous engine would once it is read."""
     params = [r.params for r in rows]
     B = len(rows)
-    raw = logits.float()
+    raw = logits
     x = process_logits(raw, rows, eos_token_ids, pending)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if not drawn:
         return greedy_tokens(x), raw
     dev = x.device
     where = None if len(drawn) == B else to_device(drawn, torch.long, dev)
-    probs = _probabilities(x if where is None else x.index_select(0, where),
+    probs = _probabilities((x if where is None else x.index_select(0, where)).float(),
                            [params[i] for i in drawn])  # fmt: skip
     draws = [float(torch.rand((), generator=rows[i].generator)) for i in drawn]
     uniform = to_device(draws, torch.float32, dev)
@@ -280,7 +282,13 @@ def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The argmax of each row of ``logits [B, V]`` in fp32, on their device (``[B]``
-    int64): a greedy row's token without penalties or masking, read or not."""
+    int64): a greedy row's token without penalties or masking, read or not. On CUDA one or
+    two Triton launches (`sampling_triton.argmax_rows`, the same index; ``HISPARSE_FUSED``
+    picks), elsewhere torch's."""
+    if logits.ndim == 2 and env_backend("HISPARSE_FUSED", logits.device) == "triton":
+        from hisparse.engine.sampling_triton import argmax_rows
+
+        return argmax_rows(logits)
     return torch.argmax(logits.float(), dim=-1)
 
 
@@ -290,8 +298,8 @@ def process_logits(
     eos_token_ids: Set[int] = frozenset(),
     pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``raw [B, V]`` fp32 logits after ``min_tokens`` masking and the penalties: ``raw``
-    itself when no row asks for either, else a copy changed only in the rows that do
+    """``raw [B, V]`` logits after ``min_tokens`` masking and the penalties: ``raw`` itself
+    when no row asks for either, else an fp32 copy changed only in the rows that do
     (``pending``: see `sample_on_device`)."""
     params = [r.params for r in rows]
     dev, V = raw.device, raw.shape[-1]
@@ -307,7 +315,7 @@ def process_logits(
             masked_ids += ids
     if not pen and not masked_rows:
         return raw
-    x = raw.clone()
+    x = raw.to(torch.float32, copy=True)
     if pen:
         _apply_penalties(x, [rows[i] for i in pen], pen, pending)
     if masked_rows:
@@ -434,7 +442,7 @@ class LogprobRows:
 def logprob_rows(
     raw: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor
 ) -> LogprobRows | None:
-    """The logprobs of the rows of ``raw [B, V]`` (fp32 logits, before any processing:
+    """The logprobs of the rows of ``raw [B, V]`` (logits, in fp32, before any processing:
     vLLM's ``raw_logprobs``) that ask for them, for the device tokens ``tokens [B]`` (``-1``
     rows give a value `LogprobRows.dicts` drops); ``None`` when no row asks. Nothing here
     waits for the device."""
@@ -443,7 +451,7 @@ def logprob_rows(
         return None
     dev, V = raw.device, raw.shape[-1]
     index = None if len(want) == len(params) else to_device(want, torch.long, dev)
-    lp = torch.log_softmax(raw if index is None else raw.index_select(0, index), dim=-1)
+    lp = torch.log_softmax((raw if index is None else raw.index_select(0, index)).float(), dim=-1)
     picked = (tokens if index is None else tokens.index_select(0, index)).clamp_min(0)
     chosen = lp.gather(1, picked[:, None].long())[:, 0]
     k = min(max(params[i].logprobs or 0 for i in want), V)
