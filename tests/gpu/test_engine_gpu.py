@@ -98,7 +98,8 @@ def test_topk_replay_is_lossless_on_cuda(checkpoint, synthetic):
 def _generate(checkpoint, placement, prompts, params, *, cuda_graphs, blocks=None, llm_kw=None,
               **hs):  # fmt: skip
     """Outputs and the sizes whose graphs were captured (blocks: GPU pool size in blocks);
-    `_generate.kinds`: the last call's (size, every page resident) graph keys."""
+    `_generate.kinds`: the last call's steps per (size, every page resident) kind, and
+    `_generate.captured_kinds` its captured graphs' kinds."""
     kw = dict(
         kv_placement=placement,
         device="cuda",
@@ -120,7 +121,8 @@ def _generate(checkpoint, placement, prompts, params, *, cuda_graphs, blocks=Non
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         graphs = llm.runner.graphs
         captured = graphs.captured_sizes if graphs is not None and graphs.capture else []
-        _generate.kinds = sorted(graphs.graphs) if graphs is not None else []
+        _generate.kinds = dict(graphs.steps_by_kind) if graphs is not None else {}
+        _generate.captured_kinds = sorted(graphs.graphs) if graphs is not None else []
     assert all(o.ok for o in outs), [o.error for o in outs]
     return outs, captured
 
@@ -218,11 +220,11 @@ def test_cuda_graphs_replay_the_same_selections(checkpoint):
 @pytest.mark.parametrize("eager_mirror", [True, False], ids=["eager-mirror", "lazy-mirror"])
 def test_offload_under_pressure_with_graphs_equals_all_gpu(checkpoint, eager_mirror):
     """``offload="under_pressure"`` on CUDA with graphs: with room nothing is read through the
-    hot buffers (every step replays the graph that looks rows up in the resident table); in a
+    hot buffers (every step is of the kind that looks rows up in the resident table); in a
     pool of the plan's requests the prompts keep pages in the slack and the decodes demote
     them (write-back first with the lazy mirror, on the compute stream before the replay) and
-    their steps replay the general graph; the tokens are all-GPU's under the same schedule (no
-    preemption here)."""
+    their steps take the general graph (a size first seen all resident captures both kinds at
+    once). The tokens are all-GPU's under the same schedule (no preemption here)."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 23, 70, 33)]
     params = SamplingParams(temperature=0, max_tokens=48)
@@ -231,6 +233,7 @@ def test_offload_under_pressure_with_graphs_equals_all_gpu(checkpoint, eager_mir
     roomy, captured = _generate(checkpoint, "hisparse", prompts, params, cuda_graphs=True, **hs)
     assert captured
     assert all(resident for _, resident in _generate.kinds)
+    assert _generate.captured_kinds == [(b, k) for b in captured for k in (False, True)]
     assert sum(o.metrics.misses + o.metrics.hits for o in roomy) == 0
     assert [o.token_ids for o in roomy] == [o.token_ids for o in ref]
     blocks = lambda lay: 1 + int(4.2 * lay.gpu_blocks_per_request(256))  # noqa: E731

@@ -11,7 +11,13 @@ stays outside the graph.
 A size has two graphs at most: the general step, and the step of a batch whose requests hold
 every page resident (HiSparse with ``offload="under_pressure"`` while the pool has room), which
 looks its rows up in the resident table as the all-GPU placement does (`StepMetadata.
-all_resident`); each is captured the first time a batch of its kind runs.
+all_resident`). Where both kinds occur, the first step of a size whose batch is all resident
+captures both (the general step is valid there too: its resolve finds every row resident), so
+that the first demotion at that size replays at once instead of compiling and capturing
+mid-serving, a stall of every running request. A size first seen with demoted requests
+captures the general kind only: the resident kind's step on such a batch would attend without
+the host rows and write wrong new rows from the second layer on, so it is captured (after one
+eager run) when an all-resident batch of that size first comes.
 
 Padded rows carry slot ``-1``: no hot state is resolved for them, their block-table rows read
 as empty (0), their write slots are ``-1`` (nothing written, nothing mirrored) and their
@@ -73,8 +79,9 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event() if pin else None
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, tuple[torch.Tensor, torch.Tensor]] = {}
-        #: steps run per padded size (eager warm-up steps included)
+        #: steps run per padded size (eager warm-up steps included), and per kind of step
         self.steps: dict[int, int] = {}
+        self.steps_by_kind: dict[GraphKey, int] = {}
 
     def padded_size(self, n: int) -> int:
         for b in self.sizes:
@@ -104,23 +111,34 @@ class DecodeGraphs:
         return sorted({b for b, _ in self.graphs})
 
     def run(
-        self, b: int, step: StepFn, *, all_resident: bool = False
+        self, b: int, step: StepFn, *, all_resident: bool = False, both_kinds: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Outputs of the step at padded size ``b`` (``all_resident``: the kind of step):
         replayed if captured; else run eagerly (the first step of a kind also compiles its
-        kernels) and, with ``capture``, captured for the next steps of that kind. Outputs are
-        the graph's buffers: read them before the next step."""
+        kernels) and, with ``capture``, captured for the next steps of that kind, and of the
+        general kind too with ``both_kinds`` when the batch is all resident. Outputs are the
+        graph's buffers: read them before the next step."""
         self.steps[b] = self.steps.get(b, 0) + 1
         key = (b, all_resident)
+        self.steps_by_kind[key] = self.steps_by_kind.get(key, 0) + 1
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
             return self.outputs[key]
         out = step(b, all_resident)
         if self.capture:
-            # Capture records without running: the eager step above did this step's work.
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.outputs[key] = step(b, all_resident)
-            self.graphs[key] = graph
+            kinds = [all_resident]
+            if both_kinds and all_resident and (b, False) not in self.graphs:
+                # The general kind once eagerly, to compile its kernels before its capture: on
+                # this all-resident batch it computes what the step above did (its resolve
+                # finds every row resident, changes no hot state) and writes the same new rows
+                # and mirror again; its outputs are dropped.
+                step(b, False)
+                kinds.append(False)
+            for kind in kinds:
+                # Capture records without running: the eager step above did this step's work.
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self.outputs[b, kind] = step(b, kind)
+                self.graphs[b, kind] = graph
         return out

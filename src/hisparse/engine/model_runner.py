@@ -469,13 +469,15 @@ class ModelRunner:
         if device_ids is not None:
             graphs.inputs[0, :n].copy_(device_ids)
         hooks = self.hooks
+        # HiSparse with offload="under_pressure" runs both kinds of step (StepMetadata.all_resident)
+        kind = dict(all_resident=resident, both_kinds=kv.sticky)
         if hooks is None:
-            logits, counts = graphs.run(b, self._static_step, all_resident=resident)
+            logits, counts = graphs.run(b, self._static_step, **kind)
         else:
             hooks.before_padded_decode()
             try:
                 hooks.begin_step(True)
-                logits, counts = graphs.run(b, self._static_step, all_resident=resident)
+                logits, counts = graphs.run(b, self._static_step, **kind)
                 hooks.end_step(True)
             finally:
                 lens = [req.num_computed + 1 for req in reqs]

@@ -1,10 +1,10 @@
 """The greedy token of each row of a step's logits in one or two launches (CUDA).
 
 ``torch.argmax`` over ``[B, V]`` logits reduces each row within one thread block, and its
-launch heuristics put several rows in a block, so a decode batch leaves most SMs idle
-(docs/benchmarks.md §4: 15.6 µs for 29 rows of 4,096 logits on the H200, after a 2.9 µs copy
-to fp32). Here each row is cut into chunks, one program each; a program keeps the best of its
-chunk and, when a row has several chunks, a second launch merges them in chunk order.
+launch heuristics put several rows in a block, so a decode batch leaves most SMs idle (and
+the sampler copied bf16 logits to fp32 first; docs/benchmarks.md §16). Here each row is cut
+into chunks, one program each; a program keeps the best of its chunk and, when a row has
+several chunks, a second launch merges them in chunk order.
 
 The result is ``torch.argmax(logits.float(), -1)`` exactly, for bf16, fp16 and fp32 logits
 (their cast to fp32 is exact and keeps the order): the largest value, NaN above every number,
