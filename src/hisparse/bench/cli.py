@@ -375,7 +375,9 @@ def warmup_batches(llm: Any, n: int) -> list[int]:
     to ``n``'s (requests ramp up and drain through the smaller ones), else just ``n``.
 
     A decode step of a size not yet seen captures a graph (and compiles kernel variants): at
-    128K, the first decode step at 29 requests took 11.7 s, their median step 8.4 ms."""
+    128K, the first decode step at 29 requests took 11.7 s, their median step 8.4 ms. Under
+    ``offload="under_pressure"`` the short warm-up requests keep their pages, so each size
+    captures both kinds of step (`DecodeGraphs.run`), and a timed step that demotes replays."""
     graphs = getattr(llm.runner, "graphs", None)
     if graphs is None or not graphs.capture:
         return [n]
