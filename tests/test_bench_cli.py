@@ -354,3 +354,28 @@ def test_warmup_batches_cover_every_graph_size_a_run_can_meet():
     assert warmup_batches(llm, 36) == [1, 2, 4, 8, 16, 32, 36]
     assert warmup_batches(llm, 1) == [1]
     assert warmup_batches(SimpleNamespace(runner=SimpleNamespace(graphs=None)), 5) == [5]
+
+
+def test_keep_step_state_rewinds_the_replayed_selection():
+    """`BenchHooks.keep_step_state`: a decode step repeated after the rewind (as
+    `DecodeGraphs.run` repeats one to compile the other kind of graph) selects what the step
+    selected, and leaves the replay where one step leaves it."""
+    from hisparse.bench.replay import TopKReplay
+    from hisparse.engine.hooks import StepRequests
+
+    hooks = BenchHooks(topk_overlap=0.5)
+    hooks.replay = TopKReplay(top_k=8, overlap=0.5, seed=3, num_leaders=1, max_slots=3,
+                              device=torch.device("cpu"))  # fmt: skip
+    hooks.replay.log = []
+    reqs = StepRequests(slots=torch.tensor([0, 2]), lens=torch.tensor([40, 57]),
+                        keys=torch.tensor([11, 12]), max_len=57)  # fmt: skip
+    topk = torch.empty((2, 8), dtype=torch.int32)  # the model's own selection, replaced
+    hooks.decode_topk(0, topk, reqs)  # a first step: the state to rewind to
+    rewind = hooks.keep_step_state()
+    first = hooks.decode_topk(0, topk, reqs).clone()
+    after = hooks.replay.prev.clone()
+    rewind()
+    again = hooks.decode_topk(0, topk, reqs)
+    assert torch.equal(again, first) and torch.equal(hooks.replay.prev, after)
+    assert len(hooks.replay.log) == 4  # two steps of two requests, the repeat not doubled
+    assert not torch.equal(hooks.decode_topk(0, topk, reqs), first)  # it moves on

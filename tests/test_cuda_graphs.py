@@ -48,10 +48,16 @@ def graphs(monkeypatch):
 
 def test_both_kinds_captured_at_a_size_first_seen(graphs) -> None:
     g, step, calls = graphs
-    logits, _ = g.run(2, step, all_resident=True, both_kinds=True)
-    # the step's own kind eagerly (its result), the other kind eagerly (compiles), both captured
-    assert calls == [(2, True, "eager"), (2, False, "eager"), (2, True, "captured"),
-                     (2, False, "captured")]  # fmt: skip
+
+    def keep_state():  # the hooks' state: copied before the step, put back before the repeat
+        calls.append("kept")
+        return lambda: calls.append("rewound")
+
+    logits, _ = g.run(2, step, all_resident=True, both_kinds=True, keep_state=keep_state)
+    # the step's own kind eagerly (its result), the general kind eagerly from the same hooks'
+    # state (it compiles), both captured
+    assert calls == ["kept", (2, True, "eager"), "rewound", (2, False, "eager"),
+                     (2, True, "captured"), (2, False, "captured")]  # fmt: skip
     assert logits.eq(1.0).all()
     calls.clear()
     g.run(2, step, all_resident=False, both_kinds=True)  # a demoted request joined: replayed
@@ -66,11 +72,12 @@ def test_a_size_first_seen_with_demoted_requests_captures_the_general_kind_only(
     """The resident kind's step would compute wrong new rows on that batch: it waits for an
     all-resident batch of the size, and runs eagerly then."""
     g, step, calls = graphs
-    g.run(4, step, all_resident=False, both_kinds=True)
+    keep = lambda: calls.append("kept") or (lambda: None)  # noqa: E731
+    g.run(4, step, all_resident=False, both_kinds=True, keep_state=keep)
     assert calls == [(4, False, "eager"), (4, False, "captured")]
     calls.clear()
-    g.run(4, step, all_resident=True, both_kinds=True)
-    assert calls == [(4, True, "eager"), (4, True, "captured")]
+    g.run(4, step, all_resident=True, both_kinds=True, keep_state=keep)
+    assert calls == [(4, True, "eager"), (4, True, "captured")]  # nothing to repeat
     assert sorted(g.graphs) == [(4, False), (4, True)]
 
 

@@ -103,6 +103,7 @@ def test_all_resident_matches_the_page_sets_through_demotion_and_preemption(
     resident in every group. True while the pool has room, False for a demoted request
     (through preemption and recompute too), never with ``offload="always"``."""
     from hisparse.engine.kv_manager import KVCacheManager
+    from hisparse.engine.model_runner import ModelRunner
 
     seen = []
     counted = KVCacheManager.all_resident
@@ -118,6 +119,14 @@ def test_all_resident_matches_the_page_sets_through_demotion_and_preemption(
         return counted(self, req_ids)
 
     monkeypatch.setattr(KVCacheManager, "all_resident", checked)
+    # the runner asks only on CUDA (the CPU keeps its resolve): ask at every decode step here
+    runner_asks = ModelRunner._all_resident
+
+    def asks(self, ids):
+        self.kv.all_resident(ids)
+        return runner_asks(self, ids)
+
+    monkeypatch.setattr(ModelRunner, "_all_resident", asks)
     long = SamplingParams(temperature=0, max_tokens=90)
     prompts = _prompts((20, 23, 30, 33))
     tight, info = _run_probe(checkpoint, "hisparse", blocks=requests_pool(1.9), top_k=4,

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,6 +69,21 @@ class BenchHooks(StepHooks):
     def reset_slot(self, slot: int) -> None:
         if self.replay is not None:
             self.replay.reset_slot(slot)
+
+    def keep_step_state(self) -> Callable[[], None]:
+        """The replay's previous selections (and its log's length): a step advances them."""
+        replay = self.replay
+        if replay is None:
+            return lambda: None
+        prev = replay.prev.clone()
+        logged = None if replay.log is None else len(replay.log)
+
+        def restore() -> None:
+            replay.prev.copy_(prev)
+            if replay.log is not None and logged is not None:
+                del replay.log[logged:]
+
+        return restore
 
     def decode_topk(self, leader: int, topk: torch.Tensor, reqs: StepRequests) -> torch.Tensor:
         if self.replay is None:

@@ -111,13 +111,20 @@ class DecodeGraphs:
         return sorted({b for b, _ in self.graphs})
 
     def run(
-        self, b: int, step: StepFn, *, all_resident: bool = False, both_kinds: bool = False
+        self,
+        b: int,
+        step: StepFn,
+        *,
+        all_resident: bool = False,
+        both_kinds: bool = False,
+        keep_state: Callable[[], Callable[[], None]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Outputs of the step at padded size ``b`` (``all_resident``: the kind of step):
         replayed if captured; else run eagerly (the first step of a kind also compiles its
         kernels) and, with ``capture``, captured for the next steps of that kind, and of the
-        general kind too with ``both_kinds`` when the batch is all resident. Outputs are the
-        graph's buffers: read them before the next step."""
+        general kind too with ``both_kinds`` when the batch is all resident, run once more
+        eagerly first from the state ``keep_state`` (`StepHooks.keep_step_state`) copied
+        before the step. Outputs are the graph's buffers: read them before the next step."""
         self.steps[b] = self.steps.get(b, 0) + 1
         key = (b, all_resident)
         self.steps_by_kind[key] = self.steps_by_kind.get(key, 0) + 1
@@ -125,14 +132,19 @@ class DecodeGraphs:
         if graph is not None:
             graph.replay()
             return self.outputs[key]
+        # The general kind once more eagerly, to compile its kernels before its capture: on an
+        # all-resident batch it computes what the resident step does (its resolve finds every
+        # row resident and changes no hot state), from the hooks' state as it was before that
+        # step, so it makes the same choices and writes the same new rows and mirror again;
+        # its outputs are dropped.
+        repeat = self.capture and both_kinds and all_resident and (b, False) not in self.graphs
+        rewind = keep_state() if repeat and keep_state is not None else None
         out = step(b, all_resident)
         if self.capture:
             kinds = [all_resident]
-            if both_kinds and all_resident and (b, False) not in self.graphs:
-                # The general kind once eagerly, to compile its kernels before its capture: on
-                # this all-resident batch it computes what the step above did (its resolve
-                # finds every row resident, changes no hot state) and writes the same new rows
-                # and mirror again; its outputs are dropped.
+            if repeat:
+                if rewind is not None:
+                    rewind()
                 step(b, False)
                 kinds.append(False)
             for kind in kinds:

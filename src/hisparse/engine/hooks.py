@@ -9,6 +9,7 @@ swap-in timing (CUDA events around resolve and gathers).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,13 @@ class StepHooks:
     def first_tokens(self, keys: list[int], vocab_size: int) -> list[int]:
         """The first token of each prompt a synthetic prefill finishes."""
         raise NotImplementedError
+
+    def keep_step_state(self) -> Callable[[], None]:
+        """Copy what a decode step changes in the hooks' own state; the returned call puts it
+        back. `DecodeGraphs.run` takes the copy before a step it will repeat (to compile the
+        other kind of graph) and puts it back before the repeat, so the repeat makes the same
+        choices (a replayed top-k: the same selection) and writes the same rows."""
+        return lambda: None
 
     def begin_step(self, decode: bool) -> None:
         """Before a step's forward."""

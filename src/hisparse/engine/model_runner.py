@@ -371,7 +371,7 @@ class ModelRunner:
         host_t, idx_table, res_tables = kv.step_tables(slot_d)
         host_bt = host_t if host_t is not None else self._zero_table[:R]
         state = slot_d.to(torch.int32) if decode else torch.full_like(slot_d, -1, dtype=torch.int32)
-        resident = decode and kv.all_resident([req.req_id for req, _ in batch])
+        resident = decode and self._all_resident([req.req_id for req, _ in batch])
         meta = StepMetadata(
             num_tokens=T,
             is_decode=decode,
@@ -465,12 +465,13 @@ class ModelRunner:
         else:
             ids = [0] * n  # replaced on the device below
         b = graphs.load(ids, [req.num_computed for req in reqs], slots, keys)
-        resident = kv.all_resident([req.req_id for req in reqs])
+        resident = self._all_resident([req.req_id for req in reqs])
         if device_ids is not None:
             graphs.inputs[0, :n].copy_(device_ids)
         hooks = self.hooks
         # HiSparse with offload="under_pressure" runs both kinds of step (StepMetadata.all_resident)
-        kind = dict(all_resident=resident, both_kinds=kv.sticky)
+        kind = dict(all_resident=resident, both_kinds=kv.sticky,
+                    keep_state=hooks.keep_step_state if hooks is not None else None)  # fmt: skip
         if hooks is None:
             logits, counts = graphs.run(b, self._static_step, **kind)
         else:
@@ -485,6 +486,12 @@ class ModelRunner:
         self.warm_rows, self.warm_topk = None, {}
         self._pending.append((reqs, counts[:n].clone()))
         return StepResult(logits=logits[:n], sample_reqs=reqs)
+
+    def _all_resident(self, req_ids: list[str]) -> bool:
+        """`StepMetadata.all_resident` of a decode step over ``req_ids``: on CUDA, where the
+        leader then looks rows up in the resident table; the CPU keeps its resolve (and so
+        its real counters)."""
+        return self.device.type == "cuda" and self.kv.all_resident(req_ids)
 
     def _static_step(self, b: int, all_resident: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode of the ``b`` rows in ``graphs.inputs`` (padding: slot ``-1``) to logits
