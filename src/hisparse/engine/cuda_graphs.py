@@ -79,8 +79,7 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event() if pin else None
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, tuple[torch.Tensor, torch.Tensor]] = {}
-        #: steps run per padded size (eager warm-up steps included), and per kind of step
-        self.steps: dict[int, int] = {}
+        #: steps run per (padded size, kind) (eager warm-up steps included)
         self.steps_by_kind: dict[GraphKey, int] = {}
 
     def padded_size(self, n: int) -> int:
@@ -106,6 +105,14 @@ class DecodeGraphs:
         return b
 
     @property
+    def steps(self) -> dict[int, int]:
+        """Steps run per padded size, of either kind."""
+        out: dict[int, int] = {}
+        for (b, _), n in self.steps_by_kind.items():
+            out[b] = out.get(b, 0) + n
+        return out
+
+    @property
     def captured_sizes(self) -> list[int]:
         """Padded sizes with a captured graph (of either kind), ascending."""
         return sorted({b for b, _ in self.graphs})
@@ -125,7 +132,6 @@ class DecodeGraphs:
         general kind too with ``both_kinds`` when the batch is all resident, run once more
         eagerly first from the state ``keep_state`` (`StepHooks.keep_step_state`) copied
         before the step. Outputs are the graph's buffers: read them before the next step."""
-        self.steps[b] = self.steps.get(b, 0) + 1
         key = (b, all_resident)
         self.steps_by_kind[key] = self.steps_by_kind.get(key, 0) + 1
         graph = self.graphs.get(key)

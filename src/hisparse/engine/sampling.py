@@ -243,11 +243,10 @@ def sample_on_device(
     ``min_tokens`` counts it as generated, as the synchronous engine would once it is read."""
     params = [r.params for r in rows]
     B = len(rows)
-    raw = logits
-    x = process_logits(raw, rows, eos_token_ids, pending)
+    x = process_logits(logits, rows, eos_token_ids, pending)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if not drawn:
-        return greedy_tokens(x), raw
+        return greedy_tokens(x), logits
     dev = x.device
     where = None if len(drawn) == B else to_device(drawn, torch.long, dev)
     probs = _probabilities((x if where is None else x.index_select(0, where)).float(),
@@ -256,8 +255,8 @@ def sample_on_device(
     uniform = to_device(draws, torch.float32, dev)
     picked = _inverse_cdf(probs, uniform)
     if where is None:
-        return picked, raw
-    return greedy_tokens(x).index_copy(0, where, picked), raw
+        return picked, logits
+    return greedy_tokens(x).index_copy(0, where, picked), logits
 
 
 def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
