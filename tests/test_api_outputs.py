@@ -363,16 +363,18 @@ def test_ctrl_c_in_generate_prints_the_partial_answer(checkpoint, capsys, monkey
     API raises `GenerationInterrupted` (a KeyboardInterrupt) carrying the outputs."""
     from hisparse.cli import main
 
-    run_part = LLM._run_part
+    from hisparse.engine.model_runner import ModelRunner
+
+    run_part = ModelRunner.execute_part
     calls = []
 
-    def interrupted(self, step, **kw):
+    def interrupted(self, step):
         calls.append(1)
         if len(calls) == 4:
             raise KeyboardInterrupt
-        return run_part(self, step, **kw)
+        return run_part(self, step)
 
-    monkeypatch.setattr(LLM, "_run_part", interrupted)
+    monkeypatch.setattr(ModelRunner, "execute_part", interrupted)
     argv = ["generate", "--model", str(checkpoint), "--prompt", "t10 t11", "--max-tokens", "8",
             "--max-model-len", "128", "--gpu-memory-gib", "0.02"]  # fmt: skip
     assert main(argv) == 130
@@ -389,7 +391,7 @@ def test_ctrl_c_in_generate_prints_the_partial_answer(checkpoint, capsys, monkey
         assert isinstance(exc.value, KeyboardInterrupt) and len(outs) == 2
         assert all(o.finish_reason == "abort" and 0 < len(o.token_ids) < 8 for o in outs)
         assert not llm.scheduler.running and not llm.kv.requests  # usable again
-        monkeypatch.setattr(LLM, "_run_part", run_part)
+        monkeypatch.setattr(ModelRunner, "execute_part", run_part)
         assert llm.generate(prompt_token_ids=[10, 11], sampling_params=GREEDY)[0].ok
 
 

@@ -236,6 +236,7 @@ def test_persistent_block_tables_follow_every_block_change():
         )
 
         def check(ids, kv=kv):
+            kv.flush_table_updates()  # what the runner applies before a step
             slots = torch.tensor([kv.requests[r].slot for r in ids])
             host, idx, res = kv.step_tables(slots)
             if kv.offload:
@@ -304,6 +305,7 @@ def test_indexer_pages_are_sub_blocks_of_shared_blocks():
     pages_view = kv.gpu_pages("layers.0.indexer")
     assert max(a.indexer + b.indexer) < pages_view.shape[0] == kv.layout.gpu_num_blocks * m
     slots = torch.tensor([a.slot, b.slot])
+    kv.flush_table_updates()
     assert torch.equal(kv.step_tables(slots)[1], kv.block_table(["a", "b"], "indexer"))
     kv.free("a")
     kv.free("b")

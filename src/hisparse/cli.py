@@ -80,12 +80,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve_rank_if_torchrun_worker(args: argparse.Namespace) -> None:
     """A torchrun process of rank > 0: serve rank 0's engines (never returns); its own
     output is silenced (rank 0 prints)."""
-    from hisparse.parallel.group import serve_torchrun_ranks, torchrun_env
+    from hisparse.parallel.group import torchrun_env
 
     env = torchrun_env()
     if env is None or env["rank"] == 0 or env["world_size"] < 2:
         return
     from hisparse.engine.setup import checked_device
+    from hisparse.engine.tp_follower import serve_torchrun_ranks
 
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process
     serve_torchrun_ranks(checked_device(args.device))

@@ -21,10 +21,12 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class HiSparseConfigError(ValueError):
@@ -184,23 +186,32 @@ def check_choice(field: str, value: Any, choices: Sequence[str]) -> str:
 
 # -- dtypes ------------------------------------------------------------------------------------
 
-#: ``dtype`` names `LLM` takes (torch's and the usual short ones) and what each means.
-DTYPE_NAMES: dict[str, torch.dtype | None] = {
+#: ``dtype`` names `LLM` takes (torch's and the usual short ones) and the torch dtype each
+#: means (by name: this module imports no torch, so the scheduler's imports stay torch-free).
+DTYPE_NAMES: dict[str, str | None] = {
     "auto": None,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
+
+
+def _is_tensor(value: Any) -> bool:
+    """``value`` is a torch tensor (without importing torch: none exists unless it is)."""
+    torch_mod = sys.modules.get("torch")
+    return torch_mod is not None and isinstance(value, torch_mod.Tensor)
 
 
 def check_dtype(field: str, value: Any) -> torch.dtype | None:
     """A model dtype: one of `DTYPE_NAMES` or a float32/bfloat16/float16 ``torch.dtype``;
     ``None`` for ``"auto"``."""
+    import torch
+
     allowed = "'auto', 'float32', 'bfloat16', 'float16' (or fp32, bf16, fp16, half, float) or "
     allowed += "torch.float32 / torch.bfloat16 / torch.float16"
     if isinstance(value, torch.dtype):
@@ -212,7 +223,8 @@ def check_dtype(field: str, value: Any) -> torch.dtype | None:
     key = value.lower().removeprefix("torch.")
     if key not in DTYPE_NAMES:
         _fail(field, value, allowed)
-    return DTYPE_NAMES[key]
+    name = DTYPE_NAMES[key]
+    return None if name is None else getattr(torch, name)
 
 
 # -- requests ----------------------------------------------------------------------------------
@@ -221,12 +233,12 @@ def check_dtype(field: str, value: Any) -> torch.dtype | None:
 def prompt_token_ids(ids: Any, vocab_size: int, max_model_len: int) -> list[int] | str:
     """A request's token ids as a list, or the message that fails that request (not the
     others): not a list of integers, empty, outside the vocabulary, or no room for output."""
-    if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | torch.Tensor):
+    if isinstance(ids, str | bytes) or not (isinstance(ids, Sequence) or _is_tensor(ids)):
         return (
             f"the prompt's token ids must be a list of integers, got {type(ids).__name__}; "
             "pass text as a prompt instead"
         )
-    if isinstance(ids, torch.Tensor):
+    if _is_tensor(ids):
         ids = ids.tolist() if ids.dim() == 1 else [ids]
     out = []
     for t in ids:
@@ -248,7 +260,7 @@ def prompt_token_ids(ids: Any, vocab_size: int, max_model_len: int) -> list[int]
 
 def is_token_list(value: Any) -> bool:
     """A flat list of token ids (one prompt), as opposed to a list of prompts."""
-    if isinstance(value, torch.Tensor):
+    if _is_tensor(value):
         return value.dim() == 1
     return (
         isinstance(value, Sequence)

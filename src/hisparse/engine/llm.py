@@ -15,19 +15,19 @@ the model at once, and the closed object refuses further use.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import itertools
-import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from hisparse.config import HiSparseConfig, check_gib
+from hisparse.engine.async_core import AsyncEngineCore
+from hisparse.engine.core import STEP_STATS_KEPT, EngineCore, young_objects_only
 from hisparse.engine.hooks import StepHooks
 from hisparse.engine.inputs import (
     completions,
@@ -39,22 +39,21 @@ from hisparse.engine.inputs import (
 from hisparse.engine.kv_manager import KVCacheManager
 from hisparse.engine.model_runner import ModelRunner
 from hisparse.engine.request import Request, RequestOutput, Status
-from hisparse.engine.sampling import (
-    LogprobRows,
-    SamplingParams,
-    logprob_rows,
-    sample_on_device,
-    sample_rows,
-)
-from hisparse.engine.scheduler import SCHEDULE_POLICIES, ScheduledStep, Scheduler, StopChecker
+from hisparse.engine.sampling_params import SamplingParams
+from hisparse.engine.scheduler import SCHEDULE_POLICIES, Scheduler, StopChecker
 from hisparse.engine.setup import (
     check_device_memory,
     checked_device,
     decode_path,
     default_host_pool_bytes,
     default_kv_gib,
+    host_sharing,
 )
-from hisparse.engine.tp_follower import rank_state
+from hisparse.engine.tp_follower import (
+    serve_torchrun_ranks,
+    tensor_parallel_state,
+    worker_main,
+)
 from hisparse.models.registry import (
     DSA_INDEXERS,
     GQA_KV_FORMATS,
@@ -65,7 +64,7 @@ from hisparse.models.registry import (
     load_model,
     resolve_model,
 )
-from hisparse.parallel.group import TPGroup, deferred_sigint
+from hisparse.parallel.group import TPGroup
 from hisparse.parallel.shard import check_tensor_parallel_size
 from hisparse.validation import (
     _fail,
@@ -80,9 +79,7 @@ from hisparse.validation import (
 PLACEMENTS = ("hisparse", "gpu")
 #: Most requests running at once (the engine keeps per-slot state for every one).
 MAX_NUM_SEQS = 4096
-#: Engine steps kept in `LLM.step_stats` (older ones are dropped; `last_run_stats` keeps
-#: every step of the latest `generate`).
-STEP_STATS_KEPT = 10_000
+__all__ = ["LLM", "STEP_STATS_KEPT", "GenerationInterrupted"]
 
 
 class GenerationInterrupted(KeyboardInterrupt):
@@ -181,9 +178,7 @@ class LLM:
             async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
         )  # fmt: skip
         self._closed = False
-        #: a decode step whose sampled tokens are still on the device (async scheduling)
-        self._inflight: _InFlight | None = None
-        self._last_end = 0.0
+        self._core: EngineCore | None = None
         self.kv: KVCacheManager | None = None
         self.runner: ModelRunner | None = None
         self.model: Any = None
@@ -227,7 +222,10 @@ class LLM:
         try:
             tp = None
             if tensor_parallel_size > 1:
-                self._tp = tp = TPGroup.start(tensor_parallel_size, self.device, llm_kwargs)
+                self._tp = tp = TPGroup.start(
+                    tensor_parallel_size, self.device, llm_kwargs,
+                    worker_main=worker_main, serve_ranks=serve_torchrun_ranks,
+                )  # fmt: skip
                 self.device = tp.device
             hs = hisparse or HiSparseConfig()
             loaded = load_model(path, hs, torch_dtype, self.device, indexer, kv_format, tp)
@@ -249,7 +247,7 @@ class LLM:
             check_device_memory(self.device, gpu_memory_gib)
             specs = engine_specs(self.model, row_format, self.config.block_size)
             # GQA rows are sharded by KV head: a host row holds every local rank's slice
-            host = self._host_sharing(gguf)
+            host = host_sharing(self._tp, gguf)
             if kv_placement == "hisparse" and self.config.host_pool_bytes is None:
                 size = default_host_pool_bytes(
                     specs,
@@ -283,6 +281,9 @@ class LLM:
                 hooks=step_hooks,
                 decode_path=decode_path(cuda_graphs, self.device, indexer, tensor_parallel_size),
                 host_fence=tp.fence if tp is not None and not gguf else None,
+                eos_token_ids=self.eos_token_ids,
+                share_tokens=tp.share_tokens if tp is not None else None,
+                samples=tp is None or tp.is_driver,
             )
         except BaseException as err:
             self._release(failed=True)  # the host pool, the device pools, the model
@@ -290,36 +291,44 @@ class LLM:
             if tp is not None and tp.is_driver and not tp.closed:
                 raise tp.fail(err) from err  # ends the other ranks, names the one that failed
             raise  # a worker's error goes to its driver (`worker_main`)
-        self.scheduler = Scheduler(
+        scheduler = Scheduler(
             self.kv,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             policy=schedule,
             stops=StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len),
-            write_back=self.runner.write_back,
         )
+        # async scheduling chains fixed-shape decodes on one rank (docs/design.md §12.5.1)
+        chained = self.async_scheduling and tp is None and self.runner.graphs is not None
+        core = AsyncEngineCore if chained else EngineCore
+        self._core = core(scheduler, self.runner, tp=tp, on_fatal=self._fatal)
         self._ids = itertools.count()
-        #: the last `STEP_STATS_KEPT` engine steps (all `generate` calls)
-        self.step_stats: deque[dict[str, float]] = deque(maxlen=STEP_STATS_KEPT)
-        #: every engine step of the latest `generate`
-        self.last_run_stats: list[dict[str, float]] = []
 
-    def _host_sharing(self, gguf: bool) -> dict[str, Any]:
-        """`KVCacheManager`'s host-pool arguments: one pool per node under tensor parallelism
-        (docs/design.md §18), its rows written by local rank 0 (MLA rows are the same on every
-        rank) or in per-rank slices (GQA rows are sharded by KV head)."""
-        tp = self._tp
-        if tp is None:
-            return dict(host_shards=1, host_shard=0, host_writer=True)
-        from hisparse.parallel.shm import shared_host_pool
+    # --- the engine core's state, as the API shows it ---------------------------------------
+    @property
+    def scheduler(self) -> Scheduler:
+        assert self._core is not None, "this LLM was closed"
+        return self._core.scheduler
 
-        def pool(size: int, pin: bool) -> Any:
-            return shared_host_pool(size, pin, tp)
+    @property
+    def step_stats(self) -> Any:
+        """The last `STEP_STATS_KEPT` engine steps' statistics rows (all calls)."""
+        return self._core.step_stats if self._core is not None else []
 
-        if gguf:
-            return dict(host_pool=pool, host_shards=tp.local_world_size,
-                        host_shard=tp.local_rank, host_writer=True)  # fmt: skip
-        return dict(host_pool=pool, host_shards=1, host_shard=0, host_writer=tp.local_rank == 0)
+    @property
+    def last_run_stats(self) -> list[dict[str, float]]:
+        """Every engine step's statistics row of the latest `generate`."""
+        return self._core.last_run_stats if self._core is not None else []
+
+    @property
+    def _inflight(self) -> Any:
+        """The decode step in flight (async scheduling), or None."""
+        return getattr(self._core, "inflight", None)
+
+    def _fatal(self) -> None:
+        """A rank failed inside a tensor-parallel step: this engine is closed."""
+        self._closed = True
+        self._release(failed=True)
 
     # ------------------------------------------------------------------------------------
     def generate(
@@ -424,18 +433,20 @@ class LLM:
             raise ValueError(ids)
         rid = request_id if request_id is not None else str(next(self._ids))
         reqs = completions(rid, ids, params, prompt)
-        self._queue(reqs)
+        self._core.add(reqs)
         return reqs
 
     def step(self) -> list[Request]:
         """Run one engine step (its decode and prefill parts); the requests it changed: new
         tokens, finished, or failed (a prompt the GPU pool can never hold)."""
         self._check_open("step")
-        sched = self.scheduler
+        core = self._core
+        assert core is not None
+        sched = core.scheduler
         changed: dict[int, Request] = {}
-        with self._tp_section():
-            for reqs, row in self._engine_step():
-                self.step_stats.append(row)
+        with core.tp_section():
+            for reqs, row in core.step():
+                core.step_stats.append(row)
                 changed.update((id(r), r) for r in reqs)
         changed.update((id(r), r) for r in sched.failed)
         sched.failed.clear()
@@ -446,8 +457,8 @@ class LLM:
         sched = self.scheduler
         for req in [*sched.running, *sched.waiting]:
             if req.req_id == request_id:
-                self._abort([req])
-                self._settle_inflight()
+                self._core.abort([req])
+                self._core.settle()
                 return True
         return False
 
@@ -456,65 +467,18 @@ class LLM:
         engine was built with; the pools stay as they are)."""
         self._check_open("set_max_num_seqs")
         check_int("LLM.set_max_num_seqs.n", n, minimum=1, maximum=self.kv.max_num_seqs)
-        with self._tp_section():
+        with self._core.tp_section():
             self.scheduler.max_num_seqs = n
             if self._tp is not None:
                 self._tp.send(("max_num_seqs", n))
 
-    # --- tensor parallelism: what the driver sends, what the other ranks do --------------
-    def _queue(self, reqs: list[Request]) -> None:
-        for req in reqs:
-            self.scheduler.add(req)
-        if self._tp is not None and reqs:
-            with self._tp_section():
-                specs = [(r.req_id, r.prompt_token_ids, r.params, r.index) for r in reqs]
-                self._tp.send(("add", specs))
-
-    def _abort(self, reqs: list[Request]) -> None:
-        for req in reqs:
-            self.scheduler.abort(req)
-        if self._tp is not None and reqs:
-            with self._tp_section():
-                self._tp.send(("abort", [r.req_id for r in reqs]))
-
-    def _schedule(self) -> list[ScheduledStep]:
-        """The next engine step's parts; every rank schedules the same (the workers are told
-        to step first, and hold the same requests)."""
-        if self._tp is not None:
-            self._tp.send(("step",))
-        return self.scheduler.schedule()
-
-    @contextlib.contextmanager
-    def _tp_section(self) -> Iterator[None]:
-        """Tensor parallelism: the ranks finish this block together (Ctrl-C waits for its
-        end), and any failure inside it is fatal: the engine closes and
-        `TensorParallelError` names the rank that failed. Nothing without it."""
-        tp = self._tp
-        if tp is None:
-            yield
-            return
-        with deferred_sigint():  # a Ctrl-C it holds back is raised after the block, harmless
-            try:
-                yield
-            except BaseException as err:
-                self._closed = True
-                self._release(failed=True)
-                raise tp.fail(err) from err
-
     def _tensor_parallel_state(self) -> list[dict[str, Any]]:
-        """Every rank's `rank_state`, in rank order (tests: one host pool per node, the same
-        selections everywhere)."""
+        """Every rank's `rank_state`, in rank order (tests)."""
         self._check_open("_tensor_parallel_state")
-        if self._tp is None:
-            return [rank_state(self)]
-        with self._tp_section():
-            self._tp.send(("state",))
-            out = self._tp.gather(rank_state(self))
-        assert out is not None
-        return out
+        return tensor_parallel_state(self)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work or self._inflight is not None
+        return self._core is not None and self._core.has_unfinished()
 
     def _generate(
         self,
@@ -541,17 +505,17 @@ class LLM:
         requests = [r for _, _, reqs in groups for r in reqs]
         # Queued only once every prompt was read: nothing of this call is left behind if
         # reading one fails.
-        self._queue([req for req in requests if not req.finished])
+        self._core.add([req for req in requests if not req.finished])
         try:
-            with _young_objects_only(self.device):
+            with young_objects_only(self.device):
                 self._run(requests, progress, on_finish)
         except BaseException as err:
             # Whatever stopped the run (an error, Ctrl-C), the engine stays usable: this
             # call's unfinished requests leave the scheduler and give their blocks back.
             # (A failed tensor-parallel engine is closed: nothing is left to abort.)
             if not self._closed:
-                self._abort([req for req in requests if not req.finished])
-                self._settle_inflight()
+                self._core.abort([req for req in requests if not req.finished])
+                self._core.settle()
             if isinstance(err, KeyboardInterrupt) and not isinstance(err, GenerationInterrupted):
                 raise GenerationInterrupted(outputs_of(groups)) from err
             raise
@@ -567,183 +531,20 @@ class LLM:
             ids = getattr(encoded, "ids", encoded)  # tokenizers.Encoding or a plain list
         return prompt_token_ids(ids, self.model.config.vocab_size, self.max_model_len)
 
-    def _run(
-        self,
-        requests: list[Request],
-        progress: bool,
-        on_finish: Callable[[int, int], None] | None = None,
-    ) -> None:
-        sched = self.scheduler
-        bar = _progress(len(requests), progress)
-        done = sum(r.finished for r in requests)
-        stalls = 0
-        self.last_run_stats = run_stats = []
+    def _run(self, requests: list[Request], progress: bool, on_finish: Any = None) -> None:
+        bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
+        done = [sum(r.finished for r in requests)]
+
+        def on_progress(new_done: int) -> None:
+            bar.update(new_done - done[0])
+            if on_finish is not None:
+                on_finish(new_done, len(requests))
+            done[0] = new_done
+
         try:
-            while sched.has_work or self._inflight is not None:
-                with self._tp_section():
-                    ran = self._engine_step()
-                    for _, row in ran:
-                        run_stats.append(row)
-                        self.step_stats.append(row)
-                if not ran and self._inflight is None:
-                    stalls += 1
-                    if stalls > len(requests) + 2:
-                        raise RuntimeError("scheduler stalled: nothing fits and nothing runs")
-                    continue
-                stalls = 0
-                new_done = sum(r.finished for r in requests)
-                if bar is not None and new_done > done:
-                    bar.update(new_done - done)
-                if on_finish is not None and new_done > done:
-                    on_finish(new_done, len(requests))
-                done = new_done
+            self._core.run(requests, on_progress)
         finally:
-            sched.failed.clear()
-            # per-request and per-step swap counters, read from the device once per run
-            # (none left when a tensor-parallel engine failed mid-run: it is closed)
-            counters = self.runner.flush_metrics() if not self._closed else []
-            decode_stats = iter(counters)
-            for row in run_stats:
-                if row["decode"]:
-                    row.update(next(decode_stats, {}))
-            if bar is not None:
-                bar.close()
-
-    def _engine_step(self) -> list[tuple[list[Request], dict[str, float]]]:
-        """One engine step: per forward whose tokens it read, the requests it changed and its
-        statistics row (inside `_tp_section`). With a decode in flight, the next decode of the
-        same requests is launched first where `Scheduler.continue_decode` gives one, and the
-        host reads and processes the pending tokens while the GPU runs it; otherwise the
-        pending tokens are read first and the step is scheduled as usual."""
-        prev, self._inflight = self._inflight, None
-        done = []
-        if prev is not None:
-            nxt = self.scheduler.continue_decode(prev.step.batch)
-            if nxt is not None:
-                try:
-                    self._launch_decode(nxt, prev.tokens)
-                except BaseException:
-                    self._collect(prev)  # its requests stay whole for whoever goes on
-                    raise
-                return [self._collect(prev)]
-            done.append(self._collect(prev))
-        parts = self._schedule()
-        for part in parts:
-            # a decode with a prefill part after it reads its tokens first: rows stay in
-            # the order the parts ran
-            row = self._run_part(part, defer=len(parts) == 1)
-            if row is not None:
-                done.append(([r for r, _ in part.batch], row))
-        return done
-
-    def _settle_inflight(self) -> None:
-        """Drop the decode in flight once none of its requests is left (all finished or
-        aborted): nothing would read its tokens."""
-        f = self._inflight
-        if f is not None and all(r.finished for r in f.sample_reqs):
-            if f.ready is not None:
-                f.ready.synchronize()
-            self._inflight = None
-
-    def _deferrable(self, step: ScheduledStep) -> bool:
-        """Whether ``step`` may leave its tokens on the device (`async_scheduling`): a
-        fixed-shape decode on one rank. Logprobs go to the host with the tokens; the next
-        step's penalties and ``min_tokens`` count the token still on the device
-        (`sampling.sample_on_device`'s ``pending``)."""
-        return (
-            self.async_scheduling
-            and step.decode
-            and self._tp is None
-            and self.runner.graphs is not None
-            and all(n == 1 for _, n in step.batch)
-        )
-
-    def _launch_decode(self, step: ScheduledStep, device_ids: torch.Tensor | None) -> None:
-        """Run a deferrable decode ``step`` (its input ids from the previous decode's device
-        tokens ``device_ids``, rows in the same order, or from the requests) and its sampling,
-        and start copying the tokens to the host: the step in flight."""
-        t0 = time.perf_counter()
-        result = self.runner.run(
-            step.batch, decode=True, finishing=step.finishing, device_ids=device_ids
-        )
-        assert result.logits is not None
-        tokens, raw = sample_on_device(
-            result.logits, result.sample_reqs, self.eos_token_ids, pending=device_ids
-        )
-        lp = logprob_rows(raw, [r.params for r in result.sample_reqs], tokens)
-        if lp is not None:
-            lp = lp.to_host()
-        if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            ready: torch.cuda.Event | None = torch.cuda.Event()
-            ready.record()
-        else:
-            host, ready = tokens, None
-        # a row without a distribution (-1) fails its request when read; the next step must
-        # still embed a valid id for it
-        feed = tokens.clamp_min(0)
-        self._inflight = _InFlight(step, result.sample_reqs, feed, host, lp, ready, t0)
-        self.scheduler.advance(step)
-        self.scheduler.trim(step)
-
-    def _collect(self, f: _InFlight) -> tuple[list[Request], dict[str, float]]:
-        """Read the tokens of the decode in flight ``f`` and record them (stops, status; its
-        pages were trimmed at launch): the requests that took a token (not those that
-        finished or were aborted meanwhile) and the step's statistics row."""
-        if f.ready is not None:
-            f.ready.synchronize()
-        tokens: list[int | None] = [t if t >= 0 else None for t in f.host.tolist()]
-        logprobs: list[dict[int, float] | None] = [None] * len(tokens)
-        if f.logprobs is not None:
-            logprobs = f.logprobs.dicts([r.params for r in f.sample_reqs], tokens)
-        live = [r for r in f.sample_reqs if not r.finished]
-        now = time.perf_counter()
-        self.scheduler.record(f.step, f.sample_reqs, tokens, logprobs, now)
-        return live, self._stats_row(f.step, f.t0, now)
-
-    def _stats_row(self, step: ScheduledStep, t0: float, now: float) -> dict[str, float]:
-        """``seconds``: from the forward's start, or from the previous step's end where it
-        was launched before that (async scheduling), to its tokens."""
-        start, self._last_end = max(t0, self._last_end), now
-        return dict(
-            decode=float(step.decode),
-            tokens=sum(n for _, n in step.batch),
-            running=len(step.batch) if step.decode else len(self.scheduler.running),
-            seconds=now - start,
-            end=now,
-        )
-
-    def _run_part(self, step: ScheduledStep, *, defer: bool = False) -> dict[str, float] | None:
-        """One forward (the decode or the prefill part of an engine step) and what follows
-        it: sampled tokens, stops, status, and the resident pages a request no longer needs.
-        Returns the step's statistics row; ``None`` where ``defer`` let the decode stay in
-        flight (`_deferrable`), its tokens read by the next engine step."""
-        if defer and self._deferrable(step):
-            self._launch_decode(step, None)
-            return None
-        t0 = time.perf_counter()
-        result = self.runner.run(step.batch, decode=step.decode, finishing=step.finishing)
-        logprobs: list[dict[int, float] | None]
-        if result.token_ids is not None:
-            tokens: list[int | None] = list(result.token_ids)
-            logprobs = [{} for _ in tokens]  # no logits: a synthetic prefill's first token
-        elif result.sample_reqs:
-            n = len(result.sample_reqs)
-            tp = self._tp
-            if tp is None or tp.is_driver:
-                assert result.logits is not None
-                sampled = sample_rows(result.logits, result.sample_reqs, self.eos_token_ids)
-                tokens, logprobs = sampled.tokens, sampled.logprobs
-            else:  # rank 0 samples (its generators, its penalties); the others get its tokens
-                tokens, logprobs = [], [None] * n
-            if tp is not None:
-                tokens = tp.share_tokens(tokens, n)
-        else:
-            tokens, logprobs = [], []
-        now = time.perf_counter()
-        self.scheduler.update(step, result.sample_reqs, tokens, logprobs, now)
-        return self._stats_row(step, t0, now)
+            bar.close()
 
     # --- resources -----------------------------------------------------------------------
     def close(self) -> None:
@@ -757,14 +558,14 @@ class LLM:
     def _release(self, failed: bool = False) -> None:
         """Drop everything; ``failed``: a tensor-parallel failure, whose caller ends the
         ranks (`TPGroup.fail`)."""
-        f, self._inflight = getattr(self, "_inflight", None), None
-        if f is not None and f.ready is not None:
-            f.ready.synchronize()  # its step reads and writes the pools released below
+        core = getattr(self, "_core", None)
+        if core is not None:
+            core.drain()  # a step in flight reads and writes the pools released below
+            core.runner = None
         if self.kv is not None:
             self.kv.close()
         self.runner = None
         self.model = None
-        self.scheduler = None
         if self._tp is not None and not failed:
             self._tp.shutdown()  # the driver closes its ranks; a worker drops its groups
         # The runner's layer objects refer to each other: without a collection now, the device
@@ -790,45 +591,3 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@dataclasses.dataclass
-class _InFlight:
-    """A decode step launched with its sampled tokens left on the device (async scheduling):
-    ``tokens`` feed the next decode's input ids on the device; ``host`` holds them, and
-    ``logprobs`` the rows' logprobs where asked, once ``ready`` (``None`` on the CPU) has
-    completed."""
-
-    step: ScheduledStep
-    sample_reqs: list[Request]
-    tokens: torch.Tensor
-    host: torch.Tensor
-    logprobs: LogprobRows | None
-    ready: torch.cuda.Event | None
-    t0: float
-
-
-@contextlib.contextmanager
-def _young_objects_only(device: torch.device) -> Iterator[None]:
-    """On the CPU: the objects that exist when a call starts (model, caches, everything
-    loaded) are frozen (`gc.freeze`) for the call, so the cyclic collector's full passes
-    during it walk only the call's own objects. Measured on SmolLM2 (batch 1): a full pass
-    over the loaded process took ~125 ms, about once per 32-token decode, i.e. ~4 ms a
-    token. Unfrozen after the call (nothing is kept from the collector for longer); left
-    alone where something else froze objects, and on CUDA."""
-    if device.type != "cpu" or gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="requests", unit="req")

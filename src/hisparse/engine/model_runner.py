@@ -19,8 +19,9 @@ take the same path.
 from __future__ import annotations
 
 import itertools
+import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,9 @@ from hisparse.engine.hooks import StepHooks, StepRequests
 from hisparse.engine.host_copy import tensor_to_device
 from hisparse.engine.kv_manager import KVCacheManager
 from hisparse.engine.request import Request
+from hisparse.engine.sampling import sample_rows
+from hisparse.engine.step_cache import PrefillLayerCache, StepCache
+from hisparse.engine.step_data import ModelOutput, ScheduledStep, SchedulerOutput, WriteBack
 from hisparse.kv.specs import CacheKind, LayerCacheSpec
 from hisparse.models.kv_access import DsaStep
 from hisparse.runtime.batch import GroupTables, StepMetadata
@@ -50,107 +54,6 @@ class StepResult:
     logits: torch.Tensor | None
     sample_reqs: list[Request]
     token_ids: list[int] | None = None
-
-
-class _LayerView:
-    """A step's view of one layer over its runtime handle: writes go straight through, or
-    on a HiSparse prefill step into the step's staged cache (``staging``)."""
-
-    def __init__(
-        self, runner: ModelRunner, handle: CacheHandle, staging: PrefillStaging | None = None
-    ) -> None:
-        self.runner, self.handle, self.staging = runner, handle, staging
-        self.staged: torch.Tensor | None = None
-
-    def write_target(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.staging is None:
-            return self.handle.write_target()
-        self.staged = self.staging.stage(self.handle.runtime)
-        return self.staged, self.staging.write_rows
-
-    def finish_kv_update(self) -> None:
-        if self.staging is None:
-            self.handle.finish_kv_update()
-            return
-        assert self.staged is not None, "write_target first"
-        self.handle.finish_staged_update(self.staged, self.staging.write_rows)
-
-
-class _PrefillLayerCache(_LayerView):
-    """A prefill step's view of one layer: HiSparse reads the step's staged cache, all-GPU
-    the resident rows; records the leader's last-token top-k of requests that finish their
-    prompt (for the warm start), which the step hooks may replace (`StepHooks.warm_topk`)."""
-
-    def swap_in(self, logical_topk: torch.Tensor) -> torch.Tensor:
-        runner, rt = self.runner, self.handle.runtime
-        if rt.is_leader and runner.warm_rows is not None:
-            warm = runner.hooked_warm_topk(rt.name)
-            if warm is not None:
-                logical_topk = logical_topk.clone()
-                logical_topk[runner.warm_rows] = warm[:, : logical_topk.shape[1]]
-            runner.warm_topk[rt.name] = logical_topk[runner.warm_rows].clone()
-        if self.staging is None:
-            return self.handle.resident_rows(logical_topk)
-        meta, _ = self.handle._step()
-        return self.staging.logical_rows(logical_topk, meta.req_per_token)
-
-
-class _DecodeLayerCache(_LayerView):
-    """A decode step's view of one layer when the runner has step hooks: the runtime's
-    handle, with the leader's logical top-k passed through `StepHooks.decode_topk`."""
-
-    def swap_in(self, logical_topk: torch.Tensor) -> torch.Tensor:
-        rt = self.handle.runtime
-        if rt.is_leader:
-            logical_topk = self.runner.hooked_decode_topk(rt.name, logical_topk)
-        return self.handle.swap_in(logical_topk)  # type: ignore[return-value]
-
-
-class _IndexerLayerCache:
-    def __init__(self, pages: torch.Tensor, slots: torch.Tensor, table: torch.Tensor) -> None:
-        self.pages, self.slots, self.table = pages, slots, table
-
-    def write_target(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pages, self.slots
-
-    def read_source(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pages, self.table
-
-
-class _StepCache:
-    """The `DsaKVCache` the model sees during one step."""
-
-    def __init__(
-        self,
-        runner: ModelRunner,
-        decode: bool,
-        idx_slots: torch.Tensor,
-        idx_table: torch.Tensor,
-        staging: PrefillStaging | None = None,
-    ) -> None:
-        self.runner, self.decode = runner, decode
-        self.idx_slots, self.idx_table = idx_slots, idx_table
-        self.staging = staging
-
-    @property
-    def row_format(self) -> object:
-        return self.runner.row_format
-
-    @property
-    def indexer_format(self) -> object:
-        return self.runner.model.indexer_format
-
-    def attention(self, layer: int) -> CacheHandle | _PrefillLayerCache | _DecodeLayerCache:
-        handle = self.runner.handles[layer]
-        if not self.decode:
-            return _PrefillLayerCache(self.runner, handle, self.staging)
-        if self.runner.hooks is None:
-            return handle
-        return _DecodeLayerCache(self.runner, handle)
-
-    def indexer(self, layer: int) -> _IndexerLayerCache:
-        pages = self.runner.indexer_pages[layer]
-        return _IndexerLayerCache(pages, self.idx_slots, self.idx_table)
 
 
 #: decode paths: plain eager; fixed-shape padded step run eagerly; the same step in CUDA graphs
@@ -175,16 +78,23 @@ class ModelRunner:
         hooks: StepHooks | None = None,
         decode_path: str = "eager",
         host_fence: Callable[[], None] | None = None,
+        eos_token_ids: Set[int] = frozenset(),
+        share_tokens: Callable[[list[int | None], int], list[int | None]] | None = None,
+        samples: bool = True,
     ) -> None:
         """``host_fence``: tensor parallelism with one host writer per node (docs/design.md
         §18): called at the start of the step after one whose pages were written back to the
         host outside the forward (the lazy mirror), so no rank reads those rows before the
-        writer's copies are done."""
+        writer's copies are done. ``samples``: this rank samples (rank 0 under tensor
+        parallelism: its generators, its penalties); ``share_tokens(tokens, n)`` hands its
+        tokens to every rank."""
         if decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path={decode_path!r}: use one of {DECODE_PATHS}")
         if decode_path == "graphs" and device.type != "cuda":
             raise ValueError("decode_path='graphs' needs a CUDA device: pass cuda_graphs=False")
         self.model, self.config, self.kv = model, config, kv
+        self.eos_token_ids = eos_token_ids
+        self.share_tokens, self.samples = share_tokens, samples
         self.row_format = row_format
         self.device = device
         self.max_num_seqs = max_num_seqs
@@ -257,7 +167,7 @@ class ModelRunner:
         self._slots = self._lens = self._keys = torch.zeros(0, dtype=torch.int64)
         self._max_len = 0
         self._warm_idx: torch.Tensor | None = None
-        self._prefill_cache: _StepCache | None = None
+        self._prefill_cache: StepCache | None = None
         #: per decode step: (requests, device int64 [R, 3] hits / misses / bytes)
         self._pending: list[tuple[list[Request], torch.Tensor]] = []
         self.decode_path = decode_path
@@ -302,6 +212,41 @@ class ModelRunner:
         return self.hooks.warm_topk(self.leader_index[leader_name], reqs)
 
     # ------------------------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> list[ModelOutput]:
+        """Run a scheduled step: what comes before its forwards (`prepare`), then each
+        forward and its sampling, in order; one `ModelOutput` per forward."""
+        self.prepare(out)
+        return [self.execute_part(part) for part in out.parts]
+
+    def prepare(self, out: SchedulerOutput) -> None:
+        """Before a step's forwards, in the order they were made: the block-table changes,
+        the hot state of newly leased slots reset, the lazy mirror's write-backs."""
+        self.kv.apply_table_updates(out.table_updates)
+        for slot in out.slot_resets:
+            self.reset_slot(slot)
+        self.write_back(out.write_backs)
+
+    def execute_part(self, step: ScheduledStep) -> ModelOutput:
+        """One forward and its sampled tokens (a synthetic prefill gives them directly)."""
+        result = self.run(step.batch, decode=step.decode, finishing=step.finishing)
+        reqs = result.sample_reqs
+        logprobs: list[dict[int, float] | None]
+        if result.token_ids is not None:
+            tokens: list[int | None] = list(result.token_ids)
+            logprobs = [{} for _ in tokens]  # no logits: a synthetic prefill's first token
+        elif reqs:
+            if self.samples:
+                assert result.logits is not None
+                sampled = sample_rows(result.logits, reqs, self.eos_token_ids)
+                tokens, logprobs = sampled.tokens, sampled.logprobs
+            else:
+                tokens, logprobs = [], [None] * len(reqs)
+            if self.share_tokens is not None:
+                tokens = self.share_tokens(tokens, len(reqs))
+        else:
+            tokens, logprobs = [], []
+        return ModelOutput(reqs, tokens, logprobs, time.perf_counter())
+
     @torch.no_grad()
     def run(
         self,
@@ -318,8 +263,6 @@ class ModelRunner:
         input tokens, one per request in batch order, still on the device (the previous
         decode's sampled tokens, async scheduling) instead of the requests' last tokens."""
         kv, bs, dev = self.kv, self.config.block_size, self.device
-        while kv.pending_slot_resets:
-            self.reset_slot(kv.pending_slot_resets.pop())
         if self._fence_pending:
             self._fence_pending = False
             assert self.host_fence is not None
@@ -404,7 +347,7 @@ class ModelRunner:
             staging = PrefillStaging(
                 kv.staging_raw, host_bt, starts, counts, rix, pos, bs, gather_earlier=not synthetic
             )
-        cache = _StepCache(self, decode, rows_of(idx_table), idx_table, staging)
+        cache = StepCache(self, decode, rows_of(idx_table), idx_table, staging)
         if synthetic:
             assert hooks is not None
             self._prefill_cache = cache
@@ -530,7 +473,7 @@ class ModelRunner:
         step = DsaStep(
             positions=pos, req_index=rix, seq_lens=seq_lens, max_len=self._max_len, static=True
         )
-        cache = _StepCache(self, True, idx_rows, idx_table)
+        cache = StepCache(self, True, idx_rows, idx_table)
         logits = self.model.logits(self.model(ids, step, cache))
         counts = self._step_counts(b) if kv.offload and not all_resident else self._zero_counts[:b]
         return logits, counts
@@ -555,7 +498,7 @@ class ModelRunner:
             if topk is not None:
                 leader.runtime.group.warm_start_from_host(meta, topk if sub is None else topk[sub])
 
-    def prefill_layer_caches(self) -> list[_PrefillLayerCache]:
+    def prefill_layer_caches(self) -> list[PrefillLayerCache]:
         """The running prefill step's per-layer caches (for `StepHooks.write_prefill`: a
         synthetic prefill writes its rows through them, as the model's layers would)."""
         cache = self._prefill_cache
@@ -605,29 +548,25 @@ class ModelRunner:
         self._pending.clear()
         return steps
 
-    def write_back(self, dropped: list[tuple[int, list[int], list[int]]], req: Request) -> None:
-        """Lazy mirroring: copy dirty resident pages (decode rows only there) to their host
-        blocks before release; pages a prefill wrote are on the host already."""
+    def write_back(self, write_backs: list[WriteBack]) -> None:
+        """The lazy mirror: copy resident pages' decode rows to their host blocks before the
+        blocks are reused (`Scheduler._drop_resident` made the list)."""
+        if not write_backs:
+            return
         kv, bs = self.kv, self.config.block_size
-        if self.config.eager_host_mirror or not dropped:
-            return
-        dropped = kv.dirty_pages(req.req_id, dropped)
-        if not dropped:
-            return
-        self.pages_written_back += sum(len(pages) for _, pages, _ in dropped)
+        self.pages_written_back += sum(len(wb.blocks) for wb in write_backs)
         # every rank holds the same pages, so every rank fences the next step alike
         self._fence_pending = self.host_fence is not None
         if not kv.host_writer:
             return
-        host = kv.requests[req.req_id].host
         offs = torch.arange(bs, dtype=torch.int64)
-        for gi, pages, blocks in dropped:
-            # every dropped page's rows of this group in one copy per layer
-            src = (torch.tensor(blocks)[:, None] * bs + offs).flatten()
-            dst = (torch.tensor([host[p] for p in pages])[:, None] * bs + offs).flatten()
+        for wb in write_backs:
+            # every page's rows of this group in one copy per layer
+            src = (torch.tensor(wb.blocks)[:, None] * bs + offs).flatten()
+            dst = (torch.tensor(wb.host_blocks)[:, None] * bs + offs).flatten()
             src, dst = (tensor_to_device(t.to(torch.int32), self.device) for t in (src, dst))
             mask = torch.ones_like(src)
-            for name in kv.resident_groups[gi].layers:
+            for name in kv.resident_groups[wb.group].layers:
                 rt = self.runtimes[int(name.split(".")[1])]
                 if name.endswith(".attn"):
                     rt.group.ops.gather_plan(rt.device_view, rt.host_view, src, dst, mask)

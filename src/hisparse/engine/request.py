@@ -6,10 +6,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
+from hisparse.engine.sampling_params import SamplingParams
 
-from hisparse.engine.sampling import PenaltyState, SamplingParams
+if TYPE_CHECKING:
+    import torch
+
+    from hisparse.engine.sampling import PenaltyState
 
 
 class Status(enum.Enum):
@@ -59,7 +63,6 @@ class Request:
     error: str | None = None
     text: str = ""
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    generator: torch.Generator | None = None
     #: which of the prompt's ``n`` completions this is
     index: int = 0
     #: per output token ``{token_id: logprob}`` (``params.logprobs`` set), else None
@@ -69,20 +72,34 @@ class Request:
     stop_reason: str | int | None = None
     #: the penalties' device state (`hisparse.engine.sampling.PenaltyState`)
     sampler_state: PenaltyState | None = None
+    #: incremental decoding state (`hisparse.engine.output_processor.DetokenizerState`)
+    detokenizer: object | None = None
+    #: the seed of this request's random stream (None: greedy, no stream)
+    sampling_seed: int | None = field(default=None, init=False)
+    _generator: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(
-                completion_seed(self.params.seed, self.index)
-            )
+            self.sampling_seed = completion_seed(self.params.seed, self.index)
         elif not self.params.greedy:
             # a stream of its own, seeded from torch's global generator (`torch.manual_seed`
             # makes a run reproducible): its draws do not depend on what runs beside it, nor
             # on an extra step computed for another request (async scheduling)
-            seed = int(torch.randint(0, 2**63 - 1, ()).item())
-            self.generator = torch.Generator().manual_seed(seed)
+            import torch
+
+            self.sampling_seed = int(torch.randint(0, 2**63 - 1, ()).item())
         if self.params.logprobs is not None:
             self.logprobs, self.cumulative_logprob = [], 0.0
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The request's own random stream, made on the first draw (the scheduler handles
+        requests without torch)."""
+        if self._generator is None and self.sampling_seed is not None:
+            import torch
+
+            self._generator = torch.Generator().manual_seed(self.sampling_seed)
+        return self._generator
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -18,6 +18,11 @@ recompute holds what it held, so it always fits again. With ``offload="under_pre
 requests keep older pages resident while the pool has room; those blocks count as free for
 admission, and a request that needs them first demotes others (their older pages to the
 host, `demote`) before anything waits or is preempted.
+
+The scheduler issues no device work and imports no torch: `schedule` returns a
+`SchedulerOutput` (plain data: the forwards, the block-table changes the KV accounting
+recorded, the pages to copy to the host), the runner executes it, and `update_from_output`
+takes each forward's sampled tokens in one place.
 """
 
 from __future__ import annotations
@@ -25,44 +30,36 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from hisparse.engine.kv_manager import KVCacheManager, KVCapacityError
+from hisparse.engine.kv_blocks import KVBlockManager, KVCapacityError
 from hisparse.engine.request import Request, Status
+from hisparse.engine.step_data import ModelOutput, ScheduledStep, SchedulerOutput, WriteBack
 
 #: ``mixed``: decodes first, prefill chunks in the budget left; ``prefill-first``: prompt
 #: chunks alone while any prompt is unfinished (decodes wait)
 SCHEDULE_POLICIES = ("mixed", "prefill-first")
 
 
-@dataclass
-class ScheduledStep:
-    decode: bool
-    batch: list[tuple[Request, int]]
-    #: per batch entry: does this step compute the request's last prompt token
-    finishing: list[bool]
-
-
 class Scheduler:
     def __init__(
         self,
-        kv: KVCacheManager,
+        kv: KVBlockManager,
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         policy: str = "mixed",
-        stops: StopChecker | None = None,
-        write_back: Callable[[list, Request], None] | None = None,
+        stops: Any = None,
     ) -> None:
-        """``write_back(dropped, req)`` copies the dirty rows of resident pages about to be
-        freed to the host (a lazy mirror; `ModelRunner.write_back`)."""
+        """``stops``: the output processor (`append(req, token, logprobs, now)` -> finish
+        reason or None, ``max_model_len``)."""
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule={policy!r}: use one of {SCHEDULE_POLICIES}.")
         self.policy = policy
         self.stops = stops or StopChecker(None, set(), 1 << 62)
         self.kv = kv
-        self.write_back = write_back or (lambda _dropped, _req: None)
+        #: pages to copy to the host before the next forward (the lazy mirror)
+        self._write_backs: list[WriteBack] = []
         #: requests whose older pages went to the host to make room (``under_pressure``)
         self.demotions = 0
         self.max_num_seqs = max_num_seqs
@@ -149,7 +146,7 @@ class Scheduler:
         """`_promise` summed over the admitted requests."""
         return sum(self._promise(r) for r in self.running)
 
-    def schedule(self) -> list[ScheduledStep]:
+    def schedule(self) -> SchedulerOutput:
         """The next engine step: its decode part (one token for every decoding request that
         can grow) and its prefill part (chunks of admitted prompts, in admission order, in the
         token budget the decodes leave). ``mixed`` (the default) schedules decodes first, so
@@ -172,7 +169,7 @@ class Scheduler:
         if self.policy == "prefill-first":
             prefill = self._prefill_part(self.max_num_batched_tokens, reserve)
             if prefill is not None:
-                return [prefill]
+                return self._output([prefill])
         decode = self._decode_part(reserve)
         budget = self.max_num_batched_tokens - (len(decode.batch) if decode else 0)
         prefill = self._prefill_part(budget, reserve) if self.policy == "mixed" else None
@@ -180,7 +177,25 @@ class Scheduler:
         if not parts and self.running:
             # Prompts that cannot grow and nothing decoding: free the newest to progress.
             self.preempt(self.running[-1])
-        return parts
+        return self._output(parts)
+
+    def _output(self, parts: list[ScheduledStep]) -> SchedulerOutput:
+        """``parts`` with everything the runner does before them: the table changes and slot
+        resets the accounting recorded, and the pending write-backs."""
+        updates, resets = self.kv.take_table_updates()
+        write_backs, self._write_backs = self._write_backs, []
+        return SchedulerOutput(parts, updates, resets, write_backs)
+
+    def _drop_resident(self, req: Request, dropped: list[tuple[int, list[int], list[int]]]) -> None:
+        """Free resident pages ``dropped`` (`KVBlockManager.trim_resident`'s) of ``req``; where
+        the mirror is lazy their decode rows are copied to the host first (a `WriteBack` the
+        next forward's runner issues before it)."""
+        kv = self.kv
+        if not kv.config.eager_host_mirror:
+            host = kv.requests[req.req_id].host
+            for gi, pages, blocks in kv.dirty_pages(req.req_id, dropped):
+                self._write_backs.append(WriteBack(gi, blocks, [host[p] for p in pages]))
+        kv.release_resident(req.req_id, dropped)
 
     def _prefill_part(self, budget: int, reserve: Callable[[], int]) -> ScheduledStep | None:
         """Chunks of admitted prompts in admission order, in ``budget`` tokens. Under HiSparse
@@ -261,8 +276,7 @@ class Scheduler:
         dropped = kv.trim_resident(best.req_id, best.num_computed, demote=True)
         if not dropped:  # cannot be (reclaimable counts what trim drops): never loop on it
             return False
-        self.write_back(dropped, best)
-        kv.release_resident(best.req_id, dropped)
+        self._drop_resident(best, dropped)
         self.demotions += 1
         return True
 
@@ -290,7 +304,7 @@ class Scheduler:
         self.kv.free(req.req_id)
 
     # --- after a step ran ---------------------------------------------------------------
-    def continue_decode(self, batch: list[tuple[Request, int]]) -> ScheduledStep | None:
+    def continue_decode(self, batch: list[tuple[Request, int]]) -> SchedulerOutput | None:
         """The next decode of the requests of ``batch``, a decode step whose sampled tokens
         are still on the device (one per request, not yet appended): the same requests,
         one token each, in the same order. ``None`` where that is not the step `schedule`
@@ -320,9 +334,10 @@ class Scheduler:
                 req, req.num_computed + 1, reserve
             ):
                 return None
-        return ScheduledStep(
+        step = ScheduledStep(
             decode=True, batch=[(r, 1) for r in reqs], finishing=[False] * len(reqs)
         )
+        return self._output([step])
 
     def _admission_blocked(self) -> bool:
         """Whether `_admit` would admit nothing now, without admitting: no request waits, or
@@ -358,18 +373,24 @@ class Scheduler:
             room += sum(kv.reclaimable(r.req_id, r.num_computed) for r in self.running)
         return need_gpu > room
 
-    def update(
-        self,
-        step: ScheduledStep,
-        sampled: list[Request],
-        tokens: list[int | None],
-        logprobs: list[dict[int, float] | None],
-        now: float,
-    ) -> None:
-        """What a forward of ``step`` changed: `advance`, `record` its tokens, `trim`."""
+    def update_from_output(self, step: ScheduledStep, out: ModelOutput) -> None:
+        """What the forward of ``step`` changed, in one place: its tokens count as computed
+        (`advance`), its sampled tokens are appended and stops checked (`record`), and the
+        resident pages it no longer needs are dropped (`trim`); a step `launched` before its
+        tokens were read did the first and the last then."""
+        if not step.launched:
+            self.advance(step)
+        self.record(step, out.sample_reqs, out.tokens, out.logprobs, out.now)
+        if not step.launched:
+            self.trim(step)
+
+    def launched(self, step: ScheduledStep) -> None:
+        """Async scheduling: decode ``step`` is on the device and its tokens will be read a
+        step later; what depends only on counts happens now (`advance`, `trim`), so the next
+        step sees the tables it would see after reading the tokens."""
         self.advance(step)
-        self.record(step, sampled, tokens, logprobs, now)
         self.trim(step)
+        step.launched = True
 
     def advance(self, step: ScheduledStep) -> None:
         """The forward of ``step`` is under way: its tokens count as computed (written rows,
@@ -382,8 +403,8 @@ class Scheduler:
     def trim(self, step: ScheduledStep) -> None:
         """The resident pages the requests of ``step`` no longer need once it ran (their rows
         are on the host: only the tail pages stay; a prefill streams its pages to the host
-        chunk by chunk; nothing is trimmed on "gpu"), written back to the host by
-        `write_back` where the mirror is lazy, then freed. Depends only on the counts, so an
+        chunk by chunk; nothing is trimmed on "gpu"), written back to the host first where
+        the mirror is lazy (`_drop_resident`), then freed. Depends only on the counts, so an
         async decode trims at launch: the next step sees the tables it would see after
         reading the tokens. Tables and blocks change in stream order, after ``step``."""
         for req, _ in step.batch:
@@ -391,8 +412,7 @@ class Scheduler:
                 continue
             dropped = self.kv.trim_resident(req.req_id, req.num_computed)
             if dropped:
-                self.write_back(dropped, req)
-                self.kv.release_resident(req.req_id, dropped)
+                self._drop_resident(req, dropped)
 
     def record(
         self,

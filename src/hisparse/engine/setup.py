@@ -142,3 +142,20 @@ def default_kv_gib(device: torch.device) -> float:
         free, _ = torch.cuda.mem_get_info(device)
         return 0.85 * free / 2**30
     return 1.0
+
+
+def host_sharing(tp: Any, gguf: bool) -> dict[str, Any]:
+    """`KVCacheManager`'s host-pool arguments: one pool per node under tensor parallelism
+    (docs/design.md §18), its rows written by local rank 0 (MLA rows are the same on every
+    rank) or in per-rank slices (GQA rows are sharded by KV head)."""
+    if tp is None:
+        return dict(host_shards=1, host_shard=0, host_writer=True)
+    from hisparse.parallel.shm import shared_host_pool
+
+    def pool(size: int, pin: bool) -> Any:
+        return shared_host_pool(size, pin, tp)
+
+    if gguf:
+        return dict(host_pool=pool, host_shards=tp.local_world_size,
+                    host_shard=tp.local_rank, host_writer=True)  # fmt: skip
+    return dict(host_pool=pool, host_shards=1, host_shard=0, host_writer=tp.local_rank == 0)

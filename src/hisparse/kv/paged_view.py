@@ -10,8 +10,10 @@ offsets by hand.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class PagedViewSpec:
         )
 
     def _check_raw(self, raw: torch.Tensor) -> None:
+        import torch
+
         if raw.dtype != torch.uint8 or raw.dim() != 1 or not raw.is_contiguous():
             raise ValueError(
                 f"a PagedViewSpec views a flat contiguous uint8 pool; got dtype={raw.dtype}, "

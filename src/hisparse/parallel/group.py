@@ -24,12 +24,10 @@ import datetime
 import gc
 import os
 import signal
-import sys
 import threading
 import time
-import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,14 +132,25 @@ class TPGroup:
 
     # --- start-up ------------------------------------------------------------------------
     @classmethod
-    def start(cls, world_size: int, device: torch.device, llm_kwargs: dict[str, Any]) -> TPGroup:
+    def start(
+        cls,
+        world_size: int,
+        device: torch.device,
+        llm_kwargs: dict[str, Any],
+        *,
+        worker_main: Callable[[WorkerSpec, Any], None],
+        serve_ranks: Callable[[torch.device], None],
+    ) -> TPGroup:
         """This process's rank: a spawned worker (`_WORKER`), a ``torchrun`` rank, or a
-        driver that spawns ranks 1 .. ``world_size - 1`` now."""
+        driver that spawns ranks 1 .. ``world_size - 1`` now. The engine's entry points are
+        passed in (this package never imports the engine): ``worker_main(spec, report)``
+        runs a spawned rank, ``serve_ranks(device)`` a torchrun rank other than 0 (never
+        returns)."""
         timeout = timeout_s()
         if _WORKER is not None:
             spec = _WORKER
             tp = cls(rank=spec.rank, world_size=spec.world_size, local_rank=spec.rank,
-                     local_world_size=spec.world_size, device=_rank_device(device, spec.rank),
+                     local_world_size=spec.world_size, device=rank_device(device, spec.rank),
                      launch="spawn", timeout=spec.timeout_s)  # fmt: skip
             store = dist.TCPStore("127.0.0.1", spec.store_port, world_size, is_master=False,
                                   timeout=datetime.timedelta(seconds=spec.timeout_s))  # fmt: skip
@@ -156,8 +165,8 @@ class TPGroup:
                     f"(torchrun --nproc-per-node {world_size} ...)."
                 )
             if env["rank"] > 0 and not _TORCHRUN_WORKER:
-                serve_torchrun_ranks(device)  # never returns: this process serves rank 0
-            tp = cls(**env, device=_rank_device(device, env["local_rank"]), launch="torchrun",
+                serve_ranks(device)  # never returns: this process serves rank 0
+            tp = cls(**env, device=rank_device(device, env["local_rank"]), launch="torchrun",
                      timeout=timeout)  # fmt: skip
             tp.group, tp.control = torchrun_groups(tp.device)
             if tp.is_driver:  # the other ranks build the same engine
@@ -166,15 +175,15 @@ class TPGroup:
             return tp
         _check_devices(device, world_size)
         tp = cls(rank=0, world_size=world_size, local_rank=0, local_world_size=world_size,
-                 device=_rank_device(device, 0), launch="spawn", timeout=timeout)  # fmt: skip
+                 device=rank_device(device, 0), launch="spawn", timeout=timeout)  # fmt: skip
         try:
-            store = tp._spawn(llm_kwargs)
+            store = tp._spawn(llm_kwargs, worker_main)
             tp._init_groups(store)
         except BaseException as err:
             raise tp.fail(err) from err
         return tp
 
-    def _spawn(self, llm_kwargs: dict[str, Any]) -> Any:
+    def _spawn(self, llm_kwargs: dict[str, Any], worker_main: Callable[..., None]) -> Any:
         import torch.multiprocessing as mp
 
         if dist.is_initialized():
@@ -361,8 +370,8 @@ class TPGroup:
 
             unlink_pool_file(self)
             if not graceful:
-                _drop_torchrun_groups()
-            self.group = self.control = None  # the process's groups: `_drop_torchrun_groups`
+                drop_torchrun_groups()
+            self.group = self.control = None  # the process's groups: `drop_torchrun_groups`
             return
         if self.is_driver and graceful and self.workers:
             with contextlib.suppress(Exception):
@@ -416,10 +425,10 @@ def _release_torchrun_ranks() -> None:
     if _TORCHRUN_GROUPS is not None:
         with contextlib.suppress(Exception):
             dist.broadcast_object_list([("exit",)], src=0, group=_TORCHRUN_GROUPS[1])
-    _drop_torchrun_groups()
+    drop_torchrun_groups()
 
 
-def _drop_torchrun_groups() -> None:
+def drop_torchrun_groups() -> None:
     """Destroy this process's groups now, while the interpreter still runs: a group whose C++
     object outlives `destroy_process_group` (a closed engine still referring to it) keeps its
     gloo threads, and one that frees its last collective's tensors during finalization aborts
@@ -433,42 +442,7 @@ def _drop_torchrun_groups() -> None:
     gc.collect()
 
 
-def serve_torchrun_ranks(device: torch.device) -> None:
-    """A torchrun process of rank > 0: build every engine rank 0 announces (the same `LLM`
-    arguments), follow its commands until rank 0 closes it, and exit when rank 0's process
-    ends. Never returns."""
-    global _TORCHRUN_WORKER
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
-    env = torchrun_env()
-    assert env is not None and env["rank"] > 0
-    _, control = torchrun_groups(_rank_device(device, env["local_rank"]))
-    from hisparse.engine.llm import LLM
-    from hisparse.engine.tp_follower import serve_tensor_parallel
-
-    status = 0
-    try:
-        while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=0, group=control)
-            if box[0][0] != "engine":
-                break  # ("exit",): rank 0's process ended
-            _TORCHRUN_WORKER = True
-            try:
-                llm = LLM(**box[0][1])
-            finally:
-                _TORCHRUN_WORKER = False
-            if serve_tensor_parallel(llm) == "exit":
-                break
-    except BaseException:
-        status = 1
-        traceback.print_exc()
-    _drop_torchrun_groups()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
-
-def _rank_device(device: torch.device, local_rank: int) -> torch.device:
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if device.type == "cuda" else torch.device("cpu")
 
 
@@ -535,37 +509,22 @@ def deferred_sigint() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
-def worker_main(spec: WorkerSpec, report: Any) -> None:
-    """Entry point of a spawned rank: build the same `LLM` as the driver on this rank's shard,
-    then follow the driver's commands until it closes the engine."""
-    global _WORKER
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
-    torch.set_num_threads(spec.num_threads)
-    threading.Thread(target=_exit_with_parent, args=(spec.parent_pid,), daemon=True).start()
-    status = 0
-    try:
-        report.send(("up",))
+@contextlib.contextmanager
+def joining_as_worker(spec: WorkerSpec | None = None) -> Iterator[None]:
+    """While an engine is built in a worker process: `TPGroup.start` joins as the spawned
+    rank ``spec``, or (``None``) as the torchrun rank of this process serving rank 0."""
+    global _WORKER, _TORCHRUN_WORKER
+    if spec is not None:
         _WORKER = spec
-        from hisparse.engine.llm import LLM
-        from hisparse.engine.tp_follower import serve_tensor_parallel
-
-        llm = LLM(**spec.llm_kwargs)
-        _WORKER = None
-        serve_tensor_parallel(llm)
-    except BaseException:
-        status = 1
-        text = traceback.format_exc()
-        print(f"hisparse tensor-parallel rank {spec.rank}:\n{text}", file=sys.stderr, flush=True)
-        with contextlib.suppress(Exception):
-            report.send(("error", text))
+    else:
+        _TORCHRUN_WORKER = True
+    try:
+        yield
     finally:
-        report.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)  # no atexit work: the driver owns the shared pool and the process group
+        _WORKER, _TORCHRUN_WORKER = None, False
 
 
-def _exit_with_parent(parent: int) -> None:
+def exit_with_parent(parent: int) -> None:
     """A spawned worker never outlives its driver (killed, or gone without ``close``)."""
     while True:
         time.sleep(1.0)

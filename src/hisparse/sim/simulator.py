@@ -1,7 +1,7 @@
 """The engine's scheduling and swap accounting, step by step, without a model or a GPU.
 
 What is real here: the `Scheduler` (admission, chunked prefill, preemption), the
-`KVCacheManager` on the meta device (block accounting only, the plan's `KVLayout`), the
+`KVBlockManager` (the block accounting alone, the plan's `KVLayout`), the
 benchmarks' replayed top-k (`hisparse.bench.replay.replay_step`, same seed, same request keys,
 so the selections are the bench's own) and the hot buffers' LRU (`hisparse.sim.hotbuf`,
 checked against the reference resolve). What is modelled: the time of a step (a fixed cost,
@@ -24,12 +24,13 @@ import torch
 
 from hisparse.bench.replay import replay_step
 from hisparse.config import HiSparseConfig, HiSparseConfigError
-from hisparse.engine.kv_manager import KVCacheManager
+from hisparse.engine.kv_blocks import KVBlockManager
 from hisparse.engine.model_runner import ModelRunner
 from hisparse.engine.request import Request
 from hisparse.engine.sampling import SamplingParams
-from hisparse.engine.scheduler import ScheduledStep, Scheduler, StopChecker
+from hisparse.engine.scheduler import Scheduler, StopChecker
 from hisparse.engine.setup import default_host_pool_bytes
+from hisparse.engine.step_data import ModelOutput, ScheduledStep
 from hisparse.kv.cache_shapes import PRESETS, load_model_cache_shape
 from hisparse.kv.specs import CacheKind, LayerCacheSpec
 from hisparse.models.registry import dsa_row_format, engine_specs, resolve_model
@@ -123,14 +124,13 @@ class Simulator:
             size = default_host_pool_bytes(self.specs, config, s.max_model_len, s.max_num_seqs)
             config = dataclasses.replace(config, host_pool_bytes=size)
         self.config = config
-        self.kv = KVCacheManager(
+        self.kv = KVBlockManager(
             self.specs,
             config,
             placement=s.placement,
             gpu_budget_bytes=int(s.gpu_memory_gib * 2**30),
             max_model_len=s.max_model_len,
             max_num_seqs=s.max_num_seqs,
-            device=torch.device("meta"),
             max_num_batched_tokens=s.max_num_batched_tokens,
         )
         self.sched = Scheduler(
@@ -321,7 +321,7 @@ class Simulator:
             if not sched.has_work:
                 self.clock = trace[i].arrival
                 continue
-            parts = sched.schedule()
+            parts = sched.schedule().parts
             self._lease_resets()
             if not parts:
                 stalls += 1
@@ -335,7 +335,10 @@ class Simulator:
                 self.clock += st["secs"]
                 sampled = [r for (r, _), f in zip(part.batch, part.finishing, strict=True)
                            if part.decode or f]  # fmt: skip
-                sched.update(part, sampled, [0] * len(sampled), [None] * len(sampled), self.clock)
+                n = len(sampled)
+                sched.update_from_output(
+                    part, ModelOutput(sampled, [0] * n, [None] * n, self.clock)
+                )
                 steps.append([
                     round(t0, 6), float(part.decode), sum(n for _, n in part.batch),
                     len(part.batch) if part.decode else len(sched.running), len(sched.waiting),

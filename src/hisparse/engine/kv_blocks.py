@@ -1,0 +1,437 @@
+"""Block accounting for both placements, in plain Python: which host and GPU blocks every
+request holds, admission's capacity figures, growth, trimming and demotion's bookkeeping.
+
+HiSparse placement: every page of every request gets a host block (the full copy, mirrored
+eagerly); on the GPU a request holds its indexer pages (several to a block: the indexer table
+holds page ids, `KVLayout.indexer_pages_per_block`), its resident pages (the two tail pages,
+three while a step opens a page: a prefill streams its older pages to the host as its chunks
+finish, so it holds no more than its decode will) and a leased hot region per hot group and a
+hot-state slot. `KVLayout.gpu_blocks_per_request` is that need, for the planner and the
+scheduler alike. All-GPU placement: one resident group holds every page of every layer,
+nothing on the host.
+
+The scheduler drives this object and imports no torch: every block-table change is recorded
+as a `TableUpdate` (plain data) that the scheduler hands to the runner with the step
+(`SchedulerOutput.table_updates`), and the runner writes it into the device tables
+(`KVCacheManager.apply_table_updates`) in the order it was made, before the step's forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from hisparse.config import ResolvedHiSparseConfig, cdiv
+from hisparse.kv.block_pool import BlockPool
+from hisparse.kv.layout import (
+    DEFAULT_PREFILL_TOKENS,
+    RESIDENT_TAIL_PAGES,
+    GroupKind,
+    KVLayout,
+    plan_kv_layout,
+)
+from hisparse.kv.specs import LayerCacheSpec
+
+
+class KVCapacityError(RuntimeError):
+    """The pools cannot hold what a step needs; the scheduler preempts or waits."""
+
+
+class TableUpdate(NamedTuple):
+    """One change to the device block tables: ``op`` ``"pages"`` writes ``ids`` at ``pages``
+    of slot ``slot``'s row of table ``table`` (an index into `KVCacheManager.table_stack`:
+    the resident groups' tables, then the host and the indexer tables); ``"hot"`` writes slot
+    ``slot``'s row of hot group ``table``'s hot block table; ``"clear"`` zeroes slot ``slot``
+    in every table (a freed request)."""
+
+    op: str
+    table: int
+    slot: int
+    pages: Sequence[int]
+    ids: list[int]
+
+
+@dataclass
+class RequestBlocks:
+    """Blocks one request holds. Page ``p`` covers tokens ``[p * bs, (p + 1) * bs)``."""
+
+    host: list[int] = field(default_factory=list)
+    #: Indexer page ids (block-table entries): page ``i`` of GPU block ``b`` is
+    #: ``b * pages_per_block + i`` (`KVLayout.indexer_pages_per_block`).
+    indexer: list[int] = field(default_factory=list)
+    #: GPU blocks holding the indexer pages, ``pages_per_block`` pages each.
+    indexer_blocks: list[int] = field(default_factory=list)
+    #: Per resident group: page index -> GPU block.
+    resident: list[dict[int, int]] = field(default_factory=list)
+    #: Per hot group: the leased hot region (empty while not decoding).
+    hot: list[list[int]] = field(default_factory=list)
+    #: Hot-state slot while decoding, else -1.
+    slot: int = -1
+    #: Host blocks promised at admission but not yet allocated.
+    host_reserved: int = 0
+    #: Pages with decode rows not yet on the host (the lazy mirror; `mark_written`).
+    dirty: set[int] = field(default_factory=set)
+    #: Page count the last `KVBlockManager.grow` completed (0 after resident pages were
+    #: released): growing within it again has nothing to add.
+    grown_pages: int = 0
+
+
+class KVBlockManager:
+    """Every request's blocks and the pools' free lists (no memory of its own: the device
+    pools and tables are `KVCacheManager`'s)."""
+
+    def __init__(
+        self,
+        specs: list[LayerCacheSpec],
+        config: ResolvedHiSparseConfig,
+        *,
+        placement: str,
+        gpu_budget_bytes: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int = DEFAULT_PREFILL_TOKENS,
+        host_shards: int = 1,
+        host_shard: int = 0,
+        host_writer: bool = True,
+    ) -> None:
+        """``host_shards`` / ``host_shard``: rows sharded by KV head over the node's ranks
+        (`plan_kv_layout`); ``host_writer`` False on the ranks that only read rows another
+        rank mirrors (docs/design.md §18)."""
+        self.config = config
+        self.placement = placement
+        self.offload = placement == "hisparse"
+        #: HiSparse with ``offload="under_pressure"``: written pages stay resident while the
+        #: pool has room; the scheduler's `demote` sends a request's older pages to the host
+        #: when it has not
+        self.sticky = self.offload and config.offload == "under_pressure"
+        self.block_size = config.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks = cdiv(max_model_len, self.block_size)
+        self.host_writer = host_writer
+        self.layout: KVLayout = plan_kv_layout(
+            specs,
+            config,
+            gpu_budget_bytes,
+            max_model_len,
+            placement,  # type: ignore[arg-type]
+            host_shards=host_shards,
+            host_shard=host_shard,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+        )
+        lay = self.layout
+        self._need_by_pages: dict[int, int] = {}
+        self.gpu_blocks = BlockPool(lay.gpu_num_blocks, "GPU block pool")
+        self.host_blocks: BlockPool | None = None
+        if self.offload:
+            self.host_blocks = BlockPool(lay.host_num_blocks, "host block pool")
+        self.resident_groups = list(lay.groups(GroupKind.RESIDENT))
+        self.hot_groups = list(lay.groups(GroupKind.HOT))
+        #: group index (into resident_groups) of each sparse layer
+        self.group_of_layer = {
+            name: gi for gi, g in enumerate(self.resident_groups) for name in g.layers
+        }
+        n_res = len(self.resident_groups)
+        #: the host and indexer tables' places in the table stack (HiSparse only)
+        self.host_table_index = n_res if self.offload else None
+        self.indexer_table_index = n_res + 1 if self.offload else None
+        self.free_slots = list(range(max_num_seqs))
+        #: slots leased since the runner last reset hot state (a new request in an old slot)
+        self.pending_slot_resets: list[int] = []
+        #: block-table changes not yet handed to the runner, in the order they were made
+        self.table_updates: list[TableUpdate] = []
+        self.requests: dict[str, RequestBlocks] = {}
+
+    def take_table_updates(self) -> tuple[list[TableUpdate], list[int]]:
+        """The table changes and slot resets recorded since the last call (and forget them):
+        what the next step's runner applies first."""
+        updates, self.table_updates = self.table_updates, []
+        resets, self.pending_slot_resets = self.pending_slot_resets, []
+        return updates, resets
+
+    # --- capacity ------------------------------------------------------------------------
+    @property
+    def indexer_in_resident(self) -> bool:
+        """All-GPU placement keeps indexer pages in the (single) resident group."""
+        return not self.offload
+
+    def host_pages_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size) + 1  # + copy-on-write tail
+
+    def host_available(self) -> int:
+        if self.host_blocks is None:
+            return 1 << 62
+        reserved = sum(r.host_reserved for r in self.requests.values())
+        return self.host_blocks.num_free - reserved
+
+    def host_fits(self, total_tokens: int) -> bool:
+        """`admit` would find host blocks for a request of ``total_tokens`` tokens."""
+        return not self.offload or self.host_pages_for(total_tokens) <= self.host_available()
+
+    def gpu_need(self, num_tokens: int) -> int:
+        """GPU blocks a request of ``num_tokens`` tokens holds at its peak, prefilling or
+        decoding: `KVLayout.gpu_blocks_per_request`, the plan's own figure (a function of the
+        page count, remembered per count: the scheduler asks for every request each step)."""
+        pages = cdiv(num_tokens, self.block_size)
+        need = self._need_by_pages.get(pages)
+        if need is None:
+            need = self._need_by_pages[pages] = self.layout.gpu_blocks_per_request(num_tokens)
+        return need
+
+    def reserved_len(self, num_tokens: int, total_tokens: int) -> int:
+        """The length whose `gpu_need` admission keeps in reserve for a request of
+        ``num_tokens`` tokens now and ``total_tokens`` at most: one page more (at most the
+        total). The page a decode opens at a page boundary (a tail page in every resident
+        group, an indexer page) is then there when it comes, and a prompt admitted beside
+        requests about to cross a boundary does not preempt them a step later. Further
+        growth is optimistic (vLLM's admission): reserving every request's whole output up
+        front would admit far fewer short requests than fit."""
+        return min(total_tokens, num_tokens + self.block_size)
+
+    def gpu_held(self, req_id: str) -> int:
+        """GPU blocks request ``req_id`` holds now (indexer, resident and hot blocks)."""
+        b = self.requests[req_id]
+        held = len(b.indexer_blocks) + sum(len(r) for r in b.resident)
+        return held + sum(len(h) for h in b.hot)
+
+    def staging_rows(self, num_tokens: int) -> int:
+        """Staging rows a prefill chunk ending at ``num_tokens`` takes (0 on "gpu")."""
+        return num_tokens if self.offload else 0
+
+    @property
+    def staging_capacity(self) -> int:
+        """Rows of the prefill staging area (`PrefillStaging`)."""
+        return self.layout.staging_blocks * self.block_size
+
+    def hot_lease_blocks(self) -> int:
+        return len(self.hot_groups) * self.config.hot_blocks_per_request
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def admit(self, req_id: str, total_tokens: int) -> RequestBlocks:
+        """Register a request and reserve host blocks for every token it may ever hold."""
+        if req_id in self.requests:
+            raise ValueError(f"request {req_id} is already admitted")
+        blocks = RequestBlocks(resident=[{} for _ in self.resident_groups])
+        blocks.hot = [[] for _ in self.hot_groups]
+        if self.offload:
+            need = self.host_pages_for(total_tokens)
+            if need > self.host_available():
+                raise KVCapacityError("host pool full")
+            blocks.host_reserved = need
+        self.requests[req_id] = blocks
+        return blocks
+
+    def grows(self, req_id: str, new_len: int) -> bool:
+        """Whether `grow` to ``new_len`` tokens may add anything (False: within the pages the
+        last growth completed, a no-op)."""
+        return cdiv(new_len, self.block_size) > self.requests[req_id].grown_pages
+
+    def grow(
+        self,
+        req_id: str,
+        new_len: int,
+        *,
+        keep_all_resident: bool | None = None,
+        reserve: int = 0,
+    ) -> None:
+        """Make pages for tokens ``[0, new_len)`` exist (all-or-nothing on the GPU).
+
+        Resident pages: all of them with ``keep_all_resident`` (the default of all-GPU
+        placement), else only the last page is added (HiSparse, prefill and decode alike: the
+        older ones live on the host; `trim_resident` drops what falls out of the tail). With
+        ``offload="under_pressure"`` every page the new tokens fall on is added while the pool
+        has room for them beside ``reserve`` blocks (what other requests are promised; the
+        step writes the pages' rows there), else the last page only."""
+        b = self.requests[req_id]
+        bs = self.block_size
+        pages = cdiv(new_len, bs)
+        if pages <= b.grown_pages and keep_all_resident is None:
+            return  # a decode within its last page: most steps of most requests
+        if keep_all_resident is None:
+            keep_all_resident = not self.offload
+        m = self.layout.indexer_pages_per_block
+        idx_pages = 0 if self.indexer_in_resident else max(pages - len(b.indexer), 0)
+        idx_new = cdiv(len(b.indexer) + idx_pages, m) - len(b.indexer_blocks)
+
+        def wanted(first: int) -> list[list[int]]:
+            return [
+                [p for p in range(first, pages) if p not in b.resident[gi]]
+                for gi in range(len(self.resident_groups))
+            ]
+
+        if keep_all_resident:
+            wanted_resident = wanted(0)
+        else:
+            wanted_resident = wanted(max(pages - 1, 0))
+            if self.sticky:
+                # the pages this step writes (from the one holding the first new token; the
+                # pages before it are resident or already on the host only)
+                every = wanted(max(len(b.indexer) - 1, 0))
+                if idx_new + sum(len(w) for w in every) <= self.gpu_blocks.num_free - reserve:
+                    wanted_resident = every
+        n_gpu = idx_new + sum(len(w) for w in wanted_resident)
+        if n_gpu > self.gpu_blocks.num_free:
+            raise KVCapacityError(f"GPU pool: {n_gpu} blocks wanted, {self.gpu_blocks.num_free}")
+        if self.host_blocks is not None and pages > len(b.host):
+            n = pages - len(b.host)
+            new = self.host_blocks.allocate(n)
+            self._write_span(self.host_table_index, b.slot, len(b.host), new)
+            b.host.extend(new)
+            b.host_reserved = max(b.host_reserved - n, 0)
+        b.indexer_blocks.extend(self.gpu_blocks.allocate(idx_new))
+        first_page = len(b.indexer)
+        new = [
+            b.indexer_blocks[p // m] * m + p % m for p in range(first_page, first_page + idx_pages)
+        ]
+        self._write_span(self.indexer_table_index, b.slot, first_page, new)
+        b.indexer.extend(new)
+        for gi, want in enumerate(wanted_resident):
+            new = self.gpu_blocks.allocate(len(want))
+            for p, blk in zip(want, new, strict=True):
+                b.resident[gi][p] = blk
+            self._write_pages(gi, b.slot, want, new)
+        b.grown_pages = pages
+
+    def trim_resident(
+        self, req_id: str, num_tokens: int, *, demote: bool = False
+    ) -> list[tuple[int, list[int], list[int]]]:
+        """HiSparse: the resident pages older than the tail, as ``(group, pages, blocks)`` per
+        group, so the caller can write dirty rows back before `release_resident` frees them.
+        Called after every step (prefill chunks too: their rows are on the host already);
+        under ``offload="under_pressure"`` only to ``demote`` a request (`Scheduler`)."""
+        if not self.offload or (self.sticky and not demote):
+            return []
+        b = self.requests[req_id]
+        pages = cdiv(num_tokens, self.block_size)
+        keep_from = max(pages - RESIDENT_TAIL_PAGES, 0)
+        dropped = []
+        for gi, res in enumerate(b.resident):
+            old = [p for p in res if p < keep_from]
+            if old:
+                dropped.append((gi, old, [res[p] for p in old]))
+        return dropped
+
+    def mark_written(self, req_id: str, start: int, count: int) -> None:
+        """A decode step wrote rows ``[start, start + count)`` to resident pages only (the
+        lazy mirror: `eager_host_mirror=False`); their pages must reach the host before they
+        are freed. A prefill mirrors every row itself."""
+        if self.offload and not self.config.eager_host_mirror and count > 0:
+            bs = self.block_size
+            self.requests[req_id].dirty.update(range(start // bs, (start + count - 1) // bs + 1))
+
+    def dirty_pages(
+        self, req_id: str, dropped: list[tuple[int, list[int], list[int]]]
+    ) -> list[tuple[int, list[int], list[int]]]:
+        """The pages of ``dropped`` (`trim_resident`'s) whose rows are not on the host yet:
+        what a lazy mirror writes back."""
+        dirty = self.requests[req_id].dirty
+        out = []
+        for gi, pages, blocks in dropped:
+            keep = [(p, blk) for p, blk in zip(pages, blocks, strict=True) if p in dirty]
+            if keep:
+                out.append((gi, [p for p, _ in keep], [blk for _, blk in keep]))
+        return out
+
+    def release_resident(
+        self, req_id: str, dropped: list[tuple[int, list[int], list[int]]]
+    ) -> None:
+        """Free what `trim_resident` returned: one pool call and one table write per group."""
+        b = self.requests[req_id]
+        b.grown_pages = 0
+        for gi, pages, blocks in dropped:
+            b.dirty.difference_update(pages)
+            res = b.resident[gi]
+            for p in pages:
+                del res[p]
+            self.gpu_blocks.free(blocks)
+            self._write_pages(gi, b.slot, pages, [0] * len(pages))
+
+    def reclaimable(self, req_id: str, num_tokens: int) -> int:
+        """GPU blocks `trim_resident` with ``demote`` would free: resident pages older than
+        the tail (0 unless ``offload="under_pressure"`` kept them)."""
+        if not self.sticky:
+            return 0
+        b = self.requests[req_id]
+        keep_from = max(cdiv(num_tokens, self.block_size) - RESIDENT_TAIL_PAGES, 0)
+        # every resident page less those from the tail on (pages this step grew included: all
+        # below the indexer's page count): O(tail + step), not O(context), as the scheduler
+        # asks for every request at every step
+        end = len(b.indexer)
+        return sum(
+            len(res) - sum(1 for p in range(keep_from, end) if p in res) for res in b.resident
+        )
+
+    def all_resident(self, req_ids: list[str]) -> bool:
+        """Whether each of ``req_ids`` still has every page it holds resident in every resident
+        group: HiSparse with ``offload="under_pressure"`` while the pool had room for all of
+        them (never demoted). A step over such requests reads no row through a hot buffer, so
+        its top-k resolves as in the all-GPU placement (`StepMetadata.all_resident`). A
+        request's resident pages are distinct pages below its indexer page count, so counting
+        them is enough (O(groups), not O(context))."""
+        if not self.sticky:
+            return False
+        reqs = self.requests
+        return all(len(res) >= len(reqs[r].indexer) for r in req_ids for res in reqs[r].resident)
+
+    def needs_warm_start(self, req_id: str, num_tokens: int) -> bool:
+        """A HiSparse request that finished its ``num_tokens``-token prompt reads rows through
+        its hot buffer, which the warm start seeds: not so where ``offload="under_pressure"``
+        kept every page resident in every resident group (until it is demoted)."""
+        if not self.offload:
+            return False
+        pages = cdiv(num_tokens, self.block_size)
+        return not (self.sticky and all(len(r) >= pages for r in self.requests[req_id].resident))
+
+    def lease_hot(self, req_id: str) -> int:
+        """Give a request a hot-state slot and its hot regions (HiSparse) for decoding.
+
+        Leased at admission, so a request that prefilled can always start decoding."""
+        b = self.requests[req_id]
+        if b.slot >= 0:
+            return b.slot
+        if not self.free_slots:
+            raise KVCapacityError("no hot-state slot free")
+        n = self.hot_lease_blocks()
+        if n > self.gpu_blocks.num_free:
+            raise KVCapacityError("GPU pool: no room for a hot region")
+        b.slot = self.free_slots.pop(0)
+        self.pending_slot_resets.append(b.slot)
+        hb = self.config.hot_blocks_per_request
+        for hi in range(len(self.hot_groups)):
+            region = self.gpu_blocks.allocate(hb)
+            b.hot[hi] = region
+            self.table_updates.append(TableUpdate("hot", hi, b.slot, range(hb), region))
+        # blocks taken before the slot (none in the engine's order: admit, lease, grow)
+        self._write_span(self.host_table_index, b.slot, 0, b.host)
+        self._write_span(self.indexer_table_index, b.slot, 0, b.indexer)
+        for gi, res in enumerate(b.resident):
+            self._write_pages(gi, b.slot, list(res), list(res.values()))
+        return b.slot
+
+    def free(self, req_id: str) -> None:
+        b = self.requests.pop(req_id, None)
+        if b is None:
+            return
+        if self.host_blocks is not None and b.host:
+            self.host_blocks.free(b.host)
+        self.gpu_blocks.free(b.indexer_blocks)
+        for res in b.resident:
+            self.gpu_blocks.free(res.values())
+        for region in b.hot:
+            self.gpu_blocks.free(region)
+        if b.slot >= 0:
+            self.table_updates.append(TableUpdate("clear", -1, b.slot, range(0), []))
+            self.free_slots.append(b.slot)
+
+    def _write_span(self, table: int | None, slot: int, start: int, ids: list[int]) -> None:
+        """Record ``table[slot, start : start + len(ids)] = ids``."""
+        if table is not None and slot >= 0 and ids:
+            self.table_updates.append(
+                TableUpdate("pages", table, slot, range(start, start + len(ids)), list(ids))
+            )
+
+    def _write_pages(self, table: int, slot: int, pages: list[int], ids: list[int]) -> None:
+        """Record ``table[slot, pages] = ids``."""
+        if slot >= 0 and pages:
+            self.table_updates.append(TableUpdate("pages", table, slot, list(pages), list(ids)))

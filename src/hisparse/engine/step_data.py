@@ -1,0 +1,63 @@
+"""The plain data one engine step passes along its seams (vLLM v1's shape): the scheduler's
+`SchedulerOutput` (what to run, the block-table changes, the pages to copy to the host), the
+runner's `ModelOutput` per forward (the sampled tokens), which `Scheduler.update_from_output`
+consumes. No torch here: the scheduler side of the seam runs without it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hisparse.engine.kv_blocks import TableUpdate
+from hisparse.engine.request import Request
+
+
+@dataclass
+class ScheduledStep:
+    """One forward: a decode part (one token per request) or a prefill part (prompt chunks)."""
+
+    decode: bool
+    batch: list[tuple[Request, int]]
+    #: per batch entry: does this step compute the request's last prompt token
+    finishing: list[bool]
+    #: its tokens were counted as computed and its tail trimmed when it was launched, before
+    #: its sampled tokens were read (async scheduling: `Scheduler.launched`)
+    launched: bool = False
+
+    @property
+    def requests(self) -> list[Request]:
+        return [req for req, _ in self.batch]
+
+
+@dataclass
+class WriteBack:
+    """Resident pages leaving the GPU whose decode rows are not on the host yet (the lazy
+    mirror, ``eager_host_mirror=False``): copy GPU blocks ``blocks`` of resident group
+    ``group`` to host blocks ``host_blocks`` before the step's forward."""
+
+    group: int
+    blocks: list[int]
+    host_blocks: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    """One engine step as plain data: its forwards (decode part first), and what the runner
+    does before them, in this order: the block-table changes, hot-state resets of newly
+    leased slots and the lazy mirror's write-backs made since the previous output."""
+
+    parts: list[ScheduledStep]
+    table_updates: list[TableUpdate] = field(default_factory=list)
+    slot_resets: list[int] = field(default_factory=list)
+    write_backs: list[WriteBack] = field(default_factory=list)
+
+
+@dataclass
+class ModelOutput:
+    """What the runner returns for one forward: the sampled token of each request in
+    ``sample_reqs`` (``None``: its logits gave no distribution, so it fails alone), the
+    logprobs dict where asked, and when the tokens were read (``now``, ``perf_counter``)."""
+
+    sample_reqs: list[Request]
+    tokens: list[int | None]
+    logprobs: list[dict[int, float] | None]
+    now: float
