@@ -1,5 +1,5 @@
-"""The CPU batch-1 decode fast paths of the runtime (`IndexGroupRuntime.finish_decode_one_cpu`, the
-compiled `_cpu_decode_one`) against the general path with the reference ops, step by step on
+"""The CPU batch-1 decode fast paths of the runtime (`CpuGroupDecode.finish_one`, the
+compiled `decode_one`) against the general path with the reference ops, step by step on
 one evolving state: the written host rows, the hot rows, the hot state, the counters and the
 physical rows (poisoned before each step) must be equal byte for byte. With numba and
 without it (the numpy form)."""
@@ -154,28 +154,29 @@ def test_the_fast_finish_path_is_taken(jit_mode: str) -> None:
         slot_mapping=torch.tensor([(1 + cdiv(HOT, BS)) * BS], dtype=torch.int32),
     )
     handles[0].prepare_group_for_batch(meta, tables)
-    assert group.finish_decode_one_cpu(handles[1].runtime, meta, tables)
+    assert group.cpu_one.finish_one(handles[1].runtime, meta, tables)
     two = StepMetadata(
         num_tokens=2, is_decode=True, req_per_token=torch.tensor([0, 0], dtype=torch.int32),
         request_state_indices=meta.request_state_indices,
         source_block_table=meta.source_block_table,
         host_slot_mapping=torch.tensor([5, 6], dtype=torch.int32),
     )  # fmt: skip
-    assert not group.finish_decode_one_cpu(handles[1].runtime, two, tables)
+    assert not group.cpu_one.finish_one(handles[1].runtime, two, tables)
     group.ops = reference
-    assert not group.finish_decode_one_cpu(handles[1].runtime, meta, tables)
+    assert group.cpu_one is None  # the reference ops: no fast path to take
 
 
 def test_the_fast_path_follows_the_group_ops() -> None:
-    """`cpu_decode_fast_path` is re-derived whenever the group's ops change: on for the CPU backend,
-    off for the reference and for the swap timer's wrapper (it must see every op call)."""
+    """`cpu_one` (the CPU backend's batch-1 path) is re-derived whenever the group's ops
+    change: on for the CPU backend, off for the reference and for the swap timer's wrapper
+    (it must see every op call)."""
     from hisparse.bench.swap_timer import SwapTimer
 
     handles, _hosts, _devs = _twin(cpu_backend(), True, 0)
     group = handles[0].runtime.group
-    assert group.cpu_decode_fast_path
+    assert group.cpu_one is not None
     group.ops = reference
-    assert not group.cpu_decode_fast_path
+    assert group.cpu_one is None
     group.ops = cpu_backend()
     SwapTimer(torch.device("cpu")).wrap(group)
-    assert group.ops is not cpu_backend() and not group.cpu_decode_fast_path
+    assert group.ops is not cpu_backend() and group.cpu_one is None

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from hisparse.config import ResolvedHiSparseConfig, cdiv
+from hisparse.engine.offload_policy import OffloadPolicy
 from hisparse.kv.block_pool import BlockPool
 from hisparse.kv.layout import (
     DEFAULT_PREFILL_TOKENS,
-    RESIDENT_TAIL_PAGES,
     GroupKind,
     KVLayout,
     plan_kv_layout,
@@ -101,11 +101,9 @@ class KVBlockManager:
         self.config = config
         self.placement = placement
         self.offload = placement == "hisparse"
-        #: HiSparse with ``offload="under_pressure"``: written pages stay resident while the
-        #: pool has room; the scheduler's `demote` sends a request's older pages to the host
-        #: when it has not
-        self.sticky = self.offload and config.offload == "under_pressure"
         self.block_size = config.block_size
+        #: when older pages leave the GPU (`HiSparseConfig.offload`)
+        self.policy = OffloadPolicy(placement, config.offload, config.block_size)
         self.max_num_seqs = max_num_seqs
         self.max_blocks = cdiv(max_model_len, self.block_size)
         self.host_writer = host_writer
@@ -237,19 +235,15 @@ class KVBlockManager:
     ) -> None:
         """Make pages for tokens ``[0, new_len)`` exist (all-or-nothing on the GPU).
 
-        Resident pages: all of them with ``keep_all_resident`` (the default of all-GPU
-        placement), else only the last page is added (HiSparse, prefill and decode alike: the
-        older ones live on the host; `trim_resident` drops what falls out of the tail). With
-        ``offload="under_pressure"`` every page the new tokens fall on is added while the pool
-        has room for them beside ``reserve`` blocks (what other requests are promised; the
-        step writes the pages' rows there), else the last page only."""
+        Which pages become resident is the offload policy's (`OffloadPolicy.
+        first_resident_page`: all of them with ``keep_all_resident``, the default of all-GPU
+        placement; else the last page, or under pressure every page the step writes while the
+        pool has room for them beside ``reserve`` blocks, what other requests are promised)."""
         b = self.requests[req_id]
         bs = self.block_size
         pages = cdiv(new_len, bs)
         if pages <= b.grown_pages and keep_all_resident is None:
             return  # a decode within its last page: most steps of most requests
-        if keep_all_resident is None:
-            keep_all_resident = not self.offload
         m = self.layout.indexer_pages_per_block
         idx_pages = 0 if self.indexer_in_resident else max(pages - len(b.indexer), 0)
         idx_new = cdiv(len(b.indexer) + idx_pages, m) - len(b.indexer_blocks)
@@ -260,16 +254,14 @@ class KVBlockManager:
                 for gi in range(len(self.resident_groups))
             ]
 
-        if keep_all_resident:
-            wanted_resident = wanted(0)
-        else:
-            wanted_resident = wanted(max(pages - 1, 0))
-            if self.sticky:
-                # the pages this step writes (from the one holding the first new token; the
-                # pages before it are resident or already on the host only)
-                every = wanted(max(len(b.indexer) - 1, 0))
-                if idx_new + sum(len(w) for w in every) <= self.gpu_blocks.num_free - reserve:
-                    wanted_resident = every
+        first = self.policy.first_resident_page(
+            pages,
+            len(b.indexer),
+            lambda f: idx_new + sum(len(w) for w in wanted(f)),
+            self.gpu_blocks.num_free - reserve,
+            keep_all_resident,
+        )
+        wanted_resident = wanted(first)
         n_gpu = idx_new + sum(len(w) for w in wanted_resident)
         if n_gpu > self.gpu_blocks.num_free:
             raise KVCapacityError(f"GPU pool: {n_gpu} blocks wanted, {self.gpu_blocks.num_free}")
@@ -300,11 +292,10 @@ class KVBlockManager:
         group, so the caller can write dirty rows back before `release_resident` frees them.
         Called after every step (prefill chunks too: their rows are on the host already);
         under ``offload="under_pressure"`` only to ``demote`` a request (`Scheduler`)."""
-        if not self.offload or (self.sticky and not demote):
+        if not self.policy.trims(demote):
             return []
         b = self.requests[req_id]
-        pages = cdiv(num_tokens, self.block_size)
-        keep_from = max(pages - RESIDENT_TAIL_PAGES, 0)
+        keep_from = self.policy.keep_from(num_tokens)
         dropped = []
         for gi, res in enumerate(b.resident):
             old = [p for p in res if p < keep_from]
@@ -348,40 +339,23 @@ class KVBlockManager:
             self._write_pages(gi, b.slot, pages, [0] * len(pages))
 
     def reclaimable(self, req_id: str, num_tokens: int) -> int:
-        """GPU blocks `trim_resident` with ``demote`` would free: resident pages older than
-        the tail (0 unless ``offload="under_pressure"`` kept them)."""
-        if not self.sticky:
-            return 0
+        """GPU blocks `trim_resident` with ``demote`` would free (`OffloadPolicy.reclaimable`)."""
         b = self.requests[req_id]
-        keep_from = max(cdiv(num_tokens, self.block_size) - RESIDENT_TAIL_PAGES, 0)
-        # every resident page less those from the tail on (pages this step grew included: all
-        # below the indexer's page count): O(tail + step), not O(context), as the scheduler
-        # asks for every request at every step
-        end = len(b.indexer)
-        return sum(
-            len(res) - sum(1 for p in range(keep_from, end) if p in res) for res in b.resident
-        )
+        return self.policy.reclaimable(b.resident, len(b.indexer), num_tokens)
 
     def all_resident(self, req_ids: list[str]) -> bool:
-        """Whether each of ``req_ids`` still has every page it holds resident in every resident
-        group: HiSparse with ``offload="under_pressure"`` while the pool had room for all of
-        them (never demoted). A step over such requests reads no row through a hot buffer, so
-        its top-k resolves as in the all-GPU placement (`StepMetadata.all_resident`). A
-        request's resident pages are distinct pages below its indexer page count, so counting
-        them is enough (O(groups), not O(context))."""
-        if not self.sticky:
-            return False
+        """Whether each of ``req_ids`` still has every page resident in every resident group
+        (`OffloadPolicy.all_resident`): its step's top-k resolves as in the all-GPU placement
+        (`StepMetadata.all_resident`)."""
         reqs = self.requests
-        return all(len(res) >= len(reqs[r].indexer) for r in req_ids for res in reqs[r].resident)
+        return all(
+            self.policy.all_resident(reqs[r].resident, len(reqs[r].indexer)) for r in req_ids
+        )
 
     def needs_warm_start(self, req_id: str, num_tokens: int) -> bool:
-        """A HiSparse request that finished its ``num_tokens``-token prompt reads rows through
-        its hot buffer, which the warm start seeds: not so where ``offload="under_pressure"``
-        kept every page resident in every resident group (until it is demoted)."""
-        if not self.offload:
-            return False
-        pages = cdiv(num_tokens, self.block_size)
-        return not (self.sticky and all(len(r) >= pages for r in self.requests[req_id].resident))
+        """Whether a request that finished its ``num_tokens``-token prompt reads rows through a
+        hot buffer the warm start must seed (`OffloadPolicy.needs_warm_start`)."""
+        return self.policy.needs_warm_start(self.requests[req_id].resident, num_tokens)
 
     def lease_hot(self, req_id: str) -> int:
         """Give a request a hot-state slot and its hot regions (HiSparse) for decoding.

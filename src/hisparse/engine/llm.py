@@ -38,9 +38,10 @@ from hisparse.engine.inputs import (
 )
 from hisparse.engine.kv_manager import KVCacheManager
 from hisparse.engine.model_runner import ModelRunner
+from hisparse.engine.output_processor import OutputProcessor
 from hisparse.engine.request import Request, RequestOutput, Status
 from hisparse.engine.sampling_params import SamplingParams
-from hisparse.engine.scheduler import SCHEDULE_POLICIES, Scheduler, StopChecker
+from hisparse.engine.scheduler import SCHEDULE_POLICIES, Scheduler
 from hisparse.engine.setup import (
     check_device_memory,
     checked_device,
@@ -296,7 +297,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             policy=schedule,
-            stops=StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len),
+            stops=OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len),
         )
         # async scheduling chains fixed-shape decodes on one rank (docs/design.md §12.5.1)
         chained = self.async_scheduling and tp is None and self.runner.graphs is not None

@@ -36,10 +36,12 @@ from hisparse.engine.request import Request
 from hisparse.engine.sampling import sample_rows
 from hisparse.engine.step_cache import PrefillLayerCache, StepCache
 from hisparse.engine.step_data import ModelOutput, ScheduledStep, SchedulerOutput, WriteBack
+from hisparse.engine.warm_start import WarmStart
 from hisparse.kv.specs import CacheKind, LayerCacheSpec
 from hisparse.models.kv_access import DsaStep
 from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.cache_handle import CacheHandle
+from hisparse.runtime.ops import cpu_backend
 from hisparse.runtime.sparse_layer import SparseLayerRuntime
 from hisparse.runtime.staging import PrefillStaging
 from hisparse.runtime.streams import CopyStream
@@ -137,8 +139,8 @@ class ModelRunner:
             for s in specs
             if s.kind is CacheKind.INDEXER
         }
-        self.warm_rows: torch.Tensor | None = None
-        self.warm_topk: dict[str, torch.Tensor] = {}
+        #: the warm start of the prefill step running (`hisparse.engine.warm_start`)
+        self.warm: WarmStart | None = None
         self.leader_index = {h.runtime.name: i for i, h in enumerate(self.leaders)}
         #: KV bytes one miss of each leader's group moves (row bytes of all its layers)
         self.group_row_bytes = torch.tensor(
@@ -166,7 +168,6 @@ class ModelRunner:
         # this step's per-request device tensors (set by `run`)
         self._slots = self._lens = self._keys = torch.zeros(0, dtype=torch.int64)
         self._max_len = 0
-        self._warm_idx: torch.Tensor | None = None
         self._prefill_cache: StepCache | None = None
         #: per decode step: (requests, device int64 [R, 3] hits / misses / bytes)
         self._pending: list[tuple[list[Request], torch.Tensor]] = []
@@ -196,20 +197,13 @@ class ModelRunner:
         return zlib.crc32(req.req_id.encode()) & 0x7FFFFFFF
 
     # --- step hooks (called by the step caches) ------------------------------------------
-    def _step_requests(self) -> StepRequests:
+    def step_requests(self) -> StepRequests:
         return StepRequests(self._slots, self._lens, self._keys, self._max_len)
 
     def hooked_decode_topk(self, leader_name: str, logical_topk: torch.Tensor) -> torch.Tensor:
         assert self.hooks is not None
         leader = self.leader_index[leader_name]
-        return self.hooks.decode_topk(leader, logical_topk, self._step_requests())
-
-    def hooked_warm_topk(self, leader_name: str) -> torch.Tensor | None:
-        """The hooks' warm-start selection of the requests finishing their prompt."""
-        if self.hooks is None or self._warm_idx is None:
-            return None
-        reqs = self._step_requests().pick(self._warm_idx)
-        return self.hooks.warm_topk(self.leader_index[leader_name], reqs)
+        return self.hooks.decode_topk(leader, logical_topk, self.step_requests())
 
     # ------------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> list[ModelOutput]:
@@ -300,14 +294,10 @@ class ModelRunner:
         step = DsaStep(positions=pos, req_index=rix, seq_lens=seq_lens, max_len=self._max_len)
 
         one_cpu = decode and R == 1 and dev.type == "cpu"
-        page, offset = divmod(starts[0], bs) if one_cpu else (0, 0)
 
         def rows_of(table: torch.Tensor) -> torch.Tensor:
             if one_cpu and table.is_cpu:
-                # One decode row on the CPU: the same row from Python ints (a dozen tables
-                # a step, five small torch ops each otherwise).
-                blk = int(table.numpy()[0, page])
-                return torch.tensor([blk * bs + offset if blk > 0 else -1], dtype=torch.int32)
+                return cpu_backend().token_row(table, starts[0], bs)
             blk = table.long()[rix, pos // bs]
             return torch.where(blk > 0, blk * bs + pos % bs, -1).to(torch.int32)
 
@@ -329,15 +319,7 @@ class ModelRunner:
             leader.prepare_group_for_batch(meta, tables[kv.group_of_layer[leader.runtime.name]])
 
         last_rows = list(itertools.accumulate(counts))
-        warm = [r for r, f in enumerate(finishing) if f] if not decode and kv.offload else []
-        if not decode and hooks is not None and hooks.replaces_topk:
-            # the hooks' first selection for every finishing request (both placements alike)
-            warm = [r for r, f in enumerate(finishing) if f]
-        self._warm_idx = torch.tensor(warm, device=dev) if warm else None
-        self.warm_rows = (
-            torch.tensor([last_rows[r] - 1 for r in warm], device=dev) if warm else None
-        )
-        self.warm_topk = {}
+        self.warm = None if decode else WarmStart.for_step(self, finishing, last_rows)
         sample_reqs = [req for (req, _), f in zip(batch, finishing, strict=True) if f or decode]
         staging = None
         if not decode and kv.offload:
@@ -353,12 +335,8 @@ class ModelRunner:
             self._prefill_cache = cache
             hooks.write_prefill(self, rows_of(idx_table), key_d[rix], pos)
             self._prefill_cache = None
-            if warm:
-                for leader in self.leaders:
-                    name = leader.runtime.name
-                    topk = self.hooked_warm_topk(name)
-                    if topk is not None:
-                        self.warm_topk[name] = topk
+            if self.warm is not None:
+                self.warm.record_hooked()
             vocab = self.model.config.vocab_size  # type: ignore[union-attr]
             tokens = hooks.first_tokens([self.request_key(r) for r in sample_reqs], vocab)
             logits = None
@@ -379,11 +357,10 @@ class ModelRunner:
                 rows_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
                 logits = self.model.logits(hidden[rows_t])
             tokens = None
-        if warm and kv.offload and self.warm_topk:
-            ends = [(batch[r][0].req_id, starts[r] + counts[r]) for r in warm]
-            cold = [i for i, e in enumerate(ends) if kv.needs_warm_start(*e)]
-            if cold:
-                self._warm_start(warm, cold, host_bt)
+        if self.warm is not None:
+            ends = [s + n for s, n in zip(starts, counts, strict=True)]
+            self.warm.seed([req.req_id for req, _ in batch], ends, self._slots, host_bt)
+            self.warm = None
         if decode:
             self._record_hits([req for req, _ in batch], resolved=not resident)
         return StepResult(logits=logits, sample_reqs=sample_reqs, token_ids=tokens)
@@ -413,7 +390,7 @@ class ModelRunner:
             graphs.inputs[0, :n].copy_(device_ids)
         hooks = self.hooks
         # HiSparse with offload="under_pressure" runs both kinds of step (StepMetadata.all_resident)
-        kind = dict(all_resident=resident, both_kinds=kv.sticky,
+        kind = dict(all_resident=resident, both_kinds=kv.policy.under_pressure,
                     keep_state=hooks.keep_step_state if hooks is not None else None)  # fmt: skip
         if hooks is None:
             logits, counts = graphs.run(b, self._static_step, **kind)
@@ -426,7 +403,7 @@ class ModelRunner:
             finally:
                 lens = [req.num_computed + 1 for req in reqs]
                 hooks.after_padded_decode(self, slots, keys, lens)
-        self.warm_rows, self.warm_topk = None, {}
+        self.warm = None
         self._pending.append((reqs, counts[:n].clone()))
         return StepResult(logits=logits[:n], sample_reqs=reqs)
 
@@ -477,26 +454,6 @@ class ModelRunner:
         logits = self.model.logits(self.model(ids, step, cache))
         counts = self._step_counts(b) if kv.offload and not all_resident else self._zero_counts[:b]
         return logits, counts
-
-    def _warm_start(self, warm: list[int], cold: list[int], host_bt: torch.Tensor) -> None:
-        """Seed the hot buffers of the requests that just finished their prompt (batch rows
-        ``warm``; those at indices ``cold`` of it), from the host pool (their older pages are
-        no longer resident)."""
-        dev = self.device
-        m = len(cold)
-        pick = torch.tensor([warm[i] for i in cold], device=dev)
-        sub = None if m == len(warm) else torch.tensor(cold, device=dev)
-        meta = StepMetadata(
-            num_tokens=m,
-            is_decode=True,
-            req_per_token=torch.arange(m, dtype=torch.int32, device=dev),
-            request_state_indices=self._slots[pick].to(torch.int32),
-            source_block_table=host_bt[pick],
-        )
-        for leader in self.leaders:
-            topk = self.warm_topk.get(leader.runtime.name)
-            if topk is not None:
-                leader.runtime.group.warm_start_from_host(meta, topk if sub is None else topk[sub])
 
     def prefill_layer_caches(self) -> list[PrefillLayerCache]:
         """The running prefill step's per-layer caches (for `StepHooks.write_prefill`: a

@@ -52,7 +52,7 @@ class OutputProcessor:
     (cut before it), ``max_tokens`` or ``max_model_len``; nothing stops before
     ``min_tokens``. Keeps ``req.text`` equal to
     ``tokenizer.decode(req.output_token_ids, skip_special_tokens=True)`` (``""`` without a
-    tokenizer). A drop-in replacement for the scheduler's ``StopChecker``.
+    tokenizer). (It replaced a checker that decoded the whole output every token.)
 
     Decoding is incremental (vLLM's prefix / read offsets): each step decodes the few tokens
     of a window (the last committed tokens as context, then the new ones) and appends what it

@@ -30,9 +30,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 from hisparse.engine.kv_blocks import KVBlockManager, KVCapacityError
+from hisparse.engine.output_processor import OutputProcessor
 from hisparse.engine.request import Request, Status
 from hisparse.engine.step_data import ModelOutput, ScheduledStep, SchedulerOutput, WriteBack
 
@@ -49,14 +49,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         policy: str = "mixed",
-        stops: Any = None,
+        stops: OutputProcessor | None = None,
     ) -> None:
-        """``stops``: the output processor (`append(req, token, logprobs, now)` -> finish
-        reason or None, ``max_model_len``)."""
+        """``stops``: the output processor (the token, the text, stops; default: no text and
+        no limit of length)."""
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule={policy!r}: use one of {SCHEDULE_POLICIES}.")
         self.policy = policy
-        self.stops = stops or StopChecker(None, set(), 1 << 62)
+        self.stops = stops or OutputProcessor(None, set(), 1 << 62)
         self.kv = kv
         #: pages to copy to the host before the next forward (the lazy mirror)
         self._write_backs: list[WriteBack] = []
@@ -163,7 +163,7 @@ class Scheduler:
 
         def reserve() -> int:
             if not promised:
-                promised.append(self._promised() if self.kv.sticky else 0)
+                promised.append(self._promised() if self.kv.policy.under_pressure else 0)
             return promised[0]
 
         if self.policy == "prefill-first":
@@ -215,7 +215,9 @@ class Scheduler:
             rows = kv.staging_rows(req.num_computed + n)
             if batch and staged + rows > kv.staging_capacity:
                 break
-            others = reserve() - self._promise(req) if kv.sticky else 0  # the others' promise
+            others = (
+                reserve() - self._promise(req) if kv.policy.under_pressure else 0
+            )  # the others' promise
             if not self._grow(req, req.num_computed + n, others):
                 break
             staged += rows
@@ -267,11 +269,12 @@ class Scheduler:
         the most of them to the host (written back first where the mirror is lazy), so it
         reads them through its hot buffer from now on. False: no request has any."""
         kv = self.kv
-        if not kv.sticky:
+        if not kv.policy.under_pressure:
             return False
-        best = max(self.running, key=lambda r: kv.reclaimable(r.req_id, r.num_computed),
-                   default=None)  # fmt: skip
-        if best is None or kv.reclaimable(best.req_id, best.num_computed) == 0:
+        best = kv.policy.demotion_victim(
+            [(r, kv.reclaimable(r.req_id, r.num_computed)) for r in self.running]
+        )
+        if best is None:
             return False
         dropped = kv.trim_resident(best.req_id, best.num_computed, demote=True)
         if not dropped:  # cannot be (reclaimable counts what trim drops): never loop on it
@@ -328,7 +331,7 @@ class Scheduler:
             )
             if ends or req.num_tokens + 1 >= self.stops.max_model_len:
                 return None
-        reserve = self._promised() if self.kv.sticky else 0
+        reserve = self._promised() if self.kv.policy.under_pressure else 0
         for req in reqs:
             if self.kv.grows(req.req_id, req.num_computed + 1) and not self._grow(
                 req, req.num_computed + 1, reserve
@@ -369,7 +372,7 @@ class Scheduler:
         if not kv.free_slots or not kv.host_fits(total):
             return True
         room = kv.gpu_blocks.num_free - promised
-        if kv.sticky:
+        if kv.policy.under_pressure:
             room += sum(kv.reclaimable(r.req_id, r.num_computed) for r in self.running)
         return need_gpu > room
 
@@ -449,50 +452,3 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         self._release(req)
-
-
-class StopChecker:
-    """Appends a sampled token to its request and decides whether the request ends: a stop
-    token id, an end-of-sequence token (unless ``ignore_eos``), a stop string in the text
-    (cut before it), ``max_tokens`` or ``max_model_len``; nothing stops before
-    ``min_tokens``. Keeps ``req.text`` decoded (when there is a tokenizer)."""
-
-    def __init__(self, tokenizer: Any, eos_token_ids: set[int], max_model_len: int) -> None:
-        self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
-
-    def append(
-        self, req: Request, token: int, logprobs: dict[int, float] | None, now: float
-    ) -> str | None:
-        """Append ``token``; the finish reason (``"stop"``, ``"length"``) or ``None``."""
-        req.output_token_ids.append(token)
-        if req.logprobs is not None and logprobs is not None:
-            req.logprobs.append(logprobs)
-            req.cumulative_logprob = (req.cumulative_logprob or 0.0) + logprobs.get(token, 0.0)
-        if req.metrics.first_token is None:
-            req.metrics.first_token = now
-        req.metrics.token_times.append(now)
-        before = len(req.text)
-        if self.tokenizer is not None:
-            req.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        p = req.params
-        if len(req.output_token_ids) >= p.min_tokens:  # no stop before min_tokens
-            if token in p.stop_token_ids:
-                req.stop_reason = token
-                return "stop"
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return "stop"
-            if p.stop:
-                # the new text and what a stop string may share with the text before it
-                start = max(before - max(len(s) for s in p.stop) + 1, 0)
-                hits = [(i, s) for s in p.stop if (i := req.text.find(s, start)) >= 0]
-                if hits:
-                    cut, req.stop_reason = min(hits)
-                    req.text = req.text[:cut]
-                    return "stop"
-        if (p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens) or (
-            req.num_tokens >= self.max_model_len
-        ):
-            return "length"
-        return None

@@ -47,12 +47,8 @@ class PrefillLayerCache(LayerView):
 
     def swap_in(self, logical_topk: torch.Tensor) -> torch.Tensor:
         runner, rt = self.runner, self.handle.runtime
-        if rt.is_leader and runner.warm_rows is not None:
-            warm = runner.hooked_warm_topk(rt.name)
-            if warm is not None:
-                logical_topk = logical_topk.clone()
-                logical_topk[runner.warm_rows] = warm[:, : logical_topk.shape[1]]
-            runner.warm_topk[rt.name] = logical_topk[runner.warm_rows].clone()
+        if rt.is_leader and runner.warm is not None:
+            logical_topk = runner.warm.record(rt.name, logical_topk)
         if self.staging is None:
             return self.handle.resident_rows(logical_topk)
         meta, _ = self.handle._step()

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -71,8 +70,12 @@ from hisparse.models.layers import (
     rope_half_split,
     stackable,
 )
-from hisparse.models.llama_cpu import LlamaAttentionCpu, write_rows_cpu
-from hisparse.runtime.ops import cpu_backend
+from hisparse.models.llama_cpu import (
+    LlamaAttentionCpu,
+    decode_one_cpu,
+    decode_one_cpu_applies,
+    write_rows_cpu,
+)
 
 #: Step metadata of a packed batch (the same for every model family).
 Step = DsaStep
@@ -600,8 +603,8 @@ class LlamaForCausalLM(nn.Module):
         if x.device.type == "cpu" and not fused.fused_on(x):  # the same rotation, fewer ops
             cos, sin = full_width_rope(cos, sin)
         plan = StepPlan.of(step)
-        if self._decode_one_cpu_applies(x, plan) and cache.row_format.torch_dtype == torch.float32:
-            return self._decode_one_cpu(x, cos, sin, step, cache, plan)  # writes fp32 rows
+        if decode_one_cpu_applies(x, plan) and cache.row_format.torch_dtype == torch.float32:
+            return decode_one_cpu(self, x, cos, sin, step, cache, plan)  # writes fp32 rows
         layers = [layer for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)]
         # Each residual add is fused with the norm that follows it (one kernel on CUDA; on
         # the CPU the add, then `rms_norm`).
@@ -642,66 +645,6 @@ class LlamaForCausalLM(nn.Module):
         gu = F.linear(h, fused[0])
         inter = gu.shape[1] // 2
         return F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], mlp.down_proj.weight)
-
-    def _decode_one_cpu_applies(self, x: torch.Tensor, plan: StepPlan) -> bool:
-        """A batch-1 fp32 decode step on the CPU (one token, no padding row): the shape
-        `_decode_one_cpu` serves. ``HISPARSE_CPU_FAST=0`` turns it off (A/B checks)."""
-        return (
-            cpu_backend().fast_decode
-            and x.device.type == "cpu"
-            and not fused.fused_on(x)
-            and x.shape[0] == 1
-            and x.dtype == torch.float32
-            and plan.decode
-            and not plan.static
-            and plan.lens is not None
-            and len(plan.lens) == 1
-        )
-
-    def _decode_one_cpu(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step,
-        cache: GqaKVCache, plan: StepPlan,
-    ) -> torch.Tensor:  # fmt: skip
-        """The layers of a batch-1 CPU decode step with fewer ops than the general loop:
-        `LlamaAttention.forward_one_cpu`, gate and up projections as one matmul, and each
-        residual add with the RMS norm after it as one compiled call (`add_rms_norm` kernel;
-        the add is exact, the norm's sum of squares rounds in another order: last-bit
-        differences). Without numba the norms are ``F.rms_norm`` (the same bits in fp32 as
-        `RMSNorm`'s steps) and the whole step equals the general loop bit for bit."""
-        fns = cpu_backend().jit()
-        shape = (self.config.hidden_size,)
-        eps = self.config.rms_norm_eps
-        eps32 = np.float32(eps)
-        layers = self.model.layers
-        norms = [ly.input_layernorm.weight for ly in layers]  # type: ignore[union-attr]
-        norms.append(self.model.norm.weight)
-
-        # With numba: the residual stream and the normed rows live in two buffers of this
-        # step, updated in place (each add reads and writes the same element; the normed row
-        # is consumed by the matmul after it before the next norm overwrites it).
-        x_buf, h_buf = torch.empty_like(x), torch.empty_like(x)
-        x_np, h_np = x_buf.numpy()[0], h_buf.numpy()[0]
-
-        def add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
-            """``(x + delta, rms_norm(x + delta))`` (``delta`` None: ``x`` as it is)."""
-            if fns is None:
-                x = x if delta is None else x + delta
-                return x, F.rms_norm(x, shape, weight, eps)
-            fns.add_rms_norm(
-                x.numpy()[0], x_np if delta is None else delta.numpy()[0], delta is not None,
-                weight.detach().numpy(), eps32, x_np, h_np,
-            )  # fmt: skip
-            return x_buf, h_buf
-
-        x, h = add_norm(x, None, norms[0])
-        for i, layer in enumerate(layers):
-            assert isinstance(layer, LlamaDecoderLayer)
-            attn, mlp = layer.self_attn, layer.mlp
-            a = attn.forward_one_cpu(h, cos, sin, step, cache, self.indexer, plan)
-            x, h = add_norm(x, a, layer.post_attention_layernorm.weight)
-            m = self._mlp(i, mlp, h)
-            x, h = add_norm(x, m, norms[i + 1])
-        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -26,12 +26,13 @@ from hisparse.attention.sparse_gqa_reference import (
     causal_gqa_cpu,
     sparse_gqa_rows_cpu,
 )
+from hisparse.models.fused import fused_on
 from hisparse.models.layers import fused_weight, rope_full_width
 from hisparse.runtime.ops import cpu_backend
 from hisparse.runtime.ops.cpu import F32
 
 if TYPE_CHECKING:
-    from hisparse.models.llama import GqaKVCache, Step, StepPlan
+    from hisparse.models.llama import GqaKVCache, LlamaForCausalLM, Step, StepPlan
 
 
 def sdpa_one_cpu(
@@ -301,3 +302,64 @@ class LlamaAttentionCpu:
                 return None
             out[idx] = sparse
         return out
+
+
+def decode_one_cpu_applies(x: torch.Tensor, plan: StepPlan) -> bool:
+    """A batch-1 fp32 decode step on the CPU (one token, no padding row): the shape
+    `decode_one_cpu` serves. ``HISPARSE_CPU_FAST=0`` turns it off (A/B checks)."""
+    return (
+        cpu_backend().fast_decode
+        and x.device.type == "cpu"
+        and not fused_on(x)
+        and x.shape[0] == 1
+        and x.dtype == torch.float32
+        and plan.decode
+        and not plan.static
+        and plan.lens is not None
+        and len(plan.lens) == 1
+    )
+
+
+def decode_one_cpu(
+    model: LlamaForCausalLM, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: Step,
+    cache: GqaKVCache, plan: StepPlan,
+) -> torch.Tensor:  # fmt: skip
+    """The layers of a batch-1 CPU decode step with fewer ops than the general loop:
+    `LlamaAttention.forward_one_cpu`, gate and up projections as one matmul, and each
+    residual add with the RMS norm after it as one compiled call (`add_rms_norm` kernel;
+    the add is exact, the norm's sum of squares rounds in another order: last-bit
+    differences). Without numba the norms are ``F.rms_norm`` (the same bits in fp32 as
+    `RMSNorm`'s steps) and the whole step equals the general loop bit for bit."""
+    fns = cpu_backend().jit()
+    shape = (model.config.hidden_size,)
+    eps = model.config.rms_norm_eps
+    eps32 = np.float32(eps)
+    layers = model.model.layers
+    norms = [ly.input_layernorm.weight for ly in layers]  # type: ignore[union-attr]
+    norms.append(model.model.norm.weight)
+
+    # With numba: the residual stream and the normed rows live in two buffers of this
+    # step, updated in place (each add reads and writes the same element; the normed row
+    # is consumed by the matmul after it before the next norm overwrites it).
+    x_buf, h_buf = torch.empty_like(x), torch.empty_like(x)
+    x_np, h_np = x_buf.numpy()[0], h_buf.numpy()[0]
+
+    def add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
+        """``(x + delta, rms_norm(x + delta))`` (``delta`` None: ``x`` as it is)."""
+        if fns is None:
+            x = x if delta is None else x + delta
+            return x, F.rms_norm(x, shape, weight, eps)
+        fns.add_rms_norm(
+            x.numpy()[0], x_np if delta is None else delta.numpy()[0], delta is not None,
+            weight.detach().numpy(), eps32, x_np, h_np,
+        )  # fmt: skip
+        return x_buf, h_buf
+
+    x, h = add_norm(x, None, norms[0])
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        a = attn.forward_one_cpu(h, cos, sin, step, cache, model.indexer, plan)
+        x, h = add_norm(x, a, layer.post_attention_layernorm.weight)
+        m = model._mlp(i, mlp, h)
+        x, h = add_norm(x, m, norms[i + 1])
+    return h

@@ -74,7 +74,11 @@ class CacheHandle:
         meta, tables = self._step()
         rt = self.runtime
         group = rt.group
-        if meta.num_tokens == 1 and group.finish_decode_one_cpu(rt, meta, tables):
+        if (
+            meta.num_tokens == 1
+            and group.cpu_one is not None
+            and group.cpu_one.finish_one(rt, meta, tables)
+        ):
             return  # a batch-1 decode step on the CPU: one compiled call, same result
         leader = group.layers[0] is rt
         mirror = self.host_mirror_required
@@ -132,8 +136,8 @@ class CacheHandle:
                 group.resolve_resident(meta, tables, logical_topk)
             elif not (
                 group.copy.stream is None
-                and group.cpu_decode_fast_path
-                and group._cpu_decode_one(meta, tables, logical_topk)
+                and group.cpu_one is not None
+                and group.cpu_one.decode_one(meta, tables, logical_topk)
             ):
                 group.resolve_and_stage(meta, tables, logical_topk)
         else:
@@ -160,7 +164,7 @@ class CacheHandle:
         bs = self.runtime.config.block_size
         rows = logical_topk.shape[0]
         if self.runtime.device.type == "cpu":
-            physical = _resident_rows_cpu(
+            physical = cpu_backend().resident_rows_compiled(
                 logical_topk, meta.req_per_token[:rows], tables.resident_block_table, bs
             )
             if physical is not None:
@@ -195,20 +199,3 @@ class CacheHandle:
             assert self.runtime.device_view is not None
             return self.runtime.device_view, tables.resident_block_table
         return plan.stage(self.runtime, tables.resident_block_table), plan.block_table
-
-
-def _resident_rows_cpu(
-    logical_topk: torch.Tensor, req: torch.Tensor, table: torch.Tensor, block_size: int
-) -> torch.Tensor | None:
-    """`CacheHandle.resident_rows` in one compiled call (`resident_rows` kernel: a prefill's
-    ``[T, top_k]`` lookup in a dozen passes of torch ops fewer); ``None`` without numba or
-    where an entry is not resident (the torch path then raises)."""
-    fns = cpu_backend().jit()
-    if fns is None:
-        return None
-    out = torch.empty(logical_topk.shape, dtype=torch.int32)
-    ok = fns.resident_rows(
-        logical_topk.contiguous().numpy(), req.contiguous().numpy(), table.contiguous().numpy(),
-        block_size, out.numpy(),
-    )  # fmt: skip
-    return out if ok else None

@@ -21,18 +21,14 @@ import torch
 from hisparse.config import ResolvedHiSparseConfig
 from hisparse.kv.host_pool import is_host_pool_memory
 from hisparse.runtime.batch import GroupTables, StepMetadata
-from hisparse.runtime.ops import cpu_backend, has_capability, ops_for
-from hisparse.runtime.ops.cpu.numpy_views import np_rows
+from hisparse.runtime.ops import has_capability, ops_for
+from hisparse.runtime.ops.cpu.group_decode import CpuGroupDecode
 from hisparse.runtime.streams import CopyStream, LayerEvent
 
 
 def prefix_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """``t[:n]``, or ``t`` itself when it has exactly ``n`` rows: no new view per layer."""
     return t if t.shape[0] == n else t[:n]
-
-
-#: The arguments the compiled `finish_decode_row` takes for a layer without host rows.
-_NO_PAIR = (np.zeros((1, 1, 1), np.int64), np.zeros((1, 1, 1), np.int64), 0, 0)
 
 
 class IndexGroupRuntime:
@@ -92,13 +88,6 @@ class IndexGroupRuntime:
         self.leader_first = False
         #: ``True``: a group of one still swaps in on the copy stream (see `inline_swap_in`).
         self.side_stream_for_one = os.environ.get("HISPARSE_SIDE_STREAM_FOR_ONE", "0") == "1"
-        #: numpy views of the state and output buffers (CPU only; `_cpu_arrays`).
-        self._cpu_np: dict[str, np.ndarray] | None = None
-        #: ``(slot, q)`` -> the state and output rows `_cpu_decode_one` passes (`_cpu_rows`).
-        self._cpu_row_args: dict[tuple[int, int], tuple] = {}
-        #: Each layer's (host rows, device rows, host rows count, device rows count) as
-        #: numpy (``None``: a view not bound); made with `_cpu_np`.
-        self._cpu_pairs: list[tuple[np.ndarray, np.ndarray, int, int] | None] = []
 
     @property
     def ops(self) -> Any:
@@ -108,12 +97,11 @@ class IndexGroupRuntime:
     @ops.setter
     def ops(self, ops: Any) -> None:
         self._ops = ops
-        #: Batch-1 CPU decode steps may take the compiled path (`CpuBackend.jit`), not ``ops``:
-        #: set with the ops, so a wrapper that wants to see every op call (the swap timer)
-        #: turns it off.
-        self.cpu_decode_fast_path = self.device.type == "cpu" and has_capability(
-            ops, "CPU_DECODE_FAST_PATH"
-        )
+        #: Batch-1 CPU decode steps may take the CPU backend's compiled path
+        #: (`hisparse.runtime.ops.cpu.group_decode`), not ``ops``: set with the ops, so a
+        #: wrapper that wants to see every op call (the swap timer) turns it off.
+        fast = self.device.type == "cpu" and has_capability(ops, "CPU_DECODE_FAST_PATH")
+        self.cpu_one = CpuGroupDecode(self) if fast else None
 
     @property
     def leader(self) -> SparseLayerRuntime:
@@ -139,8 +127,8 @@ class IndexGroupRuntime:
         if tuple(table.shape) != expected or table.dtype != torch.int32:
             raise ValueError(f"hot block table must be int32 {expected}, got {tuple(table.shape)}")
         self.hot_block_table = table
-        self._cpu_np = None
-        self._cpu_row_args = {}
+        if self.cpu_one is not None:
+            self.cpu_one.forget()
 
     def reset_slot(self, slot: int) -> None:
         """Forget slot ``slot``'s hot rows: a new request takes the slot."""
@@ -176,16 +164,8 @@ class IndexGroupRuntime:
                 mirror=mirror,
             )
             return
-        if n == 1 and self.cpu_decode_fast_path and meta.is_decode:
-            # A batch-1 decode step: the written host row out of the slot set, in numpy.
-            step = cpu_backend().step_arrays(meta)
-            q, row = step.q, step.host_row
-            if row >= 0 and 0 <= q < step.state.shape[0]:
-                s = int(step.state[q])
-                if 0 <= s < self.hot_index.shape[0]:
-                    held = self._cpu_arrays()["hot_index"][s]
-                    held[held == row] = -1
-                    return
+        if n == 1 and self.cpu_one is not None and self.cpu_one.invalidate_one(meta):
+            return
         self.ops.invalidate_written_slots(
             self.hot_index,
             meta.request_state_indices,
@@ -300,137 +280,8 @@ class IndexGroupRuntime:
         self._span_gather = None
         self._span_checked = False
         self._follower_span = None
-        self._cpu_np = None
-        self._cpu_row_args = {}
-
-    def _cpu_arrays(self) -> dict[str, np.ndarray]:
-        """numpy views (shared memory) of the buffers the compiled decode path reads and
-        writes, and of each layer's host and device rows; made once per binding."""
-        if self._cpu_np is None:
-            arrays = {
-                name: getattr(self, name).numpy()
-                for name in ("hot_index", "lru", "hot_block_table", "physical",
-                             "valid_counts", "swap_src", "swap_dst", "swap_count",
-                             "hit_miss", "totals")
-            }  # fmt: skip
-            pairs: list[tuple[np.ndarray, np.ndarray, int, int] | None] = []
-            for i, ly in enumerate(self.layers):
-                pair = None
-                if ly.host_view is not None and ly.device_view is not None:
-                    host = arrays[f"host{i}"] = np_rows(ly.host_view)
-                    dev = arrays[f"dev{i}"] = np_rows(ly.device_view)
-                    pair = (host, dev, host.shape[0] * host.shape[1], dev.shape[0] * dev.shape[1])
-                pairs.append(pair)
-            self._cpu_pairs = pairs
-            self._cpu_np = arrays
-        return self._cpu_np
-
-    def _cpu_rows(self, s: int, q: int) -> tuple:
-        """What `_cpu_decode_one` passes for state slot ``s`` and query row ``q``, made once
-        per binding: (slot ``s``'s hot block table, held rows and LRU order, block size),
-        the output row, (swap lists, counters, layers), each layer's (name, has host rows,
-        host rows, device rows) (``None``: not bound) and query ``q``'s swap lists."""
-        a = self._cpu_arrays()
-        state = (a["hot_block_table"][s], a["hot_index"][s], a["lru"][s], self.config.block_size)
-        tail = (a["swap_src"], a["swap_dst"], q, a["valid_counts"], a["swap_count"],
-                a["hit_miss"], a["totals"], len(self.layers))  # fmt: skip
-        copies = [
-            (ly.name, ly.host_view is not None, a.get(f"host{i}"), a.get(f"dev{i}"))
-            for i, ly in enumerate(self.layers)
-        ]
-        args = (state, a["physical"][0], tail, copies, a["swap_src"][q], a["swap_dst"][q])
-        self._cpu_row_args[(s, q)] = args
-        return args
-
-    def _cpu_decode_one(self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor) -> bool:
-        """A decode step with one query row on the CPU (`cpu_decode_fast_path`): resolve, count
-        and gather every layer of the group in compiled calls (`CpuBackend.jit`), with the results
-        of `_resolve`, `_count_step` and the layers' `gather_swapped_rows` bit for bit.
-        ``False``: not such a step, or an input the general path must handle (it then runs
-        from the same state)."""
-        fns = cpu_backend().jit()
-        if fns is None or not meta.is_decode or topk.shape[0] != 1 or not topk.is_cpu:
-            return False
-        if self.config.max_query_len < 1 or not self.totals.is_cpu:
-            return False
-        self.check_rows(topk)
-        step = cpu_backend().step_arrays(meta)
-        q, s, S = step.q, step.slot, self.max_num_reqs
-        if s < 0:
-            return False  # padding (the general path only clears the outputs)
-        if s >= S or q >= S or q >= step.source.shape[0]:
-            return False
-        res = step.resident_of(tables)
-        if res is not None and q >= res.shape[0]:
-            return False
-        rows = self._cpu_row_args.get((s, q))
-        if rows is None:
-            rows = self._cpu_rows(s, q)
-        state, out, tail, copies, src, dst = rows
-        source = step.source[q]
-        n_miss = fns.resolve_decode_row(
-            topk.numpy()[0], source, source if res is None else res[q], res is not None,
-            *state, out[: topk.shape[1]], *tail,
-        )  # fmt: skip
-        if n_miss < 0:
-            return False  # nothing was written: the general path starts from the same state
-        if n_miss:
-            for name, has_host, host, dev in copies:
-                if has_host:
-                    assert dev is not None, f"{name}: device view not bound"
-                    fns.copy_rows(host, dev, src, dst, n_miss)
-        for layer in self.layers:
-            layer.mark_ready()
-        return True
-
-    def finish_decode_one_cpu(
-        self, layer: SparseLayerRuntime, meta: StepMetadata, tables: GroupTables
-    ) -> bool:
-        """`CacheHandle.finish_kv_update` of a batch-1 decode step on the CPU
-        (`cpu_decode_fast_path`) in one compiled call (numpy without numba) on views made once
-        per step and binding: the leader's `invalidate_written` of the step's host row and the
-        layer's mirror of its new row (`gather_plan`), the same bytes and hot state. ``False``:
-        not such a step, or an input the general path handles (nothing was done)."""
-        if meta.num_tokens != 1 or not meta.is_decode or not self.cpu_decode_fast_path:
-            return False
-        if meta.host_slot_mapping is None:
-            return True  # nothing written to the host: no invalidation, no mirror
-        step = cpu_backend().step_arrays(meta)
-        row, q, s = step.host_row, step.q, step.slot
-        H = self.hot_index.shape[0]
-        leader = layer is self.layers[0]
-        drop = leader and row >= 0 and 0 <= s < H
-        if leader and row >= 0 and q >= 0 and (q >= step.state.shape[0] or s >= H):
-            return False  # the general path raises the IndexError
-        mirror = (
-            layer.host_view is not None and layer.config.eager_host_mirror and layer.writes_host
-        )
-        copy = False
-        a = self._cpu_arrays()
-        pair = self._cpu_pairs[self.layers.index(layer)] if mirror else None
-        dev_row = -1
-        if mirror:
-            if pair is None:
-                return False  # a view is not bound: the general path fails as before
-            dev_row = step.dev_row_of(tables)
-            copy = row >= 0 and dev_row >= 0
-            if copy and (row >= pair[2] or dev_row >= pair[3]):
-                return False  # out of range: the general path raises
-        else:
-            pair = _NO_PAIR
-        fns = cpu_backend().jit()
-        if fns is not None:
-            fns.finish_decode_row(a["hot_index"], drop, s, row, pair[1], pair[0], dev_row,
-                                  row, copy)  # fmt: skip
-            return True
-        if drop:
-            held = a["hot_index"][s]
-            held[held == row] = -1
-        if copy:
-            host, dev = pair[0], pair[1]
-            hb, db = host.shape[1], dev.shape[1]
-            host[row // hb, row % hb] = dev[dev_row // db, dev_row % db]
-        return True
+        if self.cpu_one is not None:
+            self.cpu_one.forget()
 
     def span_gather_views(self) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """(token-major host span, device views in span order) if one read serves the group.
@@ -512,7 +363,7 @@ class IndexGroupRuntime:
         self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor
     ) -> None:
         """The body of `resolve_and_stage`, on whatever stream is current."""
-        if self.cpu_decode_fast_path and self._cpu_decode_one(meta, tables, topk):
+        if self.cpu_one is not None and self.cpu_one.decode_one(meta, tables, topk):
             return
         self._resolve(
             meta, tables.resident_block_table, topk, self.config.max_query_len, count=True

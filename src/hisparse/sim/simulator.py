@@ -26,9 +26,10 @@ from hisparse.bench.replay import replay_step
 from hisparse.config import HiSparseConfig, HiSparseConfigError
 from hisparse.engine.kv_blocks import KVBlockManager
 from hisparse.engine.model_runner import ModelRunner
+from hisparse.engine.output_processor import OutputProcessor
 from hisparse.engine.request import Request
 from hisparse.engine.sampling import SamplingParams
-from hisparse.engine.scheduler import Scheduler, StopChecker
+from hisparse.engine.scheduler import Scheduler
 from hisparse.engine.setup import default_host_pool_bytes
 from hisparse.engine.step_data import ModelOutput, ScheduledStep
 from hisparse.kv.cache_shapes import PRESETS, load_model_cache_shape
@@ -138,7 +139,7 @@ class Simulator:
             max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens,
             policy=s.schedule,
-            stops=StopChecker(None, set(), s.max_model_len),
+            stops=OutputProcessor(None, set(), s.max_model_len),
         )
         sparse = [sp for sp in self.specs if sp.kind is CacheKind.SPARSE_MLA]
         leaders = [sp.name for sp in sparse if sp.index_leader == sp.name]

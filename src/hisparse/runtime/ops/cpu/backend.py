@@ -73,6 +73,31 @@ class CpuBackend:
         return self._fns
 
     @staticmethod
+    def token_row(table: torch.Tensor, position: int, block_size: int) -> torch.Tensor:
+        """The ``[1]`` int32 pool row of token ``position`` of a batch-1 step's request
+        through its block-table row ``table[0]`` (``-1``: no page), from Python ints: a dozen
+        tables a step, five small torch ops each otherwise."""
+        page, offset = divmod(position, block_size)
+        blk = int(table.numpy()[0, page])
+        return torch.tensor([blk * block_size + offset if blk > 0 else -1], dtype=torch.int32)
+
+    def resident_rows_compiled(
+        self, logical_topk: torch.Tensor, req: torch.Tensor, table: torch.Tensor, block_size: int
+    ) -> torch.Tensor | None:
+        """`CacheHandle.resident_rows` in one compiled call (`resident_rows` kernel: a
+        prefill's ``[T, top_k]`` lookup in a dozen passes of torch ops fewer); ``None``
+        without numba or where an entry is not resident (the torch path then raises)."""
+        fns = self.jit()
+        if fns is None:
+            return None
+        out = torch.empty(logical_topk.shape, dtype=torch.int32)
+        ok = fns.resident_rows(
+            logical_topk.contiguous().numpy(), req.contiguous().numpy(),
+            table.contiguous().numpy(), block_size, out.numpy(),
+        )  # fmt: skip
+        return out if ok else None
+
+    @staticmethod
     def parts() -> int:
         """How many threads a compiled prefill kernel deals its tokens to (numba's parallel
         loop, set here): torch's CPU thread count. numba's OpenMP layer binds to the OpenMP
