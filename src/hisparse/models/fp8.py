@@ -198,3 +198,26 @@ def quantize_weight(w: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, 
         scale = ceil_pow2(scale)
     q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(*lead, nt * BLOCK, kt * BLOCK)[..., :n, :k].contiguous(), scale
+
+
+def grouped_block_gemm(
+    qa: torch.Tensor,
+    sa: torch.Tensor,
+    experts: torch.Tensor,
+    qw: torch.Tensor,
+    sw: torch.Tensor,
+    *,
+    a_div: int = 1,
+    row_offset: int = 0,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``[P, N]``: row ``p`` is `block_gemm` of activation row ``p // a_div`` against expert
+    ``experts[p]``'s weight (``qw [E, N, K]``, ``sw [E, Nt, Kt]``): the grouped GEMM of a MoE
+    whose (token, expert) pairs are ``experts`` (``[P]``, a token's ``a_div`` choices in a
+    row)."""
+    out = torch.empty(experts.numel(), qw.shape[1], dtype=out_dtype, device=qa.device)
+    for e in experts.unique().tolist():
+        pairs = (experts == e).nonzero().squeeze(1)
+        rows = pairs // a_div
+        out[pairs] = block_gemm(qa[rows], sa[rows], qw[e], sw[e], row_offset, out_dtype)
+    return out
