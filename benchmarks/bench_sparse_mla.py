@@ -50,21 +50,13 @@ CONFIGS = [
     smt.DecodeConfig(64, 64, 8, 2),
     smt.DecodeConfig(64, 64, 8, 1),
     smt.DecodeConfig(64, 32, 8, 2),
-    smt.DecodeConfig(16, 32, 4, 2, kernel="tiled"),
-    smt.DecodeConfig(64, 32, 8, 2, kernel="tiled"),
-    smt.DecodeConfig(64, 32, 8, 2, scale_on_k=True, kernel="tiled"),  # fp8 only
+    smt.DecodeConfig(16, 32, 4, 2),
 ]
 PREFILL_TOKENS = 2048
 
 
-def _skip(cfg: smt.DecodeConfig, fmt: str) -> bool:
-    return cfg.scale_on_k and fmt != "fp8_ds_mla"
-
-
 def _label(cfg: smt.DecodeConfig) -> str:
-    tag = "W" if cfg.kernel == "wide" else "T"
-    tag += "k" if cfg.scale_on_k else ""
-    return f"{tag}{cfg.block_h},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}"
+    return f"{cfg.block_h},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}"
 
 
 def _warm_one(job: tuple[str, dict]) -> str:
@@ -93,7 +85,7 @@ def precompile(configs: list[smt.DecodeConfig], workers: int = 12) -> None:
     import concurrent.futures as cf
     import multiprocessing as mp
 
-    jobs = [(f, c.__dict__) for f in ("fp8_ds_mla", "bf16") for c in configs if not _skip(c, f)]
+    jobs = [(f, c.__dict__) for f in ("fp8_ds_mla", "bf16") for c in configs]
     t0 = time.time()
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
         for line in ex.map(_warm_one, jobs):
@@ -202,8 +194,6 @@ def bench_case(
     )
     per_config = []
     for cfg in configs:
-        if _skip(cfg, fmt):
-            continue
         entry: dict = {
             "config": cfg.__dict__, "label": _label(cfg),
             "splits": smt.num_splits_for(t, H, K, cfg, DEV),
@@ -449,7 +439,7 @@ def main() -> None:
 
     print(
         f"\nsparse MLA decode, H={H}, top_k={K}, bf16 q; HBM copy {copy_gbs:.0f} GB/s "
-        f"(100% = that), matmul {mm_tflops:.0f} TFLOP/s; W = wide kernel, T = tiled"
+        f"(100% = that), matmul {mm_tflops:.0f} TFLOP/s; tile shape block_h,block_n,warps,stages"
     )
     if args.sweep:  # every shape, µs (graph replay); * = failed the reference check
         labels = [_label(c) for c in configs]

@@ -93,27 +93,25 @@ def _poison_empty(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "empty", poisoned)
 
 
-@pytest.mark.parametrize("kernel", ["wide", "tiled"])
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_matches_reference(kernel: str, fmt: str, dtype: torch.dtype, splits: int) -> None:
-    seed = 10 * (fmt == "bf16") + 5 * (dtype == torch.bfloat16) + splits + 20 * (kernel == "wide")
-    cfg = smt.DecodeConfig(4, 8, kernel=kernel)
+def test_decode_matches_reference(fmt: str, dtype: torch.dtype, splits: int) -> None:
+    seed = 10 * (fmt == "bf16") + 5 * (dtype == torch.bfloat16) + splits + 20
+    cfg = smt.DecodeConfig(4, 8)
     _run(fmt, 3, 4, 32, dtype, seed, num_splits=splits, config=cfg)
 
 
-@pytest.mark.parametrize("kernel", ["wide", "tiled"])
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16"])
-def test_decode_rows_not_16_byte_aligned(kernel: str, fmt: str) -> None:
+def test_decode_rows_not_16_byte_aligned(fmt: str) -> None:
     """Row strides off the 16-byte grid (4 bytes of padding) take the unhinted loads."""
-    cfg = smt.DecodeConfig(4, 8, kernel=kernel)
+    cfg = smt.DecodeConfig(4, 8)
     _run(fmt, 3, 4, 32, torch.float32, 90 + (fmt == "bf16"), pad=4, num_splits=2, config=cfg)
 
 
 def test_wide_kernel_head_block_wider_than_heads() -> None:
     """Heads padded inside a block (5 of 8) and a top-k not a multiple of the row tile."""
-    cfg = smt.DecodeConfig(8, 16, kernel="wide")
+    cfg = smt.DecodeConfig(8, 16)
     _run("fp8_ds_mla", 2, 5, 37, torch.float32, 71, num_splits=2, config=cfg)
 
 
@@ -128,13 +126,6 @@ def test_decode_random_shapes(seed: int) -> None:
     _run(fmt, t, h, k, torch.float32, seed)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_fp8_scale_on_k_variant(dtype: torch.dtype) -> None:
-    """The tiled kernel's variant that dequantises the K tile before the dots (same function)."""
-    cfg = smt.DecodeConfig(4, 8, scale_on_k=True, kernel="tiled")
-    _run("fp8_ds_mla", 3, 4, 32, dtype, 61, num_splits=2, config=cfg)
-
-
 def test_more_splits_than_tiles_gives_empty_splits() -> None:
     """A split past the last index contributes nothing (lse -inf), not NaN."""
     _run("fp8_ds_mla", 2, 3, 9, torch.float32, 77, num_splits=4, config=smt.DecodeConfig(4, 8))
@@ -146,20 +137,19 @@ def test_poisoned_outputs_are_overwritten(monkeypatch: pytest.MonkeyPatch) -> No
     _poison_empty(monkeypatch)
     for splits in (1, 2):
         _run("bf16", 3, 4, 16, torch.float32, 90 + splits, num_splits=splits)
-    cfg = smt.DecodeConfig(4, 8, kernel="tiled")
+    cfg = smt.DecodeConfig(4, 8)
     _run("fp8_ds_mla", 3, 4, 16, torch.float32, 95, num_splits=2, config=cfg)
 
 
-@pytest.mark.parametrize("kernel", ["wide", "tiled"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_tokens_past_the_grid_limit_run_in_slices(
-    kernel: str, splits: int, monkeypatch: pytest.MonkeyPatch
+    splits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """More tokens than grid axis 1 takes (CUDA: 65535; lowered to 2 here) run as launches
     over token slices, partials and combine included: every element written (NaN-poisoned
     allocations), bit-equal to one launch over all tokens, and the reference's (in `_run`);
     q head-major there, as the model's einsum gives it (slices of a strided view)."""
-    cfg = smt.DecodeConfig(4, 8, kernel=kernel)
+    cfg = smt.DecodeConfig(4, 8)
     args = ("fp8_ds_mla", 5, 3, 24, torch.float32, 130 + splits)
     whole = _run(*args, num_splits=splits, config=cfg)
     launches: list[list[tuple[int, int]]] = []
@@ -173,13 +163,11 @@ def test_tokens_past_the_grid_limit_run_in_slices(
 
 
 def test_split_heuristic() -> None:
-    """Wide kernel: one split once the batch fills the SMs (no partials), many at batch 1."""
+    """One split once the batch fills the SMs (no partials), many at batch 1."""
     cfg = smt.DecodeConfig()
     cpu = torch.device("cpu")  # 4 SMs assumed off-GPU
     assert smt.num_splits_for(64, 128, 2048, cfg, cpu) == 1
     assert smt.num_splits_for(1, 128, 2048, cfg, cpu) > 1
-    with pytest.raises(ValueError, match="kernel"):
-        smt.DecodeConfig(kernel="bogus")
 
 
 def test_dispatch_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

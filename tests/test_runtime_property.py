@@ -386,7 +386,8 @@ class RuntimeMachine(RuleBasedStateMachine):
         return values + [0] * (self.NB - len(values))
 
     def _warm_start(self, req: Req, rng: random.Random) -> None:
-        """Seed the hot buffer from the prompt's last selection (every page resident)."""
+        """Seed the hot buffer from the prompt's last selection, from the host pool (the
+        engine's warm start: `IndexGroupRuntime.warm_start_from_host`)."""
         for page in range(len(req.blocks)):
             self._make_resident(req, page)
         rows = rng.randint(1, self.mql)
@@ -406,16 +407,16 @@ class RuntimeMachine(RuleBasedStateMachine):
             slot_mapping=torch.full((rows,), -1, dtype=torch.int32),
         )
         self.handles[0].prepare_group_for_batch(meta, tables)
-        self.handles[0].warm_start(int32s(topk))
+        self.handles[0].runtime.group.warm_start_from_host(meta, int32s(topk))
         want = self.model.resolve(topk, [0] * rows, [req.slot], src_bt, None, self.gen)
         bs = self.bs
         for i, row in enumerate(topk):
             for j, p in enumerate(row):
                 if p < 0:
                     continue
-                src = res_bt[0][p // bs] * bs + p % bs
+                src = src_bt[0][p // bs] * bs + p % bs
                 for m in self.mem:
-                    m.put(m.dev, want.physical[i][j], m.get(m.dev, src))
+                    m.put(m.dev, want.physical[i][j], m.get(m.host, src))
         req.recent = [p for row in topk for p in row if p >= 0]
 
     def _selection(self, req: Req, visible: int, rng: random.Random, k: int) -> list[int]:

@@ -7,9 +7,9 @@ bad value fails at start with a message that names the field and a value that wo
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from hisparse import envs
 from hisparse.validation import HiSparseConfigError as HiSparseConfigError  # re-exported
 from hisparse.validation import HiSparseTypeError as HiSparseTypeError
 from hisparse.validation import check_bool, check_choice, check_int
@@ -23,18 +23,16 @@ MAX_BLOCK_SIZE = 4096
 ROW_ALIGNMENT_BYTES = 16
 #: `HiSparseConfig.offload`: when a request's older pages leave the GPU
 OFFLOAD_POLICIES = ("always", "under_pressure")
-#: The policy when `HiSparseConfig.offload` is unset; the environment variable of this name
-#: overrides it (the CPU test suite sets "always" so its lossless tests read through the hot
-#: buffers even where the GPU pool has room).
-OFFLOAD_ENV = "HISPARSE_OFFLOAD"
+#: The policy when `HiSparseConfig.offload` is unset; ``$HISPARSE_OFFLOAD`` overrides it.
 DEFAULT_OFFLOAD = "under_pressure"
 
 
 def default_offload() -> str:
     """`DEFAULT_OFFLOAD`, or the policy ``$HISPARSE_OFFLOAD`` names (checked)."""
-    value = os.environ.get(OFFLOAD_ENV) or DEFAULT_OFFLOAD
-    check_choice(OFFLOAD_ENV, value, OFFLOAD_POLICIES)
-    return value
+    try:
+        return envs.value("HISPARSE_OFFLOAD") or DEFAULT_OFFLOAD
+    except ValueError as err:
+        raise HiSparseConfigError(str(err)) from None
 
 
 def check_gib(name: str, value: float) -> None:

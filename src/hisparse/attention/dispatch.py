@@ -11,10 +11,9 @@ machines without Triton fall back to the reference.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from hisparse import envs
 from hisparse.attention.gqa_indexer_reference import (
     GqaIndexerConfig,
     GqaIndexerFormat,
@@ -31,13 +30,9 @@ from hisparse.kv.row_formats import IndexerCacheFormat, MlaFormat
 
 
 def env_backend(var: str, device: torch.device) -> str:
-    """``triton`` or ``reference`` for tensors on ``device``, as ``var`` decides."""
-    choice = os.environ.get(var, "auto")
-    if choice not in ("auto", "reference", "triton"):
-        raise ValueError(f"{var}={choice!r}: use 'auto', 'reference' or 'triton'.")
-    if choice == "auto":
-        return "triton" if device.type == "cuda" else "reference"
-    return choice
+    """``triton`` or ``reference`` for tensors on ``device``, as ``var`` decides
+    (`hisparse.envs`)."""
+    return envs.backend(var, device.type)
 
 
 def _attention_backend(device: torch.device) -> str:
@@ -81,10 +76,7 @@ def _use_gluon_mla(
 ) -> bool:
     """Whether the Gluon sparse MLA kernel takes this call (``HISPARSE_MLA_KERNEL`` decides:
     ``auto``, the default, where it runs and is faster; ``triton`` never)."""
-    choice = os.environ.get("HISPARSE_MLA_KERNEL", "auto")
-    if choice not in ("auto", "triton"):
-        raise ValueError(f"HISPARSE_MLA_KERNEL={choice!r}: use 'auto' or 'triton'.")
-    if choice == "triton" or q_latent.device.type != "cuda":
+    if envs.value("HISPARSE_MLA_KERNEL") == "triton" or q_latent.device.type != "cuda":
         return False
     from hisparse.attention import sparse_mla_gluon as smg
     from hisparse.kv.row_formats import mla_format_name

@@ -25,8 +25,6 @@ reference. `usable` says where the dispatch in `indexer_triton` takes it.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -39,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from hisparse import envs
 from hisparse.attention.sparse_mla_gluon import supported
 from hisparse.attention.topk_triton import GroupMaxima
 from hisparse.kv.row_formats import IndexerCacheFormat
@@ -85,11 +84,8 @@ def usable(
     """fp8 pages on sm_90 that this kernel takes: 128 dims, at most 128 heads, page tiles, and
     a page layout a TMA descriptor can address (16-byte aligned base and stride).
     ``HISPARSE_INDEXER_KERNEL``: ``auto`` (the default) takes it there, ``triton`` never."""
-    choice = os.environ.get("HISPARSE_INDEXER_KERNEL", "auto")
-    if choice not in ("auto", "triton"):
-        raise ValueError(f"HISPARSE_INDEXER_KERNEL={choice!r}: use 'auto' or 'triton'.")
     return (
-        choice == "auto"
+        envs.value("HISPARSE_INDEXER_KERNEL") == "auto"
         and fmt.kind == "fp8"
         and page_tiles
         and fmt.head_dim == HEAD_DIM

@@ -12,23 +12,20 @@ With one split the first kernel writes the final output directly (no partial tra
 prefill chunk of more than 65535 tokens (CUDA's grid axis 1 limit) runs as several launches
 over slices of its tokens (`triton_split.grid_slices`); token offsets are int64 in the kernel.
 
-Two kernels share that grid. The default, `_sparse_mla_wide_kernel`, stages whole
+The kernel, `_sparse_mla_wide_kernel`, stages whole
 ``[BLOCK_N, 512]`` latent tiles (64 heads x 64 rows, 8 warps, 2 stages: 221 KB of shared
 memory, one program per SM), so the scores are one ``K = 512`` dot plus the RoPE dot and the
 values one ``N = 512`` dot; fp8 rows are dequantised to bf16 (``bf16(k8 * scale)``, as
-FlashMLA does) once per row for the 64 heads. H200 2026-11-30: 196 / 750 µs (bf16 rows) and
-217 / 826 µs (fp8) at 64 / 256 tokens, 1.5-2.3x the tiled kernel. Triton gives a chained
-score dot ``[8, 1]`` warps, so both warpgroups compute the same 64-head score tile: 1.53x
-the useful matrix work, which with the serial score -> softmax -> value order caps it at
-~28 % of the matrix-product rate. The tiled kernel (`_sparse_mla_decode_kernel`) below
-keeps the fp8 scales exact (lse error 3e-6 instead of ~3e-3).
+FlashMLA does) once per row for the 64 heads. Triton gives a chained score dot ``[8, 1]``
+warps, so both warpgroups compute the same 64-head score tile: more matrix work than the
+scores need (docs/benchmarks.md, the sparse MLA kernel). A kernel of four 128-wide tiles that
+kept the fp8 scales exact measured slower and was removed.
 
 Row decoding happens in the kernel, on the same bytes `row_formats` writes:
 
-- ``fp8_ds_mla``: the latent is four 128-wide e4m3 tiles with one fp32 scale each. The e4m3
-  values go to the tensor cores as bf16 (exact), and the scales are applied to what the tile
-  produces instead of to the 128 values: ``s += (q_j · k8_j) * scale_j`` for the scores and
-  ``acc_j += (p * scale_j) · v8_j`` for the values (the same products, reassociated).
+- ``fp8_ds_mla``: the latent is four 128-wide e4m3 tiles with one fp32 scale each, each value
+  dequantised to bf16 (``bf16(k8 * scale)``) as it is staged, then used by the dots like a
+  bf16 row (the rounding puts the log-sum-exp within ~1e-3 of the exact one).
 - ``bf16``: latent and RoPE read as bf16.
 
 Numerics: dots take bf16 operands (q, the rows, and the probabilities ``p``) and accumulate in
@@ -71,31 +68,14 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tile shape of the decode kernel (benchmarks sweep these; `default_config` picks one).
-
-    ``kernel="wide"`` (default) runs `_sparse_mla_wide_kernel`: whole 512-wide latent tiles,
-    fp8 rows dequantised to bf16 (``bf16(k8 * scale)``) before the dots. ``kernel="tiled"``
-    runs the four-tile kernel, which can keep the fp8 scales exact (``scale_on_k=False``).
-    """
+    """Tile shape of the decode kernel (benchmarks sweep these; `default_config` picks one):
+    whole 512-wide latent tiles, fp8 rows dequantised to bf16 (``bf16(k8 * scale)``) before
+    the dots."""
 
     block_h: int = 64
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
-    #: fp8 rows, tiled kernel only: dequantise the K tile (``k8 * scale`` rounded to bf16) and
-    #: chain the dots instead of scaling the tile's products (exact); the wide kernel always
-    #: dequantises.
-    scale_on_k: bool = False
-    kernel: str = "wide"
-
-    def __post_init__(self) -> None:
-        if self.kernel not in ("wide", "tiled"):
-            raise ValueError(f"DecodeConfig.kernel={self.kernel!r}: use 'wide' or 'tiled'")
-
-    @property
-    def rounds_fp8_scale(self) -> bool:
-        """Whether fp8 rows are dequantised to bf16 before the dots (lse error ~1e-3)."""
-        return self.kernel == "wide" or self.scale_on_k
 
 
 def default_config(num_tokens: int, num_heads: int) -> DecodeConfig:
@@ -116,162 +96,6 @@ def supports(q_latent: Tensor, q_rope: Tensor, kv_cache: Tensor, row_format: Mla
         and kv_cache.stride(2) == 1
         and kv_cache.shape[2] == mla_row_bytes(name, LATENT_DIM, ROPE_DIM)
     )
-
-
-@triton.jit
-def _load_tile(base_ptr, rows, col0, valid, TILE: tl.constexpr, DOT: tl.constexpr):
-    """``[BLOCK_N, TILE]`` values at element ``col0`` of each row (masked rows read 0)."""
-    cols = col0 + tl.arange(0, TILE)
-    ptrs = base_ptr + rows[:, None] + cols[None, :]
-    return tl.load(ptrs, mask=valid[:, None], other=0.0).to(DOT)
-
-
-@triton.jit
-def _sparse_mla_decode_kernel(
-    q_lat_ptr,
-    q_rope_ptr,
-    lat_ptr,  # latent view: e4m3 (fp8 rows) or bf16 (bf16 rows)
-    scale_ptr,  # fp32 view of the rows (fp8 only; unused for bf16)
-    rope_ptr,  # bf16 view of the rows
-    idx_ptr,
-    out_ptr,
-    lse_ptr,
-    sm_scale_log2,
-    num_heads,
-    top_k,
-    block_size,
-    split_len,
-    s_ql_t,
-    s_ql_h,
-    s_qr_t,
-    s_qr_h,
-    s_lat_b,
-    s_lat_r,
-    s_sc_b,
-    s_sc_r,
-    s_rp_b,
-    s_rp_r,
-    s_idx_t,
-    s_o_t,
-    s_o_h,
-    s_o_s,
-    s_l_t,
-    s_l_h,
-    s_l_s,
-    IS_FP8: tl.constexpr,
-    SCALE_ON_K: tl.constexpr,
-    SC_OFF: tl.constexpr,  # fp32 element of the first scale within a row
-    RP_OFF: tl.constexpr,  # bf16 element of the RoPE part within a row
-    ALIGNED: tl.constexpr,  # rows start 16-byte aligned: scales and RoPE load 16 bytes at once
-    TILE: tl.constexpr,
-    R: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    hb = tl.program_id(0)  # fastest: the head blocks of one (token, split) read the same rows
-    t = tl.program_id(1).to(tl.int64)
-    sp = tl.program_id(2)
-
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < num_heads
-    hq = heads.to(tl.int64)[:, None]  # q may be head-major (an einsum's output): int64
-    d = tl.arange(0, TILE)
-    r = tl.arange(0, R)
-    ql = q_lat_ptr + t * s_ql_t + hq * s_ql_h + d[None, :]
-    q0 = tl.load(ql, mask=hmask[:, None], other=0.0).to(DOT)
-    q1 = tl.load(ql + TILE, mask=hmask[:, None], other=0.0).to(DOT)
-    q2 = tl.load(ql + 2 * TILE, mask=hmask[:, None], other=0.0).to(DOT)
-    q3 = tl.load(ql + 3 * TILE, mask=hmask[:, None], other=0.0).to(DOT)
-    qrp = q_rope_ptr + t * s_qr_t + hq * s_qr_h + r[None, :]
-    qr = tl.load(qrp, mask=hmask[:, None], other=0.0).to(DOT)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, TILE], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, TILE], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, TILE], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, TILE], tl.float32)
-
-    start = sp * split_len
-    end = tl.minimum(start + split_len, top_k)
-    for n0 in range(start, end, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + t * s_idx_t + offs, mask=offs < end, other=-1)
-        valid = idx >= 0
-        safe = tl.where(valid, idx, 0).to(tl.int64)
-        blk = safe // block_size
-        off = safe % block_size
-        lat_rows = blk * s_lat_b + off * s_lat_r
-        rp_rows = blk * s_rp_b + off * s_rp_r + RP_OFF
-        if ALIGNED:
-            rp_rows = tl.multiple_of(rp_rows, 8)
-
-        k0 = _load_tile(lat_ptr, lat_rows, 0, valid, TILE, DOT)
-        k1 = _load_tile(lat_ptr, lat_rows, TILE, valid, TILE, DOT)
-        k2 = _load_tile(lat_ptr, lat_rows, 2 * TILE, valid, TILE, DOT)
-        k3 = _load_tile(lat_ptr, lat_rows, 3 * TILE, valid, TILE, DOT)
-        kr_ptrs = rope_ptr + rp_rows[:, None] + r[None, :]
-        kr = tl.load(kr_ptrs, mask=valid[:, None], other=0.0).to(DOT)
-
-        s = tl.dot(qr, tl.trans(kr), input_precision=PRECISION)
-        if IS_FP8:
-            sc_rows = scale_ptr + blk * s_sc_b + off * s_sc_r + SC_OFF
-            c0 = tl.load(sc_rows, mask=valid, other=0.0)
-            c1 = tl.load(sc_rows + 1, mask=valid, other=0.0)
-            c2 = tl.load(sc_rows + 2, mask=valid, other=0.0)
-            c3 = tl.load(sc_rows + 3, mask=valid, other=0.0)
-            if SCALE_ON_K:
-                k0 = (k0.to(tl.float32) * c0[:, None]).to(DOT)
-                k1 = (k1.to(tl.float32) * c1[:, None]).to(DOT)
-                k2 = (k2.to(tl.float32) * c2[:, None]).to(DOT)
-                k3 = (k3.to(tl.float32) * c3[:, None]).to(DOT)
-        if IS_FP8 and not SCALE_ON_K:
-            s += tl.dot(q0, tl.trans(k0), input_precision=PRECISION) * c0[None, :]
-            s += tl.dot(q1, tl.trans(k1), input_precision=PRECISION) * c1[None, :]
-            s += tl.dot(q2, tl.trans(k2), input_precision=PRECISION) * c2[None, :]
-            s += tl.dot(q3, tl.trans(k3), input_precision=PRECISION) * c3[None, :]
-        else:
-            s = tl.dot(q0, tl.trans(k0), s, input_precision=PRECISION)
-            s = tl.dot(q1, tl.trans(k1), s, input_precision=PRECISION)
-            s = tl.dot(q2, tl.trans(k2), s, input_precision=PRECISION)
-            s = tl.dot(q3, tl.trans(k3), s, input_precision=PRECISION)
-        s = tl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-        acc0 = acc0 * alpha[:, None]
-        acc1 = acc1 * alpha[:, None]
-        acc2 = acc2 * alpha[:, None]
-        acc3 = acc3 * alpha[:, None]
-        if IS_FP8 and not SCALE_ON_K:
-            acc0 = tl.dot((p * c0[None, :]).to(DOT), k0, acc0, input_precision=PRECISION)
-            acc1 = tl.dot((p * c1[None, :]).to(DOT), k1, acc1, input_precision=PRECISION)
-            acc2 = tl.dot((p * c2[None, :]).to(DOT), k2, acc2, input_precision=PRECISION)
-            acc3 = tl.dot((p * c3[None, :]).to(DOT), k3, acc3, input_precision=PRECISION)
-        else:
-            pd = p.to(DOT)
-            acc0 = tl.dot(pd, k0, acc0, input_precision=PRECISION)
-            acc1 = tl.dot(pd, k1, acc1, input_precision=PRECISION)
-            acc2 = tl.dot(pd, k2, acc2, input_precision=PRECISION)
-            acc3 = tl.dot(pd, k3, acc3, input_precision=PRECISION)
-
-    # Normalise; a head that saw no valid row gets out 0 and lse -inf.
-    has = l_i > 0
-    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
-    tl.store(lse_ptr + t * s_l_t + sp * s_l_s + heads * s_l_h, lse, mask=hmask)
-    o = out_ptr + t * s_o_t + sp * s_o_s + heads[:, None] * s_o_h + d[None, :]
-    odt = out_ptr.dtype.element_ty
-    tl.store(o, (acc0 * inv[:, None]).to(odt), mask=hmask[:, None])
-    tl.store(o + TILE, (acc1 * inv[:, None]).to(odt), mask=hmask[:, None])
-    tl.store(o + 2 * TILE, (acc2 * inv[:, None]).to(odt), mask=hmask[:, None])
-    tl.store(o + 3 * TILE, (acc3 * inv[:, None]).to(odt), mask=hmask[:, None])
 
 
 @triton.jit
@@ -411,23 +235,16 @@ def num_splits_for(
 ) -> int:
     """Splits over top-k for the (token, head block) programs.
 
-    Wide kernel: its shared memory (q plus the staged rows, 130-220 KB) allows one program
-    per SM, so the splits fill one wave: the most that keep every (token, head block, split)
-    program on an SM of its own, at most one per tile. A second wave costs a whole program's
-    time and every split writes a 128-head fp32 partial for the combine to read (H200,
-    `bench_sparse_mla.py --splits`, µs of kernel and combine at 1 / 8 / 29 / 64 tokens: one
-    wave of 32 / 8 / 2 / 1 splits 16.7 / 37.4 / 113.1 / 216.0; the earlier makespan rule's
-    16 / 8 / 11 / 1 splits 20.8 / 37.4 / 155.3 / 216.0). Tiled kernel: enough programs for ~2
-    waves, each split at least 2 tiles long (several of its programs share an SM).
+    The kernel's shared memory (q plus the staged rows) allows one program per SM, so the
+    splits fill one wave: the most that keep every (token, head block, split) program on an
+    SM of its own, at most one per tile. A second wave costs a whole program's time and every
+    split writes a 128-head fp32 partial for the combine to read (`bench_sparse_mla.py
+    --splits` measured the two rules).
     """
     head_blocks = triton.cdiv(num_heads, cfg.block_h)
     programs = max(1, num_tokens * head_blocks)
     tiles = max(1, triton.cdiv(top_k, cfg.block_n))
-    sms = num_sms(device)
-    if cfg.kernel == "tiled":
-        want = triton.cdiv(2 * sms, programs)
-        return max(1, min(want, triton.cdiv(tiles, 2)))
-    return max(1, min(tiles, sms // programs))
+    return max(1, min(tiles, num_sms(device) // programs))
 
 
 def decode_operands(q_latent: Tensor, q_rope: Tensor, indices: Tensor) -> tuple[Tensor, ...]:
@@ -510,18 +327,11 @@ def sparse_mla_decode_triton(
             rope_view.stride(0), rope_view.stride(1), indices.stride(0),
             so[0], so[1], so[2], sl[0], sl[1], sl[2],
         )  # fmt: skip
-        if cfg.kernel == "wide":
-            last_compiled[0] = _sparse_mla_wide_kernel[grid](
-                *common, IS_FP8=is_fp8, SC_OFF=sc_off, RP_OFF=rp_off, ALIGNED=aligned,
-                C=LATENT_DIM, TILE=_TILE, R=ROPE_DIM, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-                **dot, **launch,
-            )  # fmt: skip
-        else:
-            last_compiled[0] = _sparse_mla_decode_kernel[grid](
-                *common, IS_FP8=is_fp8, SCALE_ON_K=cfg.scale_on_k and is_fp8,
-                SC_OFF=sc_off, RP_OFF=rp_off, ALIGNED=aligned, TILE=_TILE, R=ROPE_DIM,
-                BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, **dot, **launch,
-            )  # fmt: skip
+        last_compiled[0] = _sparse_mla_wide_kernel[grid](
+            *common, IS_FP8=is_fp8, SC_OFF=sc_off, RP_OFF=rp_off, ALIGNED=aligned,
+            C=LATENT_DIM, TILE=_TILE, R=ROPE_DIM, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+            **dot, **launch,
+        )  # fmt: skip
     if splits > 1:
         combine_splits(o_buf, l_buf, out, lse)
     return out, lse

@@ -12,11 +12,11 @@ a decode step. A prefill step reads its earlier tokens through the prefill stagi
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 
 import torch
 
+from hisparse import envs
 from hisparse.config import ResolvedHiSparseConfig
 from hisparse.engine.host_copy import host_tensor, to_device
 from hisparse.engine.kv_blocks import KVBlockManager, KVCapacityError, RequestBlocks, TableUpdate
@@ -33,7 +33,7 @@ def _poison(pool: torch.Tensor) -> None:
     on the CPU only with ``HISPARSE_POISON=1`` (the test suite sets it). On the CPU the fill
     touches every page of the pool, so it cost seconds of start-up (3-4 s for the default
     1 GiB on a 2-core machine) and committed the whole pool's memory."""
-    if pool.device.type != "cpu" or os.environ.get("HISPARSE_POISON") == "1":
+    if pool.device.type != "cpu" or envs.value("HISPARSE_POISON"):
         pool.fill_(255)
 
 

@@ -7,12 +7,12 @@ runs as CUDA graphs on CUDA unless a part of the step cannot be captured.
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
 import torch
 
+from hisparse import envs
 from hisparse.config import HiSparseConfigError, cdiv
 from hisparse.kv.host_pool import MAX_AVAILABLE_FRACTION, available_host_bytes
 from hisparse.kv.specs import CacheKind
@@ -74,7 +74,7 @@ def capture_blockers(device: torch.device, indexer: str) -> list[str]:
     if not has_capability(ops_for(device), "CUDA_GRAPH_CAPTURABLE"):
         out.append("the data-plane ops are not the Triton kernels (HISPARSE_OPS, or no Triton)")
     for var in ("HISPARSE_INDEXER", "HISPARSE_ATTENTION"):
-        if os.environ.get(var) == "reference":
+        if envs.value(var) == "reference":
             out.append(f"{var}=reference")
     if indexer == "quest":
         out.append("indexer='quest' reads page bounds on the host")

@@ -56,10 +56,6 @@ class PagedViewSpec:
         """True when one block's rows form one dense ``block_size * row_bytes`` span."""
         return self.row_stride == self.row_bytes
 
-    def row_offset(self, block: int, token: int) -> int:
-        """Byte offset in the pool of the row of token ``token`` of block ``block``."""
-        return self.offset + block * self.block_stride + token * self.row_stride
-
     def view(self, raw: torch.Tensor) -> torch.Tensor:
         """The ``[num_blocks, block_size, row_bytes]`` uint8 view of this layer in ``raw``.
 

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hisparse import envs
+
 #: Seconds a collective of a step (or of start-up) may wait for the other ranks.
 TIMEOUT_ENV = "HISPARSE_TP_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
@@ -49,16 +51,8 @@ class TensorParallelError(RuntimeError):
 
 
 def timeout_s() -> float:
-    text = os.environ.get(TIMEOUT_ENV)
-    if not text:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={text!r} must be a number of seconds") from None
-    if not value > 0:
-        raise ValueError(f"{TIMEOUT_ENV}={text!r} must be positive")
-    return value
+    """``$HISPARSE_TP_TIMEOUT`` (`hisparse.envs`), or `DEFAULT_TIMEOUT_S`."""
+    return envs.value(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S
 
 
 def torchrun_env() -> dict[str, int] | None:

@@ -15,7 +15,6 @@ import torch
 from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.ops import cpu_backend, has_capability
 from hisparse.runtime.sparse_layer import SparseLayerRuntime, prefix_rows
-from hisparse.runtime.staging import PrefillStagingPlan
 
 
 class CacheHandle:
@@ -182,20 +181,3 @@ class CacheHandle:
                 "resident: stage the prefill's pages (PrefillStaging) instead."
             )
         return physical
-
-    def warm_start(self, logical_topk: torch.Tensor) -> None:
-        """Leader: seed the hot buffers from a finished prefill's last-token selection."""
-        meta, tables = self._step()
-        if not self.runtime.is_leader:
-            raise RuntimeError("warm_start is issued by the index-group leader")
-        if self.runtime.host_view is None:
-            return
-        self.runtime.group.warm_start(meta, tables, logical_topk)
-
-    def prefill_cache(self, plan: PrefillStagingPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """(paged cache, block table) holding every row a prefill step's requests reference."""
-        _meta, tables = self._step()
-        if self.runtime.host_view is None:
-            assert self.runtime.device_view is not None
-            return self.runtime.device_view, tables.resident_block_table
-        return plan.stage(self.runtime, tables.resident_block_table), plan.block_table

@@ -12,7 +12,6 @@ stream, in program order (`IndexGroupRuntime.inline_swap_in`).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -78,16 +77,6 @@ class IndexGroupRuntime:
         #: where it does not apply; computed on first use after the views were (re)bound.
         self._span_gather: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         self._span_checked = False
-        #: The followers' part of the span (a contiguous sub-span when the leader's rows sit
-        #: at either end of a token's span) and their device views; ``None``: no split.
-        self._follower_span: tuple[torch.Tensor, list[torch.Tensor]] | None = None
-        #: ``True``: decode gathers the leader's own rows first (its attention waits only for
-        #: them), then the followers' spans. Off by default: it measured slower than one read
-        #: of the whole span (docs/benchmarks.md, "bench_overlap.py after the new resolve"):
-        #: two reads (one of 656 B rows) cost more than the earlier start wins.
-        self.leader_first = False
-        #: ``True``: a group of one still swaps in on the copy stream (see `inline_swap_in`).
-        self.side_stream_for_one = os.environ.get("HISPARSE_SIDE_STREAM_FOR_ONE", "0") == "1"
 
     @property
     def ops(self) -> Any:
@@ -115,10 +104,8 @@ class IndexGroupRuntime:
         issuing its gathers and waiting for them the compute stream has nothing to run (the
         attention needs the rows, no follower layer computes meanwhile), while the fork and
         join cost graph nodes, launch time and cross-stream latency in every layer.
-        `side_stream_for_one` (``HISPARSE_SIDE_STREAM_FOR_ONE=1``) keeps the copy stream for
-        it, to compare the two (`benchmarks/profile_decode.py` under that variable).
         """
-        return self.copy.stream is None or (len(self.layers) == 1 and not self.side_stream_for_one)
+        return self.copy.stream is None or len(self.layers) == 1
 
     # --- state lifecycle -------------------------------------------------------------------
     def bind_hot_block_table(self, table: torch.Tensor) -> None:
@@ -135,11 +122,6 @@ class IndexGroupRuntime:
         self.copy.compute_waits_for_copies()
         self.hot_index[slot].fill_(-1)
         self.lru[slot].copy_(self._lru_init)
-
-    def reset_all(self) -> None:
-        self.copy.compute_waits_for_copies()
-        self.hot_index.fill_(-1)
-        self.lru.copy_(self._lru_init.expand_as(self.lru))
 
     def invalidate_written(
         self,
@@ -279,7 +261,6 @@ class IndexGroupRuntime:
         """A layer (re)bound a view: re-check whether the group gather applies."""
         self._span_gather = None
         self._span_checked = False
-        self._follower_span = None
         if self.cpu_one is not None:
             self.cpu_one.forget()
 
@@ -325,17 +306,6 @@ class IndexGroupRuntime:
             first.storage_offset(),
         )
         self._span_gather = (span, [devs[i] for i in order])  # type: ignore[misc]
-        # The followers' rows are one contiguous sub-span when the leader's (layer 0) rows
-        # sit first or last in the token's span.
-        lead_at = order.index(0)
-        if lead_at in (0, G - 1):
-            start = rb if lead_at == 0 else 0
-            sub = span.as_strided(
-                (span.shape[0], span.shape[1], (G - 1) * rb),
-                span.stride(),
-                span.storage_offset() + start,
-            )
-            self._follower_span = (sub, [devs[i] for i in order if i != 0])  # type: ignore[misc]
         return self._span_gather
 
     def resolve_and_stage(
@@ -343,14 +313,10 @@ class IndexGroupRuntime:
     ) -> None:
         """Leader only: resolve once, then gather for this layer and (decode) every follower.
 
-        In decode, a token-major group (`span_gather_views`) is gathered by span reads: with
-        `leader_first` (opt-in) the leader's own rows are copied first and its event is
-        recorded, so its attention waits only for them; then ONE `gather_compact_group`
-        reads each missed token's followers' rows as one contiguous span (the leader's rows
-        must sit first or last in the span) and the followers' events are recorded. Without
-        the split (or with ``leader_first = False``) one read of the whole span serves every
-        layer and every event waits for it: fewer, longer reads (docs/design.md §10: longer
-        spans move faster than single rows), but the leader's attention waits for the group.
+        In decode, a token-major group (`span_gather_views`) is gathered by one read of each
+        missed token's whole span, and every layer's event waits for it: fewer, longer reads
+        (docs/design.md §10: longer spans move faster than single rows). Reading the leader's
+        rows first, so its attention could start earlier, measured slower and was removed.
         """
         if self.inline_swap_in:
             self._resolve_and_gather(meta, tables, topk)
@@ -369,15 +335,6 @@ class IndexGroupRuntime:
             meta, tables.resident_block_table, topk, self.config.max_query_len, count=True
         )
         span = self.span_gather_views() if meta.is_decode else None
-        if span is not None and self.leader_first and self._follower_span is not None:
-            self.leader.gather_swapped_rows()
-            rest_span, rest_devices = self._follower_span
-            self.ops.gather_compact_group(
-                rest_span, rest_devices, self.swap_src, self.swap_dst, self.swap_count
-            )
-            for layer in self.layers[1:]:
-                layer.mark_ready()
-            return
         if span is not None:
             host_span, devices = span
             self.ops.gather_compact_group(
@@ -390,12 +347,11 @@ class IndexGroupRuntime:
             layer.gather_swapped_rows()
 
     def warm_start_from_host(self, meta: StepMetadata, topk: torch.Tensor) -> None:
-        """Fill hot slots from the host pool with a finished prefill's last selection: the
-        resolve of `warm_start` (as if nothing were resident: every selected row gets a hot
-        slot), then every layer's rows gathered from the host as a decode step gathers its
-        misses. The engine's HiSparse prefill streams its pages to the host as chunks finish
-        (docs/design.md §5.3), so the rows are there rather than on resident pages. Not
-        counted as hits or misses."""
+        """Fill hot slots from the host pool with a finished prefill's last selection: a
+        resolve as if nothing were resident (every selected row gets a hot slot), then every
+        layer's rows gathered from the host as a decode step gathers its misses. The engine's
+        HiSparse prefill streams its pages to the host as chunks finish (docs/design.md §5.3),
+        so the rows are there rather than on resident pages. Not counted as hits or misses."""
         self.copy.wait_for_compute()
         with self.copy.active():
             self._resolve(meta, None, topk, None)
@@ -415,33 +371,6 @@ class IndexGroupRuntime:
                             self.swap_dst,
                             self.swap_count,
                         )
-        self.copy.compute_waits_for_copies()
-
-    def warm_start(self, meta: StepMetadata, tables: GroupTables, topk: torch.Tensor) -> None:
-        """Fill hot slots from the resident pages with a finished prefill's last selection.
-
-        Called while every row of the request is still on the GPU: the first decode step then
-        hits the rows the prefill's last token chose instead of missing all of them.
-        """
-        rows, k = topk.shape
-        bs = self.config.block_size
-        # Resolve as if nothing were resident: every selected row gets a hot slot.
-        self.copy.wait_for_compute()
-        with self.copy.active():
-            self._resolve(meta, None, topk, None)
-            pos = topk.long().clamp_min(0)
-            req = meta.req_per_token[:rows].long().clamp_min(0)[:, None]
-            res_rows = tables.resident_block_table.long()[req, pos // bs] * bs + pos % bs
-            state = meta.request_state_indices.long()[req]
-            live = (topk >= 0) & (meta.req_per_token[:rows, None] >= 0) & (state >= 0)
-            for layer in self.layers:
-                self.ops.gather_plan(
-                    layer.device_view,
-                    layer.device_view,
-                    res_rows.to(torch.int32),
-                    self.physical[:rows, :k],
-                    live.to(torch.int32),
-                )
         self.copy.compute_waits_for_copies()
 
 

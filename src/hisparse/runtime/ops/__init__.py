@@ -12,8 +12,7 @@ reference's per-request loops of small torch ops dominated a CPU decode step). C
 
 The Triton module is imported lazily, on the first ``ops_for("cuda")``, so importing this
 package never imports Triton; where Triton is missing, CUDA falls back to the reference. The
-Triton resolve's own switches (``HISPARSE_RESOLVE_IMPL``, ``HISPARSE_RESOLVE_SPLIT_MAX_Q``,
-``HISPARSE_RESOLVE_SORT_WINDOW``) live with it, in `triton_resolve`.
+Triton resolve's tuning tables live with it, in `triton_resolve`.
 
 What the rest of the runtime may rely on beyond the ops' results is declared by each backend
 as flags on its namespace (`CAPABILITIES`) and read with `has_capability`, never by asking which
@@ -22,12 +21,12 @@ backend it is.
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 from typing import Protocol
 
 import torch
 
+from hisparse import envs
 from hisparse.runtime.ops import reference
 from hisparse.runtime.ops.cpu import CpuBackend
 
@@ -115,9 +114,7 @@ def _load_cuda_backend() -> None:
 
 def ops_for(device: torch.device | str) -> ModuleType | object:
     """The op namespace used for tensors on ``device``."""
-    choice = os.environ.get("HISPARSE_OPS", "auto")
-    if choice not in ("auto", "reference", "cpu", "triton"):
-        raise ValueError(f"HISPARSE_OPS={choice!r}: use 'auto', 'reference', 'cpu' or 'triton'.")
+    choice = envs.value("HISPARSE_OPS")
     if choice == "reference":
         return reference
     if choice == "cpu":

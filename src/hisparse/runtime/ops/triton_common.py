@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hisparse import envs
+
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
@@ -52,7 +54,7 @@ def dependent_launch(device: torch.device) -> bool:
     A/B runs). Such a kernel starts while the one before it finishes and waits for it with
     `grid_dependency_wait` before reading what it wrote: no launch gap between short kernels
     of one chain, also inside a CUDA graph."""
-    if device.type != "cuda" or interpreting() or os.environ.get("HISPARSE_PDL", "1") == "0":
+    if device.type != "cuda" or interpreting() or not envs.value("HISPARSE_PDL"):
         return False
     return _hopper_or_later(device)
 

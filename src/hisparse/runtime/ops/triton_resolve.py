@@ -38,8 +38,6 @@ most ``max_rows_per_request`` rows in one call (default ``max(1, H // top_k)``, 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -58,19 +56,20 @@ from hisparse.runtime.ops.triton_resolve_split import resolve_split
 
 Tensor = torch.Tensor
 
-#: resolve_residency implementation: "bucket" (default: the one-program kernel, or the split
-#: below ``RESOLVE_SPLIT_MAX_Q`` requests) or "split" (always the split);
-#: ``HISPARSE_RESOLVE_IMPL`` sets it for whole-engine A/B runs. Benchmarks and tests switch these.
-RESOLVE_IMPL = os.environ.get("HISPARSE_RESOLVE_IMPL") or "bucket"
+#: resolve_residency implementation: "bucket" (the one-program kernel, or the split below
+#: ``RESOLVE_SPLIT_MAX_Q`` requests) or "split" (always the split: the tests' and the
+#: benchmarks' way to run the split kernels at any size). These module settings are tuning
+#: tables, set by tests and benchmarks only.
+RESOLVE_IMPL = "bucket"
 #: Batches of up to this many requests, with a hot buffer of at least ``top_k`` slots (the
 #: HiSparse placement; all-GPU's resident-only resolve keeps one program), resolve with
 #: `triton_resolve_split`: each request's work spread over ``RESOLVE_SPLIT_PROGRAMS``
 #: programs (0: 16 up to 32 requests, else 8), where a small batch otherwise leaves it to a few
 #: SMs. Measured faster up to 64 requests and slower above them, where the one-program kernel
-#: already spreads over most SMs (docs/benchmarks.md, "Session 6"). Only requests of at least
+#: already spreads over most SMs (docs/benchmarks.md, the resolve). Only requests of at least
 #: ``RESOLVE_SPLIT_MIN_ENTRIES`` entries (rows x top_k, each padded to a power of two) split:
 #: smaller ones (GQA's top_k 256, the interpreter's test sizes) were not timed split.
-RESOLVE_SPLIT_MAX_Q = int(os.environ.get("HISPARSE_RESOLVE_SPLIT_MAX_Q") or 64)
+RESOLVE_SPLIT_MAX_Q = 64
 RESOLVE_SPLIT_PROGRAMS = 0
 RESOLVE_SPLIT_MIN_ENTRIES = 1024
 #: Warps per program (0: by size), hot-slot chunk, rank tile of the swap-list order, and
@@ -82,8 +81,8 @@ RESOLVE_LOG_BUCKETS: int | None = None
 #: Up to this many misses (a power of two; 0: off) the swap list is ordered by one ``tl.sort``
 #: of just that many keys instead of the rank tiles: faster at 20% misses, even at 5%; a
 #: 1024-key window, larger rank tiles and one sort of all entries were slower
-#: (docs/benchmarks.md, "Session 5", swap-list order).
-RESOLVE_SORT_WINDOW = int(os.environ.get("HISPARSE_RESOLVE_SORT_WINDOW") or 512)
+#: (docs/benchmarks.md, the resolve's swap-list order).
+RESOLVE_SORT_WINDOW = 512
 
 
 @triton.jit
@@ -361,13 +360,10 @@ def resolve_residency(
     """
     if RESOLVE_SORT_WINDOW < 0 or RESOLVE_SORT_WINDOW & (RESOLVE_SORT_WINDOW - 1):
         raise ValueError(
-            f"RESOLVE_SORT_WINDOW={RESOLVE_SORT_WINDOW} (HISPARSE_RESOLVE_SORT_WINDOW): "
-            "use 0 (off) or a power of two such as 512"
+            f"RESOLVE_SORT_WINDOW={RESOLVE_SORT_WINDOW}: use 0 (off) or a power of two such as 512"
         )
     if RESOLVE_IMPL not in ("bucket", "split"):
-        raise ValueError(
-            f"RESOLVE_IMPL={RESOLVE_IMPL!r} (HISPARSE_RESOLVE_IMPL): use bucket or split"
-        )
+        raise ValueError(f"RESOLVE_IMPL={RESOLVE_IMPL!r}: use bucket or split")
     p = RESOLVE_SPLIT_PROGRAMS
     if p < 0 or p & (p - 1):
         raise ValueError(f"RESOLVE_SPLIT_PROGRAMS={p}: use 0 (by batch) or a power of two")

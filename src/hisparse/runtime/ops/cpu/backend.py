@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from hisparse import envs
 from hisparse.kv.row_formats import fp8_values
 from hisparse.runtime.ops.cpu import ops
 from hisparse.runtime.ops.cpu.compile import build
@@ -44,10 +44,10 @@ class CpuBackend:
         self.CUDA_GRAPH_CAPTURABLE = False
         self.CPU_DECODE_FAST_PATH = True
         #: The compiled kernels on or off (``HISPARSE_CPU_JIT=0``: numpy/torch everywhere).
-        self.jit_enabled = os.environ.get("HISPARSE_CPU_JIT", "1") != "0"
+        self.jit_enabled = envs.value("HISPARSE_CPU_JIT")
         #: The Llama batch-1 decode path (`LlamaForCausalLM._decode_one_cpu`) on or off
         #: (``HISPARSE_CPU_FAST=0``: A/B checks).
-        self.fast_decode = os.environ.get("HISPARSE_CPU_FAST", "1") != "0"
+        self.fast_decode = envs.value("HISPARSE_CPU_FAST")
         #: A batch with one live request takes the resolve's shorter form (tests turn it off
         #: to run the batched form on such batches).
         self.one_request_path = True
