@@ -25,6 +25,7 @@ from hisparse.attention.dispatch import indexer_topk_paged
 from hisparse.kv.row_formats import IndexerCacheFormat, MlaFormat, write_indexer_keys
 from hisparse.models import fused
 from hisparse.models.dsa_config import DsaConfig
+from hisparse.models.fp8_moe import Fp8Experts
 from hisparse.models.kv_access import DenseDsaCache, DsaKVCache, DsaStep
 from hisparse.models.layers import (
     MLP,
@@ -117,6 +118,9 @@ class MoE(nn.Module):
         self.gate = Router(config)
         self.experts = nn.ModuleList(MLP(h, i) for _ in range(config.n_routed_experts))
         self.shared_experts = MLP(h, i * config.n_shared_experts)
+        #: the routed experts as stacked fp8 weights (`Fp8Experts`, set by the loader for an
+        #: fp8 checkpoint; ``experts`` is then empty)
+        self.fp8_experts: Fp8Experts | None = None
         self.w_gate_up: torch.Tensor | None = None  # [E (+1), 2I, H] after stack_experts
         self.w_down: torch.Tensor | None = None  # [E (+1), H, I]
         self.shared_in_stack = False  # the shared expert is the stacks' last entry
@@ -129,8 +133,11 @@ class MoE(nn.Module):
         batched sync-free form. The shared expert joins them as the last entry where it has
         the routed experts' shape (one shared expert: DeepSeek-V3.2, GLM-5), so the two
         batched matmuls compute it too (three launches fewer); otherwise its gate and up
-        projections are stacked on their own. Call again after replacing expert weights."""
+        projections are stacked on their own. Call again after replacing expert weights.
+        fp8 experts are stacked already (`Fp8Experts`)."""
         experts = [e for e in self.experts if isinstance(e, MLP)]
+        if not experts or type(experts[0].gate_proj) is not nn.Linear:
+            return
         w0 = experts[0].gate_proj.weight
         inter, hidden = w0.shape
         sw = self.shared_experts.gate_proj.weight
@@ -184,6 +191,9 @@ class MoE(nn.Module):
         return fused.moe_combine(y[:e], w, chosen, shared)
 
     def forward(self, x: torch.Tensor, *, sync_free: bool = False) -> torch.Tensor:
+        if self.fp8_experts is not None:  # grouped GEMMs: sync-free on every path
+            weights, ids = self.gate(x)
+            return self.fp8_experts(x, weights, ids) + self.shared_experts(x)
         if sync_free and self._stacked() and fused.fused_on(x):
             return self._batched(x)
         weights, ids = self.gate(x)
@@ -279,7 +289,9 @@ class Indexer(nn.Module):
 class MLAttention(nn.Module):
     """Multi-head latent attention, absorbed form, sparse over the indexer's top-k."""
 
-    def __init__(self, config: DsaConfig, layer: int) -> None:
+    def __init__(self, config: DsaConfig, layer: int, indexer: bool | None = None) -> None:
+        """``indexer``: whether the layer owns one (default: the config's schedule; a
+        multi-token-prediction layer past the config's layers says)."""
         super().__init__()
         self.layer = layer
         self.n_heads = config.num_attention_heads
@@ -298,7 +310,8 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.c, 1e-6)
         self.kv_b_proj = nn.Linear(self.c, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, config.hidden_size, bias=bias)
-        self.indexer = Indexer(config) if config.indexer_full[layer] else None
+        own = config.indexer_full[layer] if indexer is None else indexer
+        self.indexer = Indexer(config) if own else None
         self.a_proj: StackedLinear | None = None
         self.b_proj: StackedLinear | None = None
 
@@ -399,15 +412,23 @@ class MLAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DsaConfig, layer: int) -> None:
+    def __init__(
+        self,
+        config: DsaConfig,
+        layer: int,
+        *,
+        sparse: bool | None = None,
+        indexer: bool | None = None,
+    ) -> None:
+        """``sparse`` (a MoE) and ``indexer``: default the config's schedules (a layer past
+        them, the multi-token-prediction layer, says)."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config, layer)
+        self.self_attn = MLAttention(config, layer, indexer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        moe = config.mlp_layer_types[layer] == "sparse" if sparse is None else sparse
         self.mlp: nn.Module = (
-            MoE(config)
-            if config.mlp_layer_types[layer] == "sparse"
-            else MLP(config.hidden_size, config.intermediate_size)
+            MoE(config) if moe else MLP(config.hidden_size, config.intermediate_size)
         )
 
 
@@ -437,6 +458,9 @@ class DsaForCausalLM(nn.Module):
         self.model = DsaBackbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config)
+        #: the checkpoint's multi-token-prediction layers (`hisparse.models.mtp`), loaded and
+        #: kept for speculative decoding; not run by `forward`
+        self.mtp = nn.ModuleList()
 
     @property
     def indexer_format(self) -> IndexerCacheFormat:
@@ -447,7 +471,11 @@ class DsaForCausalLM(nn.Module):
         """The fused forms' one-time state (call once the weights sit where they run, on
         CUDA): `MoE.stack_experts` on every MoE layer (its shared expert included),
         `MLP.stack_gate_up` on the dense MLPs, `MLAttention.stack_projections` on every layer,
-        and the rotary table of every position."""
+        and the rotary table of every position; fp8 layers choose their GEMM kernel."""
+        from hisparse.models import fp8_linear
+
+        if any(isinstance(m, fp8_linear.Fp8Linear | Fp8Experts) for m in self.modules()):
+            fp8_linear.prepare(self.lm_head.weight.device)
         for module in self.modules():
             if isinstance(module, MoE):
                 module.stack_experts()  # the shared expert's gate and up too

@@ -180,6 +180,8 @@ class DsaConfig:
     #: Per layer: True when the layer runs its own indexer (False: IndexShare follower).
     indexer_full: tuple[bool, ...] = ()
     attention_bias: bool = False
+    #: multi-token-prediction layers the release ships after the last layer (DeepSeek: 1)
+    num_nextn_predict_layers: int = 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -249,6 +251,7 @@ class DsaConfig:
             mlp_layer_types=tuple(mlp_types),
             indexer_full=tuple(full),
             attention_bias=bool(cfg.get("attention_bias", False)),
+            num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
         )
 
     @classmethod

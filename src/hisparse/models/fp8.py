@@ -175,12 +175,15 @@ def w8a8_linear(
     return block_gemm(qx, sx, qw, sw, row_offset, out_dtype=x.dtype)
 
 
-def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, row_offset: int = 0) -> torch.Tensor:
+def dequantize(
+    weight: torch.Tensor, scale_inv: torch.Tensor, row_offset: int = 0, col_offset: int = 0
+) -> torch.Tensor:
     """fp32 ``[..., N, K]`` of an e4m3 weight and its tile scales ``[..., Nt, Kt]``
-    (DeepSeek's ``weight_dequant``), rows placed ``row_offset`` into the first tile."""
+    (DeepSeek's ``weight_dequant``), rows and columns placed ``row_offset`` / ``col_offset``
+    into the first tile (a slice of a larger weight)."""
     n, k = weight.shape[-2:]
     s = weight_scales_per_row(scale_inv, n, row_offset)  # [..., N, Kt]
-    s = s.repeat_interleave(BLOCK, dim=-1)[..., :k]
+    s = s.repeat_interleave(BLOCK, dim=-1)[..., col_offset : col_offset + k]
     return weight.float() * s
 
 

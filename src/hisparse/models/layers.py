@@ -104,7 +104,10 @@ class StackedLinear:
 
 
 def stackable(mods: Sequence[nn.Linear]) -> bool:
-    """Whether `StackedLinear` can join ``mods``: bias-free, one input width, dtype and device."""
+    """Whether `StackedLinear` can join ``mods``: plain ``nn.Linear`` (an fp8 layer's tile
+    scales do not stack), bias-free, one input width, dtype and device."""
+    if not all(type(m) is nn.Linear for m in mods):
+        return False
     w = [m.weight for m in mods]
     return all(
         m.bias is None and x.shape[1] == w[0].shape[1] and x.dtype == w[0].dtype
@@ -127,8 +130,10 @@ class MLP(nn.Module):
 
     @torch.no_grad()
     def stack_gate_up(self) -> None:
-        """One ``[gate ‖ up]`` weight; the two projections' weights become views of it."""
-        self.gate_up = StackedLinear((self.gate_proj, self.up_proj))
+        """One ``[gate ‖ up]`` weight; the two projections' weights become views of it (plain
+        ``nn.Linear`` projections only: fp8 ones stay apart)."""
+        if stackable((self.gate_proj, self.up_proj)):
+            self.gate_up = StackedLinear((self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up

@@ -1,154 +1,363 @@
-"""Load a DSA checkpoint (config.json + safetensors) into `DsaForCausalLM`.
+"""Load a DSA checkpoint (config.json + safetensors) into `DsaForCausalLM`, one rank's shard.
+
+The model is built on the meta device, fp8 layers swapped in where the checkpoint keeps fp8
+weights, then sharded to this rank's shapes (`hisparse.parallel.shard.shard_dsa`); every
+parameter is then allocated on the target device at its final shape and filled from the
+rank's slices of the checkpoint's tensors, read through the files' memory maps
+(`checkpoint.SliceReader`): the host never holds the whole model, only a slice at a time
+while it is copied (design §18.2).
 
 Accepted layouts and names:
 
 - one ``model.safetensors``, or shards listed in ``model.safetensors.index.json`` (any other
   ``*.safetensors`` files in the folder when neither exists);
-- per-expert tensors ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`` (the original
-  releases and what transformers' ``save_pretrained`` writes) or fused 3-D expert tensors
-  ``mlp.experts.gate_up_proj [E, 2I, H]`` / ``mlp.experts.down_proj [E, H, I]`` (transformers'
-  in-memory layout);
+- per-expert tensors ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`` (the releases
+  and what transformers' ``save_pretrained`` writes) or fused 3-D expert tensors
+  ``mlp.experts.gate_up_proj [E, 2I, H]`` / ``mlp.experts.down_proj [E, H, I]``;
 - fp8 block-scaled weights: an e4m3 ``X`` with ``X_scale_inv`` (one fp32 factor per 128 x 128
-  tile, DeepSeek's release format; ``quantization_config.weight_block_size`` if given) is
-  dequantized at load;
-- layers past ``num_hidden_layers`` (DeepSeek's multi-token-prediction layer) are skipped.
+  tile, ``quantization_config`` of DeepSeek's format): kept fp8 (`Fp8Linear`, `Fp8Experts`)
+  for the attention, indexer, MLP and expert projections; dequantized once at load where the
+  model needs the values (MLA's absorbed ``kv_b_proj``, and every weight with
+  ``fp8="dequantize"``);
+- layers past ``num_hidden_layers``: the multi-token-prediction layer(s), kept (`mtp`).
 
-A missing, unexpected or mis-shaped tensor raises `CheckpointError` naming it.
+A missing, unexpected, mis-shaped or mis-scaled tensor raises `CheckpointError` naming it.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
-from hisparse.models.deepseek_v32 import DsaForCausalLM, Indexer, Rotary, Router
+from hisparse.models import fp8
+from hisparse.models.checkpoint import (
+    CheckpointError,
+    CheckpointIndex,
+    LoadProgress,
+    SliceReader,
+    checkpoint_files,
+    progress_console,
+)
+from hisparse.models.deepseek_v32 import DsaForCausalLM, Indexer, MoE, Rotary, Router
 from hisparse.models.dsa_config import DsaConfig
+from hisparse.models.fp8_linear import Fp8Linear
+from hisparse.models.fp8_moe import Fp8Experts
+from hisparse.models.mtp import MtpLayer, mtp_prefix
+
+__all__ = ["CheckpointError", "build_dsa_model", "checkpoint_files", "load_dsa_model"]
 
 #: Side of the square tiles of DeepSeek's fp8 weight scales.
-FP8_WEIGHT_BLOCK = 128
+FP8_WEIGHT_BLOCK = fp8.BLOCK
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.)")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the config; the message names the tensor."""
-
-
-def checkpoint_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint folder."""
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({path / f for f in weight_map.values()})
-        for f in files:
-            if not f.exists():
-                raise CheckpointError(f"{index} lists {f.name}, which does not exist")
-        return files
-    single = path / "model.safetensors"
-    if single.exists():
-        return [single]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no safetensors files in {path}")
-    return files
+#: linear layers kept in fp8 where the checkpoint has them so (others are dequantized)
+_FP8_KEPT = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "wq_b", "wk",
+             "gate_proj", "up_proj", "down_proj", "eh_proj"}  # fmt: skip
+FP8_MODES = ("keep", "dequantize")
 
 
 def dequantize_fp8_weight(
     weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)
 ) -> torch.Tensor:
-    """fp32 weight from e4m3 ``[..., out, in]`` and 128 x 128 tile scales ``scale_inv``.
+    """fp32 weight from e4m3 ``[..., out, in]`` and 128 x 128 tile scales (DeepSeek's
+    ``weight_dequant``); a `CheckpointError` when the scales do not tile the weight."""
+    _check_scale_shape("weight", tuple(weight.shape), tuple(scale_inv.shape))
+    return fp8.dequantize(weight, scale_inv)
 
-    ``scale_inv`` is ``[..., ceil(out / 128), ceil(in / 128)]``: each tile's values times its
-    factor give the weight (DeepSeek's ``weight_dequant``).
-    """
-    out_dim, in_dim = weight.shape[-2:]
-    bo, bi = block
-    expected = (*weight.shape[:-2], -(-out_dim // bo), -(-in_dim // bi))
-    if tuple(scale_inv.shape) != expected:
+
+def _check_scale_shape(name: str, w: tuple[int, ...], s: tuple[int, ...]) -> None:
+    want = (*w[:-2], fp8.cdiv(w[-2], fp8.BLOCK), fp8.cdiv(w[-1], fp8.BLOCK)) if len(w) >= 2 else ()
+    if s != want:
         raise CheckpointError(
-            f"fp8 scale shape {tuple(scale_inv.shape)} does not tile weight "
-            f"{tuple(weight.shape)} in {bo}x{bi} blocks (expected {expected})"
+            f"{name}: fp8 scale shape {s} does not tile weight {w} in "
+            f"{fp8.BLOCK}x{fp8.BLOCK} blocks (expected {want})"
         )
-    s = scale_inv.float().repeat_interleave(bo, dim=-2)[..., :out_dim, :]
-    s = s.repeat_interleave(bi, dim=-1)[..., :in_dim]
-    return weight.float() * s
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield key, handle.get_tensor(key)
+def _scale_key(key: str) -> str:
+    return key + "_scale_inv"
 
 
-def fp8_weight_block(path: Path) -> tuple[int, int]:
-    """``quantization_config.weight_block_size`` of config.json (DeepSeek: 128 x 128)."""
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return (FP8_WEIGHT_BLOCK, FP8_WEIGHT_BLOCK)
-    block = (cfg.get("quantization_config") or {}).get("weight_block_size")
-    if not block:
-        return (FP8_WEIGHT_BLOCK, FP8_WEIGHT_BLOCK)
-    return (int(block[0]), int(block[1]))
+@dataclass
+class _Piece:
+    """One read: checkpoint tensor ``key[src]`` into ``param[dst]`` (``scale``: dequantize
+    with that scale tensor's tiles; ``zero``: fill with zeros, read nothing)."""
+
+    key: str
+    src: tuple[Any, ...]
+    dst: tuple[Any, ...] = ()
+    scale: str | None = None
+    zero: bool = False
 
 
-def read_checkpoint(path: str | Path, config: DsaConfig) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors under this model's parameter names, fp8 dequantized to fp32."""
-    path = Path(path)
-    block = fp8_weight_block(path)
-    raw: dict[str, torch.Tensor] = {}
-    for key, tensor in _iter_tensors(checkpoint_files(path)):
-        m = _LAYER.match(key)
-        if m and int(m.group(1)) >= config.num_hidden_layers:
-            continue  # MTP layer(s) of the release: not part of the causal LM
-        if _IGNORED.search(key):
-            continue
-        raw[key] = tensor
-    out: dict[str, torch.Tensor] = {}
-    for key in list(raw):
-        if key.endswith("_scale_inv"):
-            continue
-        tensor = raw[key]
-        scale = raw.get(key + "_scale_inv")
-        if tensor.dtype == torch.float8_e4m3fn:
-            if scale is None:
-                raise CheckpointError(f"{key} is fp8 but {key}_scale_inv is missing")
-            try:
-                tensor = dequantize_fp8_weight(tensor, scale, block)
-            except CheckpointError as err:
-                raise CheckpointError(f"{key}: {err}") from None
-        elif scale is not None:
-            raise CheckpointError(f"{key} has a {key}_scale_inv but is {tensor.dtype}, not fp8")
-        fused = _FUSED.match(key)
-        if fused:
-            prefix, kind = fused.groups()
-            if tensor.dim() != 3:
-                raise CheckpointError(
-                    f"{key}: fused experts must be 3-D, got {tuple(tensor.shape)}"
+def _slices(shape: tuple[int, ...], split: tuple[int, int, int] | None, lead: int = 0
+            ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:  # fmt: skip
+    """``(src, dst)`` indices of a rank's part of a tensor of ``shape`` whose dim ``dim -
+    lead`` is split (``lead``: leading dims of the parameter the tensor does not have)."""
+    src: list[Any] = [slice(0, n) for n in shape]
+    dst: list[Any] = [slice(None)] * len(shape)
+    if split is not None:
+        dim, start, length = split
+        d = dim - lead
+        stop = min(start + length, shape[d])
+        src[d] = slice(start, max(start, stop))
+        dst[d] = slice(0, max(0, stop - start))
+    return tuple(src), tuple(dst)
+
+
+class _Plan:
+    """Which checkpoint slices fill which parameters, and what the checkpoint must hold."""
+
+    def __init__(self, ckpt: CheckpointIndex, config: DsaConfig) -> None:
+        self.ckpt, self.config = ckpt, config
+        self.pieces: dict[str, list[_Piece]] = {}
+        self.expect: dict[str, tuple[int, ...]] = {}  # checkpoint key -> its full shape
+        self.missing: list[str] = []
+
+    def hf(self, name: str) -> str:
+        """The checkpoint name of parameter ``name`` (MTP layers: ``model.layers.<L+i>.``)."""
+        if name.startswith("mtp."):
+            _, i, rest = name.split(".", 2)
+            return mtp_prefix(self.config, int(i)) + rest
+        return name
+
+    def add(self, name: str, key: str, full: tuple[int, ...], split: Any, *, lead: int = 0,
+            dst_lead: tuple[Any, ...] = (), src_lead: tuple[Any, ...] = (),
+            dequant: bool | None = None) -> None:  # fmt: skip
+        """Read ``key`` (full shape ``full``) into parameter ``name``."""
+        info = self.ckpt.get(key)
+        self.expect[key] = full  # the key's whole shape as the model implies
+        if info is None:
+            self.missing.append(key)
+            return
+        shape = info.shape[len(src_lead) :]
+        src, dst = _slices(shape, split, lead)
+        is_fp8 = info.dtype == torch.float8_e4m3fn
+        scale = _scale_key(key) if (is_fp8 if dequant is None else dequant) else None
+        self.pieces.setdefault(name, []).append(
+            _Piece(key, src_lead + src, dst_lead + dst, scale=scale)
+        )
+
+    def plain(self, name: str, full: tuple[int, ...], split: Any) -> None:
+        key = self.hf(name)
+        fused = re.match(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", key)
+        if fused and key not in self.ckpt:
+            prefix, e, kind = fused.group(1), int(fused.group(2)), fused.group(3)
+            self._fused_expert(name, prefix, kind, full, split, src_lead=(e,))
+            return
+        if name == "lm_head.weight" and key not in self.ckpt and self.config.tie_word_embeddings:
+            key = "model.embed_tokens.weight"
+        self.add(name, key, full, split)
+
+    def _fused_expert(self, name: str, prefix: str, kind: str, full: tuple[int, ...],
+                      split: Any, src_lead: tuple[Any, ...] = (),
+                      dequant: bool | None = None) -> None:  # fmt: skip
+        """Read an expert weight (``full``: one expert's ``[rows, cols]``, or all experts'
+        ``[E, rows, cols]`` for `Fp8Experts`) from transformers' fused 3-D tensors: gate and
+        up are the two halves of ``gate_up_proj [E, 2I, H]``, down is ``down_proj [E, H, I]``
+        (``src_lead``: the expert's index when one expert is read)."""
+        n_exp = self.config.n_routed_experts
+        *_, rows, cols = full
+        if kind == "down":
+            self.add(name, f"{prefix}.down_proj", (n_exp, rows, cols), split,
+                     dequant=dequant, src_lead=src_lead)  # fmt: skip
+            return
+        base = 0 if kind == "gate" else rows
+        dim, start, length = split if split is not None else (len(full) - 2, 0, rows)
+        self.add(name, f"{prefix}.gate_up_proj", (n_exp, 2 * rows, cols),
+                 (dim, base + start, length), dequant=dequant, src_lead=src_lead)  # fmt: skip
+
+    def experts(self, name: str, ex: Fp8Experts, attr: str, full: tuple[int, ...],
+                split: Any) -> None:  # fmt: skip
+        """`Fp8Experts` parameter ``attr``: expert ``e``'s tensor into row ``e``."""
+        prefix = self.hf(name).rsplit(".fp8_experts.", 1)[0] + ".experts"
+        part, what = attr.split("_")
+        per_expert = f"{prefix}.0.{part}_proj.weight"
+        if per_expert not in self.ckpt and f"{prefix}.gate_up_proj" in self.ckpt:
+            if what == "weight":
+                self._fused_expert(name, prefix, part, full, split, dequant=False)
+                return
+            # the fused tensors' scales: gate's tiles, then up's (whole tiles only)
+            if part == "down":
+                self.add(name, f"{prefix}.down_proj_scale_inv", full, split, dequant=False)
+                return
+            key = f"{prefix}.gate_up_proj_scale_inv"
+            if self.config.moe_intermediate_size % fp8.BLOCK:
+                raise CheckpointError(f"{key}: the up projection's rows start inside a tile")
+            tiles = full[1]
+            base = 0 if part == "gate" else tiles
+            dim, start, length = split if split is not None else (1, 0, tiles)
+            self.add(name, key, (full[0], 2 * tiles, full[2]), (dim, base + start, length),
+                     dequant=False)  # fmt: skip
+            return
+        for e in range(full[0]):
+            key = f"{prefix}.{e}.{part}_proj.weight"
+            key = key if what == "weight" else _scale_key(key)
+            self.add(name, key, full[1:], split, lead=1, dst_lead=(e,), dequant=False)
+
+
+def build_dsa_model(
+    config: DsaConfig,
+    ckpt: CheckpointIndex,
+    *,
+    indexer_mode: str = "exact",
+    fp8_format: fp8.Fp8Format | None = None,
+) -> DsaForCausalLM:
+    """The model of ``config`` on the meta device, with the checkpoint's MTP layers and, given
+    ``fp8_format``, `Fp8Linear` / `Fp8Experts` where the checkpoint keeps e4m3 weights."""
+    with torch.device("meta"):
+        model = DsaForCausalLM(config, indexer_mode=indexer_mode)
+        layers = {int(m.group(1)) for k in ckpt.tensors if (m := _LAYER.match(k))}
+        for i in range(max(layers, default=-1) - config.num_hidden_layers + 1):
+            prefix = mtp_prefix(config, i)
+            model.mtp.append(
+                MtpLayer(
+                    config,
+                    config.num_hidden_layers + i,
+                    sparse=f"{prefix}mlp.gate.weight" in ckpt,
+                    indexer=f"{prefix}self_attn.indexer.wk.weight" in ckpt,
+                    own_embed=f"{prefix}embed_tokens.weight" in ckpt,
+                    own_head=f"{prefix}shared_head.head.weight" in ckpt,
                 )
-            for e in range(tensor.shape[0]):
-                if kind == "down_proj":
-                    out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
-                else:
-                    gate, up = tensor[e].chunk(2, dim=0)
-                    out[f"{prefix}.{e}.gate_proj.weight"] = gate
-                    out[f"{prefix}.{e}.up_proj.weight"] = up
+            )
+    if fp8_format is not None:
+        _swap_in_fp8(model, ckpt, config, fp8_format.pow2_scales)
+    return model
+
+
+def _hf_prefix(config: DsaConfig, module_name: str) -> str:
+    if module_name.startswith("mtp."):
+        _, i, rest = module_name.split(".", 2)
+        return mtp_prefix(config, int(i)) + rest
+    return module_name
+
+
+def _is_fp8(ckpt: CheckpointIndex, key: str) -> bool:
+    info = ckpt.get(key)
+    return info is not None and info.dtype == torch.float8_e4m3fn
+
+
+def _swap_in_fp8(model: nn.Module, ckpt: CheckpointIndex, config: DsaConfig, pow2: bool) -> None:
+    for name, module in list(model.named_modules()):
+        if isinstance(module, MoE):
+            prefix = _hf_prefix(config, name) + ".experts"
+            if _is_fp8(ckpt, f"{prefix}.0.gate_proj.weight") or _is_fp8(
+                ckpt, f"{prefix}.gate_up_proj"
+            ):
+                h, i = config.hidden_size, config.moe_intermediate_size
+                with torch.device("meta"):
+                    module.fp8_experts = Fp8Experts(len(module.experts), h, i, pow2=pow2)
+                module.experts = nn.ModuleList()
+    for name, module in list(model.named_modules()):
+        parent, _, attr = name.rpartition(".")
+        kept = type(module) is nn.Linear and attr in _FP8_KEPT
+        if kept and _is_fp8(ckpt, _hf_prefix(config, name) + ".weight"):
+            setattr(model.get_submodule(parent), attr, Fp8Linear.like(module, pow2))
+
+
+def _plan_reads(model: nn.Module, config: DsaConfig, ckpt: CheckpointIndex,
+                full: dict[str, tuple[int, ...]], splits: dict[str, Any]) -> _Plan:  # fmt: skip
+    plan = _Plan(ckpt, config)
+    owners = {n: m for n, m in model.named_modules()}
+    for name, _ in model.named_parameters():
+        mod_name, _, attr = name.rpartition(".")
+        module = owners[mod_name]
+        split = splits.get(name)
+        if name in splits and split is None:  # a row-parallel bias on rank > 0: zeros
+            key = plan.hf(name)
+            plan.expect[key] = full[name]
+            plan.pieces[name] = [_Piece(key, (), zero=True)]
+            continue
+        if isinstance(module, Fp8Experts):
+            plan.experts(name, module, attr, full[name], split)
+        elif isinstance(module, Fp8Linear) and attr != "bias":
+            plan.add(name, plan.hf(name), full[name], split, dequant=False)
         else:
-            out[key] = tensor
-    orphans = [
-        k for k in raw if k.endswith("_scale_inv") and k.removesuffix("_scale_inv") not in raw
-    ]
-    if orphans:
-        raise CheckpointError(f"scale tensors without a weight: {', '.join(orphans[:5])}")
-    return out
+            plan.plain(name, full[name], split)
+    return plan
+
+
+def _validate(plan: _Plan, path: Path, config: DsaConfig) -> None:
+    ckpt = plan.ckpt
+    if plan.missing:
+        more = f" (and {len(plan.missing) - 5} more)" if len(plan.missing) > 5 else ""
+        raise CheckpointError(f"{path}: missing tensor(s) {', '.join(plan.missing[:5])}{more}")
+    used = set(plan.expect)
+    for key, info in ckpt.tensors.items():
+        if info.dtype == torch.float8_e4m3fn:
+            skey = _scale_key(key)
+            if skey not in ckpt:
+                raise CheckpointError(f"{key} is fp8 but {skey} is missing")
+            _check_scale_shape(skey, info.shape, ckpt[skey].shape)
+            used.add(skey)
+        elif key.endswith("_scale_inv"):
+            base = ckpt.get(key.removesuffix("_scale_inv"))
+            if base is None:
+                raise CheckpointError(f"scale tensors without a weight: {key}")
+            if base.dtype != torch.float8_e4m3fn:
+                raise CheckpointError(f"{key.removesuffix('_scale_inv')} has a {key} but is "
+                                      f"{base.dtype}, not fp8")  # fmt: skip
+    for key, want in plan.expect.items():
+        got = ckpt[key].shape
+        if got != want:
+            raise CheckpointError(
+                f"{path}: tensor {key} has shape {got}, the config implies {want}"
+            )
+    unexpected = [k for k in ckpt.tensors if k not in used and not _IGNORED.search(k)]
+    if unexpected:
+        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise CheckpointError(
+            f"{path}: unexpected tensor(s) {', '.join(unexpected[:5])}{more} for a "
+            f"{config.arch} model with {config.num_hidden_layers} layers"
+        )
+
+
+def _fp32_param_names(model: nn.Module) -> set[str]:
+    """Router weights and the indexer's head weights stay fp32 (transformers); fp8 scales."""
+    names: set[str] = set()
+    for mod_name, module in model.named_modules():
+        if isinstance(module, Router):
+            names.update(f"{mod_name}.{p}" for p, _ in module.named_parameters())
+        elif isinstance(module, Indexer):
+            names.add(f"{mod_name}.weights_proj.weight")
+        elif isinstance(module, Fp8Linear):
+            names.add(f"{mod_name}.weight_scale_inv")
+        elif isinstance(module, Fp8Experts):
+            names.update(f"{mod_name}.{p}_scale" for p in ("gate", "up", "down"))
+    return names
+
+
+def _fill(dest: torch.Tensor, piece: _Piece, reader: SliceReader) -> None:
+    """Copy one piece's checkpoint slice into ``dest`` (dequantizing 128 rows at a time)."""
+    target = dest[piece.dst] if piece.dst else dest
+    if piece.zero:
+        dest.zero_()
+        return
+    src = reader.read(piece.key, piece.src)
+    if piece.scale is None:
+        target.copy_(src)
+        return
+    rows, cols = piece.src[-2], piece.src[-1]
+    lead = piece.src[:-2]
+    s_idx = (*lead, slice(rows.start // fp8.BLOCK, fp8.cdiv(rows.stop, fp8.BLOCK)),
+             slice(cols.start // fp8.BLOCK, fp8.cdiv(cols.stop, fp8.BLOCK)))  # fmt: skip
+    scale = reader.read(piece.scale, s_idx).float()
+    w = src.reshape(-1, *src.shape[-2:])
+    s = scale.reshape(-1, *scale.shape[-2:])
+    out = target.reshape(-1, *target.shape[-2:])
+    r_off, c_off = rows.start % fp8.BLOCK, cols.start % fp8.BLOCK
+    step = fp8.BLOCK
+    for b in range(w.shape[0]):
+        for r in range(0, w.shape[1], step):
+            tile0 = (r_off + r) // fp8.BLOCK
+            chunk = w[b, r : r + step]
+            deq = fp8.dequantize(chunk, s[b, tile0:], (r_off + r) % fp8.BLOCK, c_off)
+            out[b, r : r + step].copy_(deq)
 
 
 def load_dsa_model(
@@ -157,52 +366,72 @@ def load_dsa_model(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     indexer_mode: str = "exact",
+    rank: int = 0,
+    world: int = 1,
+    tp: Any = None,
+    fp8_weights: str = "keep",
 ) -> DsaForCausalLM:
-    """Build the model of ``path/config.json`` and load its weights.
+    """Build the model of ``path/config.json`` and load rank ``rank``'s shard of ``world``
+    (``tp``: its `TPGroup`, for the collectives of a running rank) onto ``device``.
 
-    ``dtype`` is the compute dtype of every weight except the router and the indexer's
-    ``weights_proj``, which stay fp32 as in transformers. Tests use ``torch.float32``.
-    """
+    ``dtype`` is the compute dtype of every weight except fp8 ones (kept e4m3, their scales
+    fp32), the router and the indexer's ``weights_proj`` (fp32 as in transformers). Tests use
+    ``torch.float32``. ``fp8_weights="dequantize"`` turns every fp8 weight into ``dtype``."""
+    from hisparse.parallel.shard import shard_dsa
+
+    if fp8_weights not in FP8_MODES:
+        raise ValueError(f"fp8_weights={fp8_weights!r}: expected one of {FP8_MODES}")
+    path, device = Path(path), torch.device(device)
     config = DsaConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = DsaForCausalLM(config, indexer_mode=indexer_mode)
-    expected = model.state_dict()
-    tensors = read_checkpoint(path, config)
-    tied = config.tie_word_embeddings and "model.embed_tokens.weight" in tensors
-    if tied and "lm_head.weight" not in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    missing = [k for k in expected if k not in tensors]
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:5])}{more}")
-    unexpected = [k for k in tensors if k not in expected]
-    if unexpected:
-        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
-        raise CheckpointError(
-            f"{path}: unexpected tensor(s) {', '.join(unexpected[:5])}{more} for a "
-            f"{config.arch} model with {config.num_hidden_layers} layers"
-        )
-    fp32_names = _fp32_param_names(model)
+    try:
+        fmt = fp8.Fp8Format.of_checkpoint(path)
+    except fp8.Fp8FormatError as err:
+        raise CheckpointError(f"{path}: {err}") from None
+    ckpt = CheckpointIndex(path)
+    if fmt is None and any(t.dtype == torch.float8_e4m3fn for t in ckpt.tensors.values()):
+        fmt = fp8.Fp8Format()  # e4m3 tensors without a quantization_config: DeepSeek's format
+    keep = fmt if fp8_weights == "keep" else None
+    model = build_dsa_model(config, ckpt, indexer_mode=indexer_mode, fp8_format=keep)
+    full = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    splits = shard_dsa(model, rank, world, tp) if world > 1 else {}
+    plan = _plan_reads(model, config, ckpt, full, splits)
+    _validate(plan, path, config)
+    fp32 = _fp32_param_names(model)
+    total = sum(_piece_bytes(p, ckpt) for ps in plan.pieces.values() for p in ps)
+    console = progress_console() if rank == 0 else None
+    progress = LoadProgress(total, console)
     state: dict[str, torch.Tensor] = {}
-    for name, ref in expected.items():
-        t = tensors[name]
-        if tuple(t.shape) != tuple(ref.shape):
-            raise CheckpointError(
-                f"{path}: tensor {name} has shape {tuple(t.shape)}, the config implies "
-                f"{tuple(ref.shape)}"
-            )
-        target = torch.float32 if name in fp32_names else dtype
-        state[name] = t.to(device=device, dtype=target).contiguous()
+    try:
+        with SliceReader(ckpt, progress) as reader:
+            for name, p in model.named_parameters():
+                kind = fp8.FP8_DTYPE if p.dtype == fp8.FP8_DTYPE else dtype
+                kind = torch.float32 if name in fp32 else kind
+                dest = torch.empty(p.shape, dtype=kind, device=device)
+                split = splits.get(name)
+                if split is not None and split[1] + split[2] > full[name][split[0]]:
+                    dest.zero_()  # vocabulary padding rows past the checkpoint's
+                for piece in plan.pieces[name]:
+                    try:
+                        _fill(dest, piece, reader)
+                    except (RuntimeError, ValueError) as err:
+                        raise CheckpointError(f"{path}: reading {piece.key}: {err}") from err
+                state[name] = dest
+    finally:
+        progress.close()
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = Rotary(config).to(device)
+    model.load_stats = {"bytes_read": progress.done, "seconds": progress.elapsed}
     return model.eval()
 
 
-def _fp32_param_names(model: DsaForCausalLM) -> set[str]:
-    names: set[str] = set()
-    for mod_name, module in model.named_modules():
-        if isinstance(module, Router):
-            names.update(f"{mod_name}.{p}" for p, _ in module.named_parameters())
-        elif isinstance(module, Indexer):
-            names.add(f"{mod_name}.weights_proj.weight")
-    return names
+def _piece_bytes(piece: _Piece, ckpt: CheckpointIndex) -> int:
+    if piece.zero:
+        return 0
+    info = ckpt[piece.key]
+    n = 1
+    for d, ix in zip(info.shape, list(piece.src) + [slice(None)] * len(info.shape), strict=False):
+        if isinstance(ix, int):
+            continue
+        start, stop, _ = ix.indices(d)
+        n *= max(0, stop - start)
+    return n * info.dtype.itemsize

@@ -170,21 +170,17 @@ def load_model(
     tp: Any = None,
 ) -> LoadedModel:
     """Load the checkpoint at ``path`` (`resolve_model`) for the engine. ``tp`` (a
-    `hisparse.parallel.TPGroup`): load on the CPU, keep this rank's shard
-    (`hisparse.parallel.shard`), then move it to ``device``."""
-    if tp is not None:
-        from hisparse.parallel.shard import shard_dsa, shard_gqa_row_format, shard_llama
+    `hisparse.parallel.TPGroup`): a DSA checkpoint loads this rank's shard straight onto
+    ``device`` (`load_dsa_model`: each rank reads only its slices); a GGUF model loads on the
+    CPU, keeps this rank's shard (`hisparse.parallel.shard`), then moves to ``device``."""
+    if tp is not None and is_gguf(path):
+        from hisparse.parallel.shard import shard_gqa_row_format, shard_llama
 
         loaded = load_model(path, hs, dtype, torch.device("cpu"), indexer, kv_format)
-        if isinstance(loaded.model, DsaForCausalLM):
-            loaded.model = shard_dsa(loaded.model, tp).to(device)
-            if device.type == "cuda":
-                loaded.model.prepare_fused()
-        else:
-            loaded.model = shard_llama(loaded.model, tp).to(device)
-            if device.type == "cuda":
-                loaded.model.prepare_fused()
-            loaded.row_format = shard_gqa_row_format(loaded.row_format, tp.world_size)
+        loaded.model = shard_llama(loaded.model, tp).to(device)
+        if device.type == "cuda":
+            loaded.model.prepare_fused()
+        loaded.row_format = shard_gqa_row_format(loaded.row_format, tp.world_size)
         return loaded
     if is_gguf(path):
         # A GQA model (SmolLM2 by default): training-free indexer, K+V rows.
@@ -213,8 +209,11 @@ def load_model(
     from hisparse.models.loader import load_dsa_model
     from hisparse.models.tokenizer import load_chat_template
 
-    model = load_dsa_model(path, dtype=dtype, device=device, indexer_mode=indexer)
-    if device.type == "cuda":  # the fused ops' state (a TP rank prepares its shard above)
+    rank, world = (tp.rank, tp.world_size) if tp is not None else (0, 1)
+    model = load_dsa_model(
+        path, dtype=dtype, device=device, indexer_mode=indexer, rank=rank, world=world, tp=tp
+    )
+    if device.type == "cuda":  # the fused ops' state, once the weights sit where they run
         model.prepare_fused()
     mcfg = model.config
     config = hs.resolve(model_top_k=mcfg.index_topk)

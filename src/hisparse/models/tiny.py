@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 ARCHS = ("deepseek_v32", "glm_moe_dsa")
-PRESETS = ("tiny", "v32-attention")
+PRESETS = ("tiny", "v32-attention", "v32-shapes")
 
 # Small everything. kv_lora_rank 128 keeps fp8_ds_mla rows possible (one 128-value tile);
 # 16 indexer heads make exact-zero score ties (every head's ReLU at 0) unlikely.
@@ -90,17 +90,48 @@ _SMALL_FFN: dict[str, Any] = dict(
 )
 
 
-def tiny_config_kwargs(arch: str, preset: str = "tiny", **overrides: Any) -> dict[str, Any]:
-    """Keyword arguments of the transformers config class for ``arch`` / ``preset``."""
+# fp8 tiny checkpoints: each of 2 ranks' input slices of o_proj and the down projections a
+# whole 128-column scale tile, so tensor parallelism quantizes the same activation groups.
+_TINY_FP8: dict[str, Any] = dict(v_head_dim=64, intermediate_size=256, moe_intermediate_size=256)
+
+# DeepSeek-V3.2's real layer shapes (attention, indexer, dense MLP and expert widths) with fewer
+# experts and layers and a small vocabulary: 1 dense + 2 MoE layers of 16 experts (8 per token,
+# 8 groups, 4 chosen) and the MTP layer, ~3.4 GB in fp8, for GPU runs of the fp8 kernels.
+_V32_SHAPES: dict[str, Any] = dict(
+    _REAL_ATTENTION["deepseek_v32"],
+    vocab_size=16384,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    n_group=8,
+    topk_group=4,
+    routed_scaling_factor=2.5,
+    max_position_embeddings=163840,
+)
+
+
+def tiny_config_kwargs(
+    arch: str, preset: str = "tiny", *, fp8: bool = False, **overrides: Any
+) -> dict[str, Any]:
+    """Keyword arguments of the transformers config class for ``arch`` / ``preset`` (``fp8``:
+    the tile-aligned widths of fp8 tiny checkpoints)."""
     if arch not in ARCHS:
         raise ValueError(f"arch {arch!r}: expected one of {ARCHS}")
     if preset == "tiny":
-        kw = dict(_TINY)
+        kw = dict(_TINY, **(_TINY_FP8 if fp8 else {}))
         if arch == "glm_moe_dsa":
             # IndexShare: layers 0, 1, 3 run an indexer, layer 2 reuses layer 1's top-k.
             kw.update(index_topk_freq=2, index_skip_topk_offset=2)
     elif preset == "v32-attention":
         kw = {**_SMALL_FFN, **_REAL_ATTENTION[arch]}
+    elif preset == "v32-shapes":
+        if arch != "deepseek_v32":
+            raise ValueError("preset 'v32-shapes' is DeepSeek-V3.2's (arch deepseek_v32)")
+        kw = dict(_V32_SHAPES)
     else:
         raise ValueError(f"preset {preset!r}: expected one of {PRESETS}")
     kw.update(overrides)
@@ -114,6 +145,8 @@ def make_tiny(
     seed: int = 0,
     *,
     dtype: torch.dtype | None = None,
+    fp8: bool = False,
+    mtp: bool | None = None,
     **overrides: Any,
 ) -> Path:
     """Write a random ``arch`` checkpoint (config.json + model.safetensors) to ``out_dir``.
@@ -126,10 +159,30 @@ def make_tiny(
             2 layers, small FFN and vocabulary; for GPU benchmarks).
         seed: torch seed of the random initialization.
         dtype: weight dtype written (default fp32 for ``tiny``, bf16 for ``v32-attention``).
+        fp8: write the releases' fp8 format (`checkpoint_writer`: e4m3 weights with 128 x 128
+            tile scales, ue8m0, DeepSeek's ``quantization_config``, a byte-level tokenizer)
+            instead of transformers' own checkpoint; the ``v32-shapes`` preset always goes
+            this way (``fp8`` off: bf16 weights).
+        mtp: write the multi-token-prediction layer (default: with ``fp8``).
         overrides: any other config field (e.g. ``num_hidden_layers=6``).
 
-    Returns the folder. Needs ``transformers`` (a test dependency of hisparse).
+    Returns the folder. Needs ``transformers`` (a test dependency of hisparse) unless it goes
+    through `checkpoint_writer`.
     """
+    if fp8 or preset == "v32-shapes":
+        from hisparse.models import checkpoint_writer
+        from hisparse.models.fp8 import Fp8Format
+
+        kwargs = tiny_config_kwargs(arch, preset, fp8=fp8, **overrides)
+        return checkpoint_writer.write_checkpoint(
+            arch,
+            out_dir,
+            kwargs,
+            fp8_format=Fp8Format(pow2_scales=True) if fp8 else None,
+            mtp=1 if mtp is None or mtp else 0,
+            dtype=dtype or (torch.float32 if preset == "tiny" else torch.bfloat16),
+            seed=seed,
+        )
     try:
         import transformers
     except ImportError as err:

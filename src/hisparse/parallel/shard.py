@@ -126,6 +126,12 @@ def read_gguf_scalars(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
 
 # -- sharding --------------------------------------------------------------------------------
 
+#: What a rank keeps of a tensor: ``(dim, start, length)`` of the whole tensor (``start +
+#: length`` may run past the end: the vocabulary's padding rows, zero), or `ZERO` (a
+#: row-parallel bias on a rank other than 0: zeros, not read).
+Split = tuple[int, int, int] | None
+ZERO: Split = None
+
 
 def _part(t: torch.Tensor, dim: int, rank: int, world: int, groups: int | None = None):
     """Rank ``rank``'s contiguous ``1 / world`` of ``t`` along ``dim`` (``groups``: split
@@ -136,6 +142,18 @@ def _part(t: torch.Tensor, dim: int, rank: int, world: int, groups: int | None =
         raise ValueError(f"cannot split {size} ({groups} groups) over {world} ranks")
     per = size // world
     return t.narrow(dim, rank * per, per).contiguous()
+
+
+def _narrow(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """``t.narrow(dim, start, length)`` (a new tensor; zero rows past the end; on the meta
+    device only the shape changes)."""
+    shape = list(t.shape)
+    shape[dim] = length
+    out = torch.zeros(shape, dtype=t.dtype, device=t.device)
+    keep = max(0, min(length, t.shape[dim] - start))
+    if keep and t.device.type != "meta":
+        out.narrow(dim, 0, keep).copy_(t.narrow(dim, start, keep))
+    return out
 
 
 def _set_weight(linear: nn.Linear, weight: torch.Tensor) -> None:
@@ -173,6 +191,149 @@ def shard_mlp(mlp: nn.Module, rank: int, world: int) -> None:
     shard_row(mlp.down_proj, rank, world)
 
 
+class DsaSharder:
+    """Shards a `DsaForCausalLM` (on the meta device, as the per-rank loader builds it, or
+    loaded) to rank ``rank`` of ``world`` in place and records each kept parameter's `Split`
+    under its name (`splits`), which the loader reads from the checkpoint.
+
+    fp8 weights (`Fp8Linear`, `Fp8Experts`) keep the scale tiles their slice touches: a slice
+    of output rows may start inside a tile (``row_offset``); a slice of input columns must
+    start on a tile boundary or lie within one tile (the kernels index scale columns from the
+    slice's start), else a `ValueError` names the weight."""
+
+    def __init__(self, rank: int, world: int, tp: Any = None) -> None:
+        self.rank, self.world, self.tp = rank, world, tp
+        self.splits: dict[str, Split] = {}
+
+    def _keep(self, module: nn.Module, attr: str, prefix: str, dim: int, start: int,
+              length: int) -> None:  # fmt: skip
+        t = getattr(module, attr)
+        setattr(module, attr, nn.Parameter(_narrow(t.data, dim, start, length),
+                                           requires_grad=False))  # fmt: skip
+        self.splits[prefix + attr] = (dim, start, length)
+
+    def _even(self, size: int, what: str) -> tuple[int, int]:
+        if size % self.world:
+            raise ValueError(f"cannot split {what} of {size} over {self.world} ranks")
+        per = size // self.world
+        return self.rank * per, per
+
+    def _scales(self, module: nn.Module, attr: str, prefix: str, dim: int, start: int,
+                length: int, what: str, rows: bool) -> int:  # fmt: skip
+        """Keep the scale tiles of weight elements ``[start, start + length)`` along ``dim``;
+        returns the slice's offset into its first tile."""
+        from hisparse.models.fp8 import BLOCK, tile_range
+
+        off = start % BLOCK
+        if not rows and off and off + length > BLOCK:
+            raise ValueError(
+                f"{what}: tensor parallelism over {self.world} ranks splits its {length}-wide "
+                f"input slice at column {start}, inside a {BLOCK}-wide fp8 scale tile; the "
+                f"fp8 GEMMs need each rank's input columns to start a tile"
+            )
+        first, count = tile_range(start, length)
+        self._keep(module, attr, prefix, dim, first, count)
+        return off
+
+    def linear(self, lin: nn.Module, prefix: str, dim: int) -> None:
+        """Column (``dim`` 0: output rows) or row (``dim`` 1: input columns) split of a plain
+        or fp8 linear layer named ``prefix`` (ending in a dot)."""
+        from hisparse.models.fp8_linear import Fp8Linear
+
+        size = lin.weight.shape[dim]
+        start, per = self._even(size, f"{prefix}weight")
+        self._keep(lin, "weight", prefix, dim, start, per)
+        if isinstance(lin, Fp8Linear):
+            off = self._scales(lin, "weight_scale_inv", prefix, dim, start, per,
+                               prefix + "weight", rows=dim == 0)  # fmt: skip
+            if dim == 0:
+                lin.row_offset = off
+        lin.out_features, lin.in_features = lin.weight.shape
+        if lin.bias is not None:
+            if dim == 0:
+                self._keep(lin, "bias", prefix, 0, start, per)
+            elif self.rank != 0:
+                self.splits[prefix + "bias"] = ZERO
+
+    def mlp(self, mlp: nn.Module, prefix: str) -> None:
+        self.linear(mlp.gate_proj, prefix + "gate_proj.", 0)
+        self.linear(mlp.up_proj, prefix + "up_proj.", 0)
+        self.linear(mlp.down_proj, prefix + "down_proj.", 1)
+
+    def fp8_experts(self, ex: nn.Module, prefix: str) -> None:
+        start, per = self._even(ex.inter, prefix + "experts (moe_intermediate_size)")
+        for part in ("gate", "up"):
+            self._keep(ex, f"{part}_weight", prefix, 1, start, per)
+            off = self._scales(ex, f"{part}_scale", prefix, 1, start, per,
+                               f"{prefix}{part} weights", rows=True)  # fmt: skip
+        ex.row_offset = off
+        self._keep(ex, "down_weight", prefix, 2, start, per)
+        self._scales(ex, "down_scale", prefix, 2, start, per, prefix + "down weights",
+                     rows=False)  # fmt: skip
+        ex.inter = per
+
+    def vocab(self, owner: nn.Module, attr: str, prefix: str, head: bool) -> None:
+        """Replace ``owner.<attr>`` (an embedding or LM head) with its vocabulary-parallel form."""
+        from hisparse.models.vocab_parallel import VocabParallelEmbedding, VocabParallelHead
+
+        old = getattr(owner, attr)
+        vocab, dim = old.weight.shape
+        cls = VocabParallelHead if head else VocabParallelEmbedding
+        with torch.device(old.weight.device):
+            new = cls(vocab, dim, self.rank, self.world, self.tp)
+        new.weight = nn.Parameter(_narrow(old.weight.data, 0, new.first, new.rows),
+                                  requires_grad=False)  # fmt: skip
+        setattr(owner, attr, new)
+        self.splits[f"{prefix}{attr}.weight"] = (0, new.first, new.rows)
+
+    def layer(self, layer: nn.Module, prefix: str) -> None:
+        from hisparse.models.deepseek_v32 import MLAttention, MoE
+        from hisparse.models.layers import MLP
+
+        attn = layer.self_attn
+        assert isinstance(attn, MLAttention)
+        a = prefix + "self_attn."
+        if attn.n_heads % self.world:
+            raise ValueError(f"cannot split {attn.n_heads} heads over {self.world} ranks")
+        self.linear(attn.q_b_proj, a + "q_b_proj.", 0)
+        self.linear(attn.kv_b_proj, a + "kv_b_proj.", 0)
+        self.linear(attn.o_proj, a + "o_proj.", 1)
+        attn.n_heads //= self.world
+        mlp = layer.mlp
+        m = prefix + "mlp."
+        if isinstance(mlp, MoE):
+            if mlp.fp8_experts is not None:
+                self.fp8_experts(mlp.fp8_experts, m + "fp8_experts.")
+            for e, expert in enumerate(mlp.experts):
+                self.mlp(expert, f"{m}experts.{e}.")
+            self.mlp(mlp.shared_experts, m + "shared_experts.")
+        else:
+            assert isinstance(mlp, MLP)
+            self.mlp(mlp, m)
+        if self.tp is not None:
+            _reduce_output(attn.o_proj, self.tp)
+            _reduce_output(mlp, self.tp)
+
+
+def shard_dsa(model: nn.Module, rank: int, world: int, tp: Any = None) -> dict[str, Split]:
+    """`DsaForCausalLM` -> rank ``rank``'s shard of ``world``, in place (`DsaSharder`): heads,
+    MLP and expert widths split (design §18.2), embedding and LM head vocabulary-parallel, the
+    multi-token-prediction layers as the others; ``tp`` (a `TPGroup`): the all-reduce hooks
+    and the collectives of the vocabulary-parallel layers. Returns every kept `Split`."""
+    sh = DsaSharder(rank, world, tp)
+    for i, layer in enumerate(model.model.layers):
+        sh.layer(layer, f"model.layers.{i}.")
+    for i, layer in enumerate(model.mtp):
+        sh.layer(layer, f"mtp.{i}.")
+        if layer.embed_tokens is not None:
+            sh.vocab(layer, "embed_tokens", f"mtp.{i}.", head=False)
+        if layer.shared_head.head is not None:
+            sh.vocab(layer.shared_head, "head", f"mtp.{i}.shared_head.", head=True)
+    sh.vocab(model.model, "embed_tokens", "model.", head=False)
+    sh.vocab(model, "lm_head", "", head=True)
+    return sh.splits
+
+
 def _skip_lm_head(model: nn.Module) -> None:
     """Ranks other than 0 do not sample: their logits are empty (``[rows, 0]``)."""
 
@@ -180,38 +341,6 @@ def _skip_lm_head(model: nn.Module) -> None:
         return hidden.new_empty((hidden.shape[0], 0))
 
     model.logits = logits  # type: ignore[method-assign]
-
-
-def shard_dsa(model: nn.Module, tp: Any) -> nn.Module:
-    """`DsaForCausalLM` (on the CPU, loaded whole) -> this rank's shard, in place."""
-    from hisparse.models.deepseek_v32 import DecoderLayer, MLAttention, MoE
-    from hisparse.models.layers import MLP
-
-    rank, world = tp.rank, tp.world_size
-    for layer in model.model.layers:
-        assert isinstance(layer, DecoderLayer)
-        attn = layer.self_attn
-        assert isinstance(attn, MLAttention)
-        heads = attn.n_heads
-        w = attn.q_b_proj.weight.data
-        _set_weight(attn.q_b_proj, _part(w, 0, rank, world, groups=heads))
-        w = attn.kv_b_proj.weight.data
-        _set_weight(attn.kv_b_proj, _part(w, 0, rank, world, groups=heads))
-        shard_row(attn.o_proj, rank, world)
-        attn.n_heads = heads // world
-        _reduce_output(attn.o_proj, tp)
-        mlp = layer.mlp
-        if isinstance(mlp, MoE):
-            for expert in mlp.experts:
-                shard_mlp(expert, rank, world)
-            shard_mlp(mlp.shared_experts, rank, world)
-        else:
-            assert isinstance(mlp, MLP)
-            shard_mlp(mlp, rank, world)
-        _reduce_output(mlp, tp)
-    if rank != 0:
-        _skip_lm_head(model)
-    return model
 
 
 def shard_llama(model: nn.Module, tp: Any) -> nn.Module:
