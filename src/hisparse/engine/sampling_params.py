@@ -10,6 +10,14 @@ from typing import Any
 
 from hisparse.validation import _fail, check_bool, check_float, check_int, is_integer
 
+#: Bounds on what one request may ask for, so that no single request can take the engine:
+#: ``n`` completions are ``n`` requests of their own (OpenAI caps ``n`` at 128);
+#: every new token is searched for each stop string and checked against each stop id.
+MAX_N = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,12 +33,15 @@ class SamplingParams:
             (``1`` = off), in ``(0, 1]``.
         top_k: keep the ``top_k`` most likely tokens (``0`` or ``-1`` = off).
         max_tokens: most new tokens (``None``: up to ``max_model_len``).
-        stop: strings that end the generation; the text is cut before the stop string.
-        stop_token_ids: token ids that end the generation (the token stays in ``token_ids``).
+        stop: strings that end the generation; the text is cut before the stop string. At
+            most `MAX_STOP_STRINGS` of at most `MAX_STOP_CHARS` characters.
+        stop_token_ids: token ids that end the generation (the token stays in ``token_ids``),
+            at most `MAX_STOP_TOKEN_IDS`.
         seed: makes this request's random draws reproducible whatever runs beside it; with
             ``n > 1`` completion ``i`` draws from a generator seeded from ``(seed, i)``.
         ignore_eos: go on past the model's end-of-sequence tokens.
-        n: completions of the prompt (each is prefilled separately: no prefix sharing yet).
+        n: completions of the prompt (each is prefilled separately: no prefix sharing yet),
+            at most `MAX_N`.
         min_tokens: the end-of-sequence tokens and ``stop_token_ids`` cannot be sampled, and
             ``stop`` strings are not looked for, before this many new tokens.
         logprobs: with a number ``k``, each new token gets a dict ``{token_id: logprob}`` of
@@ -76,7 +87,7 @@ class SamplingParams:
             stop_token_ids=_stop_ids(self.stop_token_ids),
             seed=check_int(f + "seed", self.seed, minimum=0, maximum=2**64 - 1, optional=True),
             ignore_eos=check_bool(f + "ignore_eos", self.ignore_eos),
-            n=check_int(f + "n", self.n, minimum=1, example=1),
+            n=check_int(f + "n", self.n, minimum=1, maximum=MAX_N, example=1),
             min_tokens=check_int(f + "min_tokens", self.min_tokens, minimum=0),
             logprobs=check_int(f + "logprobs", self.logprobs, minimum=0, example=5, optional=True),
             repetition_penalty=check_float(
@@ -122,6 +133,8 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
     if isinstance(stop, bytes | Mapping) or not isinstance(stop, Sequence | Set):
         _fail(field, stop, "a string or a list of strings", type_error=True)
     out = tuple(stop)
+    if len(out) > MAX_STOP_STRINGS:
+        _fail(field, stop, f"at most {MAX_STOP_STRINGS} strings (it holds {len(out)})")
     for s in out:
         if not isinstance(s, str):
             _fail(
@@ -130,6 +143,8 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
             )  # fmt: skip
         if not s:
             _fail(field, stop, "non-empty strings (an empty one would match at once)")
+        if len(s) > MAX_STOP_CHARS:
+            _fail(field, s, f"strings of at most {MAX_STOP_CHARS} characters")
     return out
 
 
@@ -139,6 +154,8 @@ def _stop_ids(ids: Any) -> tuple[int, ...]:
         return ()
     if isinstance(ids, str | bytes | Mapping) or not isinstance(ids, Sequence | Set):
         _fail(field, ids, "a list of token ids (non-negative integers)", type_error=True)
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        _fail(field, ids, f"at most {MAX_STOP_TOKEN_IDS} token ids (it holds {len(ids)})")
     out = []
     for t in ids:
         if not is_integer(t):
