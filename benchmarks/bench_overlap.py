@@ -71,7 +71,7 @@ class Stack:
                 max_num_reqs=batch,
                 device=dev,
                 index_group=None if lead else self.runtimes[i - i % group].group,
-                offload=offload,
+                hisparse=offload,
             )
             if lead:
                 # one GPU pool per index group, block-outermost, layer pages side by side in a

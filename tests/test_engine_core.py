@@ -28,7 +28,7 @@ from hisparse.kv.specs import CacheKind, LayerCacheSpec, RowFormat
 specs = []
 for i in range(2):
     name = f"layers.{i}.attn"
-    specs.append(LayerCacheSpec(name, CacheKind.SPARSE_MLA, 64, 4, RowFormat.BF16_MLA, name))
+    specs.append(LayerCacheSpec(name, CacheKind.SPARSE, 64, 4, RowFormat.BF16_MLA, name))
     specs.append(LayerCacheSpec(f"layers.{i}.indexer", CacheKind.INDEXER, 32, 4))
 cfg = HiSparseConfig(top_k=4, host_pool_gib=0.001, block_size=4, offload="always").resolve()
 kv = KVBlockManager(specs, cfg, placement="hisparse", gpu_budget_bytes=2**20,

@@ -44,7 +44,7 @@ def _tiny_specs(full, block_size=4, fmt=RowFormat.FP8_DS_MLA):
 def _tiny_plan(full, *, host_blocks=6, gpu_blocks=40, max_len=8, block_size=4):
     """A few-KiB layout that a real uint8 tensor can back."""
     specs = _tiny_specs(full, block_size)
-    host_block = sum(s.page_bytes for s in specs if s.kind is CacheKind.SPARSE_MLA)
+    host_block = sum(s.page_bytes for s in specs if s.kind is CacheKind.SPARSE)
     config = HiSparseConfig(
         top_k=8, host_pool_gib=(host_blocks * host_block + 1) / GIB, block_size=block_size
     ).resolve()
@@ -194,7 +194,7 @@ def _used_bytes(layout, specs, ctx):
     """Bytes one request's pages take, from the specs alone (no block padding)."""
     pages = math.ceil(ctx / layout.block_size)
     idx = sum(s.page_bytes for s in specs if s.kind is CacheKind.INDEXER)
-    kv = sum(s.page_bytes for s in specs if s.kind is CacheKind.SPARSE_MLA)
+    kv = sum(s.page_bytes for s in specs if s.kind is CacheKind.SPARSE)
     if layout.placement == "gpu":
         return pages * (idx + kv)
     return pages * idx + (min(3, pages) + layout.hot_blocks_per_request) * kv
@@ -218,7 +218,7 @@ def test_group_packing(shape):
     )
     # every sparse layer exactly once, in layer order inside each pack
     names = [n for g in resident for n in g.layers]
-    assert sorted(names) == sorted(s.name for s in specs if s.kind is CacheKind.SPARSE_MLA)
+    assert sorted(names) == sorted(s.name for s in specs if s.kind is CacheKind.SPARSE)
     order = {s.name: i for i, s in enumerate(specs)}
     for g in resident:
         assert [order[n] for n in g.layers] == sorted(order[n] for n in g.layers)
@@ -473,7 +473,7 @@ def test_describe_and_compact_names():
 
 def test_unaligned_sparse_row():
     specs = [
-        LayerCacheSpec("layers.0.attn", CacheKind.SPARSE_MLA, 650, 64, index_leader=None),
+        LayerCacheSpec("layers.0.attn", CacheKind.SPARSE, 650, 64, index_leader=None),
         indexer_spec("layers.0.indexer", block_size=64),
     ]
     with pytest.raises(HiSparseConfigError, match=r"multiple of 16 bytes \(pad it to 656\)"):
@@ -584,7 +584,7 @@ def test_host_pool_past_int32_rows_is_refused():
     """Rows are int32 in every kernel: a host pool with 2**31 rows or more is refused with
     the largest size that works, which then plans."""
     specs = _tiny_specs([True])
-    row = sum(s.row_bytes for s in specs if s.kind is CacheKind.SPARSE_MLA)
+    row = sum(s.row_bytes for s in specs if s.kind is CacheKind.SPARSE)
     with pytest.raises(HiSparseConfigError, match=r"int32.*host_pool_gib <= ") as err:
         _plan(specs, host_gib=2**31 * row / GIB, block_size=4, max_len=64)
     fit = float(str(err.value).rsplit("<= ", 1)[1].rstrip("."))
@@ -603,6 +603,6 @@ def test_blocks_keep_rows_16_byte_aligned(block_size):
     layout = plan_kv_layout(specs, config, 2**22, 64)
     assert layout.gpu_bytes_per_block % 16 == 0
     for spec in specs:
-        if spec.kind is CacheKind.SPARSE_MLA:
+        if spec.kind is CacheKind.SPARSE:
             view = layout.gpu_views[spec.name]
             assert view.offset % 16 == view.block_stride % 16 == view.row_stride % 16 == 0

@@ -1,7 +1,7 @@
 """The index-group leader's one-read group gather gives the same GPU bytes as per-layer gathers.
 
 A group of G layers with the token-major host layout (docs/design.md §4.1) and device views that are
-pages of one pool: decode swap-ins through `IndexGroupRuntime.resolve_and_stage` must leave exactly
+pages of one pool: decode swap-ins through `IndexGroupRuntime.resolve_and_gather` must leave exactly
 the bytes (and hot state) the per-layer `gather_compact` path leaves, on the CPU reference
 ops and on the Triton kernels in the interpreter (``TRITON_INTERPRET=1``).
 """
@@ -73,7 +73,7 @@ class World:
         tables = GroupTables(
             resident_block_table=self.res_bt, slot_mapping=torch.full((Q,), -1, dtype=torch.int32)
         )
-        self.group.resolve_and_stage(meta, tables, topk)
+        self.group.resolve_and_gather(meta, tables, topk)
         for rt in self.layers:
             rt.wait_ready()
         return self.group.physical[:Q, :K].clone()

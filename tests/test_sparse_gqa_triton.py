@@ -274,11 +274,11 @@ def test_model_decode_through_the_kernel_matches_reference(monkeypatch: pytest.M
 
 
 def test_static_decode_step_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fixed-shape decode step of the CUDA-graph path (`DsaStep.static`: a padded batch,
+    """The fixed-shape decode step of the CUDA-graph path (`ForwardStep.static`: a padded batch,
     no host reads, keys bounded by ``max_len``) gives the eager step's logits for the real rows
     (summation order aside) through the Triton kernel, and padding rows change nothing."""
     from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig
-    from hisparse.models.kv_access import DsaStep
+    from hisparse.models.kv_access import ForwardStep
     from hisparse.models.llama import LlamaConfig, LlamaForCausalLM
 
     monkeypatch.setenv("HISPARSE_ATTENTION", "triton")
@@ -306,7 +306,7 @@ def test_static_decode_step_matches_eager(monkeypatch: pytest.MonkeyPatch) -> No
     kv, idx = cache.attention(0), cache.indexer(0)
     _, slots = kv.write_target()
     # Pad to 4 rows: row 3 is no request (req_index -1, slot -1, length 0).
-    pad = DsaStep(
+    pad = ForwardStep(
         positions=torch.cat((step.positions, torch.zeros(1, dtype=torch.long))),
         req_index=torch.tensor([0, 1, 2, -1]),
         seq_lens=torch.cat((step.seq_lens, torch.zeros(1, dtype=torch.long))),

@@ -85,7 +85,7 @@ def _serve_rank_if_torchrun_worker(args: argparse.Namespace) -> None:
     env = torchrun_env()
     if env is None or env["rank"] == 0 or env["world_size"] < 2:
         return
-    from hisparse.engine.setup import checked_device
+    from hisparse.engine.device import checked_device
     from hisparse.engine.tp_follower import serve_torchrun_ranks
 
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process

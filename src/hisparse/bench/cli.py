@@ -415,9 +415,9 @@ def run_cell(
     row["first_request_id"] = min(int(o.request_id) for o in outs) if outs else None
     # the host pool the engine sized (its default depends on this machine's memory): what a
     # replay of this run (`hisparse simulate --compare`) must plan with
-    pool = llm.kv.layout.host_pool_bytes if llm.kv.offload else 0
+    pool = llm.kv.layout.host_pool_bytes if llm.kv.hisparse else 0
     row["host_pool_gib"] = pool / 2**30 if pool else None
-    if llm.kv.offload:  # `HiSparseConfig.offload` and the requests it demoted in this run
+    if llm.kv.hisparse:  # `HiSparseConfig.offload` and the requests it demoted in this run
         row["offload"] = llm.kv.config.offload
         row["demotions"] = llm.scheduler.demotions - demoted
     # the step-by-step schedule: tokens are comparable across placements only under the same one

@@ -61,7 +61,7 @@ class BenchHooks(StepHooks):
             )
         if self.synthetic_prefill:
             self.synthetic = SyntheticPrefill(runner.model, runner.row_format, self.seed)
-        if self.timing and runner.kv.offload:
+        if self.timing and runner.kv.hisparse:
             self.timer = SwapTimer(runner.device)
             for h in runner.leaders:
                 self.timer.wrap(h.runtime.group)

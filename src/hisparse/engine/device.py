@@ -35,7 +35,7 @@ def default_host_pool_bytes(
     ``available`` (default: now), and at least one such request. ``host_shards``: host rows
     hold that many ranks' slices of the specs' rows (`plan_kv_layout`)."""
     bs = config.block_size
-    block = sum(s.row_bytes for s in specs if s.kind is CacheKind.SPARSE_MLA) * bs * host_shards
+    block = sum(s.row_bytes for s in specs if s.kind is CacheKind.SPARSE) * bs * host_shards
     per_request = cdiv(max_model_len, bs) + 1
     want = (max_num_seqs * per_request + 1) * block
     available = available_host_bytes() if available is None else available

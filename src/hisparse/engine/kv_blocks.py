@@ -100,7 +100,7 @@ class KVBlockManager:
         rank mirrors (docs/design.md §18)."""
         self.config = config
         self.placement = placement
-        self.offload = placement == "hisparse"
+        self.hisparse = placement == "hisparse"
         self.block_size = config.block_size
         #: when older pages leave the GPU (`HiSparseConfig.offload`)
         self.policy = OffloadPolicy(placement, config.offload, config.block_size)
@@ -122,7 +122,7 @@ class KVBlockManager:
         self._need_by_pages: dict[int, int] = {}
         self.gpu_blocks = BlockPool(lay.gpu_num_blocks, "GPU block pool")
         self.host_blocks: BlockPool | None = None
-        if self.offload:
+        if self.hisparse:
             self.host_blocks = BlockPool(lay.host_num_blocks, "host block pool")
         self.resident_groups = list(lay.groups(GroupKind.RESIDENT))
         self.hot_groups = list(lay.groups(GroupKind.HOT))
@@ -132,8 +132,8 @@ class KVBlockManager:
         }
         n_res = len(self.resident_groups)
         #: the host and indexer tables' places in the table stack (HiSparse only)
-        self.host_table_index = n_res if self.offload else None
-        self.indexer_table_index = n_res + 1 if self.offload else None
+        self.host_table_index = n_res if self.hisparse else None
+        self.indexer_table_index = n_res + 1 if self.hisparse else None
         self.free_slots = list(range(max_num_seqs))
         #: slots leased since the runner last reset hot state (a new request in an old slot)
         self.pending_slot_resets: list[int] = []
@@ -152,7 +152,7 @@ class KVBlockManager:
     @property
     def indexer_in_resident(self) -> bool:
         """All-GPU placement keeps indexer pages in the (single) resident group."""
-        return not self.offload
+        return not self.hisparse
 
     def host_pages_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size) + 1  # + copy-on-write tail
@@ -165,7 +165,7 @@ class KVBlockManager:
 
     def host_fits(self, total_tokens: int) -> bool:
         """`admit` would find host blocks for a request of ``total_tokens`` tokens."""
-        return not self.offload or self.host_pages_for(total_tokens) <= self.host_available()
+        return not self.hisparse or self.host_pages_for(total_tokens) <= self.host_available()
 
     def gpu_need(self, num_tokens: int) -> int:
         """GPU blocks a request of ``num_tokens`` tokens holds at its peak, prefilling or
@@ -195,7 +195,7 @@ class KVBlockManager:
 
     def staging_rows(self, num_tokens: int) -> int:
         """Staging rows a prefill chunk ending at ``num_tokens`` takes (0 on "gpu")."""
-        return num_tokens if self.offload else 0
+        return num_tokens if self.hisparse else 0
 
     @property
     def staging_capacity(self) -> int:
@@ -212,7 +212,7 @@ class KVBlockManager:
             raise ValueError(f"request {req_id} is already admitted")
         blocks = RequestBlocks(resident=[{} for _ in self.resident_groups])
         blocks.hot = [[] for _ in self.hot_groups]
-        if self.offload:
+        if self.hisparse:
             need = self.host_pages_for(total_tokens)
             if need > self.host_available():
                 raise KVCapacityError("host pool full")
@@ -220,7 +220,7 @@ class KVBlockManager:
         self.requests[req_id] = blocks
         return blocks
 
-    def grows(self, req_id: str, new_len: int) -> bool:
+    def needs_growth(self, req_id: str, new_len: int) -> bool:
         """Whether `grow` to ``new_len`` tokens may add anything (False: within the pages the
         last growth completed, a no-op)."""
         return cdiv(new_len, self.block_size) > self.requests[req_id].grown_pages
@@ -307,7 +307,7 @@ class KVBlockManager:
         """A decode step wrote rows ``[start, start + count)`` to resident pages only (the
         lazy mirror: `eager_host_mirror=False`); their pages must reach the host before they
         are freed. A prefill mirrors every row itself."""
-        if self.offload and not self.config.eager_host_mirror and count > 0:
+        if self.hisparse and not self.config.eager_host_mirror and count > 0:
             bs = self.block_size
             self.requests[req_id].dirty.update(range(start // bs, (start + count - 1) // bs + 1))
 

@@ -81,7 +81,7 @@ class KVCacheManager(KVBlockManager):
         #: the prefill staging area (HiSparse; `PrefillStaging` views it one layer at a time)
         self.staging_raw = torch.empty(lay.staging_bytes, dtype=torch.uint8, device=device)
         _poison(self.staging_raw)
-        if self.offload and device.type != "meta":
+        if self.hisparse and device.type != "meta":
             self.host_pool = self._make_host_pool(lay.host_pool_bytes, device.type == "cuda")
         hb = config.hot_blocks_per_request
         #: per hot group: [max_num_seqs, hot blocks] GPU block ids of each slot's region
@@ -95,10 +95,10 @@ class KVCacheManager(KVBlockManager):
         #: of one ``[tables, max_num_seqs, max_blocks]`` tensor: the resident groups' first,
         #: then (HiSparse) the host and indexer tables. A step gathers its rows of every table
         #: with one op (a table per layer group, 12 small kernels each, otherwise).
-        self.table_stack = torch.zeros((n_res + (2 if self.offload else 0), S, MB), **i32)
+        self.table_stack = torch.zeros((n_res + (2 if self.hisparse else 0), S, MB), **i32)
         self.resident_tables = list(self.table_stack[:n_res].unbind(0))
-        self.host_table = self.table_stack[n_res] if self.offload else None
-        self.indexer_table = self.table_stack[n_res + 1] if self.offload else None
+        self.host_table = self.table_stack[n_res] if self.hisparse else None
+        self.indexer_table = self.table_stack[n_res + 1] if self.hisparse else None
 
     # --- views ---------------------------------------------------------------------------
     def gpu_view(self, name: str) -> torch.Tensor:
@@ -173,8 +173,8 @@ class KVCacheManager(KVBlockManager):
         """(host, indexer, per resident group) views of ``stack`` (``table_stack``'s layout)."""
         n_res = len(self.resident_tables)
         res = list(stack[:n_res].unbind(0))
-        host = stack[n_res] if self.offload else None
-        idx = stack[n_res + 1] if self.offload and not self.indexer_in_resident else res[0]
+        host = stack[n_res] if self.hisparse else None
+        idx = stack[n_res + 1] if self.hisparse and not self.indexer_in_resident else res[0]
         return host, idx, res
 
     def block_table(self, req_ids: list[str], kind: str, group: int = 0) -> torch.Tensor:

@@ -28,6 +28,14 @@ from tqdm import tqdm
 from hisparse.config import HiSparseConfig, check_gib
 from hisparse.engine.async_core import AsyncEngineCore
 from hisparse.engine.core import STEP_STATS_KEPT, EngineCore, young_objects_only
+from hisparse.engine.device import (
+    check_device_memory,
+    checked_device,
+    decode_path,
+    default_host_pool_bytes,
+    default_kv_gib,
+    host_sharing,
+)
 from hisparse.engine.hooks import StepHooks
 from hisparse.engine.inputs import (
     completions,
@@ -42,14 +50,6 @@ from hisparse.engine.output_processor import OutputProcessor
 from hisparse.engine.request import Request, RequestOutput, Status
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.scheduler import SCHEDULE_POLICIES, Scheduler
-from hisparse.engine.setup import (
-    check_device_memory,
-    checked_device,
-    decode_path,
-    default_host_pool_bytes,
-    default_kv_gib,
-    host_sharing,
-)
 from hisparse.engine.tp_follower import (
     serve_torchrun_ranks,
     tensor_parallel_state,

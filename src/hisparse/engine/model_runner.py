@@ -38,7 +38,7 @@ from hisparse.engine.step_cache import PrefillLayerCache, StepCache
 from hisparse.engine.step_data import ModelOutput, ScheduledStep, SchedulerOutput, WriteBack
 from hisparse.engine.warm_start import WarmStart
 from hisparse.kv.specs import CacheKind, LayerCacheSpec
-from hisparse.models.kv_access import DsaStep
+from hisparse.models.kv_access import ForwardStep
 from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.cache_handle import CacheHandle
 from hisparse.runtime.ops import cpu_backend
@@ -105,7 +105,7 @@ class ModelRunner:
         self.handles: list[CacheHandle] = []
         self.leaders: list[CacheHandle] = []
         group_handles: list[list[CacheHandle]] = []
-        for spec in (s for s in specs if s.kind is CacheKind.SPARSE_MLA):
+        for spec in (s for s in specs if s.kind is CacheKind.SPARSE):
             lead = spec.is_index_group_leader
             rt = SparseLayerRuntime(
                 spec.name,
@@ -115,10 +115,10 @@ class ModelRunner:
                 device=device,
                 index_group=None if lead else self.runtimes[-1].group,
                 copy_stream=copy,
-                offload=kv.offload,
+                hisparse=kv.hisparse,
             )
             rt.bind_device(kv.gpu_view(spec.name))
-            if kv.offload:
+            if kv.hisparse:
                 rt.bind_host(kv.host_view(spec.name))
                 rt.writes_host = kv.host_writer
             handle = CacheHandle(rt)
@@ -127,7 +127,7 @@ class ModelRunner:
             if lead:
                 self.leaders.append(handle)
                 group_handles.append([handle])
-                if kv.offload:
+                if kv.hisparse:
                     rt.group.bind_hot_block_table(kv.hot_block_tables[kv.group_of_layer[spec.name]])
             else:
                 group_handles[-1].append(handle)
@@ -291,7 +291,7 @@ class ModelRunner:
             pos = start_d[rix] + torch.arange(T, device=dev) - first[rix]
         self._slots, self._lens, self._keys = slot_d, seq_lens, key_d
         self._max_len = max(s + n for s, n in zip(starts, counts, strict=True))
-        step = DsaStep(positions=pos, req_index=rix, seq_lens=seq_lens, max_len=self._max_len)
+        step = ForwardStep(positions=pos, req_index=rix, seq_lens=seq_lens, max_len=self._max_len)
 
         one_cpu = decode and R == 1 and dev.type == "cpu"
 
@@ -311,7 +311,7 @@ class ModelRunner:
             req_per_token=rix.to(torch.int32),
             request_state_indices=state,
             source_block_table=host_bt,
-            host_slot_mapping=rows_of(host_bt) if kv.offload else None,
+            host_slot_mapping=rows_of(host_bt) if kv.hisparse else None,
             all_resident=resident,
         )
         tables = [GroupTables(resident_block_table=t, slot_mapping=rows_of(t)) for t in res_tables]
@@ -322,7 +322,7 @@ class ModelRunner:
         self.warm = None if decode else WarmStart.for_step(self, finishing, last_rows)
         sample_reqs = [req for (req, _), f in zip(batch, finishing, strict=True) if f or decode]
         staging = None
-        if not decode and kv.offload:
+        if not decode and kv.hisparse:
             # every context page of the step's requests, one layer at a time (§6.6); a
             # synthetic prefill only writes, so it gathers nothing
             assert kv.staging_raw is not None
@@ -447,12 +447,12 @@ class ModelRunner:
         ]
         for leader in self.leaders:
             leader.prepare_group_for_batch(meta, tables[kv.group_of_layer[leader.runtime.name]])
-        step = DsaStep(
+        step = ForwardStep(
             positions=pos, req_index=rix, seq_lens=seq_lens, max_len=self._max_len, static=True
         )
         cache = StepCache(self, True, idx_rows, idx_table)
         logits = self.model.logits(self.model(ids, step, cache))
-        counts = self._step_counts(b) if kv.offload and not all_resident else self._zero_counts[:b]
+        counts = self._step_counts(b) if kv.hisparse and not all_resident else self._zero_counts[:b]
         return logits, counts
 
     def prefill_layer_caches(self) -> list[PrefillLayerCache]:
@@ -476,7 +476,7 @@ class ModelRunner:
         once, by `flush_metrics`): no host sync in the decode loop. ``resolved`` False: the
         step's rows were all resident (none counts)."""
         n = len(reqs)
-        counts = self._step_counts(n) if self.kv.offload and resolved else self._zero_counts[:n]
+        counts = self._step_counts(n) if self.kv.hisparse and resolved else self._zero_counts[:n]
         self._pending.append((reqs, counts))
 
     def flush_metrics(self) -> list[dict[str, float]]:

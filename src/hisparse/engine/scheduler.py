@@ -233,7 +233,7 @@ class Scheduler:
         for req in [r for r in self.running if r.status is Status.DECODING]:
             if req.status is not Status.DECODING:
                 continue  # preempted below for an earlier request
-            if not self.kv.grows(req.req_id, req.num_computed + 1):
+            if not self.kv.needs_growth(req.req_id, req.num_computed + 1):
                 batch.append((req, 1))  # within its last page: nothing to allocate
                 continue
             while True:
@@ -333,7 +333,7 @@ class Scheduler:
                 return None
         reserve = self._promised() if self.kv.policy.under_pressure else 0
         for req in reqs:
-            if self.kv.grows(req.req_id, req.num_computed + 1) and not self._grow(
+            if self.kv.needs_growth(req.req_id, req.num_computed + 1) and not self._grow(
                 req, req.num_computed + 1, reserve
             ):
                 return None

@@ -148,7 +148,7 @@ def rank_state(llm: LLM) -> dict[str, Any]:
         ),
         host_pool_bytes=kv.layout.host_pool_bytes,
         host_writer=kv.host_writer,
-        hot_state=[(crc(g.hot_index), crc(g.lru)) for g in leaders if kv.offload],
+        hot_state=[(crc(g.hot_index), crc(g.lru)) for g in leaders if kv.hisparse],
         gpu_pool=crc(kv.gpu_raw) if kv.gpu_raw.numel() <= 2**28 else None,  # test sizes
         # step hooks that record a digest (`hisparse.testing.tp_hooks.SelectionDigest`)
         selections=getattr(runner.hooks, "digest", None),

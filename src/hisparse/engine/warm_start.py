@@ -37,7 +37,7 @@ class WarmStart:
         where the step hooks replace the top-k (both placements alike); ``None`` if none."""
         hooks = runner.hooks
         replay = hooks is not None and hooks.replaces_topk
-        if not (runner.kv.offload or replay):
+        if not (runner.kv.hisparse or replay):
             return None
         rows = [r for r, f in enumerate(finishing) if f]
         return cls(runner, rows, [last_rows[r] - 1 for r in rows]) if rows else None
@@ -78,7 +78,7 @@ class WarmStart:
         row."""
         runner = self.runner
         kv = runner.kv
-        if not kv.offload or not self.topk:
+        if not kv.hisparse or not self.topk:
             return
         cold = [i for i, r in enumerate(self.rows) if kv.needs_warm_start(req_ids[r], ends[r])]
         if not cold:

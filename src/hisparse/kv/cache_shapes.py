@@ -63,7 +63,7 @@ class ModelCacheShape:
 
     @property
     def sparse_specs(self) -> list[LayerCacheSpec]:
-        return [s for s in self.specs if s.kind is CacheKind.SPARSE_MLA]
+        return [s for s in self.specs if s.kind is CacheKind.SPARSE]
 
     @property
     def indexer_specs(self) -> list[LayerCacheSpec]:

@@ -316,7 +316,7 @@ def plan_kv_layout(
     specs = list(specs)
     _check_specs(specs, config, placement)
     bs = config.block_size
-    sparse = [s for s in specs if s.kind is CacheKind.SPARSE_MLA]
+    sparse = [s for s in specs if s.kind is CacheKind.SPARSE]
     indexers = [s for s in specs if s.kind is CacheKind.INDEXER]
     regular = [s for s in specs if s.kind is CacheKind.REGULAR]
     by_name = {s.name: s for s in specs}
@@ -491,7 +491,7 @@ def _check_specs(
             raise HiSparseConfigError(f"{spec.name}: row_bytes={spec.row_bytes} must be positive.")
     if placement == "hisparse":
         first = specs[0]
-        if first.kind is not CacheKind.SPARSE_MLA:
+        if first.kind is not CacheKind.SPARSE:
             raise HiSparseConfigError(
                 "HiSparse requires the model's first cache group to be sparse MLA; got "
                 f"{first.name} ({first.kind.value}). HiSparse offloads only DSA sparse-MLA "
@@ -504,7 +504,7 @@ def _check_specs(
                 "every layer that runs an indexer, or run with placement='gpu'."
             )
         for spec in specs:
-            if spec.kind is CacheKind.SPARSE_MLA:
+            if spec.kind is CacheKind.SPARSE:
                 config.check_row_bytes(spec.row_bytes, what=f"{spec.name}'s KV row")
     by_size: dict[int, list[str]] = {}
     for spec in specs:

@@ -38,7 +38,7 @@ INDEXER_ROW_BYTES = 128 + 4
 
 
 class CacheKind(Enum):
-    SPARSE_MLA = "sparse_mla"
+    SPARSE = "sparse"
     """Sparse attention rows: full copy on the host, resident tail + hot rows on the GPU."""
     INDEXER = "indexer"
     """Indexer keys: every token, always on the GPU."""
@@ -67,7 +67,7 @@ class LayerCacheSpec:
 
     @property
     def is_index_group_leader(self) -> bool:
-        return self.kind is CacheKind.SPARSE_MLA and self.index_leader in (None, self.name)
+        return self.kind is CacheKind.SPARSE and self.index_leader in (None, self.name)
 
 
 def sparse_mla_spec(
@@ -81,7 +81,7 @@ def sparse_mla_spec(
 ) -> LayerCacheSpec:
     return LayerCacheSpec(
         name=name,
-        kind=CacheKind.SPARSE_MLA,
+        kind=CacheKind.SPARSE,
         row_bytes=RowFormat.mla_row_bytes(fmt, kv_lora_rank, rope_dim),
         block_size=block_size,
         row_format=fmt,

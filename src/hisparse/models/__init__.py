@@ -5,7 +5,7 @@ from hisparse.models.dsa_config import DsaConfig, DsaConfigError
 from hisparse.models.kv_access import (
     DenseDsaCache,
     DsaKVCache,
-    DsaStep,
+    ForwardStep,
     IndexerLayerCache,
     SparseMlaLayerCache,
 )
@@ -18,7 +18,7 @@ __all__ = [
     "DsaConfigError",
     "DsaForCausalLM",
     "DsaKVCache",
-    "DsaStep",
+    "ForwardStep",
     "IndexerLayerCache",
     "SparseMlaLayerCache",
     "load_dsa_model",

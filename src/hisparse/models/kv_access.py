@@ -29,7 +29,7 @@ from hisparse.models.dsa_config import DsaConfig
 
 
 @dataclass
-class DsaStep:
+class ForwardStep:
     """Token-level metadata of one forward step (packed, variable-length batch).
 
     Attributes:
@@ -138,7 +138,7 @@ class DenseBlockTables:
         """Forget request ``req`` (its slots are rewritten by the next request using them)."""
         self.lens[req] = 0
 
-    def begin_step(self, reqs: Sequence[int], num_new: Sequence[int]) -> DsaStep:
+    def begin_step(self, reqs: Sequence[int], num_new: Sequence[int]) -> ForwardStep:
         """Append ``num_new[i]`` tokens to request ``reqs[i]``; metadata for the forward."""
         if len(reqs) != len(num_new) or len(set(reqs)) != len(reqs):
             raise ValueError("reqs must be distinct and match num_new")
@@ -151,7 +151,7 @@ class DenseBlockTables:
             req_index.append(torch.full((n,), row))
             seq_lens.append(start + n)
             self.lens[r] = start + n
-        step = DsaStep(
+        step = ForwardStep(
             positions=torch.cat(positions).to(self.device),
             req_index=torch.cat(req_index).to(self.device),
             seq_lens=torch.tensor(seq_lens, device=self.device),

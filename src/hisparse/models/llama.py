@@ -55,7 +55,7 @@ from hisparse.kv.row_formats import write_rows_fast
 from hisparse.models import fused
 from hisparse.models.kv_access import (
     DenseBlockTables,
-    DsaStep,
+    ForwardStep,
     IndexerLayerCache,
     SparseMlaLayerCache,
 )
@@ -78,7 +78,7 @@ from hisparse.models.llama_cpu import (
 )
 
 #: Step metadata of a packed batch (the same for every model family).
-Step = DsaStep
+Step = ForwardStep
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class StepPlan:
     (``-1`` padded), the layout of the batched prefill attention.
     ``longest``: the most keys of any request (host int). ``memo``: what the first layer
     derives from the step alone for the others (the batch-1 selection masks). A static
-    step (`DsaStep.static`: a padded decode batch, possibly under CUDA-graph capture) reads
+    step (`ForwardStep.static`: a padded decode batch, possibly under CUDA-graph capture) reads
     nothing from the device:
     row ``r`` is request ``r`` (padding rows have ``req_index < 0``), ``lens`` is unknown
     (``None``) and ``longest`` is the step's host bound ``max_len``.

@@ -253,7 +253,7 @@ def engine_specs(
     for i, full in enumerate(full_layers):
         name = f"layers.{i}.attn"
         leader = name if full else leader
-        specs.append(LayerCacheSpec(name, CacheKind.SPARSE_MLA, row, block_size, fmt, leader))
+        specs.append(LayerCacheSpec(name, CacheKind.SPARSE, row, block_size, fmt, leader))
         if full:
             specs.append(
                 LayerCacheSpec(f"layers.{i}.indexer", CacheKind.INDEXER, idx_row, block_size)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from hisparse.runtime.batch import GroupTables, StepMetadata
+from hisparse.runtime.index_group import prefix_rows
 from hisparse.runtime.ops import cpu_backend, has_capability
-from hisparse.runtime.sparse_layer import SparseLayerRuntime, prefix_rows
+from hisparse.runtime.sparse_layer import SparseLayerRuntime
 
 
 class CacheHandle:
@@ -130,15 +131,15 @@ class CacheHandle:
         group = rt.group
         if group.layers[0] is rt:  # the leader (its resolve checks the rows)
             # The CPU (no copy stream) with the compiled batch-1 step first: what
-            # `resolve_and_stage` would run, without its frames; declined: the general path.
-            if (not rt.offload or meta.all_resident) and logical_topk.is_cuda:
+            # `resolve_and_gather` would run, without its frames; declined: the general path.
+            if (not rt.hisparse or meta.all_resident) and logical_topk.is_cuda:
                 group.resolve_resident(meta, tables, logical_topk)
             elif not (
                 group.copy.stream is None
                 and group.cpu_one is not None
                 and group.cpu_one.decode_one(meta, tables, logical_topk)
             ):
-                group.resolve_and_stage(meta, tables, logical_topk)
+                group.resolve_and_gather(meta, tables, logical_topk)
         else:
             group.check_rows(logical_topk)
             if not meta.is_decode:
