@@ -14,6 +14,7 @@ GLM-5 differs by configuration only: interleaved RoPE in the indexer, and IndexS
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -49,7 +50,11 @@ class Rotary(CachedRotary):
 
     def __init__(self, config: DsaConfig) -> None:
         super().__init__()
-        inv_freq, factor = config.rope.inv_freq_and_factor(config.qk_rope_head_dim)
+        # A loader's meta skeleton replaces this module: compute it on the CPU there (meta
+        # aranges import torch._dynamo: ~70 MB of a loading rank's memory), else as asked.
+        meta = torch.get_default_device().type == "meta"
+        with torch.device("cpu") if meta else contextlib.nullcontext():
+            inv_freq, factor = config.rope.inv_freq_and_factor(config.qk_rope_head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.factor = factor
 
