@@ -2,53 +2,73 @@
 
 Routes: ``/v1/completions``, ``/v1/chat/completions`` (both streamed as server-sent events
 ending in ``data: [DONE]`` when ``stream`` is set), ``/v1/models``, ``/health``, ``/version``,
-``/tokenize``, ``/detokenize``, ``/metrics`` (Prometheus text). Errors use OpenAI's shape,
-``{"error": {"message", "type", "param", "code"}}``, with a 4xx status naming the field; an
-overloaded engine answers 503. Bodies are read and parsed here (not by FastAPI) so a
-malformed or oversized body gets the same error shape.
+``/tokenize``, ``/detokenize``, ``/metrics`` (Prometheus text). Every error is OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}`` (`hisparse.serve.errors`), 4xx naming
+the field at fault, 5xx for the server's. Bodies are read and parsed here (not by FastAPI) so
+a malformed or oversized body gets the same shape.
+
+Each request is bounded before it is queued: its body (``max_body_bytes``), its completions
+(``n`` and ``best_of`` at most ``max_n``), its stop strings and ids and logprobs
+(`SamplingParams`' limits), its prompt (one per request, within ``max_model_len``), and its
+sequences against the queue (`AsyncEngine.admit`). While it waits its client is watched: a
+hang-up aborts it at the next step, streamed or not.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 import hisparse
-from hisparse.serve.async_engine import AsyncEngine, EngineDead, EngineOverloaded, StreamDelta
+from hisparse.engine.sampling_params import MAX_N
+from hisparse.serve.async_engine import AsyncEngine
+from hisparse.serve.errors import ApiError, install_error_handlers
 from hisparse.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from hisparse.serve.responses import Formatter, collect, events, first, sse, usage
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str = "") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.code = code or {
-            400: "invalid_request",
-            401: "invalid_api_key",
-            404: "not_found",
-            413: "request_too_large",
-            503: "overloaded",
-        }.get(status, "error")
+class _ApiKey:
+    """Plain ASGI middleware (not Starlette's ``BaseHTTPMiddleware``, which wraps
+    ``receive`` and so hides a client's disconnect from the route): ``/v1`` routes need
+    ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
-def _error(status: int, message: str, param: str | None = None, code: str = "") -> JSONResponse:
-    err = ApiError(status, message, param, code)
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": err.code}}
-    return JSONResponse(body, status_code=status)
+def watch_disconnect(request: Request) -> Callable[[], Awaitable[None]]:
+    """A coroutine function that returns when ``request``'s client hangs up: the body is
+    read, so the next ASGI message is ``http.disconnect`` (what ``is_disconnected()`` polls
+    for, awaited instead of polled: no delay, no wake-ups)."""
+
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait
 
 
 def build_app(
@@ -57,23 +77,17 @@ def build_app(
     model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = 8 << 20,
-    metrics=None,
+    max_n: int = MAX_N,
+    metrics: Any = None,
 ) -> FastAPI:
     """The FastAPI application serving ``engine`` under ``model_name``."""
     llm = engine.llm
     app = FastAPI(title="hisparse", version=hisparse.__version__)
     created = int(time.time())
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, err: ApiError) -> JSONResponse:
-        return _error(err.status, err.message, err.param, err.code)
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        guarded = api_key is not None and request.url.path.startswith("/v1")
-        if guarded and request.headers.get("authorization", "") != f"Bearer {api_key}":
-            return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
-        return await call_next(request)
+    fmt = Formatter(llm.tokenizer)
+    install_error_handlers(app)
+    if api_key is not None:
+        app.add_middleware(_ApiKey, key=api_key)
 
     async def parse(request: Request, model: type[BaseModel]) -> Any:
         body = await request.body()
@@ -90,9 +104,9 @@ def build_app(
         try:
             parsed = model.model_validate(data)
         except ValidationError as e:
-            first = e.errors()[0]
-            loc = ".".join(str(p) for p in first["loc"]) or None
-            raise ApiError(400, f"{loc}: {first['msg']}", loc) from None
+            first_error = e.errors()[0]
+            loc = ".".join(str(p) for p in first_error["loc"]) or None
+            raise ApiError(400, f"{loc}: {first_error['msg']}", loc) from None
         name = getattr(parsed, "model", None)
         if name is not None and name != model_name:
             raise ApiError(
@@ -102,11 +116,27 @@ def build_app(
                 "model",
                 "model_not_found",
             )
+        n = getattr(parsed, "n", 1)
+        if n > max_n:  # before anything is tokenized: the cheapest refusal first
+            raise ApiError(400, f"n={n}: at most {max_n} completions per request (--max-n)",
+                           "n", "n_too_large")  # fmt: skip
+        best_of = getattr(parsed, "best_of", None)
+        if best_of is not None and best_of > max_n:
+            raise ApiError(400, f"best_of={best_of}: at most {max_n} (--max-n)", "best_of")
+        if best_of is not None and best_of != n:
+            raise ApiError(400, f"best_of={best_of}: only best_of == n ({n}) is supported "
+                           "(every completion is returned)", "best_of")  # fmt: skip
         return parsed
+
+    def encode(text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            return llm.encode(text, add_special_tokens=add_special_tokens)
+        except ValueError as e:  # no tokenizer: the client must send token ids
+            raise ApiError(400, f"{param}: {e}", param, "no_tokenizer") from None
 
     def token_ids(prompt: str | list[int], param: str) -> list[int]:
         if isinstance(prompt, str):
-            return llm.encode(prompt)
+            return encode(prompt, param)
         vocab = llm.model.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -141,83 +171,20 @@ def build_app(
             field = msg.split("=", 1)[0].removeprefix("SamplingParams.") if "=" in msg else None
             raise ApiError(400, msg, field) from None
 
-    async def run(ids: list[int], params, prompt: str | None) -> AsyncIterator[list[StreamDelta]]:
+    def chat_ids(messages) -> list[int]:
         try:
-            async for deltas in engine.generate(ids, params, prompt=prompt):
-                yield deltas
-        except EngineOverloaded as e:
-            raise ApiError(503, str(e)) from None
-        except EngineDead as e:
-            raise ApiError(503, str(e), code="engine_dead") from None
+            msgs = [{"role": m.role, "content": m.text()} for m in messages]
+            return llm.chat_token_ids(msgs)
         except (ValueError, TypeError) as e:
-            raise ApiError(400, str(e)) from None
-
-    async def collect(ids, params, prompt) -> list[dict[str, Any]]:
-        outs = [
-            dict(text="", token_ids=[], finish_reason=None, logprobs=[]) for _ in range(params.n)
-        ]
-        async for deltas in run(ids, params, prompt):
-            for d in deltas:
-                o = outs[d.index]
-                o["text"] += d.text
-                o["token_ids"] += d.token_ids
-                o["logprobs"] += d.logprobs or []
-                if d.finish_reason is not None:
-                    o["finish_reason"] = d.finish_reason
-                if d.error:
-                    raise ApiError(400 if d.finish_reason == "error" else 500, d.error)
-        return outs
-
-    def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-        return dict(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-        )
-
-    def token_text(t: int) -> str:
-        return llm.tokenizer.decode([t]) if llm.tokenizer is not None else str(t)
-
-    def completion_logprobs(token_ids: list[int], lps: list[dict[int, float]], offset: int):
-        if not lps:
-            return None
-        tokens = [token_text(t) for t in token_ids]
-        offsets, pos = [], offset
-        for s in tokens:
-            offsets.append(pos)
-            pos += len(s)
-        return dict(
-            tokens=tokens,
-            token_logprobs=[lp.get(t) for t, lp in zip(token_ids, lps, strict=False)],
-            top_logprobs=[{token_text(k): v for k, v in lp.items()} for lp in lps],
-            text_offset=offsets,
-        )
-
-    def chat_logprobs(token_ids: list[int], lps: list[dict[int, float]], top: int):
-        if not lps:
-            return None
-        content = []
-        for t, lp in zip(token_ids, lps, strict=False):
-            s = token_text(t)
-            others = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
-            content.append(
-                dict(
-                    token=s,
-                    logprob=lp.get(t),
-                    bytes=list(s.encode()),
-                    top_logprobs=[
-                        dict(token=token_text(k), logprob=v, bytes=list(token_text(k).encode()))
-                        for k, v in others
-                    ],
-                )
-            )
-        return dict(content=content)
+            raise ApiError(400, f"messages: {e}", "messages") from None
 
     # --- routes -------------------------------------------------------------------------
     @app.get("/health")
     async def health() -> Response:
         if engine.error is not None:
-            return _error(503, f"the engine stopped: {engine.error!r}", code="engine_dead")
+            raise ApiError(503, f"the engine stopped: {engine.error!r}", code="engine_dead")
+        if not engine.healthy:
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -250,7 +217,7 @@ def build_app(
         if body.messages is not None:
             ids = chat_ids(body.messages)
         else:
-            ids = llm.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = encode(body.prompt, "prompt", body.add_special_tokens)
         return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -259,17 +226,10 @@ def build_app(
         vocab = llm.model.config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise ApiError(400, f"tokens: ids must lie in [0, {vocab})", "tokens")
-        return {"prompt": llm.tokenizer.decode(body.tokens) if llm.tokenizer else ""}
-
-    def chat_ids(messages) -> list[int]:
-        try:
-            msgs = [{"role": m.role, "content": m.text()} for m in messages]
-            return llm.chat_token_ids(msgs)
-        except (ValueError, TypeError) as e:
-            raise ApiError(400, f"messages: {e}", "messages") from None
-
-    def sse(obj: dict[str, Any]) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
+        if llm.tokenizer is None:
+            raise ApiError(400, "tokens: this checkpoint has no tokenizer.json to decode with",
+                           "tokens", "no_tokenizer")  # fmt: skip
+        return {"prompt": llm.tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -288,49 +248,41 @@ def build_app(
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = dict(id=rid, object="text_completion", created=now, model=model_name)
         echo = (text or "") if body.echo else ""
+        gen = engine.generate(ids, params, prompt=text, disconnected=watch_disconnect(request))
         if not body.stream:
-            outs = await collect(ids, params, text)
+            outs = await collect(gen, params.n)
             choices = [
                 dict(
                     index=i,
                     text=echo + o["text"],
                     finish_reason=o["finish_reason"],
-                    logprobs=completion_logprobs(o["token_ids"], o["logprobs"], len(echo)),
+                    logprobs=fmt.completion_logprobs(o["token_ids"], o["logprobs"], len(echo)),
                 )
                 for i, o in enumerate(outs)
             ]
             n_out = sum(len(o["token_ids"]) for o in outs)
             return {**head, "choices": choices, "usage": usage(len(ids), n_out)}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = run(ids, params, text)
-        first = await _first(gen)  # errors before the stream starts are plain JSON errors
+        item = await first(gen)  # errors before the stream starts are plain JSON errors
+        offsets = [len(echo)] * params.n
 
-        async def stream() -> AsyncIterator[str]:
-            n_out, offsets = 0, [len(echo)] * params.n
-            if echo:
-                for i in range(params.n):
-                    yield sse(
-                        {
-                            **head,
-                            "choices": [
-                                dict(index=i, text=echo, logprobs=None, finish_reason=None)
-                            ],
-                        }
-                    )
-            async for deltas in _chain(first, gen):
-                for d in deltas:
-                    n_out += len(d.token_ids)
-                    lp = completion_logprobs(d.token_ids, d.logprobs or [], offsets[d.index])
-                    offsets[d.index] += len(d.text)
-                    choice = dict(
-                        index=d.index, text=d.text, logprobs=lp, finish_reason=d.finish_reason
-                    )
-                    yield sse({**head, "choices": [choice]})
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(len(ids), n_out)})
-            yield "data: [DONE]\n\n"
+        def chunk(d) -> dict[str, Any]:
+            lp = fmt.completion_logprobs(d.token_ids, d.logprobs or [], offsets[d.index])
+            offsets[d.index] += len(d.text)
+            return dict(index=d.index, text=d.text, logprobs=lp, finish_reason=d.finish_reason)
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        opening = [
+            sse({**head, "choices": [dict(index=i, text=echo, logprobs=None,
+                                          finish_reason=None)]})
+            for i in range(params.n)
+        ] if echo else []  # fmt: skip
+        stream = events(
+            head, item, gen, params.n, opening=opening, chunk=chunk,
+            final=lambda i, why: dict(index=i, text="", logprobs=None, finish_reason=why),
+            tail=lambda n_out: [sse({**head, "choices": [], "usage": usage(len(ids), n_out)})]
+            if include_usage else [],
+        )  # fmt: skip
+        return StreamingResponse(stream, media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -342,14 +294,15 @@ def build_app(
         params = sampling(body, limit, top if body.logprobs else None)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = dict(id=rid, object="chat.completion", created=now, model=model_name)
+        gen = engine.generate(ids, params, disconnected=watch_disconnect(request))
         if not body.stream:
-            outs = await collect(ids, params, None)
+            outs = await collect(gen, params.n)
             choices = [
                 dict(
                     index=i,
                     message=dict(role="assistant", content=o["text"]),
                     finish_reason=o["finish_reason"],
-                    logprobs=chat_logprobs(o["token_ids"], o["logprobs"], top),
+                    logprobs=fmt.chat_logprobs(o["token_ids"], o["logprobs"], top),
                 )
                 for i, o in enumerate(outs)
             ]
@@ -357,66 +310,27 @@ def build_app(
             return {**head, "choices": choices, "usage": usage(len(ids), n_out)}
         head["object"] = "chat.completion.chunk"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = run(ids, params, None)
-        first = await _first(gen)
+        item = await first(gen)
 
-        async def stream() -> AsyncIterator[str]:
-            n_out = 0
-            for i in range(params.n):
-                yield sse(
-                    {
-                        **head,
-                        "choices": [
-                            dict(
-                                index=i,
-                                delta=dict(role="assistant", content=""),
-                                logprobs=None,
-                                finish_reason=None,
-                            )
-                        ],
-                    }
-                )
-            async for deltas in _chain(first, gen):
-                for d in deltas:
-                    n_out += len(d.token_ids)
-                    delta = {"content": d.text} if d.text else {}
-                    choice = dict(
-                        index=d.index,
-                        delta=delta,
-                        finish_reason=d.finish_reason,
-                        logprobs=chat_logprobs(d.token_ids, d.logprobs or [], top),
-                    )
-                    yield sse({**head, "choices": [choice]})
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(len(ids), n_out)})
-            yield "data: [DONE]\n\n"
+        def chunk(d) -> dict[str, Any]:
+            return dict(
+                index=d.index,
+                delta={"content": d.text} if d.text else {},
+                finish_reason=d.finish_reason,
+                logprobs=fmt.chat_logprobs(d.token_ids, d.logprobs or [], top),
+            )
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        opening = [
+            sse({**head, "choices": [dict(index=i, delta=dict(role="assistant", content=""),
+                                          logprobs=None, finish_reason=None)]})
+            for i in range(params.n)
+        ]  # fmt: skip
+        stream = events(
+            head, item, gen, params.n, opening=opening, chunk=chunk,
+            final=lambda i, why: dict(index=i, delta={}, logprobs=None, finish_reason=why),
+            tail=lambda n_out: [sse({**head, "choices": [], "usage": usage(len(ids), n_out)})]
+            if include_usage else [],
+        )  # fmt: skip
+        return StreamingResponse(stream, media_type="text/event-stream")
 
     return app
-
-
-_END = object()
-
-
-async def _first(gen: AsyncIterator) -> Any:
-    """The first item of ``gen`` (``_END`` if none): awaited before a stream's response
-    starts, so a request refused by the engine answers with a status code, not a broken
-    stream."""
-    try:
-        return await gen.__anext__()
-    except StopAsyncIteration:
-        return _END
-
-
-async def _chain(first: Any, gen) -> AsyncIterator:
-    """``first``, then the rest of ``gen``; closing this (a client gone mid-stream) closes
-    ``gen`` at once, which aborts the request in the engine."""
-    try:
-        if first is _END:
-            return
-        yield first
-        async for item in gen:
-            yield item
-    finally:
-        await gen.aclose()

@@ -24,7 +24,12 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r, label = self.registry, ["model_name"]
         self.running = Gauge("hisparse:num_requests_running", "Requests running", label, registry=r)
-        self.waiting = Gauge("hisparse:num_requests_waiting", "Requests waiting", label, registry=r)
+        self.waiting = Gauge(
+            "hisparse:num_requests_waiting",
+            "Requests waiting (sequences: a request with n completions counts n)",
+            label,
+            registry=r,
+        )
         self.preemptions = Counter(
             "hisparse:num_preemptions", "Requests preempted (recomputed later)", label, registry=r
         )
@@ -89,13 +94,29 @@ class ServerMetrics:
     def _l(self, metric):
         return metric.labels(model_name=self.model)
 
-    def after_step(self, llm, changed: list[Request], aborted: int = 0) -> None:
-        """Update everything from the engine's state after one step (engine thread)."""
+    def gauges(self, llm, waiting: int | None = None, aborted: int = 0) -> None:
+        """Running and waiting requests, pool blocks in use, aborts: what an abort changes
+        between steps (engine thread; called after aborts too, so that a request whose
+        client left no longer shows as running while the engine idles). ``waiting``: the
+        sequences queued (the server counts those it still holds); default the
+        scheduler's."""
         sched, kv = llm.scheduler, llm.kv
         self._l(self.running).set(len(sched.running))
-        self._l(self.waiting).set(len(sched.waiting))
+        self._l(self.waiting).set(len(sched.waiting) if waiting is None else waiting)
         if aborted:
             self._l(self.aborted).inc(aborted)
+        self._l(self.gpu_total).set(kv.gpu_blocks.num_usable)
+        self._l(self.gpu_used).set(kv.gpu_blocks.num_usable - kv.gpu_blocks.num_free)
+        if kv.host_blocks is not None:
+            self._l(self.host_total).set(kv.host_blocks.num_usable)
+            self._l(self.host_used).set(kv.host_blocks.num_usable - kv.host_blocks.num_free)
+
+    def after_step(
+        self, llm, changed: list[Request], aborted: int = 0, waiting: int | None = None
+    ) -> None:
+        """Update everything from the engine's state after one step (engine thread)."""
+        sched = llm.scheduler
+        self.gauges(llm, waiting, aborted)
         # every step, by 0 too: the series is on /metrics from the start
         self._l(self.demotions).inc(sched.demotions - self._seen_demotions)
         self._seen_demotions = sched.demotions
@@ -120,11 +141,10 @@ class ServerMetrics:
                     self._l(self.preemptions).inc(req.metrics.preemptions)
             else:
                 self._seen_tokens[key] = len(req.output_token_ids)
-        self._l(self.gpu_total).set(kv.gpu_blocks.num_usable)
-        self._l(self.gpu_used).set(kv.gpu_blocks.num_usable - kv.gpu_blocks.num_free)
-        if kv.host_blocks is not None:
-            self._l(self.host_total).set(kv.host_blocks.num_usable)
-            self._l(self.host_used).set(kv.host_blocks.num_usable - kv.host_blocks.num_free)
+        if len(self._seen_tokens) > len(sched.running) + len(sched.waiting):
+            # aborted requests never come back finished: forget them (and their ids)
+            live = {id(r) for r in sched.running} | {id(r) for r in sched.waiting}
+            self._seen_tokens = {k: v for k, v in self._seen_tokens.items() if k in live}
         now = time.monotonic()
         if any_done or now - self._last_flush >= self.flush_every:
             self._last_flush = now

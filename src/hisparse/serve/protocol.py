@@ -65,6 +65,8 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    #: accepted only equal to ``n`` (every completion is returned; none is picked)
+    best_of: int | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or token ids (OpenAI accepts a batch in a list)."""
