@@ -9,8 +9,17 @@ others.
 from __future__ import annotations
 
 import argparse
+import gc
+import logging
+import math
 
 from rich.console import Console
+
+from hisparse.engine.sampling_params import MAX_N
+
+#: uvicorn's log levels (``hisparse.serve.server.LOG_LEVELS``: uvicorn is imported only
+#: when the server runs)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 #: The API field each flag sets, for error messages in the flag's terms.
 FLAGS = {
@@ -37,14 +46,33 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or a DSA folder")
     p.add_argument("--served-model-name", default=None, help="the name clients use (--model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback)")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     p.add_argument("--kv-placement", choices=("hisparse", "gpu"), default="hisparse")
     p.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="tokens per step")
-    p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 503")
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="sequences queued, not yet running, before 503 (a request adds its n); "
+        "a request with more gets 400",
+    )
+    p.add_argument(
+        "--max-n",
+        type=int,
+        default=MAX_N,
+        help=f"completions per request (n, best_of), at most {MAX_N} (default)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=0,
+        help="seconds from arrival to the last token before a request is aborted "
+        "(504); 0: no deadline (default: max_tokens and max_model_len bound every request)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=8 << 20)
     p.add_argument("--top-k", type=int, default=None, help="rows each token attends to")
     p.add_argument("--device-buffer-size", type=int, default=None, help="hot rows per layer")
@@ -63,49 +91,80 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="ranks to shard the model over, one GPU each (default 1); see the README for torchrun",
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.set_defaults(handler=run_serve, flags=FLAGS, builds_engine=True)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad flags before anything is bound or loaded (each names its flag)."""
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port {args.port}: must be in 0..65535 (0: any free port)")
+    if not args.host:
+        raise ValueError("--host '': give an address, e.g. --host 127.0.0.1")
+    if args.max_waiting < 1:
+        raise ValueError(f"--max-waiting {args.max_waiting}: must be >= 1, e.g. --max-waiting 256")
+    if not 1 <= args.max_n <= MAX_N:
+        raise ValueError(f"--max-n {args.max_n}: must be in 1..{MAX_N}")
+    if not math.isfinite(args.request_timeout) or args.request_timeout < 0:
+        raise ValueError(
+            f"--request-timeout {args.request_timeout}: must be >= 0 seconds (0: no deadline)"
+        )
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes {args.max_body_bytes}: must be >= 1")
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from hisparse.config import HiSparseConfig
     from hisparse.engine.llm import LLM
-    from hisparse.serve.server import make_server
+    from hisparse.serve.server import bind, make_server
 
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port {args.port}: must be in 1..65535")
-    if args.max_waiting < 0:
-        raise ValueError(f"--max-waiting {args.max_waiting}: must be >= 0")
+    check_args(args)
     config = HiSparseConfig(
         top_k=args.top_k, device_buffer_size=args.device_buffer_size,
         host_pool_gib=args.host_pool_gib, offload=args.offload,
     )  # fmt: skip
+    sock = bind(args.host, args.port)  # a port in use fails now, not after the load
+    logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
+    logging.getLogger("hisparse").setLevel(args.log_level.upper().replace("TRACE", "DEBUG"))
+    port = sock.getsockname()[1]
     console = Console()
-    with console.status("loading the model"):
-        llm = LLM(
-            args.model,
-            kv_placement=args.kv_placement,
-            hisparse=config,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            max_num_batched_tokens=args.max_batched_tokens,
-            gpu_memory_gib=args.gpu_memory_gib,
-            device=args.device,
-            tensor_parallel_size=args.tensor_parallel_size,
-        )
+    try:
+        with console.status("loading the model"):
+            llm = LLM(
+                args.model,
+                kv_placement=args.kv_placement,
+                hisparse=config,
+                max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len,
+                max_num_batched_tokens=args.max_batched_tokens,
+                gpu_memory_gib=args.gpu_memory_gib,
+                device=args.device,
+                tensor_parallel_size=args.tensor_parallel_size,
+            )
+    except BaseException:
+        sock.close()
+        raise
     name = args.served_model_name or str(args.model)
     with llm:
         server, state = make_server(
-            llm, model_name=name, host=args.host, port=args.port, api_key=args.api_key,
+            llm, model_name=name, host=args.host, port=port, api_key=args.api_key,
             max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting,
+            max_n=args.max_n, request_timeout=args.request_timeout or None,
             log_level=args.log_level,
         )  # fmt: skip
-        console.print(
-            f"serving [bold]{name}[/] on http://{args.host}:{args.port}/v1 "
-            f"({args.kv_placement} placement, up to {args.max_num_seqs} running)"
+        # one line, flushed, unwrapped: scripts (and the tests) read the port from it
+        print(
+            f"serving {name} on http://{args.host}:{port}/v1 ({args.kv_placement} "
+            f"placement, up to {args.max_num_seqs} running)",
+            flush=True,
         )
+        # the loaded model's objects live as long as the process: the collector's full
+        # passes skip them (on the CPU one pass over them took ~125 ms, every few steps)
+        gc.freeze()
         try:
-            server.run()
+            server.run(sockets=[sock])
         finally:
             state.engine.shutdown()
-    return 0
+            sock.close()
+            gc.unfreeze()  # `llm.close()` collects the runner's cycles
+    return state.exit_code
