@@ -27,7 +27,7 @@ from hisparse.kv.row_formats import IndexerCacheFormat, MlaFormat, write_indexer
 from hisparse.models import fused
 from hisparse.models.dsa_config import DsaConfig
 from hisparse.models.fp8_moe import Fp8Experts
-from hisparse.models.kv_access import DenseDsaCache, DsaKVCache, DsaStep
+from hisparse.models.kv_access import DenseDsaCache, DsaKVCache, ForwardStep
 from hisparse.models.layers import (
     MLP,
     CachedRotary,
@@ -249,7 +249,7 @@ class Indexer(nn.Module):
         q_resid: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        step: DsaStep,
+        step: ForwardStep,
         pages_write: tuple[torch.Tensor, torch.Tensor],
         pages_read: tuple[torch.Tensor, torch.Tensor],
         fmt: IndexerCacheFormat,
@@ -359,7 +359,7 @@ class MLAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        step: DsaStep,
+        step: ForwardStep,
         cache: DsaKVCache,
         shared_topk: torch.Tensor | None,
         indexer_mode: str,
@@ -502,7 +502,9 @@ class DsaForCausalLM(nn.Module):
         return self
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, step: DsaStep, cache: DsaKVCache) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, step: ForwardStep, cache: DsaKVCache
+    ) -> torch.Tensor:
         """Final hidden states ``[N, hidden]`` of a packed batch ``input_ids [N]``."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(step.positions, x.dtype, step.max_len)
