@@ -13,6 +13,7 @@ a decode step. A prefill step reads its earlier tokens through the prefill stagi
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -21,7 +22,6 @@ from hisparse.config import ResolvedHiSparseConfig
 from hisparse.engine.host_copy import host_tensor, to_device
 from hisparse.engine.kv_blocks import KVBlockManager, KVCapacityError, RequestBlocks, TableUpdate
 from hisparse.kv.host_pool import HostPool
-from hisparse.kv.layout import DEFAULT_PREFILL_TOKENS
 from hisparse.kv.specs import LayerCacheSpec
 
 __all__ = ["KVCacheManager", "KVCapacityError", "RequestBlocks", "TableUpdate"]
@@ -45,31 +45,20 @@ class KVCacheManager(KVBlockManager):
         specs: list[LayerCacheSpec],
         config: ResolvedHiSparseConfig,
         *,
-        placement: str,
-        gpu_budget_bytes: int,
-        max_model_len: int,
-        max_num_seqs: int,
         device: torch.device,
-        max_num_batched_tokens: int = DEFAULT_PREFILL_TOKENS,
         host_pool: Callable[[int, bool], HostPool] | None = None,
-        host_shards: int = 1,
-        host_shard: int = 0,
-        host_writer: bool = True,
+        **accounting: Any,
     ) -> None:
-        """``host_pool(size, pin)`` makes the host pool (default: this process's own,
-        `HostPool`); tensor parallelism passes the node's shared one (docs/design.md §18).
-        ``device="meta"`` keeps the accounting only (no pool memory, no host pool)."""
-        super().__init__(
-            specs, config, placement=placement, gpu_budget_bytes=gpu_budget_bytes,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, host_shards=host_shards,
-            host_shard=host_shard, host_writer=host_writer,
-        )  # fmt: skip
+        """``accounting``: `KVBlockManager`'s arguments. ``host_pool(size, pin)`` makes the
+        host pool (default: this process's own, `HostPool`); tensor parallelism passes the
+        node's shared one (docs/design.md §18). ``device="meta"`` keeps the accounting only
+        (no pool memory, no host pool)."""
+        super().__init__(specs, config, **accounting)
         self.device = device
         self.host_pool: HostPool | None = None
         self._make_host_pool = host_pool or (lambda size, pin: HostPool(size, pin=pin))
         try:
-            self._allocate(max_num_seqs, device)
+            self._allocate(self.max_num_seqs, device)
         except BaseException:
             self.close()  # the process's one host pool: a later engine must get it
             raise

@@ -492,15 +492,6 @@ class DsaForCausalLM(nn.Module):
         self.rotary.build_table(self.config.max_position_embeddings, w.dtype, w.device)
         return self
 
-    def keep_fp32_parts(self) -> DsaForCausalLM:
-        """Router and indexer head weights stay fp32 in any model dtype (as in transformers)."""
-        for module in self.modules():
-            if isinstance(module, Router):
-                module.float()
-            elif isinstance(module, Indexer):
-                module.weights_proj.float()
-        return self
-
     @torch.no_grad()
     def forward(
         self, input_ids: torch.Tensor, step: ForwardStep, cache: DsaKVCache
