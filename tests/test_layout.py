@@ -19,14 +19,10 @@ from hisparse.kv.cache_shapes import (
     load_model_cache_shape,
 )
 from hisparse.kv.layer_names import compact_layer_names
-from hisparse.kv.layout import (
-    GroupKind,
-    KVLayout,
-    plan_kv_layout,
-    staging_pages,
-)
+from hisparse.kv.layout import GroupKind, KVLayout
 from hisparse.kv.packing import pack
 from hisparse.kv.paged_view import PagedViewSpec
+from hisparse.kv.planner import plan_kv_layout, staging_pages
 from hisparse.kv.specs import CacheKind, LayerCacheSpec, RowFormat, indexer_spec, sparse_mla_spec
 
 GIB = 2**30

@@ -33,12 +33,8 @@ from hisparse.kv.cache_shapes import (
     load_model_cache_shape,
 )
 from hisparse.kv.layer_names import summarize_index_groups
-from hisparse.kv.layout import (
-    DEFAULT_PREFILL_TOKENS,
-    KVLayout,
-    format_gib,
-    plan_kv_layout,
-)
+from hisparse.kv.layout import DEFAULT_PREFILL_TOKENS, KVLayout, format_gib
+from hisparse.kv.planner import plan_kv_layout
 from hisparse.parallel.plan import DEFAULT_GPU_MEMORY_UTILIZATION
 from hisparse.sim.cli import add_simulate_parser
 

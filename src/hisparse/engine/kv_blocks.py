@@ -25,12 +25,8 @@ from typing import NamedTuple
 from hisparse.config import ResolvedHiSparseConfig, cdiv
 from hisparse.engine.offload_policy import OffloadPolicy
 from hisparse.kv.block_pool import BlockPool
-from hisparse.kv.layout import (
-    DEFAULT_PREFILL_TOKENS,
-    GroupKind,
-    KVLayout,
-    plan_kv_layout,
-)
+from hisparse.kv.layout import DEFAULT_PREFILL_TOKENS, GroupKind, KVLayout
+from hisparse.kv.planner import plan_kv_layout
 from hisparse.kv.specs import LayerCacheSpec
 
 

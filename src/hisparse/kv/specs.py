@@ -1,7 +1,7 @@
 """Per-layer KV cache specifications: what each attention layer stores per token.
 
 A model describes its cache as an ordered list of specs, one per cache-owning layer. The layout
-planner (`hisparse.kv.layout`) turns them into host and GPU groups; the runtime uses the row
+planner (`hisparse.kv.planner`) turns them into host and GPU groups; the runtime uses the row
 formats to address single token rows.
 """
 
