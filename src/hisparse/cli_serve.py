@@ -159,7 +159,7 @@ def run_serve(args: argparse.Namespace) -> int:
             flush=True,
         )
         # the loaded model's objects live as long as the process: the collector's full
-        # passes skip them (on the CPU one pass over them took ~125 ms, every few steps)
+        # passes skip them (on the CPU a pass over them costs a decode step's time or more)
         gc.freeze()
         try:
             server.run(sockets=[sock])

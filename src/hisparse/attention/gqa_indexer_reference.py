@@ -31,11 +31,9 @@ scores in one compiled call, `gqa_indexer_cpu`: the same rule, sums rounded in a
 order, so a near-tie at the top-k border may fall the other way than in a prefill. A CPU
 prefill scores by chunked matmuls and one compiled pass per query, `_topk_prefill_cpu`.)
 
-Default ``fp8``, by measurement (SmolLM2-135M fp32, 768 tokens of the Python language reference,
-teacher-forced over the last 384, sinks 4, window 32; increase of mean NLL over dense / top-1
-agreement with dense): top_k 64: fp8 +0.068 / 85%, lowrank +0.206 / 78%, quest +0.301 / 72%;
-top_k 128: fp8 +0.012 / 92%, lowrank +0.109 / 85%, quest +0.133 / 81%. fp8 also reads the
-fewest bytes per useful bit of scoring and needs no weight-derived state.
+Default ``fp8``, by measurement: of the three it stays closest to dense attention in
+perplexity and top-1 agreement on SmolLM2 (docs/quality.md, the indexer's scoring method). fp8
+also reads the fewest bytes per useful bit of scoring and needs no weight-derived state.
 """
 
 from __future__ import annotations
@@ -262,8 +260,8 @@ def read_index_keys(
 
 
 def _fp8_to_float(raw: torch.Tensor) -> torch.Tensor:
-    """e4m3 bytes -> fp32, exactly ``raw.view(e4m3).float()``, through a 256-entry table (3x
-    faster on the CPU than the cast, which dominated the decode indexer)."""
+    """e4m3 bytes -> fp32, exactly ``raw.view(e4m3).float()``, through a 256-entry table
+    (faster on the CPU than the cast, which dominated the decode indexer)."""
     lut = fp8_values(raw.device)
     return lut.index_select(0, raw.reshape(-1).int()).view(raw.shape)
 

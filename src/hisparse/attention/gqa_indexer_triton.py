@@ -83,8 +83,8 @@ class GqaIndexerTritonConfig:
 def default_config(num_requests: int, longest: int, device: torch.device) -> GqaIndexerTritonConfig:
     """Chunks that give a few programs per SM for long contexts at small batches (shapes only:
     under CUDA graphs ``longest`` is the table's capacity, not the real length). At most 128
-    keys: the best of 64..512 in bench_gqa_indexer's H200 sweep at batch 64 / 556 keys (36 µs
-    vs 48 at 256), 3% slower than 256 at batch 64 / 8192 keys, equal at batch 1 / 8192."""
+    keys: the best of 64..512 in bench_gqa_indexer's H200 sweep at batch 64 / 556 keys, close
+    to 256 at 8192 keys (docs/benchmarks.md §11)."""
     want = triton.cdiv(num_requests * 2048, 2 * num_sms(device))
     chunk = max(64, min(128, triton.next_power_of_2(want)))
     block_s = max(16, min(4096, triton.next_power_of_2(longest)))

@@ -34,9 +34,9 @@ A top-k call runs both stages per block of query tokens whose scores stay under
 `indexer_reference.SCORE_BLOCK_BYTES` (a 64K-token prefill chunk at 128K keys would otherwise
 hold 32 GiB of scores); more than 65535 key chunks (grid axis 1) get longer chunks.
 
-Why a select of our own: ``torch.topk`` over a 128K row took 120-240 µs per call whatever the
-batch (bench_indexer.py), as much as the score stage up to batch ~29, mostly radix-sort
-kernels that leave the GPU idle at small batches. The select needs no host synchronisation
+Why a select of our own: ``torch.topk`` over a 128K row took about as long as the score stage
+at decode batches, whatever the batch (docs/benchmarks.md §15), mostly radix-sort kernels that
+leave the GPU idle at small batches. The select needs no host synchronisation
 and no data-dependent shape either, so a decode step still captures it in its CUDA graph.
 
 Numerics, per mode (the reference's operation order is kept where it costs nothing):
@@ -92,9 +92,9 @@ class IndexerConfig:
     #: MMA operand type of fp8 pages on a GPU: ``f16`` (e4m3 -> f16 is one conversion per two
     #: values and exact), ``bf16`` (also exact, but e4m3 -> bf16 goes through f16: three
     #: conversions per two values), or ``fp8`` (no conversion, half the MMA work; Hopper's
-    #: fp8 MMA accumulates with fewer bits: 1.8-4.2x the GPU tests' tolerance measured; with
-    #: ``fp8_acc_k=32`` 0.5-0.8x, but no faster than f16). Opt-in variants bench_indexer.py
-    #: measures. fp32 pages and the CPU interpreter always use fp32 dots.
+    #: fp8 MMA accumulates with fewer bits: its error measured outside the GPU tests'
+    #: tolerance; with ``fp8_acc_k=32`` inside it, but no faster than f16). Opt-in variants
+    #: bench_indexer.py measures. fp32 pages and the CPU interpreter always use fp32 dots.
     dot: str = "f16"
     #: One block-table read per tile, and a contiguous key run, when ``block_n`` divides the
     #: block size (else, and when off, every key looks up its own block as at first).
@@ -271,8 +271,8 @@ def _indexer_scores_kernel(
     if PAGE_TILES:
         # Every tile lies inside one page (BLOCK_N divides the block size and chunks start on
         # a tile): one block-table entry per tile, and the tile's keys are one contiguous run.
-        # Tiles wholly before the causal limit need no masks (about 15% fewer instructions
-        # per tile); only the one ragged tile at the limit takes the masked body.
+        # Tiles wholly before the causal limit need no masks (fewer instructions per tile);
+        # only the one ragged tile at the limit takes the masked body.
         full = start + (end - start) // BLOCK_N * BLOCK_N
         for n0 in range(start, full, BLOCK_N):
             _page_tile(
@@ -461,9 +461,9 @@ def score_cols(
     return cols if max_len is None else min(cols, max_len)
 
 
-#: Rows up to which the Triton select runs instead of ``torch.topk`` (bench_topk.py, H200, rows
-#: of 128K: 3.6x at one row, 2.5x at 8, 1.4x at 29, 1.06x at 64, 0.89x at a 2048-row prefill
-#: block, where each SM's share of the first histogram's per-key work bounds it).
+#: Rows up to which the Triton select runs instead of ``torch.topk`` (docs/benchmarks.md §15:
+#: faster up to 64 rows of 128K, slower at a 2048-row prefill block, where each SM's share of
+#: the first histogram's per-key work bounds it).
 SELECT_MAX_ROWS = 64
 
 

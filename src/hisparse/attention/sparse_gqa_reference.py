@@ -94,7 +94,8 @@ class GqaRowFormat:
 
 def _wide_view(kv_cache: torch.Tensor) -> torch.Tensor:
     """The same bytes as 8-byte (or 4-byte) words when the strides allow: a row gather then
-    moves a few hundred words instead of a thousand single bytes (~4x faster on the CPU)."""
+    moves a few hundred words instead of a thousand single bytes (several times faster on the
+    CPU)."""
     for dtype in (torch.int64, torch.int32):
         size = dtype.itemsize
         if (
@@ -175,7 +176,8 @@ def _index_rows(typed: torch.Tensor, idx: torch.Tensor, *, nonneg: bool = False)
     """``typed[idx // bs, idx % bs]`` (negative indices read row 0; ``nonneg``: the caller
     knows there are none, so the clamp is skipped). When the block stride is
     a multiple of the row stride (any pool layout here), the pool is one strided 2-D view of
-    "virtual rows" and a single ``index_select`` gathers 3x faster than 2-D indexing."""
+    "virtual rows" and a single ``index_select`` gathers several times faster than 2-D
+    indexing."""
     nb, bs, width = typed.shape
     s_blk, s_row = typed.stride(0), typed.stride(1)
     safe = idx.long() if nonneg else idx.long().clamp(min=0)
@@ -341,9 +343,9 @@ def _sdpa_decode_cpu(
     """``out`` of `sparse_gqa_reference` for a CPU step with no masked entry, in three ops: one
     row gather, then torch's fused ``scaled_dot_product_attention`` over ``[T, G, H/G, K]``
     (query head ``h`` reads KV head ``h // (H / G)``: the GQA groups are the SDPA heads). The
-    reference spends ~15 small ops per layer on the same math (2.5x slower at SmolLM2's batch-1
-    decode). ``None`` when it does not apply (masked entries, rows whose dtype cannot be
-    viewed, shape mismatch); the caller then runs the reference.
+    reference spends a dozen and more small ops per layer on the same math (measured slower
+    at SmolLM2's batch-1 decode). ``None`` when it does not apply (masked entries, rows whose
+    dtype cannot be viewed, shape mismatch); the caller then runs the reference.
     """
     t, h, d = q.shape
     g = row_format.num_kv_heads

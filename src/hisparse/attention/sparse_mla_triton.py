@@ -18,8 +18,8 @@ memory, one program per SM), so the scores are one ``K = 512`` dot plus the RoPE
 values one ``N = 512`` dot; fp8 rows are dequantised to bf16 (``bf16(k8 * scale)``, as
 FlashMLA does) once per row for the 64 heads. Triton gives a chained score dot ``[8, 1]``
 warps, so both warpgroups compute the same 64-head score tile: more matrix work than the
-scores need (docs/benchmarks.md, the sparse MLA kernel). A kernel of four 128-wide tiles that
-kept the fp8 scales exact measured slower and was removed.
+scores need (docs/benchmarks.md §9). A kernel of four 128-wide tiles that kept the fp8 scales
+exact measured slower and was removed (docs/benchmarks.md §9).
 
 Row decoding happens in the kernel, on the same bytes `row_formats` writes:
 

@@ -6,8 +6,9 @@ going to the lowest positions, written in ascending position order and ``-1`` pa
 ``torch.topk`` picks the same set wherever the k-th score is not tied (it orders best first
 and leaves its tie order unspecified); nothing downstream reads the order of a selection.
 
-Why: ``torch.topk`` over a 128K row costs ~100 µs of radix-sort kernels per layer and step
-(most of them busy on one row), far more than reading the row's 512 KB. Here a score's
+Why: ``torch.topk`` over a 128K row runs radix-sort kernels per layer and step (most of them
+busy on one row) that take many times as long as reading the row's 512 KB (docs/benchmarks.md
+§15). Here a score's
 fp32 bits, flipped so that their unsigned order is the float order, are found one byte at a
 time over a ``(row, part)`` grid, each program reading a part of the row:
 
@@ -57,7 +58,7 @@ them.
 
 A histogram costs per key (``tl.histogram``: shared-memory atomics), so a row is spread over
 many programs, and the digits stay a byte wide: one program per row, or wider digits with
-fewer launches, measured slower on the H200 (benchmarks.md §15).
+fewer launches, measured slower on the H200 (docs/benchmarks.md §15).
 
 Launch boundaries are the only barriers (nothing spins), the grid depends on shapes alone and
 nothing synchronises with the host, so a decode step captures it in its CUDA graph. Rows may
@@ -88,20 +89,22 @@ BINS = 1 << DIGIT_BITS
 PASSES = 32 // DIGIT_BITS
 #: Keys of a block that share the bytes found so far, up to which the second and third
 #: histograms add them one global atomic each instead of a block histogram (``tl.histogram``
-#: costs per key of the block, matching or not; after the first byte few keys match).
-#: bench_topk.py's sweep: 16 to 2048 alike within ~10%, all faster than none at 8 and 29 rows.
+#: costs per key of the block, matching or not; after the first byte few keys match):
+#: measured faster than a histogram for every block (docs/benchmarks.md §15).
 SPARSE_KEYS = 256
-#: Fewest elements per program worth a part of its own (bench_topk.py's sweep: at one 128K
-#: row, 128 parts of 1,024 keys beat 32 of 4,096; a part's histogram costs per key).
+#: Fewest elements per program worth a part of its own (at one 128K row, 128 parts of 1,024
+#: keys measured faster than 32 of 4,096, docs/benchmarks.md §15; a part's histogram costs
+#: per key).
 MIN_PART = 1024
 INT32_MIN = tl.constexpr(-(2**31))
 #: Programs per SM over a call: each program's histogram waits on its loads and atomics, so an
-#: SM needs several (bench_topk.py --sweep-parts: 8 beat 2 by a sixth at 29 and 64 rows of
-#: 128K, equal at 8 rows; at 2, ncu saw a histogram launch keep an eighth of an SM's warps).
+#: SM needs several (docs/benchmarks.md §15, ``--sweep-parts``: 8 beat 2 at 29 and 64 rows of
+#: 128K, equal at 8 rows; at 2, ncu saw a histogram launch keep few of an SM's warps busy).
 PROGRAMS_PER_SM = 8
 #: Longest part (keys a program reads) whose launches go as programmatic dependents: they
-#: save the launch gap, which counts for short programs (H200: 1 / 8 rows of 128K and 29 of
-#: 32K, 1K-4K keys a part, 5-13% faster) and cost ~5% for long ones (29 / 64 rows of 128K).
+#: save the launch gap, which counts for short programs (1 / 8 rows of 128K and 29 of 32K,
+#: 1K-4K keys a part) and costs more than it saves for long ones (29 / 64 rows of 128K;
+#: docs/benchmarks.md §15).
 PDL_MAX_PART = 4096
 #: Histograms per row: the select's four bytes, then the floor's two (bytes 0 and 1 of the
 #: group maxima).
@@ -114,17 +117,17 @@ FLOOR_GROUP = 16
 FLOOR_MIN_GROUP = 16
 FLOOR_MAXIMA_PER_PICK = 4
 #: Rows a call must have for the floor, and may have (the candidates take 8 bytes a key).
-#: bench_topk.py on the H200: with the floor 16, 29 and 64 rows of 128K were faster; 8 rows
+#: docs/benchmarks.md §15: with the floor 16, 29 and 64 rows of 128K were faster; 8 rows
 #: and rows of 32K (groups of 4) slower, the launches after the compaction costing more than
 #: the passes over every key they replace.
 FLOOR_MIN_ROWS = 16
 FLOOR_MAX_ROWS = 64
 #: Programs per SM over a call with the floor: its launches after the first pass read few
-#: candidates, so their cost is each program's fixed part (bench_topk.py --sweep-parts, 29
-#: rows of 128K: 2 per SM beat 8 by a fifth).
+#: candidates, so their cost is each program's fixed part (docs/benchmarks.md §15,
+#: ``--sweep-parts``: 2 per SM beat 8 at 29 and 64 rows of 128K).
 FLOOR_PROGRAMS_PER_SM = 2
-#: Group maxima the floor's second launch reads an iteration, at most (bench_topk.py
-#: --sweep-floor: 1,024 beat 128 by 1-2 µs at 16-64 rows of 128K).
+#: Group maxima the floor's second launch reads an iteration, at most (docs/benchmarks.md
+#: §15, ``--sweep-floor``: 1,024 beat 128 at 29 and 64 rows of 128K).
 FLOOR_BYTE_BLOCK = 1024
 #: Candidates the launches after the compaction read an iteration, at most: a part keeps a
 #: few hundred, and an iteration's scans cost per slot of its block, filled or not.

@@ -374,8 +374,9 @@ def warmup_batches(llm: Any, n: int) -> list[int]:
     """Batch sizes to warm before a cell of ``n`` requests: every padded decode-graph size up
     to ``n``'s (requests ramp up and drain through the smaller ones), else just ``n``.
 
-    A decode step of a size not yet seen captures a graph (and compiles kernel variants): at
-    128K, the first decode step at 29 requests took 11.7 s, their median step 8.4 ms. Under
+    A decode step of a size not yet seen captures a graph (and compiles kernel variants),
+    which takes seconds against a step's milliseconds: inside a timed run it dominated the
+    whole-run rate. Under
     ``offload="under_pressure"`` the short warm-up requests keep their pages, so each size
     captures both kinds of step (`DecodeGraphs.run`), and a timed step that demotes replays."""
     graphs = getattr(llm.runner, "graphs", None)

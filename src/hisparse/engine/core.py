@@ -174,8 +174,8 @@ def young_objects_only(device: Any) -> Iterator[None]:
     """On the CPU: the objects that exist when a call starts (model, caches, everything
     loaded) are frozen (`gc.freeze`) for the call, so the cyclic collector's full passes
     during it walk only the call's own objects. Measured on SmolLM2 (batch 1): a full pass
-    over the loaded process took ~125 ms, about once per 32-token decode, i.e. ~4 ms a
-    token. Unfrozen after the call (nothing is kept from the collector for longer); left
+    over the loaded process took a sizeable share of a decode step's time, every few dozen
+    tokens. Unfrozen after the call (nothing is kept from the collector for longer); left
     alone where something else froze objects, and on CUDA."""
     if device.type != "cpu" or gc.get_freeze_count():
         yield

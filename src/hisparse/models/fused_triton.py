@@ -548,7 +548,7 @@ def route_dense_rows(
     chosen = torch.empty((n, e), dtype=torch.int8, device=x.device)
     if n:
         # Wide tiles, few iterations: one program per row is latency-bound on its loop of
-        # loads (a [E, 512] tile a trip took 20 µs per call at E 8, H 7168 on the H200).
+        # loads (a [E, 512] tile a trip made it the step's slowest small kernel on the H200).
         bh = max(16, min(triton.next_power_of_2(h), 16384 // e))
         _route_kernel[(n,)](
             w, x, x.stride(0), weight.contiguous(), h, bias.float().contiguous(), w, chosen,
@@ -661,9 +661,9 @@ def head_weights_tile(n: int) -> tuple[int, int, int, int]:
     """``(rows, heads, K step, warps)`` of one program of `head_weights` for ``n`` rows. Past
     `HEAD_WEIGHTS_ROW_TILES` rows, a tile of rows times heads, each weight row read once per
     row block (one program per (row, head) read the 1.8 MB weight once per row: at 29 rows of
-    K 7168, 53 MB from L2, 12.7 µs a call on the H200 against 8.5). Up to it, one program
-    per (row, head) and a whole weight row in one load, which the few rows' latency favours
-    (one row: 4.0 µs against 5.8 with tiles)."""
+    K 7168, 53 MB from L2, measured slower on the H200, docs/benchmarks.md §4). Up to it, one
+    program per (row, head) and a whole weight row in one load, which the few rows' latency
+    favours (at one row it measured faster than the tiles)."""
     if n <= HEAD_WEIGHTS_ROW_TILES:
         return 1, 1, 8192, 8
     return 8, 2, 1024, 8

@@ -637,7 +637,7 @@ class LlamaForCausalLM(nn.Module):
         """Layer ``i``'s MLP; for one CPU row (decode) with the gate and up projections as
         one matmul (`fused_weight`, the same bits). Many rows (a prefill) keep two: the
         matmul costs the same, and ``silu`` and ``*`` over the halves of the fused output
-        (strided) took 3x as long as over two contiguous outputs."""
+        (strided) took several times as long as over two contiguous outputs."""
         if h.device.type != "cpu" or h.shape[0] != 1:
             return mlp(h)
         fused = fused_weight((mlp.gate_proj, mlp.up_proj), self._gate_up.get(i))

@@ -5,7 +5,7 @@ The engine's own scheduler and block accounting run on the meta device; the top-
 the benchmarks' replay (``--topk-overlap``, the same selections `hisparse bench` makes);
 the hot buffers' LRU is the reference resolve's. Step times are modelled: a fixed cost, a
 cost per decoding request, the PCIe time of the step's misses at measured rates
-(``--pcie-rates``, default the H200 figures of docs/design.md §10) and prefill tokens at
+(``--pcie-rates``, default the H200 figures of docs/benchmarks.md §18) and prefill tokens at
 ``--prefill-tok-s``.
 
 Traffic: ``--concurrency N`` (the bench's shape: N requests at t = 0, at most N running),
@@ -98,7 +98,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
                    "(default %(default)s)")  # fmt: skip
     m = p.add_argument_group("model of time and sampling")
     m.add_argument("--pcie-rates", type=Path, help="JSON rate table (reads, span_bytes, "
-                   "gb_s); default: docs/design.md §10, H200")  # fmt: skip
+                   "gb_s); default: docs/benchmarks.md §18, H200")  # fmt: skip
     m.add_argument("--decode-ms", type=float, default=DEFAULT_DECODE_MS,
                    help="decode step cost beside PCIe, ms (default %(default)s)")  # fmt: skip
     m.add_argument("--decode-ms-per-request", type=float, default=DEFAULT_DECODE_MS_PER_REQUEST,

@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-#: docs/design.md §10, one H200 over PCIe Gen5 x16 (Triton zero-copy gather from a 16 GiB
+#: docs/benchmarks.md §18, one H200 over PCIe Gen5 x16 (Triton zero-copy gather from a 16 GiB
 #: pinned pool, fresh rows per run; 656 B: sorted by address, as the swap lists are; the
-#: 4 KiB row is the middle of the quoted 41-50 GB/s range; the bulk copy caps it all)
+#: 4 KiB row is the middle of that table's range for 4 KiB spans; the bulk copy caps it all)
 DEFAULT_RATES: dict[str, list] = {
     "reads": [2048, 16384, 131072],
     "span_bytes": [656, 1152, 1312, 2624, 4096, 1 << 30],
@@ -27,7 +27,7 @@ DEFAULT_RATES: dict[str, list] = {
         [45.5, 45.5, 45.5],
         [55.5, 55.5, 55.5],
     ],
-    "source": "docs/design.md §10 (H200, PCIe Gen5 x16)",
+    "source": "docs/benchmarks.md §18 (H200, PCIe Gen5 x16)",
 }
 
 

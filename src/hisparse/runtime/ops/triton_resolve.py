@@ -25,11 +25,11 @@ global memory (L1/L2 resident) and the stages are ordered with CTA barriers:
    ``tl.sort`` of that many (host row, slot) keys, more by an all-pairs rank count in
    ``RESOLVE_RANK_TILE`` tiles, so the only sort left is that of the misses.
 
-Why buckets (docs/benchmarks.md, "resolve_residency, bucket-table kernel"): the kernel before
-it sorted every ``(host row, entry)`` key with ``tl.sort`` and took about twice as long at few
-misses; a linear-probing table with CAS loops was slower than that sort; warps, hot-slot chunk
-and bucket count barely move this one. Our reading, not timed stage by stage: the ~20 dependent
-passes of scattered accesses (one program per request, so one SM's load/store unit each) set
+Why buckets (docs/benchmarks.md §5, measured and dropped): the kernel before it sorted every
+``(host row, entry)`` key with ``tl.sort`` and measured slower at few misses; a linear-probing
+table with CAS loops was slower than that sort; warps, hot-slot chunk and bucket count barely
+move this one. Our reading, not timed stage by stage: the twenty-odd dependent passes of
+scattered accesses (one program per request, so one SM's load/store unit each) set
 the time, not any one stage; hence the split for small batches.
 
 Limit (documented, not checked, because checking would synchronise): a request may own at
@@ -66,7 +66,7 @@ RESOLVE_IMPL = "bucket"
 #: `triton_resolve_split`: each request's work spread over ``RESOLVE_SPLIT_PROGRAMS``
 #: programs (0: 16 up to 32 requests, else 8), where a small batch otherwise leaves it to a few
 #: SMs. Measured faster up to 64 requests and slower above them, where the one-program kernel
-#: already spreads over most SMs (docs/benchmarks.md, the resolve). Only requests of at least
+#: already spreads over most SMs (docs/benchmarks.md §5). Only requests of at least
 #: ``RESOLVE_SPLIT_MIN_ENTRIES`` entries (rows x top_k, each padded to a power of two) split:
 #: smaller ones (GQA's top_k 256, the interpreter's test sizes) were not timed split.
 RESOLVE_SPLIT_MAX_Q = 64
@@ -79,9 +79,9 @@ RESOLVE_BH = 2048
 RESOLVE_RANK_TILE = 64
 RESOLVE_LOG_BUCKETS: int | None = None
 #: Up to this many misses (a power of two; 0: off) the swap list is ordered by one ``tl.sort``
-#: of just that many keys instead of the rank tiles: faster at 20% misses, even at 5%; a
-#: 1024-key window, larger rank tiles and one sort of all entries were slower
-#: (docs/benchmarks.md, the resolve's swap-list order).
+#: of just that many keys instead of the rank tiles: faster at 20% misses, even at 5%
+#: (docs/benchmarks.md §5); a 1024-key window, larger rank tiles and one sort of all entries
+#: were slower.
 RESOLVE_SORT_WINDOW = 512
 
 
