@@ -24,13 +24,13 @@ import torch
 
 from hisparse.bench.replay import replay_step
 from hisparse.config import HiSparseConfig, HiSparseConfigError
+from hisparse.engine.device import default_host_pool_bytes
 from hisparse.engine.kv_blocks import KVBlockManager
 from hisparse.engine.model_runner import ModelRunner
 from hisparse.engine.output_processor import OutputProcessor
 from hisparse.engine.request import Request
 from hisparse.engine.sampling import SamplingParams
 from hisparse.engine.scheduler import Scheduler
-from hisparse.engine.setup import default_host_pool_bytes
 from hisparse.engine.step_data import ModelOutput, ScheduledStep
 from hisparse.kv.cache_shapes import PRESETS, load_model_cache_shape
 from hisparse.kv.specs import CacheKind, LayerCacheSpec
@@ -39,11 +39,15 @@ from hisparse.sim.hotbuf import HotBuffers
 from hisparse.sim.pcie import RateTable
 from hisparse.sim.trace import TraceRequest
 
-#: Step-time defaults, docs/benchmarks.md §1 (v32-attention model, 128K prompts, H200):
-#: HiSparse decode steps of ~4.6 ms at one request and ~8.1 ms at 29, of which ~1.5 ms are
-#: gathers, so ~4.5 ms plus ~0.074 ms per request of other work
-DEFAULT_DECODE_MS = 4.5
-DEFAULT_DECODE_MS_PER_REQUEST = 0.074
+#: Step-time defaults: a decode step's cost beside its gathers, a fixed part and a part per
+#: decoding request (the gathers are added at the rate table's speed). They are the line
+#: through the two all-GPU decode steps of `hisparse bench` at 128K in docs/benchmarks.md §1
+#: (the 3 GiB cell's 7 requests and the equal-concurrency cell's 29; one H200, the v32 model's
+#: 4 layers, the top-k replayed as here): an all-GPU step is a HiSparse step without a swap-in.
+#: That section's `offload="always"` row at 29 requests is such a step plus every row's
+#: swap-in. (The profile of §4, without the replay, measures shorter steps.)
+DEFAULT_DECODE_MS = 1.82
+DEFAULT_DECODE_MS_PER_REQUEST = 0.027
 #: prefill tokens per second (synthetic prefill writes rows; a real prefill is slower: set it)
 DEFAULT_PREFILL_TOK_S = 1.0e6
 
@@ -141,7 +145,7 @@ class Simulator:
             policy=s.schedule,
             stops=OutputProcessor(None, set(), s.max_model_len),
         )
-        sparse = [sp for sp in self.specs if sp.kind is CacheKind.SPARSE_MLA]
+        sparse = [sp for sp in self.specs if sp.kind is CacheKind.SPARSE]
         leaders = [sp.name for sp in sparse if sp.index_leader == sp.name]
         #: resident group of each leader (its pages' residency decides what is wanted)
         self.leader_group = [self.kv.group_of_layer[name] for name in leaders]
@@ -227,7 +231,7 @@ class Simulator:
         hits = misses = 0
         nbytes = pcie = 0.0
         per_leader: list[float] = []
-        if self.kv.offload and reqs:
+        if self.kv.hisparse and reqs:
             bs = self.config.block_size
             n = [r.num_computed for r in reqs]
             masks: dict[int, np.ndarray] = {}  # per resident group: leaders may share one
@@ -250,7 +254,7 @@ class Simulator:
             seen[1] += hits
             seen[2] += misses
         rest = len(every) - len(reqs)
-        if self.kv.offload and rest and self._seen[0]:
+        if self.kv.hisparse and rest and self._seen[0]:
             # requests not sampled: the sampled ones' mean per request-step and leader
             n_sim, (k, h_sum, m_sum) = len(self.leaders), self._seen
             hits += rest * h_sum / k
@@ -272,7 +276,7 @@ class Simulator:
         tokens = sum(n for _, n in step.batch)
         warm = [(r, n) for (r, n), f in zip(step.batch, step.finishing, strict=True) if f]
         pcie = warm_bytes = 0.0
-        if warm and self.kv.offload:
+        if warm and self.kv.hisparse:
             kv = self.kv
 
             def cold(r: Request, n: int) -> bool:
