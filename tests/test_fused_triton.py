@@ -1,4 +1,5 @@
-"""The fused layer kernels (`hisparse.models.fused_triton`) against their torch references
+"""The fused layer kernels (`hisparse.models.fused_triton`, `fused_indexer_triton`,
+`fused_ffn_triton`) against their torch references
 (`hisparse.models.fused` with ``HISPARSE_FUSED=reference``), in Triton's CPU interpreter:
 fresh random inputs, strided inputs, bf16 and fp32, skipped slots, outputs and pages poisoned
 first (the whole destination is compared, so a stray write shows). Then the e4m3 encoder over
@@ -23,6 +24,7 @@ import triton.language as tl
 from hisparse.attention.sparse_mla_triton import interpreting
 from hisparse.kv.row_formats import IndexerCacheFormat, ceil_pow2, mla_row_bytes
 from hisparse.models import fused
+from hisparse.models import fused_ffn_triton as ffn
 from hisparse.models import fused_triton as ft
 from hisparse.models.layers import RMSNorm
 from hisparse.testing.fused_cases import (
@@ -364,7 +366,7 @@ def test_model_with_fused_ops_matches_the_references(monkeypatch, tmp_path, arch
         half = x.shape[-1] // 2
         return torch.nn.functional.silu(x[..., :half]) * x[..., half:]
 
-    monkeypatch.setattr(ft, "silu_mul", torch_silu_mul)
+    monkeypatch.setattr(ffn, "silu_mul", torch_silu_mul)
 
     make_tiny(arch, tmp_path / "m", preset="tiny")
     model = load_dsa_model(tmp_path / "m", dtype=torch.float32, indexer_mode="fp8")
@@ -407,8 +409,8 @@ def test_routing_kernel_chooses_the_references_experts(
         monkeypatch.setattr(fused, "ROUTE_ROWS_MAX_WEIGHTS", 0)
     calls: list[str] = []
     for name in ("route_dense", "route_dense_rows"):
-        orig = getattr(ft, name)
-        monkeypatch.setattr(ft, name, lambda *a, _o=orig, _n=name: calls.append(_n) or _o(*a))
+        orig = getattr(ffn, name)
+        monkeypatch.setattr(ffn, name, lambda *a, _o=orig, _n=name: calls.append(_n) or _o(*a))
 
     kw = tiny_config_kwargs("deepseek_v32")
     kw.update(n_routed_experts=e, n_group=groups, topk_group=topk_group)
@@ -465,7 +467,7 @@ def test_llama_with_fused_ops_matches_the_references(monkeypatch) -> None:
         half = x.shape[-1] // 2
         return torch.nn.functional.silu(x[..., :half]) * x[..., half:]
 
-    monkeypatch.setattr(ft, "silu_mul", torch_silu_mul)
+    monkeypatch.setattr(ffn, "silu_mul", torch_silu_mul)
     model = _tiny_llama()
     ptr = model.model.layers[0].self_attn.q_proj.weight.data_ptr()
     model.prepare_fused()

@@ -1,5 +1,6 @@
 """The model layers' fused ops (DSA and Llama), one dispatch point each: the Triton kernel of
-`fused_triton` for CUDA tensors, the torch composition it replaces (the reference) elsewhere.
+`fused_triton` (norm, rotary, cache rows), `fused_indexer_triton` or `fused_ffn_triton`
+for CUDA tensors, the torch composition it replaces (the reference) elsewhere.
 
 Why: a decode step's layer launched hundreds of one- or two-microsecond torch kernels (norm,
 rotary, Hadamard, quantisation and paged writes are each a chain of them), so the step ran
@@ -62,6 +63,18 @@ def _kernels():  # type: ignore[no-untyped-def]
     from hisparse.models import fused_triton
 
     return fused_triton
+
+
+def _indexer_kernels():  # type: ignore[no-untyped-def]
+    from hisparse.models import fused_indexer_triton
+
+    return fused_indexer_triton
+
+
+def _ffn_kernels():  # type: ignore[no-untyped-def]
+    from hisparse.models import fused_ffn_triton
+
+    return fused_ffn_triton
 
 
 def _pow2(n: int) -> bool:
@@ -149,7 +162,7 @@ def indexer_fp8_query(
     Hadamard, e4m3 with power-of-two scales per ``tile`` -> ``(e4m3, scales [N, H, D/tile])``."""
     ok = q.dim() == 3 and _indexer_kernel_ok(q, cos, rope_dim, tile)
     if ok and _triton(q):
-        return _kernels().indexer_fp8_query(q, cos, sin, rope_dim, interleaved, tile)
+        return _indexer_kernels().indexer_fp8_query(q, cos, sin, rope_dim, interleaved, tile)
     q = _rope_prefix(q, cos, sin, rope_dim, interleaved)
     return quantize_indexer_fp8(hadamard_transform(q.float()), tile)
 
@@ -184,8 +197,8 @@ def indexer_fp8_write_keys(
     ):
         bs = pages.shape[1] // fmt.row_bytes
         ln = None if norm is None else (norm.weight, norm.bias, norm.eps)
-        _kernels().indexer_fp8_write_keys(k, cos, sin, rope_dim, interleaved, tile, pages, bs,
-                                          slots, ln)  # fmt: skip
+        _indexer_kernels().indexer_fp8_write_keys(k, cos, sin, rope_dim, interleaved, tile,
+                                                  pages, bs, slots, ln)  # fmt: skip
         return
     if norm is not None:
         k = norm(k)
@@ -237,9 +250,9 @@ def route_dense(router: Router, x: Tensor) -> tuple[Tensor, Tensor]:
                 router.norm_topk_prob, router.scaling)  # fmt: skip
         w = router.weight
         if e * x.shape[1] <= ROUTE_ROWS_MAX_WEIGHTS and x.stride(-1) == 1 and w.dtype == F32:
-            return _kernels().route_dense_rows(x, w, *args)
+            return _ffn_kernels().route_dense_rows(x, w, *args)
         scores = F.linear(x.float(), w.float()).sigmoid()
-        return _kernels().route_dense(scores, *args)
+        return _ffn_kernels().route_dense(scores, *args)
     weights, ids = router(x)
     w = torch.zeros(x.shape[0], e, dtype=weights.dtype, device=x.device).scatter_(1, ids, weights)
     chosen = torch.zeros(x.shape[0], e, dtype=torch.bool, device=x.device).scatter_(1, ids, True)
@@ -251,7 +264,7 @@ def moe_combine(y: Tensor, w: Tensor, chosen: Tensor, shared: Tensor) -> Tensor:
     ``(y[e] · w[:, e])`` in ``y``'s dtype added in ascending expert order (the per-expert
     loop's sums, rounded the same way), plus ``shared``."""
     if fused_on(y) and y.dim() == 3 and shared.dtype == y.dtype:
-        return _kernels().moe_combine(y, w, chosen, shared)
+        return _ffn_kernels().moe_combine(y, w, chosen, shared)
     out = torch.zeros_like(shared)
     for e in range(y.shape[0]):
         term = (y[e] * w[:, e, None]).to(y.dtype)
@@ -266,7 +279,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     rows_even = gate_up.dim() == 2 or gate_up.is_contiguous()
     floating = gate_up.dtype in (torch.bfloat16, torch.float16, torch.float32)
     if rows_even and floating and gate_up.shape[-1] % 2 == 0 and _triton(gate_up):
-        return _kernels().silu_mul(gate_up)
+        return _ffn_kernels().silu_mul(gate_up)
     return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
 
 
@@ -286,5 +299,5 @@ def indexer_head_weights(proj: nn.Linear, x: Tensor, scale: float) -> Tensor:
         and x.shape[0] <= HEAD_WEIGHTS_MAX_ROWS
         and _triton(x)
     ):
-        return _kernels().head_weights(x, w, scale)
+        return _indexer_kernels().head_weights(x, w, scale)
     return proj(x.to(w.dtype)).float() * scale
