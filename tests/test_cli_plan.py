@@ -128,20 +128,21 @@ def test_missing_subcommand_is_a_usage_error():
 
 
 def test_plan_tensor_parallel_node(capsys):
-    """One 8-GPU node of 141 GiB: weights per rank (fp8 block-scaled), the KV budget left,
-    requests of 128K with HiSparse and all-GPU, and one host copy for the node."""
+    """One 8-GPU node of 141 GiB: weights per rank (fp8 block-scaled, as the engine holds
+    them: tests/test_fp8_plan.py), the KV budget left, requests of 128K with HiSparse and
+    all-GPU, and one host copy for the node."""
     args = ["plan", "--model", "deepseek-v3.2", "--tensor-parallel-size", "8",
             "--gpu-memory-gib", "141"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "671.9B parameters" in out and "83.13 GiB" in out
-    assert "= 43.77 GiB" in out  # 90% of 141 GiB less the weights
+    assert "685.4B parameters" in out and "82.48 GiB" in out
+    assert "= 44.42 GiB" in out  # 90% of 141 GiB less the weights
     assert "HiSparse 38, all-GPU 7" in out
     assert "185.71 GiB for the node, one copy shared by its 8 ranks" in out
     assert main(["plan", "--model", "glm-5", "--tensor-parallel-size", "8",
                  "--gpu-memory-gib", "141"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert "743.4B parameters" in out and "indexer (21 layers, whole)" in out
+    assert "755.2B parameters" in out and "indexer (21 layers, whole)" in out
     # 3 does not divide 128 heads; 2 GPUs cannot hold the weights
     assert main([*args[:4], "3", *args[5:]]) == 2
     assert "does not divide the model's 128 attention heads" in capsys.readouterr().err

@@ -284,7 +284,12 @@ def _run_plan_tensor_parallel(args: argparse.Namespace) -> int:
     the host RAM that holds them once (`hisparse.parallel.plan`)."""
     import dataclasses
 
-    from hisparse.parallel.plan import dsa_config_of, dsa_weight_parts, format_count
+    from hisparse.parallel.plan import (
+        dsa_config_of,
+        format_count,
+        weight_format_of,
+        widest_rank_parts,
+    )
 
     tp = args.tensor_parallel_size
     if tp < 1:
@@ -310,7 +315,8 @@ def _run_plan_tensor_parallel(args: argparse.Namespace) -> int:
             raise HiSparseConfigError(
                 f"--tensor-parallel-size {tp} does not divide the model's {size} {what}"
             )
-    parts = dsa_weight_parts(cfg, tp, indexer_layers=len(model.indexer_specs))
+    fmt = weight_format_of(args.model)
+    parts = widest_rank_parts(cfg, tp, indexer_layers=len(model.indexer_specs), fmt=fmt)
     weights = sum(p.bytes_per_rank for p in parts)
     usable = int(args.gpu_memory_utilization * args.gpu_memory_gib * 2**30)
     budget = usable - weights
@@ -342,8 +348,7 @@ def _run_plan_tensor_parallel(args: argparse.Namespace) -> int:
     params = sum(p.params for p in parts)
     console.print(
         f"[bold]{model.name}[/bold] on {tp} GPUs of {args.gpu_memory_gib:g} GiB: "
-        f"{params / 1e9:,.1f}B parameters, fp8 block-scaled (embedding, LM head, router, "
-        "norms in bf16)"
+        f"{params / 1e9:,.1f}B parameters, {fmt.describe()}"
     )
     table = Table(title=f"Weights per rank (tensor parallel {tp})", title_justify="left")
     for column in ("weights", "parameters", "per rank"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 from rich.console import Console
 
@@ -131,7 +132,7 @@ def _generate(
     from hisparse.engine.llm import LLM
 
     t0 = time.perf_counter()
-    with console.status("loading the model"):
+    with loading_display(console, args.model):
         llm = LLM(
             args.model,
             kv_placement=args.kv_placement,
@@ -164,7 +165,7 @@ def _generate(
         if out.error:
             raise ValueError(out.error)
         console.print(f"[bold]Answer:[/] {out.text.strip()}")
-        console.print(summary_line(llm, out, load_s))
+        console.print(summary_line(llm, out, load_s) + fp8_report(llm))
     return 0
 
 
@@ -206,3 +207,25 @@ def summary_line(llm: object, out: object, load_s: float) -> str:
         f"{n_out} tokens, {decode}, time to first token "
         f"{m.ttft:.2f} s (load {load_s:.1f} s), {hits}, {where}"
     )
+
+
+def loading_display(console: Console, model: object) -> Any:
+    """What shows while the model loads: a DSA checkpoint's progress bar (GB read, GB/s,
+    drawn by its loader), or a spinner for a GGUF model."""
+    from hisparse.models.checkpoint import show_progress
+
+    name = str(model)
+    if name.endswith(".gguf") or name.lower().startswith("smollm2"):
+        return console.status("loading the model")
+    return show_progress(console)
+
+
+def fp8_report(llm: object) -> str:
+    """``; fp8 GEMMs: ...``: the kernels an fp8 checkpoint's layers run (empty otherwise)."""
+    from hisparse.models.fp8_linear import Fp8Linear, kernels_used
+    from hisparse.models.fp8_moe import Fp8Experts
+
+    model = llm.model  # type: ignore[attr-defined]
+    if not any(isinstance(m, Fp8Linear | Fp8Experts) for m in model.modules()):
+        return ""
+    return "; fp8 GEMMs: " + ", ".join(kernels_used())

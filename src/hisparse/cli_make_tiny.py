@@ -4,7 +4,11 @@ No small trained DeepSeek-V3.2 / GLM-5 model exists, so tests and benchmarks bui
 `hisparse.models.tiny.make_tiny` (transformers initializes and saves it, so names, layout and
 config.json are what a real checkpoint has). ``--preset tiny`` is a few hundred kB for CPU
 tests; ``--preset v32-attention`` keeps the architecture's real attention and indexer
-dimensions with 2 layers and a small FFN, for GPU benchmarks.
+dimensions with 2 layers and a small FFN, for GPU benchmarks. ``--fp8`` writes the releases'
+format instead (`hisparse.models.checkpoint_writer`: e4m3 weights with 128 x 128 ue8m0 tile
+scales, DeepSeek's ``quantization_config``, the multi-token-prediction layer, a byte-level
+tokenizer); ``--preset v32-shapes`` is DeepSeek-V3.2's real layer shapes with fewer experts and
+layers (~3.4 GB with ``--fp8``), for GPU runs of the fp8 kernels.
 """
 
 from __future__ import annotations
@@ -26,7 +30,12 @@ DTYPES: dict[str, torch.dtype] = {
 
 #: Files of a previous checkpoint that ``--force`` removes first, so a smaller new checkpoint
 #: never sits next to stale shards or an index that still names them.
-_CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
+_CHECKPOINT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+)
 
 #: Exit status when the checkpoint cannot be built (e.g. transformers missing).
 EXIT_FAILURE = 1
@@ -47,7 +56,8 @@ def add_make_tiny_parser(sub: argparse._SubParsersAction) -> None:
         choices=PRESETS,
         default="tiny",
         help="'tiny': small everything, index_topk 16 (CPU tests); 'v32-attention': the "
-        "arch's real attention and indexer dims, 2 layers, small FFN (default: %(default)s)",
+        "arch's real attention and indexer dims, 2 layers, small FFN; 'v32-shapes': "
+        "DeepSeek-V3.2's real layer shapes, 16 experts, 3 layers + MTP (default: %(default)s)",
     )
     p.add_argument("--layers", type=int, default=None, help="num_hidden_layers override")
     p.add_argument(
@@ -55,6 +65,12 @@ def add_make_tiny_parser(sub: argparse._SubParsersAction) -> None:
         choices=tuple(DTYPES),
         default=None,
         help="weight dtype (default: float32 for tiny, bfloat16 for v32-attention)",
+    )
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="the releases' fp8 block-scaled format (e4m3 + 128x128 ue8m0 scales, "
+        "quantization_config) with the MTP layer and a byte-level tokenizer",
     )
     p.add_argument("--seed", type=int, default=0, help="torch seed (default: %(default)s)")
     p.add_argument(
@@ -86,15 +102,17 @@ def run_make_tiny(args: argparse.Namespace) -> int:
     _check_out_dir(out, args.force)
     dtype = DTYPES[args.dtype] if args.dtype is not None else None
     try:
-        make_tiny(args.arch, out, args.preset, args.seed, dtype=dtype, **overrides)
+        make_tiny(args.arch, out, args.preset, args.seed, dtype=dtype, fp8=args.fp8, **overrides)
     except RuntimeError as err:  # transformers missing or too old: say how to fix it
         print(f"hisparse make-tiny: error: {err}", file=sys.stderr)
         return EXIT_FAILURE
-    kw = tiny_config_kwargs(args.arch, args.preset, **overrides)
+    kw = tiny_config_kwargs(args.arch, args.preset, fp8=args.fp8, **overrides)
     layers = kw["num_hidden_layers"]
     written = sorted(p for p in out.iterdir() if p.is_file())
     size = sum(p.stat().st_size for p in written)
     dtype_name = args.dtype or ("float32" if args.preset == "tiny" else "bfloat16")
+    if args.fp8:
+        dtype_name = f"fp8 e4m3 (128x128 ue8m0 scales, MTP layer), the rest {dtype_name}"
     print(
         f"wrote {out} ({size / 2**20:.1f} MiB: {', '.join(p.name for p in written)})\n"
         f"  arch {args.arch}, preset {args.preset}, {layers} layer{'s' * (layers != 1)}, "

@@ -108,6 +108,13 @@ class CheckpointIndex:
                     raise CheckpointError(f"{name} in {f.name}: unknown dtype {entry['dtype']}")
                 self.tensors[name] = TensorInfo(f, dtype, tuple(entry["shape"]))
 
+    @classmethod
+    def of_tensors(cls, path: str | Path, tensors: dict[str, TensorInfo]) -> CheckpointIndex:
+        """An index of ``tensors`` without files (what a checkpoint would hold: planning)."""
+        index = cls.__new__(cls)
+        index.path, index.files, index.tensors = Path(path), [], dict(tensors)
+        return index
+
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from hisparse.models import fp8
+from hisparse.models.checkpoint import TensorInfo
 from hisparse.models.dsa_config import DsaConfig
 
 #: The weights DeepSeek's releases keep in e4m3 (transformers names).
@@ -87,6 +88,23 @@ def checkpoint_shapes(config: DsaConfig, mtp: int) -> dict[str, tuple[int, ...]]
 
 
 _RESIDUAL_OUT = re.compile(r"(o_proj|down_proj)\.weight$")
+
+
+def release_tensors(
+    config: DsaConfig, fp8_format: fp8.Fp8Format | None, mtp: int, dtype: torch.dtype
+) -> dict[str, TensorInfo]:
+    """Every tensor `write_checkpoint` writes for ``config`` (names, dtypes, shapes), as a
+    `CheckpointIndex` holds them: planning a release without its bytes."""
+    out: dict[str, TensorInfo] = {}
+    nowhere = Path()
+    for name, shape in checkpoint_shapes(config, mtp).items():
+        if fp8_format is not None and RELEASE_FP8.search(name):
+            out[name] = TensorInfo(nowhere, fp8.FP8_DTYPE, shape)
+            tiles = (fp8.cdiv(shape[0], fp8.BLOCK), fp8.cdiv(shape[1], fp8.BLOCK))
+            out[name + "_scale_inv"] = TensorInfo(nowhere, torch.float32, tiles)
+        else:
+            out[name] = TensorInfo(nowhere, dtype, shape)
+    return out
 
 
 def _values(

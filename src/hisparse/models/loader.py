@@ -332,6 +332,38 @@ def _fp32_param_names(model: nn.Module) -> set[str]:
     return names
 
 
+def param_dtypes(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype the loader gives each parameter of ``model`` (its meta skeleton): e4m3
+    weights stay e4m3, fp8 scales, router and indexer head weights fp32, the rest ``dtype``."""
+    fp32 = _fp32_param_names(model)
+    return {
+        name: fp8.FP8_DTYPE if p.dtype == fp8.FP8_DTYPE else torch.float32 if name in fp32
+        else dtype
+        for name, p in model.named_parameters()
+    }  # fmt: skip
+
+
+def shard_weight_bytes(
+    config: DsaConfig,
+    ckpt: CheckpointIndex,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    rank: int = 0,
+    world: int = 1,
+    fp8_format: fp8.Fp8Format | None = None,
+) -> int:
+    """The bytes of weights `load_dsa_model` allocates on rank ``rank`` of ``world`` for
+    checkpoint ``ckpt`` (its headers only), from the sharded meta skeleton: what
+    ``hisparse plan`` must count."""
+    from hisparse.parallel.shard import shard_dsa
+
+    model = build_dsa_model(config, ckpt, fp8_format=fp8_format)
+    if world > 1:
+        shard_dsa(model, rank, world)
+    dtypes = param_dtypes(model, dtype)
+    return sum(p.numel() * dtypes[n].itemsize for n, p in model.named_parameters())
+
+
 def _fill(dest: torch.Tensor, piece: _Piece, reader: SliceReader) -> None:
     """Copy one piece's checkpoint slice into ``dest`` (dequantizing 128 rows at a time)."""
     target = dest[piece.dst] if piece.dst else dest
@@ -396,7 +428,7 @@ def load_dsa_model(
     splits = shard_dsa(model, rank, world, tp) if world > 1 else {}
     plan = _plan_reads(model, config, ckpt, full, splits)
     _validate(plan, path, config)
-    fp32 = _fp32_param_names(model)
+    dtypes = param_dtypes(model, dtype)
     total = sum(_piece_bytes(p, ckpt) for ps in plan.pieces.values() for p in ps)
     console = progress_console() if rank == 0 else None
     progress = LoadProgress(total, console)
@@ -404,9 +436,7 @@ def load_dsa_model(
     try:
         with SliceReader(ckpt, progress) as reader:
             for name, p in model.named_parameters():
-                kind = fp8.FP8_DTYPE if p.dtype == fp8.FP8_DTYPE else dtype
-                kind = torch.float32 if name in fp32 else kind
-                dest = torch.empty(p.shape, dtype=kind, device=device)
+                dest = torch.empty(p.shape, dtype=dtypes[name], device=device)
                 split = splits.get(name)
                 if split is not None and split[1] + split[2] > full[name][split[0]]:
                     dest.zero_()  # vocabulary padding rows past the checkpoint's
