@@ -10,6 +10,7 @@ or to no cache, when it is not).
 
 from __future__ import annotations
 
+import time
 import warnings
 from types import ModuleType, SimpleNamespace
 
@@ -94,3 +95,59 @@ def build() -> SimpleNamespace | None:
         name: compile_(getattr(module, "_" + name), parallel=name in _PARALLEL)
         for module, names in _ENTRY_POINTS for name in names
     })  # fmt: skip
+
+
+class CompileClock:
+    """While entered, the spans (``time.perf_counter``) in which numba holds its compiler
+    lock: compiling a kernel, or loading its machine code from the cache. numba compiles
+    lazily, on a kernel's first call and in the calling thread, so these spans fall inside
+    the first request's steps; a caller subtracts them to report that request's time
+    without the one-time work (``hisparse generate``). ``compiled``: kernels compiled, not
+    loaded from the cache. Records nothing where numba is not installed."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+        self.compiled = 0
+        self._stack: list[tuple[str, object]] = []
+
+    def seconds(self, start: float = float("-inf"), end: float = float("inf")) -> float:
+        """Seconds of the spans inside ``[start, end]``."""
+        return sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.spans)
+
+    def __enter__(self) -> CompileClock:
+        try:
+            from numba.core import event
+        except ImportError:
+            return self
+        clock = self
+
+        class _Lock(event.Listener):
+            depth = 0
+
+            def on_start(self, ev: object) -> None:
+                if self.depth == 0:
+                    self.t0 = time.perf_counter()
+                self.depth += 1
+
+            def on_end(self, ev: object) -> None:
+                self.depth -= 1
+                if self.depth == 0:
+                    clock.spans.append((self.t0, time.perf_counter()))
+
+        class _Compile(event.Listener):
+            def on_start(self, ev: object) -> None:
+                clock.compiled += 1
+
+            def on_end(self, ev: object) -> None:
+                pass
+
+        for kind, listener in (("numba:compiler_lock", _Lock()), ("numba:compile", _Compile())):
+            event.register(kind, listener)
+            self._stack.append((kind, listener))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        while self._stack:
+            from numba.core import event
+
+            event.unregister(*self._stack.pop())
