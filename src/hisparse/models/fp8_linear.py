@@ -21,19 +21,18 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hisparse import envs
 from hisparse.models import fp8
 from hisparse.models.fp8 import BLOCK, cdiv, scale_rows
 
 log = logging.getLogger(__name__)
 
 GEMM_ENV = "HISPARSE_FP8_GEMM"
-GEMM_BACKENDS = ("auto", "reference", "triton", "scaled_mm")
 #: What each backend is called in logs and ``hisparse generate``'s report.
 KERNEL_NAMES = {
     "reference": "W8A8 reference (torch, fp32 per K block)",
@@ -71,9 +70,7 @@ def triton_fp8_ok(device: torch.device) -> bool:
 
 def gemm_backend(device: torch.device) -> str:
     """The fp8 GEMM for tensors on ``device`` (module docstring)."""
-    choice = os.environ.get(GEMM_ENV, "auto")
-    if choice not in GEMM_BACKENDS:
-        raise ValueError(f"{GEMM_ENV}={choice!r}: use one of {', '.join(GEMM_BACKENDS)}")
+    choice = envs.value(GEMM_ENV)
     if choice != "auto":
         return choice
     if device.type != "cuda":

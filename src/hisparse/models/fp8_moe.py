@@ -18,12 +18,11 @@ terms per expert with torch (it reads the chosen experts back to the host).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hisparse import envs
 from hisparse.models import fp8
 from hisparse.models.fp8 import BLOCK, cdiv, scale_rows
 from hisparse.models.fp8_linear import note_kernel, triton_fp8_ok
@@ -34,9 +33,7 @@ MOE_ENV = "HISPARSE_FP8_MOE"
 
 def moe_backend(device: torch.device) -> str:
     """``triton`` or ``reference`` for experts on ``device`` (module docstring)."""
-    choice = os.environ.get(MOE_ENV, "auto")
-    if choice not in ("auto", "reference", "triton"):
-        raise ValueError(f"{MOE_ENV}={choice!r}: use 'auto', 'reference' or 'triton'")
+    choice = envs.value(MOE_ENV)
     if choice == "auto":
         return "triton" if device.type == "cuda" and triton_fp8_ok(device) else "reference"
     return choice
