@@ -1,8 +1,10 @@
-"""Shard a loaded model over the ranks of a tensor-parallel engine (docs/design.md §18).
+"""Shard a model over the ranks of a tensor-parallel engine (docs/design.md §18).
 
-Every rank loads the checkpoint on the CPU, keeps its slice of each sharded weight, moves the
-result to its device and computes its part; a forward hook all-reduces the output of each
-row-parallel piece (`TPGroup.all_reduce`). What is sharded and what is whole:
+A DSA rank shards the meta skeleton the per-rank loader builds (`shard_dsa`: the shapes it
+keeps and each slice's place in the checkpoint, which the loader then reads, §18.8); a GGUF
+model loads whole on the CPU and keeps its slices (`shard_llama`). Each rank computes its part;
+a forward hook all-reduces the output of each row-parallel piece (`TPGroup.all_reduce`). What
+is sharded and what is whole:
 
 * **MLA** (DeepSeek-V3.2, GLM-5): ``q_b_proj`` and ``kv_b_proj`` by head (column-parallel),
   ``o_proj`` by head on its input (row-parallel, all-reduce; a bias stays on rank 0). The
@@ -15,8 +17,11 @@ row-parallel piece (`TPGroup.all_reduce`). What is sharded and what is whole:
 * **MLP** (dense layers, every routed expert, the shared experts): gate and up column-parallel,
   down row-parallel; one all-reduce per MLP or MoE block (the experts' partial sums and the
   shared expert's are added first). Router weights stay whole.
-* **Embedding and LM head** are whole on every rank (simplest; hidden states are identical
-  after every all-reduce). Only rank 0 samples, so the other ranks skip the LM head.
+* **Embedding and LM head**: DSA models split them by vocabulary (`models.vocab_parallel`:
+  the embedding all-reduces its rows, the logits are gathered on rank 0, which samples); GQA
+  models keep both whole on every rank and the other ranks skip the LM head.
+* **fp8 weights** (`Fp8Linear`, `Fp8Experts`) keep the 128 x 128 scale tiles their slice
+  touches (`DsaSharder`).
 
 `check_tensor_parallel_size` refuses a rank count that does not divide the heads (and the MLP
 widths) before anything loads.
