@@ -204,3 +204,41 @@ def test_checkpoint_headers_only_are_read_to_plan(fp8_checkpoint) -> None:
         for k in list(f.keys())[:20]:
             t = f.get_tensor(k)
             assert index[k].shape == tuple(t.shape) and index[k].dtype == t.dtype
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype == torch.float8_e4m3fn:
+        return b.dtype == a.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
+
+
+def test_fused_fp8_experts_load_like_per_expert_tensors(fp8_checkpoint, tmp_path) -> None:
+    """transformers' fused 3-D experts (``gate_up_proj [E, 2I, H]``, ``down_proj``) in fp8,
+    with their fused scale tiles: the same parameters as the per-expert tensors, on one rank
+    and on each of two, kept fp8 or dequantized."""
+    src = fp8_checkpoint("deepseek_v32")
+
+    def fuse(t: dict) -> dict:
+        out = dict(t)
+        n_exp = 8
+        for layer in range(5):
+            p = f"model.layers.{layer}.mlp.experts"
+            if f"{p}.0.gate_proj.weight" not in t:
+                continue
+            for suf in ("", "_scale_inv"):
+                out[f"{p}.gate_up_proj{suf}"] = torch.stack([torch.cat((
+                    t[f"{p}.{e}.gate_proj.weight{suf}"], t[f"{p}.{e}.up_proj.weight{suf}"]))
+                    for e in range(n_exp)])  # fmt: skip
+                out[f"{p}.down_proj{suf}"] = torch.stack(
+                    [t[f"{p}.{e}.down_proj.weight{suf}"] for e in range(n_exp)]
+                )
+                for e in range(n_exp):
+                    for w in ("gate_proj", "up_proj", "down_proj"):
+                        del out[f"{p}.{e}.{w}.weight{suf}"]
+        return out
+
+    _rewrite(src, tmp_path / "fused", fuse)
+    for kw in ({"world": 1}, {"world": 2, "rank": 1}, {"fp8_weights": "dequantize"}):
+        a = dict(load_dsa_model(src, dtype=torch.float32, **kw).named_parameters())
+        b = dict(load_dsa_model(tmp_path / "fused", dtype=torch.float32, **kw).named_parameters())
+        assert a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a), kw

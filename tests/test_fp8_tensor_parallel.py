@@ -168,3 +168,28 @@ def test_per_rank_loader_peak_anonymous_memory(tmp_path) -> None:
         assert whole > bound
         assert kept < 0.6 * whole  # this rank's half of the experts, the rest whole
     assert os.cpu_count()
+
+
+def test_vocab_parallel_parts_add_up_to_the_whole() -> None:
+    """A vocabulary that does not divide (10 rows over 4 ranks: 3, 3, 3, 1 + 2 zero rows):
+    the ranks' embedding outputs add up to the lookup bit for bit (one rank holds each row),
+    their logits side by side are the whole LM head's."""
+    from hisparse.models.vocab_parallel import vocab_rows
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(10, 6, generator=g)
+    ids = torch.tensor([0, 9, 3, 5, 5, 2])
+    hidden = torch.randn(4, 6, generator=g)
+    looked, logits = [], []
+    for rank in range(4):
+        first, rows, real = vocab_rows(10, rank, 4)
+        emb = VocabParallelEmbedding(10, 6, rank, 4)
+        head = VocabParallelHead(10, 6, rank, 4)
+        part = torch.zeros(rows, 6)
+        part[:real] = weight[first : first + real]
+        emb.weight.data, head.weight.data = part, part
+        looked.append(emb(ids))
+        logits.append(head(hidden))
+    assert torch.equal(sum(looked[1:], looked[0]), weight[ids])
+    whole = torch.cat(logits, dim=-1)[:, :10]
+    torch.testing.assert_close(whole, hidden @ weight.t(), rtol=0, atol=1e-6)
