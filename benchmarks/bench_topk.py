@@ -46,7 +46,7 @@ import torch
 import triton.testing
 
 from bench_indexer import baseline_function  # (this script's folder is on sys.path)
-from hisparse.attention import topk_triton
+from hisparse.attention import topk_floor, topk_triton
 from hisparse.attention.indexer_triton import topk_from_scores
 from hisparse.attention.topk_triton import topk_select_reference, topk_select_triton
 from hisparse.testing.cuda_graphs import graph_call_us as _graph_us
@@ -78,10 +78,10 @@ def _scores(t: int, s: int, dist: str, dev: torch.device) -> torch.Tensor:
 
 def _floor_keys(x: torch.Tensor) -> float:
     """Mean keys per row at or above the floor the select computes."""
-    group = topk_triton._floor_group(x.shape[1], K)
+    group = topk_floor._floor_group(x.shape[1], K)
     if not group:
         return float(x.shape[1])
-    return topk_triton.floor_counts_reference(x, K, group).float().mean().item()
+    return topk_floor.floor_counts_reference(x, K, group).float().mean().item()
 
 
 def _torch_topk(x: torch.Tensor, out: torch.Tensor) -> None:
@@ -181,7 +181,7 @@ def main() -> None:
                     dict(dist=dist, rows=t, keys=s, per_sm=f, parts=p, select_us=us, exact=ok)
                 )
                 print(sweep[-1], flush=True)
-        if args.sweep_floor and topk_triton.FLOOR_MIN_ROWS <= t <= topk_triton.FLOOR_MAX_ROWS:
+        if args.sweep_floor and topk_floor.FLOOR_MIN_ROWS <= t <= topk_floor.FLOOR_MAX_ROWS:
             saved = topk_triton.FLOOR_CAND_BLOCK, topk_triton.FLOOR_BYTE_BLOCK
             try:
                 for shape in FLOOR_SWEEP:

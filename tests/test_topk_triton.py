@@ -20,14 +20,12 @@ pytest.importorskip("triton")
 from hisparse.attention import indexer_reference as ir
 from hisparse.attention import indexer_triton as it
 from hisparse.attention.sparse_mla_triton import interpreting
-from hisparse.attention.topk_triton import (
-    BLOCK,
+from hisparse.attention.topk_floor import (
     GroupMaxima,
     floor_counts_reference,
     group_maxima_reference,
-    topk_select_reference,
-    topk_select_triton,
 )
+from hisparse.attention.topk_triton import BLOCK, topk_select_reference, topk_select_triton
 from hisparse.testing import indexer_cases as ic
 
 pytestmark = pytest.mark.skipif(
@@ -126,21 +124,22 @@ def test_kept_histograms_are_zero_at_rest(monkeypatch: pytest.MonkeyPatch) -> No
     and ``k`` 256 take it, forced on for few rows); a fourth left dirty (poisoned here
     between calls) does not change the picks; calls of other data in a row (the kept buffer)
     and one of more rows (a fresh buffer) still equal the reference."""
-    from hisparse.attention import topk_triton as tt
+    from hisparse.attention import topk_floor as tf
+    from hisparse.attention import topk_radix as tr
 
-    monkeypatch.setattr(tt, "FLOOR_MIN_ROWS", 1)
+    monkeypatch.setattr(tf, "FLOOR_MIN_ROWS", 1)
     g = torch.Generator().manual_seed(0)
-    for t, s, k, seed in [(3, 5000, 300, 1), (1, 777, 50, 2), (tt.KEPT_HIST_ROWS + 1, 600, 9, 3),
-                          (3, 20000, 256, 6), (tt.KEPT_HIST_ROWS, 900, 40, 4),
+    for t, s, k, seed in [(3, 5000, 300, 1), (1, 777, 50, 2), (tr.KEPT_HIST_ROWS + 1, 600, 9, 3),
+                          (3, 20000, 256, 6), (tr.KEPT_HIST_ROWS, 900, 40, 4),
                           (2, 20000, 256, 7), (2, 5000, 300, 5)]:  # fmt: skip
         x = _rows(t, s, seed)
-        kept = tt._kept_hist.get(x.device)
+        kept = tr._kept_hist.get(x.device)
         if kept is not None:
             kept[:, 3] = torch.randint(1, 1000, kept[:, 3].shape, generator=g, dtype=kept.dtype)
         got = topk_select_triton(x, k, _poisoned(t, k))
         assert torch.equal(got, topk_select_reference(x, k))
-        kept = tt._kept_hist[x.device]
-        assert kept.shape[0] == tt.KEPT_HIST_ROWS and not kept[:, [0, 1, 2, 4, 5]].any()
+        kept = tr._kept_hist[x.device]
+        assert kept.shape[0] == tr.KEPT_HIST_ROWS and not kept[:, [0, 1, 2, 4, 5]].any()
 
 
 def test_the_floor_counts_only_keys_at_or_above_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,12 +149,13 @@ def test_the_floor_counts_only_keys_at_or_above_it(monkeypatch: pytest.MonkeyPat
     keys on random rows, all on a row of fewer maxima than picks, many on a row where the
     floor's bin holds a third of the keys; the picks equal the reference's with the floor and
     without, with limits, with parts of other sizes."""
+    from hisparse.attention import topk_floor as tf
     from hisparse.attention import topk_triton as tt
 
-    monkeypatch.setattr(tt, "FLOOR_MIN_ROWS", 1)
+    monkeypatch.setattr(tf, "FLOOR_MIN_ROWS", 1)
     t, s, k = 5, 20000, 256
-    group = tt._floor_group(s, k)
-    assert group == tt.FLOOR_GROUP
+    group = tf._floor_group(s, k)
+    assert group == tf.FLOOR_GROUP
     x = _rows(t, s, seed=21)  # (row 1: -inf from s // 3 on)
     x[2] = torch.randint(0, 3, (s,)).float()  # ties at the k-th score, across parts
     x[3, 3000:] = float("-inf")  # fewer finite maxima than picks: no floor
@@ -195,14 +195,15 @@ def test_random_rows_with_the_floor(
     groups of 4) equal the reference, up to the engine's largest decode row; also with the
     floor's second launch reading other maxima an iteration and the launches after the
     compaction other candidates. The first row's largest keys are its last."""
+    from hisparse.attention import topk_floor as tf
     from hisparse.attention import topk_triton as tt
 
-    monkeypatch.setattr(tt, "FLOOR_MIN_ROWS", 1)
-    monkeypatch.setattr(tt, "FLOOR_MIN_GROUP", 4)
+    monkeypatch.setattr(tf, "FLOOR_MIN_ROWS", 1)
+    monkeypatch.setattr(tf, "FLOOR_MIN_GROUP", 4)
     if blocks:
         monkeypatch.setattr(tt, "FLOOR_BYTE_BLOCK", blocks[0])
         monkeypatch.setattr(tt, "FLOOR_CAND_BLOCK", blocks[1])
-    assert tt._floor_group(s, k) >= 4
+    assert tf._floor_group(s, k) >= 4
     x = _rows(t, s, seed=s + k)
     x[0, -k // 2 :] += 1e6
     got = topk_select_triton(x, k, out=_poisoned(t, k))
@@ -215,11 +216,12 @@ def test_group_maxima_written_or_handed_in(monkeypatch: pytest.MonkeyPatch) -> N
     histogram as `group_maxima_reference` has them (a fresh histogram buffer, which the write
     launch leaves as it is); handed in filled (as the Gluon score kernel writes them) it
     skips that launch and picks the same. A group width other than the call's is refused."""
+    from hisparse.attention import topk_floor as tf
     from hisparse.attention import topk_triton as tt
 
-    monkeypatch.setattr(tt, "FLOOR_MIN_ROWS", 1)
+    monkeypatch.setattr(tf, "FLOOR_MIN_ROWS", 1)
     t, s, k = 4, 20000, 256
-    group = tt._floor_group(s, k)
+    group = tf._floor_group(s, k)
     x = _rows(t, s, seed=33)
     x[2] = torch.randint(0, 3, (s,)).float()
     x[3, ::5] = float("nan")

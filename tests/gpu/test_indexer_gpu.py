@@ -270,6 +270,7 @@ def test_gluon_kernel_writes_the_top_k_group_maxima(monkeypatch: pytest.MonkeyPa
     on its own scores up to each row's limit. The select reading them picks what the
     reference picks, and the indexer's top-k (which hands them over) passes its check."""
     from hisparse.attention import indexer_gluon as ig
+    from hisparse.attention import topk_floor as tf
     from hisparse.attention import topk_triton as tt
 
     if not ig.supported(DEV):
@@ -279,8 +280,8 @@ def test_gluon_kernel_writes_the_top_k_group_maxima(monkeypatch: pytest.MonkeyPa
     case = _case("fp8", contexts, seed=52, pad_tokens=1)
     t = case.q.shape[0]
     cols = it.score_cols(case.pages, case.fmt, case.block_table, None)
-    maxima = tt.group_maxima(t, cols, K, DEV)
-    assert maxima is not None and maxima.group == tt.FLOOR_GROUP
+    maxima = tf.group_maxima(t, cols, K, DEV)
+    assert maxima is not None and maxima.group == tf.FLOOR_GROUP
     hist = torch.zeros((t, tt.HISTS, tt.BINS), dtype=torch.int32, device=DEV)
     maxima = dataclasses.replace(maxima, gmax=torch.full_like(maxima.gmax, 12345), hist=hist,
                                  clear=False)  # fmt: skip
@@ -288,7 +289,7 @@ def test_gluon_kernel_writes_the_top_k_group_maxima(monkeypatch: pytest.MonkeyPa
     assert maxima.filled and "gluon" in _kernel_name(it.last_compiled[0])
     torch.cuda.synchronize()
     limits = case.limits
-    want_g, want_h = tt.group_maxima_reference(scores, maxima.group, limits)
+    want_g, want_h = tf.group_maxima_reference(scores, maxima.group, limits)
     n_groups = ((limits + maxima.group - 1) // maxima.group).tolist()
     for r in range(t):
         assert torch.equal(maxima.gmax[r, : n_groups[r]], want_g[r, : n_groups[r]]), r

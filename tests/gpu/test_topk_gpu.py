@@ -46,10 +46,10 @@ def test_rows_equal_the_reference(t: int, s: int) -> None:
 def test_with_and_without_the_floor(t: int, s: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The floor from group maxima changes no pick: 29 rows of 128K keys (groups of 16) and,
     forced on, 8 rows and rows of 32K (groups of 4); crowded rows and a short one among them."""
-    from hisparse.attention import topk_triton as tt
+    from hisparse.attention import topk_floor as tf
 
-    monkeypatch.setattr(tt, "FLOOR_MIN_GROUP", 4)
-    monkeypatch.setattr(tt, "FLOOR_MIN_ROWS", 8)
+    monkeypatch.setattr(tf, "FLOOR_MIN_GROUP", 4)
+    monkeypatch.setattr(tf, "FLOOR_MIN_ROWS", 8)
     x = _rows(t, s, seed=s + t)
     x[3] += 10.0  # crowded: one binade
     x[5, 40000 % s :] = float("-inf")
@@ -85,7 +85,7 @@ def test_cuda_graph_replay() -> None:
         # an eager call between replays shares the graph's zero-at-rest histograms
         y = _rows(5, 131072, seed=seed + 10)
         assert torch.equal(topk_select_triton(y, K, _poisoned(5)), topk_select_reference(y, K))
-    from hisparse.attention import topk_triton as tt
+    from hisparse.attention import topk_radix as tr
 
-    kept = tt._kept_hist[x.device]
+    kept = tr._kept_hist[x.device]
     assert not kept[:, [0, 1, 2, 4, 5]].any()  # (the fourth: zeroed by the next call)

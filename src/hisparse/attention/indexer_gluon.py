@@ -5,7 +5,7 @@ program ``(token, chunk)`` holds the token's ``[H, 128]`` query (f16, its dims i
 `indexer_triton`'s reordered order) in shared memory and walks its chunk in 64-key tiles, each
 one page run: a ``[64, 128] x [128, H]`` f16 wgmma with the keys as the register operand,
 ReLU, the weighted head sum, times the key scale; ``-inf`` at and past the causal limit.
-Given the top-k's `topk_triton.GroupMaxima` (decode batches that take its floor), it also
+Given the top-k's `topk_floor.GroupMaxima` (decode batches that take its floor), it also
 writes each 16 keys' largest score and counts its first key byte, so that the select skips
 the launch that would read every score again to find them.
 
@@ -39,7 +39,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from hisparse import envs
 from hisparse.attention.sparse_mla_gluon import supported
-from hisparse.attention.topk_triton import GroupMaxima
+from hisparse.attention.topk_floor import GroupMaxima
 from hisparse.kv.row_formats import IndexerCacheFormat
 
 Tensor = torch.Tensor
@@ -275,7 +275,7 @@ def launch(
 ):  # fmt: skip
     """Fill ``out [T, S]`` (`indexer_triton.indexer_scores_paged_triton` has checked and
     prepared the operands: ``qs`` fp32 ``[T, H]``, weights fp32, an int32 block table) with
-    ``chunk`` keys a program, and ``maxima`` (the top-k's floor, `topk_triton.group_maxima`)
+    ``chunk`` keys a program, and ``maxima`` (the top-k's floor, `topk_floor.group_maxima`)
     when given; returns the compiled kernel."""
     t, h, _ = q.shape
     bs = pages.shape[1] // fmt.row_bytes

@@ -66,7 +66,8 @@ from hisparse.attention import indexer_gluon, triton_split
 from hisparse.attention import indexer_reference as _ref
 from hisparse.attention.dispatch import env_backend
 from hisparse.attention.sparse_mla_triton import interpreting
-from hisparse.attention.topk_triton import GroupMaxima, group_maxima, topk_select_triton
+from hisparse.attention.topk_floor import GroupMaxima, group_maxima
+from hisparse.attention.topk_triton import topk_select_triton
 from hisparse.attention.triton_split import num_sms
 from hisparse.kv.row_formats import IndexerCacheFormat
 

@@ -10,7 +10,8 @@ Why: ``torch.topk`` over a 128K row runs radix-sort kernels per layer and step (
 busy on one row) that take many times as long as reading the row's 512 KB (docs/benchmarks.md
 §15). Here a score's
 fp32 bits, flipped so that their unsigned order is the float order, are found one byte at a
-time over a ``(row, part)`` grid, each program reading a part of the row:
+time over a ``(row, part)`` grid, each program reading a part of the row (`topk_radix`
+holds the pieces these launches share with the floor's):
 
 1. three histogram launches: each program adds its part's 256-bin histogram of the next byte,
    among the keys whose higher bytes equal those found so far, to the row's histogram in
@@ -28,18 +29,12 @@ time over a ``(row, part)`` grid, each program reading a part of the row:
    order (ties: the first ones by position; a block's tie ranks, a prefix sum, only where it
    holds the k-th key, and its write only where it has picks).
 
-**The floor** (decode batches of long rows: `FLOOR_MIN_ROWS`, `FLOOR_GROUP`): two launches
-before the first histogram find, per row, a floor below which no pick lies, and the first
-histogram launch keeps only the keys at or above it, so that the later launches read a
-few thousand candidates a row instead of every score:
+**The floor** (decode batches of long rows; `topk_floor` decides when a call takes one and
+finds it): two launches before the first histogram find, per row, a floor below which no pick
+lies, and the first histogram launch keeps only the keys at or above it, so that the later
+launches read a few thousand candidates a row instead of every score:
 
-0. the largest key of each group of 16 (the row's finite keys only), and a histogram of the
-   first byte of those maxima; then the second byte's, among the maxima that share the
-   first byte of the row's k-th largest maximum. The floor is the lower edge of that 16-bit
-   bin: at least ``k`` groups have a maximum at or above it, each a distinct key, so the
-   row's ``k`` largest keys all are (rows of fewer than ``k`` maxima get none: every key).
-   A score kernel can write the maxima and their first-byte histogram with the scores
-   (`GroupMaxima`, `indexer_gluon`): then the first of these launches is skipped;
+0. the floor's two launches (`topk_floor`);
 1. the first histogram launch stores each part's keys at or above the floor, in position
    order, from the part's first slot on (keys, positions, count), and histograms their first
    byte once it has them all (rather than an atomic a key: a row's candidates share one or
@@ -70,22 +65,34 @@ starts while that one finishes and waits for its writes first, saving the launch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from hisparse.attention.topk_floor import (
+    GroupMaxima,
+    _call_floor_group,
+    _floor_byte_kernel,
+    _floor_max_kernel,
+)
+from hisparse.attention.topk_radix import (
+    BINS,
+    DIGIT_BITS,
+    HISTS,
+    INT32_MIN,
+    _descend,
+    _histograms,
+    _keys,
+    _program,
+)
 from hisparse.attention.triton_split import num_sms
 from hisparse.runtime.ops.triton_common import dependent_launch, grid_dependency_wait
 
 #: Elements one program reads per iteration (fewer, down to `MIN_BLOCK`, in a shorter part).
 BLOCK = 2048
 MIN_BLOCK = 256
-#: Bytes of a key found per histogram launch (four launches: 32 bits).
-DIGIT_BITS = 8
-BINS = 1 << DIGIT_BITS
+#: Histogram launches a key takes, one per byte.
 PASSES = 32 // DIGIT_BITS
 #: Keys of a block that share the bytes found so far, up to which the second and third
 #: histograms add them one global atomic each instead of a block histogram (``tl.histogram``
@@ -96,7 +103,6 @@ SPARSE_KEYS = 256
 #: keys measured faster than 32 of 4,096, docs/benchmarks.md §15; a part's histogram costs
 #: per key).
 MIN_PART = 1024
-INT32_MIN = tl.constexpr(-(2**31))
 #: Programs per SM over a call: each program's histogram waits on its loads and atomics, so an
 #: SM needs several (docs/benchmarks.md §15, ``--sweep-parts``: 8 beat 2 at 29 and 64 rows of
 #: 128K, equal at 8 rows; at 2, ncu saw a histogram launch keep few of an SM's warps busy).
@@ -106,22 +112,6 @@ PROGRAMS_PER_SM = 8
 #: 1K-4K keys a part) and costs more than it saves for long ones (29 / 64 rows of 128K;
 #: docs/benchmarks.md §15).
 PDL_MAX_PART = 4096
-#: Histograms per row: the select's four bytes, then the floor's two (bytes 0 and 1 of the
-#: group maxima).
-HISTS = 6
-#: Widest key group whose maximum the floor takes, and the fewest group maxima per pick: a
-#: call gets a floor when its groups, at most `FLOOR_GROUP` keys wide, can be at least
-#: `FLOOR_MIN_GROUP` wide with `FLOOR_MAXIMA_PER_PICK` maxima per pick (``k`` 2048: rows of
-#: 128K keys and more).
-FLOOR_GROUP = 16
-FLOOR_MIN_GROUP = 16
-FLOOR_MAXIMA_PER_PICK = 4
-#: Rows a call must have for the floor, and may have (the candidates take 8 bytes a key).
-#: docs/benchmarks.md §15: with the floor 16, 29 and 64 rows of 128K were faster; 8 rows
-#: and rows of 32K (groups of 4) slower, the launches after the compaction costing more than
-#: the passes over every key they replace.
-FLOOR_MIN_ROWS = 16
-FLOOR_MAX_ROWS = 64
 #: Programs per SM over a call with the floor: its launches after the first pass read few
 #: candidates, so their cost is each program's fixed part (docs/benchmarks.md §15,
 #: ``--sweep-parts``: 2 per SM beat 8 at 29 and 64 rows of 128K).
@@ -132,37 +122,6 @@ FLOOR_BYTE_BLOCK = 1024
 #: Candidates the launches after the compaction read an iteration, at most: a part keeps a
 #: few hundred, and an iteration's scans cost per slot of its block, filled or not.
 FLOOR_CAND_BLOCK = 512
-#: Rows of the zero-at-rest histogram buffer kept per device (see the module docstring).
-KEPT_HIST_ROWS = 64
-_kept_hist: dict[torch.device, Tensor] = {}
-
-
-@dataclass
-class GroupMaxima:
-    """The floor's group maxima of one call's scores, for a score kernel to write beside the
-    scores (`indexer_gluon`), saving the floor's first launch: ``gmax`` ``int32 [T, S / group]``
-    (each ``group`` keys' largest finite key in signed order, `INT32_MIN` for none, up to each
-    row's limit), and the maxima's first-byte histogram added into histogram 4 of ``hist``,
-    the call's histograms (`_histograms`). ``filled``: the writer sets it; the select
-    computes the maxima itself when it is not."""
-
-    group: int
-    gmax: Tensor
-    hist: Tensor
-    clear: bool
-    filled: bool = False
-
-
-def group_maxima(t: int, s: int, top_k: int, device: torch.device) -> GroupMaxima | None:
-    """Buffers for the group maxima of a ``[t, s]`` call with ``top_k`` picks, where the select
-    takes a floor (else None). The histograms are the ones that call's select will use: a
-    writer adds to them, so a call that gets these must run the select after it."""
-    group = _call_floor_group(t, s, min(top_k, s))
-    if not group:
-        return None
-    hist, clear = _histograms(t, device)
-    gmax = torch.empty((t, triton.cdiv(s, group)), dtype=torch.int32, device=device)
-    return GroupMaxima(group, gmax, hist, clear)
 
 
 def topk_select_reference(scores: Tensor, top_k: int, limits: Tensor | None = None) -> Tensor:
@@ -184,151 +143,6 @@ def topk_select_reference(scores: Tensor, top_k: int, limits: Tensor | None = No
     picks = torch.where(keep, order, s).sort(dim=1).values
     out[:, :kk] = torch.where(picks < s, picks, -1).to(torch.int32)
     return out
-
-
-def _signed_keys(scores: Tensor, limits: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The select's keys as signed ints in the floats' order (``-0.0`` as ``0.0``), and which
-    are finite picks (not ``-inf``, not NaN, below the row's limit when given)."""
-    x = torch.where(torch.isnan(scores), float("-inf"), scores.float())
-    if limits is not None:
-        pos = torch.arange(x.shape[1], device=x.device)
-        x = torch.where(pos[None, :] < limits.to(x.device).long()[:, None], x, float("-inf"))
-    bits = torch.where(x == 0, 0.0, x).view(torch.int32)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF), x > float("-inf")
-
-
-def group_maxima_reference(
-    scores: Tensor, group: int, limits: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """`GroupMaxima`'s contract: ``int32 [T, S / group]`` each group's largest finite score
-    below the row's limit in signed key order (``INT32_MIN`` for none), and ``int32 [T, 256]``
-    the histogram of the first key byte of the maxima that are not."""
-    v, finite = _signed_keys(scores, limits)
-    v = torch.where(finite, v, -(2**31))
-    pad = (-v.shape[1]) % group
-    gm = torch.nn.functional.pad(v, (0, pad), value=-(2**31)).view(v.shape[0], -1, group)
-    gm = gm.amax(dim=2)
-    byte = ((gm ^ -(2**31)) >> 24) & 0xFF
-    hist = torch.zeros((v.shape[0], 256), dtype=torch.int32, device=v.device)
-    hist.scatter_add_(1, byte.long(), (gm > -(2**31)).to(torch.int32))
-    return gm.to(torch.int32), hist
-
-
-def floor_counts_reference(scores: Tensor, top_k: int, group: int) -> Tensor:
-    """Per row, the keys the floor keeps (``int32 [T]``): the finite scores at or above the
-    lower edge of the 16-bit bin (in the select's key order) of the row's ``top_k``-th
-    largest ``group``-key maximum; every finite score in a row of fewer finite maxima."""
-    v, finite = _signed_keys(scores)
-    gm = group_maxima_reference(scores, group)[0]
-    counts = []
-    for r in range(v.shape[0]):
-        m = gm[r][gm[r] > -(2**31)]
-        if m.numel() < top_k:
-            counts.append(int(finite[r].sum()))
-            continue
-        kth = m.sort(descending=True).values[top_k - 1]
-        floor = (((kth ^ -(2**31)) >> 16) << 16) ^ -(2**31)  # low 16 bits of the key cleared
-        counts.append(int((finite[r] & (v[r] >= floor)).sum()))
-    return torch.tensor(counts, dtype=torch.int32)
-
-
-@triton.jit
-def _keys(row, offs, hi):
-    """Scores ``row[offs]`` (``offs < hi``) as int32 bits whose unsigned order is the float
-    order, and which of them are finite picks (not ``-inf``, not NaN, in range). ``-0.0``
-    counts as ``0.0``, as the float compare (and ``torch.topk``) has it."""
-    m = offs < hi
-    x = tl.load(row + offs, mask=m, other=float("-inf"))
-    x = tl.where(x == 0.0, 0.0, x)
-    bits = x.to(tl.int32, bitcast=True)
-    # negative floats: flip all bits; positive: flip the sign bit
-    return bits ^ ((bits >> 31) | INT32_MIN), m & (x > float("-inf"))  # NaN compares false
-
-
-@triton.jit
-def _program(scores, stride_s, S, limits, req_index, PART, LIMITS: tl.constexpr):
-    """This program's row ``t``, part, its keys ``[lo, hi)`` and the row's scores. Row ``t``
-    may pick: all ``S`` keys; ``limits[t]`` (LIMITS 1); a token's causal limit
-    ``limits[t] + 1``, none for a padding token (``req_index[t] < 0``) (LIMITS 2)."""
-    t = tl.program_id(0)
-    part = tl.program_id(1)
-    n = S
-    if LIMITS == 1:
-        n = tl.load(limits + t).to(tl.int32)
-    if LIMITS == 2:
-        n = tl.load(limits + t).to(tl.int32) + 1
-        n = tl.where(tl.load(req_index + t) >= 0, n, 0)
-    n = tl.minimum(tl.maximum(n, 0), S)
-    lo = part * PART
-    return t, part, lo, tl.minimum(lo + PART, n), scores + t.to(tl.int64) * stride_s
-
-
-@triton.jit
-def _descend(hist_row, k, NPASS: tl.constexpr, BINS: tl.constexpr, DIGIT_BITS: tl.constexpr):
-    """The key bytes found by the first ``NPASS`` histograms of a row, how many of the keys
-    sharing them are still to take, and the row's count of finite scores."""
-    bins = tl.arange(0, BINS)
-    total = tl.sum(tl.load(hist_row + bins), axis=0)
-    rem = tl.minimum(k, total)
-    prefix = total * 0
-    for p in tl.static_range(NPASS):
-        h = tl.load(hist_row + p * BINS + bins)
-        at_least = tl.cumsum(h, axis=0, reverse=True)  # keys whose byte is >= each bin
-        d = tl.max(tl.where(at_least >= rem, bins, 0), axis=0)
-        above = tl.sum(tl.where(bins > d, h, 0), axis=0)
-        rem = rem - above
-        prefix = (prefix << DIGIT_BITS) | d
-    return prefix, rem, total
-
-
-@triton.jit
-def _floor_max_kernel(
-    scores, stride_s, S, limits, req_index, hist, gmax, stride_g, PART,
-    LIMITS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr, GROUP: tl.constexpr,
-    HISTS: tl.constexpr, GDC: tl.constexpr,
-):  # fmt: skip
-    """The floor's first launch: each ``GROUP`` keys' largest finite key (signed order,
-    ``INT32_MIN`` for none) into ``gmax``, and the maxima's first byte into histogram 4."""
-    grid_dependency_wait(GDC)
-    t, _part, lo, hi, row = _program(scores, stride_s, S, limits, req_index, PART, LIMITS)
-    hist_row = hist + t.to(tl.int64) * (HISTS * BINS)
-    grow = gmax + t.to(tl.int64) * stride_g
-    bins = tl.arange(0, BINS)
-    acc = tl.zeros([BINS], dtype=tl.int32)
-    for start in range(lo, hi, BLOCK):
-        u, take = _keys(row, start + tl.arange(0, BLOCK), hi)
-        v = tl.where(take, u ^ INT32_MIN, INT32_MIN)
-        m = tl.max(tl.reshape(v, [BLOCK // GROUP, GROUP]), axis=1)
-        g = start // GROUP + tl.arange(0, BLOCK // GROUP)
-        tl.store(grow + g, m, mask=g * GROUP < hi)
-        acc += tl.histogram(((m ^ INT32_MIN) >> 24) & (BINS - 1), BINS, mask=m > INT32_MIN)
-    tl.atomic_add(hist_row + 4 * BINS + bins, acc, mask=acc != 0, sem="relaxed")
-
-
-@triton.jit
-def _floor_byte_kernel(
-    scores, stride_s, S, limits, req_index, hist, gmax, stride_g, k, PART,
-    LIMITS: tl.constexpr, GBLOCK: tl.constexpr, BINS: tl.constexpr, DIGIT_BITS: tl.constexpr,
-    GROUP: tl.constexpr, HISTS: tl.constexpr, GDC: tl.constexpr,
-):  # fmt: skip
-    """The floor's second launch: the second byte of the group maxima whose first byte is
-    that of the row's k-th largest maximum, into histogram 5 (rows of fewer than ``k``
-    maxima: none, they get no floor)."""
-    grid_dependency_wait(GDC)
-    t, _part, lo, hi, _row = _program(scores, stride_s, S, limits, req_index, PART, LIMITS)
-    hist_row = hist + t.to(tl.int64) * (HISTS * BINS)
-    grow = gmax + t.to(tl.int64) * stride_g
-    bins = tl.arange(0, BINS)
-    d0, _rem, total = _descend(hist_row + 4 * BINS, k, 1, BINS, DIGIT_BITS)
-    g_hi = (hi + GROUP - 1) // GROUP
-    if (lo < hi) & (total >= k):
-        acc = tl.zeros([BINS], dtype=tl.int32)
-        for gs in range(lo // GROUP, g_hi, GBLOCK):
-            g = gs + tl.arange(0, GBLOCK)
-            u = tl.load(grow + g, mask=g < g_hi, other=INT32_MIN) ^ INT32_MIN
-            take = (u != 0) & (((u >> 24) & (BINS - 1)) == d0)
-            acc += tl.histogram((u >> 16) & (BINS - 1), BINS, mask=take)
-        tl.atomic_add(hist_row + 5 * BINS + bins, acc, mask=acc != 0, sem="relaxed")
 
 
 @triton.jit
@@ -624,42 +438,4 @@ def topk_select_triton(
     return out
 
 
-def _call_floor_group(t: int, s: int, k: int) -> int:
-    """`_floor_group` for a call of ``t`` rows: 0 (no floor) outside `FLOOR_MIN_ROWS` ..
-    `FLOOR_MAX_ROWS` rows. `group_maxima` and the select both ask it, so they agree."""
-    return _floor_group(s, k) if FLOOR_MIN_ROWS <= t <= FLOOR_MAX_ROWS else 0
-
-
-def _floor_group(s: int, k: int) -> int:
-    """Keys per group of the floor's maxima for rows of ``s`` keys and ``k`` picks: the widest
-    power of two up to `FLOOR_GROUP` that leaves `FLOOR_MAXIMA_PER_PICK` maxima per pick, or
-    0 (no floor) where that is narrower than `FLOOR_MIN_GROUP`."""
-    width = s // max(1, FLOOR_MAXIMA_PER_PICK * k)
-    group = min(FLOOR_GROUP, 1 << (width.bit_length() - 1)) if width > 0 else 0
-    return group if group >= FLOOR_MIN_GROUP else 0
-
-
-def _histograms(t: int, device: torch.device) -> tuple[Tensor, bool]:
-    """Histograms for ``t`` rows, all zero but the fourth (the first histogram launch zeroes it),
-    and whether the write launch must zero them again: the device's kept buffer up to
-    `KEPT_HIST_ROWS` rows (made outside a graph capture, so that it outlives every graph that
-    bakes its address), else a fresh one."""
-    if t <= KEPT_HIST_ROWS:
-        kept = _kept_hist.get(device)
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if kept is None and not capturing:
-            shape = (KEPT_HIST_ROWS, HISTS, BINS)
-            kept = _kept_hist[device] = torch.zeros(shape, dtype=torch.int32, device=device)
-        if kept is not None:
-            return kept, True
-    return torch.zeros((t, HISTS, BINS), dtype=torch.int32, device=device), False
-
-
-__all__ = [
-    "GroupMaxima",
-    "floor_counts_reference",
-    "group_maxima",
-    "group_maxima_reference",
-    "topk_select_reference",
-    "topk_select_triton",
-]
+__all__ = ["topk_select_reference", "topk_select_triton"]
