@@ -10,7 +10,12 @@ import torch
 
 from hisparse.cli import main
 from hisparse.models.checkpoint import CheckpointIndex
-from hisparse.models.checkpoint_writer import UE8M0, release_config, release_tensors
+from hisparse.models.checkpoint_writer import (
+    UE8M0,
+    release_config,
+    release_tensors,
+    write_checkpoint,
+)
 from hisparse.models.dsa_config import DsaConfig
 from hisparse.models.loader import load_dsa_model, shard_weight_bytes
 from hisparse.models.tiny import make_tiny, tiny_config_kwargs
@@ -35,12 +40,16 @@ def _allocated(model: torch.nn.Module) -> int:
 @pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
 @pytest.mark.parametrize("fp8", [True, False])
 def test_plan_counts_what_each_rank_allocates(arch, fp8, tmp_path) -> None:
-    """Tiny checkpoints (fp8 with the MTP layer, and transformers' own bf16 one), 1 and 2
+    """Tiny checkpoints in the releases' layout with the MTP layer, fp8 and bf16, 1 and 2
     ranks (a slice of q_b starting inside a scale tile on rank 1), loaded in bf16."""
-    path = make_tiny(arch, tmp_path, fp8=fp8)
+    if fp8:
+        path = make_tiny(arch, tmp_path, fp8=True)
+    else:
+        kwargs = tiny_config_kwargs(arch, fp8=True)  # the same widths, unquantized
+        path = write_checkpoint(arch, tmp_path, kwargs, fp8_format=None, dtype=torch.bfloat16)
     cfg = DsaConfig.from_pretrained(path)
     assert weight_format_of(str(path)).fp8 == fp8
-    assert cfg.num_nextn_predict_layers == (1 if fp8 else 0)
+    assert cfg.num_nextn_predict_layers == 1
     for tp, rank in ((1, 0), (2, 0), (2, 1)):
         model = load_dsa_model(path, dtype=torch.bfloat16, rank=rank, world=tp)
         assert _allocated(model) == _planned(cfg, tp, rank, fp8), (tp, rank)
