@@ -1,6 +1,6 @@
 """Triton GQA decode indexer (``fp8`` method); `gqa_indexer_topk_decode_reference` is the oracle.
 
-The torch path of a batch-64 decode step costs ~150 small kernels per layer (a page gather, an
+The torch path of a batch-64 decode step costs many small kernels per layer (a page gather, an
 e4m3 table lookup, an sgemm, the softmax reductions, ``topk``, an index sort). Here it is two
 launches per layer, with the selection rule of `select_topk` unchanged:
 

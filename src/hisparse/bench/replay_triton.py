@@ -1,6 +1,6 @@
 """The top-k replay's hash as one Triton kernel (`replay.replay_hash` uses it on CUDA).
 
-`hash_rows(row_bases(seed, salt, keys, lens), cols)` in torch is ~40 one-microsecond element-wise
+`hash_rows(row_bases(seed, salt, keys, lens), cols)` in torch is dozens of tiny element-wise
 launches per call, twice per index-group leader and decode step; this is one. Integer ops
 only, so it equals the torch form exactly (`tests/test_replay_hash_triton.py`).
 """
@@ -42,7 +42,7 @@ def replay_hash_triton(
     cols: torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`replay_hash` as one kernel (the torch form is ~40 one-microsecond launches)."""
+    """`replay_hash` as one kernel (the torch form is dozens of tiny launches)."""
     R = keys.shape[0]
     N = cols.shape[-1]
     if cols.dim() == 2 and cols.shape[0] != R:

@@ -51,7 +51,7 @@ class Rotary(CachedRotary):
     def __init__(self, config: DsaConfig) -> None:
         super().__init__()
         # A loader's meta skeleton replaces this module: compute it on the CPU there (meta
-        # aranges import torch._dynamo: ~70 MB of a loading rank's memory), else as asked.
+        # aranges import torch._dynamo, tens of MB of a loading rank's memory), else as asked.
         meta = torch.get_default_device().type == "meta"
         with torch.device("cpu") if meta else contextlib.nullcontext():
             inv_freq, factor = config.rope.inv_freq_and_factor(config.qk_rope_head_dim)

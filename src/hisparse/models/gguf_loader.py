@@ -195,8 +195,8 @@ def load_llama_gguf(
 ) -> LlamaForCausalLM:
     """A `LlamaForCausalLM` with the weights of the GGUF file at ``path``.
 
-    ``path`` may be an already opened `GgufFile` (opening parses every metadata string, ~3 s for
-    SmolLM2's vocabulary; share it with `GgufTokenizer.from_gguf`). ``indexer``: a
+    ``path`` may be an already opened `GgufFile` (opening parses every metadata string, seconds
+    for SmolLM2's vocabulary; share it with `GgufTokenizer.from_gguf`). ``indexer``: a
     `GqaIndexerConfig` (default: dense attention, ``top_k=None``).
     """
     gf = path if isinstance(path, GgufFile) else read_gguf(path)
