@@ -12,15 +12,13 @@ import pytest
 import torch
 
 from hisparse.attention.gqa_indexer_cpu import scored_topk_cpu
+from hisparse.attention.gqa_indexer_keys import FP8_DTYPE, read_index_keys, write_index_keys
 from hisparse.attention.gqa_indexer_reference import (
-    FP8_DTYPE,
     GqaIndexerConfig,
     GqaIndexerFormat,
     gqa_indexer_topk,
-    read_index_keys,
-    selection_masks,
-    write_index_keys,
 )
+from hisparse.attention.gqa_indexer_select import selection_masks
 from hisparse.attention.sparse_gqa_reference import (
     GqaRowFormat,
     causal_gqa_cpu,

@@ -26,7 +26,9 @@ import torch
 pytest.importorskip("triton")
 
 from hisparse.attention import dispatch, triton_split
+from hisparse.attention import gqa_indexer_keys as gk
 from hisparse.attention import gqa_indexer_reference as gr
+from hisparse.attention import gqa_indexer_select as gs
 from hisparse.attention import gqa_indexer_triton as git
 from hisparse.attention.sparse_mla_triton import interpreting
 from hisparse.testing import gqa_indexer_cases as gcases
@@ -104,7 +106,7 @@ def test_ties_keep_the_lowest_positions(scratch: list) -> None:
     case = gcases.random_decode_case([n, n], head_dim=16, block_size=8, seed=3)
     case.q = torch.randint(-3, 4, case.q.shape).float()
     key = torch.randint(-2, 3, (case.fmt.row_bytes,)).float()
-    row = key.to(gr.FP8_DTYPE).view(torch.uint8)
+    row = key.to(gk.FP8_DTYPE).view(torch.uint8)
     for b in range(n // 8 + 1):
         for tbl in case.tables:
             case.pages[int(tbl[b])].view(-1, case.fmt.row_bytes)[:] = row
@@ -120,7 +122,7 @@ def test_all_dense_requests(scratch: list) -> None:
     """Every request fits in top_k while the host bound does not: all rows dense."""
     case = gcases.random_decode_case([5, 24, 17], head_dim=16, block_size=8, capacity=64, seed=4)
     got = git.gqa_indexer_topk_decode_triton(*case.args(), CFG, SCALE, TOP_K)
-    assert torch.equal(got, gr.dense_topk(case.positions, TOP_K))
+    assert torch.equal(got, gs.dense_topk(case.positions, TOP_K))
 
 
 @pytest.mark.parametrize("capacity", [136, 16])  # scored rows / every row dense (host bound)

@@ -5,17 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hisparse.attention.gqa_indexer_keys import read_index_keys, rope_pair_dims, write_index_keys
 from hisparse.attention.gqa_indexer_reference import (
     GqaIndexerConfig,
     GqaIndexerFormat,
-    dense_topk,
     gqa_indexer_topk,
     gqa_indexer_topk_prefill,
     pad_groups,
-    read_index_keys,
-    rope_pair_dims,
-    write_index_keys,
 )
+from hisparse.attention.gqa_indexer_select import dense_topk
 from hisparse.attention.sparse_gqa_reference import (
     GqaRowFormat,
     causal_gqa_reference,
@@ -345,7 +343,7 @@ def test_write_rows_fast_matches_write_rows_where(slots: list[int]) -> None:
 
 def test_select_topk_with_step_masks_is_identical() -> None:
     """Masks built once per step (guards skipped when ``full``) choose the same positions."""
-    from hisparse.attention.gqa_indexer_reference import select_topk, selection_masks
+    from hisparse.attention.gqa_indexer_select import select_topk, selection_masks
 
     cfg = GqaIndexerConfig(top_k=24, sink_tokens=2, recent_window=8)
     logits = torch.randn(1, H, 70, generator=_gen(24)) * 4

@@ -193,11 +193,11 @@ def test_batched_decode_indexer_equals_per_request(method: str) -> None:
     longest request or a larger bound, unwritten pages NaN) selects what `gqa_indexer_topk`
     selects request by request."""
     from hisparse.attention.dispatch import gqa_indexer_topk_decode
+    from hisparse.attention.gqa_indexer_keys import write_index_keys
     from hisparse.attention.gqa_indexer_reference import (
         GqaIndexerConfig,
         GqaIndexerFormat,
         gqa_indexer_topk,
-        write_index_keys,
     )
 
     g = torch.Generator().manual_seed(11)

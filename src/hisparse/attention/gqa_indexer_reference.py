@@ -34,6 +34,11 @@ prefill scores by chunked matmuls and one compiled pass per query, `_topk_prefil
 Default ``fp8``, by measurement: of the three it stays closest to dense attention in
 perplexity and top-1 agreement on SmolLM2 (docs/quality.md, the indexer's scoring method). fp8
 also reads the fewest bytes per useful bit of scoring and needs no weight-derived state.
+
+Here: the config, the compact cache's format and the top-k of a request, of a packed step and
+of a decode step. The compact key cache itself (its writes and reads, the lowrank method's
+kept dims) is `gqa_indexer_keys`; each method's approximate logits and the selection rule
+`gqa_indexer_select`.
 """
 
 from __future__ import annotations
@@ -44,11 +49,16 @@ import numpy as np
 import torch
 
 from hisparse.attention.gqa_indexer_cpu import cpu_compiled, fp8_topk_one_cpu, scored_topk_cpu
-from hisparse.kv.row_formats import fp8_values
+from hisparse.attention.gqa_indexer_keys import _fp8_to_float, read_index_keys
+from hisparse.attention.gqa_indexer_select import (
+    SelectionMasks,
+    approx_logits,
+    dense_rows,
+    dense_topk,
+    select_topk,
+)
 
 INDEXER_METHODS = ("fp8", "quest", "lowrank")
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
 #: Upper bound on the fp32 elements of one ``[T, H, S]`` score chunk.
 _CHUNK_ELEMENTS = 1 << 25
 #: The same bound on the CPU, where chunks that fit in the cache run faster.
@@ -131,278 +141,6 @@ class GqaIndexerFormat:
                 f"{self.row_bytes}]; got {pages.dtype} {tuple(pages.shape)}"
             )
         return pages.shape[1] // self.row_bytes
-
-
-def rope_pair_dims(
-    wq: torch.Tensor, wk: torch.Tensor, num_heads: int, num_kv_heads: int, pairs: int
-) -> torch.Tensor:
-    """``[G, 2·pairs]`` dims (ascending) of each KV head that the ``lowrank`` method keeps.
-
-    Pair ``i`` (dims ``i``, ``i + D/2``) is ranked by ``Σ_{h in group} ‖W_q,h pair‖ · ‖W_k pair‖``,
-    the scale of its contribution to ``q·k`` for unit-norm inputs.
-    """
-    g = num_kv_heads
-    d = wk.shape[0] // g
-    half = d // 2
-    if not 0 < pairs <= half:
-        raise ValueError(f"lowrank_pairs must be in 1..{half}; got {pairs}")
-    q_rows = wq.float().view(num_heads, d, -1).pow(2).sum(-1)  # [H, D]
-    k_rows = wk.float().view(g, d, -1).pow(2).sum(-1)  # [G, D]
-    q_pair = (q_rows[:, :half] + q_rows[:, half:]).sqrt().view(g, num_heads // g, half).sum(1)
-    k_pair = (k_rows[:, :half] + k_rows[:, half:]).sqrt()
-    best = (q_pair * k_pair).topk(pairs, dim=-1).indices.sort(dim=-1).values  # [G, pairs]
-    return torch.cat((best, best + half), dim=-1)
-
-
-# ---------------------------------------------------------------------------------------------
-# The compact key cache
-# ---------------------------------------------------------------------------------------------
-def write_index_keys(
-    pages: torch.Tensor,
-    fmt: GqaIndexerFormat,
-    slots: torch.Tensor,
-    k: torch.Tensor,
-    dims: torch.Tensor | None = None,
-    *,
-    sync_free: bool = False,
-) -> None:
-    """Store keys ``k [N, G, D]`` (rotated) of the tokens at physical ``slots`` (``< 0`` skipped).
-
-    quest: a token at the first position of its chunk restarts the chunk's bounds, later ones
-    widen them; tokens of one step may share a chunk. ``sync_free`` (fp8 / lowrank): write
-    with `write_rows_fast` (same bytes; off the CPU `write_rows_where`: no host read,
-    CUDA-graph capturable).
-    """
-    fmt.block_size_of(pages)  # validates the page shape
-    if sync_free and fmt.method != "quest":
-        from hisparse.kv.row_formats import write_rows_fast
-
-        kf = k.float()
-        if fmt.method == "fp8":
-            row = kf.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).flatten(1).view(torch.uint8)
-        else:
-            if dims is None:
-                raise ValueError("lowrank index keys need the kept dims")
-            picked = torch.gather(kf, 2, dims[None].expand(k.shape[0], -1, -1).to(k.device))
-            row = picked.to(torch.float16).flatten(1).view(torch.uint8)
-        write_rows_fast(_row_view(pages, fmt.row_bytes), slots, row)
-        return
-    keep = slots >= 0
-    slots, k = slots[keep].long(), k[keep].float()
-    if slots.numel() == 0:
-        return
-    bs = fmt.block_size_of(pages)
-    rows = _row_view(pages, fmt.row_bytes)
-    if fmt.method == "fp8":
-        rows[slots // bs, slots % bs] = (
-            k.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).flatten(1).view(torch.uint8)
-        )
-        return
-    if fmt.method == "lowrank":
-        if dims is None:
-            raise ValueError("lowrank index keys need the kept dims")
-        picked = torch.gather(k, 2, dims[None].expand(k.shape[0], -1, -1).to(k.device))
-        rows[slots // bs, slots % bs] = picked.to(torch.float16).flatten(1).view(torch.uint8)
-        return
-    c = fmt.quest_chunk
-    per_block = bs // c
-    bounds = _quest_view(pages, fmt)  # [blocks, chunks per block, 2, G·D]
-    chunk = slots // c  # blocks hold bs // c whole chunks, so this is the global chunk index
-    touched, local = torch.unique(chunk, return_inverse=True)
-    cur = bounds[touched // per_block, touched % per_block].clone()  # [U, 2, G·D]
-    lo, hi = cur[:, 0], cur[:, 1]
-    fresh = local[slots % c == 0]
-    lo[fresh] = float("inf")
-    hi[fresh] = float("-inf")
-    flat = k.flatten(1)
-    index = local[:, None].expand_as(flat)
-    lo.scatter_reduce_(0, index, flat, "amin", include_self=True)
-    hi.scatter_reduce_(0, index, flat, "amax", include_self=True)
-    bounds[touched // per_block, touched % per_block] = cur
-
-
-def _row_view(pages: torch.Tensor, row_bytes: int) -> torch.Tensor:
-    """``[blocks, block_size, row_bytes]`` view of pages whose blocks may be strided (the
-    engine's pages are layers of a shared GPU pool: one block's page, then other groups)."""
-    return pages.unflatten(1, (pages.shape[1] // row_bytes, row_bytes))
-
-
-def _quest_view(pages: torch.Tensor, fmt: GqaIndexerFormat) -> torch.Tensor:
-    """``[blocks, chunks per block, 2, G·D]`` fp32 bounds of every chunk of the pages."""
-    bs = fmt.block_size_of(pages)
-    width = 8 * fmt.num_kv_heads * fmt.head_dim
-    chunks = _row_view(pages, width).view(torch.float32)
-    return chunks.view(pages.shape[0], bs // fmt.quest_chunk, 2, -1)
-
-
-def read_index_keys(
-    pages: torch.Tensor, fmt: GqaIndexerFormat, table: torch.Tensor, length: int
-) -> torch.Tensor:
-    """A request's compact keys, in position order, as fp32.
-
-    ``table`` is the request's block-table row. fp8 / lowrank: ``[length, G, key_dim]``;
-    quest: ``[num_chunks, 2, G, D]`` (min, max) of chunks ``0 .. ceil(length / chunk) - 1``.
-    """
-    bs = fmt.block_size_of(pages)
-    g = fmt.num_kv_heads
-    if fmt.method == "quest":
-        c = fmt.quest_chunk
-        start = torch.arange(0, length, c, device=pages.device)
-        blocks = table[start // bs].long()
-        bounds = _quest_view(pages, fmt)[blocks, (start % bs) // c]
-        return bounds.reshape(-1, 2, g, fmt.head_dim)
-    # Whole pages, then the first ``length`` rows: one contiguous copy per block.
-    blocks = table[: -(-length // bs)].long()
-    raw = pages.index_select(0, blocks).view(-1, fmt.row_bytes)[:length]
-    if fmt.method == "fp8":
-        return _fp8_to_float(raw).view(length, g, fmt.key_dim)
-    return raw.view(torch.float16).float().view(length, g, fmt.key_dim)
-
-
-def _fp8_to_float(raw: torch.Tensor) -> torch.Tensor:
-    """e4m3 bytes -> fp32, exactly ``raw.view(e4m3).float()``, through a 256-entry table
-    (faster on the CPU than the cast, which dominated the decode indexer)."""
-    lut = fp8_values(raw.device)
-    return lut.index_select(0, raw.reshape(-1).int()).view(raw.shape)
-
-
-# ---------------------------------------------------------------------------------------------
-# Scores and selection
-# ---------------------------------------------------------------------------------------------
-def approx_logits(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    fmt: GqaIndexerFormat,
-    scale: float,
-    dims: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``[T, H, S]`` approximate ``q·k·scale`` of queries ``q [T, H, D]`` against every position.
-
-    ``keys`` is what `read_index_keys` returned; quest logits are per chunk, repeated over its
-    positions (``S = chunks · chunk``; the caller masks positions past the length).
-    """
-    t, h, d = q.shape
-    g = fmt.num_kv_heads
-    qg = q.float().view(t, g, h // g, d)
-    if fmt.method == "fp8":
-        return torch.einsum("tgqd,sgd->tgqs", qg, keys).reshape(t, h, -1) * scale
-    if fmt.method == "lowrank":
-        assert dims is not None
-        idx = dims.to(q.device)[None, :, None, :].expand(t, g, h // g, -1)
-        qr = torch.gather(qg, 3, idx)
-        return torch.einsum("tgqd,sgd->tgqs", qr, keys).reshape(t, h, -1) * scale
-    lo, hi = keys[:, 0], keys[:, 1]  # [C, G, D]
-    ub = torch.maximum(
-        torch.einsum("tgqd,cgd->tgqcd", qg, lo), torch.einsum("tgqd,cgd->tgqcd", qg, hi)
-    ).sum(-1)
-    ub = ub.reshape(t, h, -1) * scale
-    return ub.repeat_interleave(fmt.quest_chunk, dim=-1)
-
-
-def forced_mask(
-    positions: torch.Tensor, length: int, sink_tokens: int, recent_window: int
-) -> torch.Tensor:
-    """``[T, length]`` bool: the sink and recent-window positions each query always keeps."""
-    s = torch.arange(length, device=positions.device)[None, :]
-    t = positions[:, None]
-    return (s <= t) & ((s < sink_tokens) | (s > t - recent_window))
-
-
-@dataclass(frozen=True)
-class SelectionMasks:
-    """What `select_topk` derives from the query positions alone, built once per decode step
-    and shared by every layer (a dozen small ops fewer per layer on the CPU).
-
-    ``cand [T, 1, length]``: scored candidates (causal, not forced); ``base [T, length]``:
-    the score of every non-candidate (``2·H`` forced, ``-1`` not causal). ``full`` (a host
-    bool, checked only when asked): every query has a candidate and at least
-    ``min(top_k, length)`` causal positions, so no infinite max and no padding column can
-    occur and `select_topk` skips the guards for them (the same values).
-    """
-
-    length: int
-    heads: int
-    cand: torch.Tensor
-    base: torch.Tensor
-    full: bool = False
-
-
-def selection_masks(
-    positions: torch.Tensor, length: int, heads: int, cfg: GqaIndexerConfig, *, check: bool
-) -> SelectionMasks:
-    """`SelectionMasks` of queries at ``positions`` over ``length`` keys, ``heads`` query
-    heads; ``check`` reads ``full`` back to the host (free on the CPU, a sync elsewhere)."""
-    assert cfg.top_k is not None
-    s = torch.arange(length, device=positions.device)
-    causal = s[None, :] <= positions[:, None]
-    forced = forced_mask(positions, length, cfg.sink_tokens, cfg.recent_window)
-    cand = causal & ~forced
-    base = torch.where(forced, 2.0 * heads, -1.0)
-    full = False
-    if check:
-        kk = min(cfg.top_k, length)
-        enough = (positions + 1).clamp(max=length) >= kk
-        full = bool((enough & cand.any(-1)).all())
-    return SelectionMasks(length, heads, cand[:, None, :], base, full)
-
-
-def select_topk(
-    logits: torch.Tensor,
-    positions: torch.Tensor,
-    length: int,
-    cfg: GqaIndexerConfig,
-    width: int,
-    masks: SelectionMasks | None = None,
-) -> torch.Tensor:
-    """Positions ``int32 [T, width]`` (ascending, ``-1`` padded) from ``logits [T, H, >= length]``.
-
-    Scores are the attention mass over query heads among non-forced candidates ``s <= t``;
-    forced positions come first, then the best candidates up to ``top_k``. ``masks``: the
-    `selection_masks` of these positions (built here when not given; same result).
-    """
-    assert cfg.top_k is not None
-    t = positions.shape[0]
-    if masks is None or masks.length != length or masks.heads != logits.shape[1]:
-        masks = selection_masks(positions, length, logits.shape[1], cfg, check=False)
-    cand = masks.cand
-    # torch.where, not masked_fill: the same values, twice as fast on the CPU.
-    lg = torch.where(cand, logits[..., :length], float("-inf"))
-    if masks.full:
-        # torch.logsumexp's own steps, minus its guard for infinite maxima (none here).
-        top = lg.amax(dim=-1, keepdim=True)
-        lse = (lg - top).exp_().sum(dim=-1, keepdim=True).log_().add_(top)
-    else:
-        lse = torch.logsumexp(lg, dim=-1, keepdim=True)
-        lse = torch.where(torch.isfinite(lse), lse, 0.0)
-    mass = torch.exp(lg - lse).sum(dim=1)  # [T, S]; 0 where not a candidate
-    score = torch.where(cand[:, 0], mass, masks.base)
-    kk = min(cfg.top_k, length)
-    vals, idx = score.topk(kk, dim=-1)
-    if masks.full:  # every kept score is >= 0: nothing to push past the end
-        idx = idx.sort(dim=-1).values
-    else:
-        idx = torch.where(vals >= 0, idx, length)  # non-causal -> sorts last
-        idx = idx.sort(dim=-1).values
-        idx = torch.where(idx < length, idx, -1)
-    if kk == width:  # the common case (decode): no padding columns to add
-        return idx.to(torch.int32)
-    out = torch.full((t, width), -1, dtype=torch.int32, device=logits.device)
-    n = min(kk, width)
-    out[:, :n] = idx[:, :n].to(torch.int32)
-    return out
-
-
-def dense_topk(positions: torch.Tensor, width: int) -> torch.Tensor:
-    """Every position ``<= t`` for each query, ascending, ``int32 [T, width]`` (-1 padded)."""
-    s = torch.arange(width, device=positions.device)[None, :]
-    out = s.expand(positions.shape[0], -1).to(torch.int32)
-    return torch.where(s <= positions[:, None], out, torch.full_like(out, -1))
-
-
-def dense_rows(positions: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """`dense_topk` of decode rows: a row with no keys (``lengths == 0``: a padding row of a
-    fixed-shape step) selects nothing, as the Triton select leaves it."""
-    return dense_topk(torch.where(lengths > 0, positions, -1), width)
 
 
 def gqa_indexer_topk(

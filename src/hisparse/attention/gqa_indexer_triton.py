@@ -47,11 +47,8 @@ import triton
 import triton.language as tl
 
 from hisparse.attention import triton_split
-from hisparse.attention.gqa_indexer_reference import (
-    GqaIndexerConfig,
-    GqaIndexerFormat,
-    dense_rows,
-)
+from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig, GqaIndexerFormat
+from hisparse.attention.gqa_indexer_select import dense_rows
 from hisparse.attention.sparse_mla_triton import interpreting
 from hisparse.attention.triton_split import num_sms
 

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hisparse.attention.dispatch import env_backend
-from hisparse.attention.gqa_indexer_reference import GqaIndexerFormat, write_index_keys
+from hisparse.attention.gqa_indexer_keys import write_index_keys
+from hisparse.attention.gqa_indexer_reference import GqaIndexerFormat
 from hisparse.attention.indexer_reference import hadamard_transform, quantize_indexer_fp8
 from hisparse.kv.row_formats import (
     IndexerCacheFormat,

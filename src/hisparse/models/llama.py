@@ -36,16 +36,15 @@ from hisparse.attention.dispatch import (
     sparse_gqa_decode,
     sparse_gqa_kernel_takes,
 )
+from hisparse.attention.gqa_indexer_keys import rope_pair_dims, write_index_keys
 from hisparse.attention.gqa_indexer_reference import (
     GqaIndexerConfig,
     GqaIndexerFormat,
     gqa_indexer_topk,
     gqa_indexer_topk_prefill,
     pad_groups,
-    rope_pair_dims,
-    selection_masks,
-    write_index_keys,
 )
+from hisparse.attention.gqa_indexer_select import selection_masks
 from hisparse.attention.sparse_gqa_reference import (
     GqaRowFormat,
     gqa_dtype_name,

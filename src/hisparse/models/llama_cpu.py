@@ -14,13 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hisparse.attention.gqa_indexer_reference import (
-    FP8_DTYPE,
-    FP8_MAX,
-    GqaIndexerConfig,
-    GqaIndexerFormat,
-    write_index_keys,
-)
+from hisparse.attention.gqa_indexer_keys import FP8_DTYPE, FP8_MAX, write_index_keys
+from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig, GqaIndexerFormat
 from hisparse.attention.sparse_gqa_reference import (
     GqaRowFormat,
     causal_gqa_cpu,

@@ -75,7 +75,8 @@ def random_decode_case(
     ``capacity`` (a multiple of ``block_size``) is the table width in positions and the host
     bound passed as ``longest`` (default: the longest request). ``strided``: the pages are
     every other page of a pool whose other pages hold random bytes (the engine's layers)."""
-    from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig, write_index_keys
+    from hisparse.attention.gqa_indexer_keys import write_index_keys
+    from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig
 
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(seed)  # block placement
@@ -115,11 +116,8 @@ def random_decode_case(
 def reference_scores(case: DecodeCase, cfg: GqaIndexerConfig, scale: float) -> list[Tensor]:
     """Per request, fp32 ``[n]`` scores as `select_topk` ranks them (candidate mass; forced
     ``2H``; requests that fit in ``top_k``: empty), computed request by request."""
-    from hisparse.attention.gqa_indexer_reference import (
-        approx_logits,
-        forced_mask,
-        read_index_keys,
-    )
+    from hisparse.attention.gqa_indexer_keys import read_index_keys
+    from hisparse.attention.gqa_indexer_select import approx_logits, forced_mask
 
     out = []
     h = case.q.shape[1]
