@@ -319,7 +319,7 @@ def test_missing_model(tmp_path, capsys):
 
 
 def test_same_tokens_compared_only_under_the_same_schedule():
-    from hisparse.bench.cli import ratio_rows
+    from hisparse.bench.report import ratio_rows
 
     def row(placement, tokens, schedule):
         return dict(placement=placement, concurrency=2, peak_running=2, decode_tok_s=1.0,
@@ -343,7 +343,7 @@ def test_warmup_batches_cover_every_graph_size_a_run_can_meet():
     gets a warm-up cell, so no capture or kernel compile falls inside the timed run."""
     from types import SimpleNamespace
 
-    from hisparse.bench.cli import warmup_batches
+    from hisparse.bench.cell import warmup_batches
     from hisparse.engine.cuda_graphs import DecodeGraphs
 
     graphs = DecodeGraphs(36, torch.device("cpu"), capture=False)

@@ -140,7 +140,7 @@ def test_simulate_predicts_cpu_bench(tiny: str, gib: float, mode: str) -> None:
 
     placement, offload = _MODES[mode]
 
-    from hisparse.bench.cli import run_cell
+    from hisparse.bench.cell import run_cell
     from hisparse.bench.hooks import BenchHooks
     from hisparse.config import HiSparseConfig
     from hisparse.engine.llm import LLM
