@@ -85,7 +85,9 @@ class AsyncEngineCore(EngineCore):
         to the host with the tokens; the next step's penalties and ``min_tokens`` count the
         token still on the device (`sampling.sample_on_device`'s ``pending``)."""
         step = out.parts[0]
-        return step.decode and all(n == 1 for _, n in step.batch)
+        # the fixed-shape path takes the device tokens (a benchmark may switch it off)
+        fixed_shape = self.runner.graphs is not None
+        return fixed_shape and step.decode and all(n == 1 for _, n in step.batch)
 
     def _launch(self, out: SchedulerOutput, device_ids: torch.Tensor | None) -> None:
         """Run a deferrable decode (its input ids from the previous decode's device tokens
