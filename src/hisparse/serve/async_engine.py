@@ -296,7 +296,17 @@ class AsyncEngine:
         except BaseException as err:  # the engine is gone: every client hears it
             self._die(err)
         finally:
-            stopped = ShuttingDown("the server stopped before this request finished")
+            stopped: ApiError = ShuttingDown("the server stopped before this request finished")
+            if self.error is not None:
+                stopped = EngineDead(f"the engine stopped: {self.error!r}")
+            while True:  # requests that arrived as the loop stopped: nobody will run them
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item[0] == "add":
+                    self._streams[item[1].rid] = item[1]
+                    self._fair.push(item[1].rid, item[1], item[1].params.n)
             for s in list(self._streams.values()):
                 try:
                     self._end(s, stopped)
