@@ -107,25 +107,26 @@ def engine_held(llm) -> Iterator[threading.Event]:
         del llm.step
 
 
+_NEVER = [
+    ({"n": MAX_N + 1}, "n", "n_too_large"),
+    ({"n": 1_000_000}, "n", "n_too_large"),
+    ({"n": QUEUE + 1}, "n", "too_many_sequences"),  # within the cap, never fits the queue
+    ({"stop": ["x"] * 17}, "stop", None),
+    ({"stop": ["x" * 300]}, "stop", None),
+    ({"stop_token_ids": list(range(2000))}, "stop_token_ids", None),
+]
+_BEST_OF = [({"best_of": 1000}, "best_of", None)]  # a completions field
+
+
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize(("path", "base"), ROUTES)
 @pytest.mark.parametrize(
-    ("extra", "param", "code"),
-    [
-        ({"n": MAX_N + 1}, "n", "n_too_large"),
-        ({"n": 1_000_000}, "n", "n_too_large"),
-        ({"n": QUEUE + 1}, "n", "too_many_sequences"),  # within the cap, never fits the queue
-        ({"best_of": 1000}, "best_of", None),
-        ({"stop": ["x"] * 17}, "stop", None),
-        ({"stop": ["x" * 300]}, "stop", None),
-        ({"stop_token_ids": list(range(2000))}, "stop_token_ids", None),
-    ],
+    ("path", "base", "extra", "param", "code"),
+    [(path, base, *case) for path, base in ROUTES for case in _NEVER]
+    + [(*ROUTES[0], *case) for case in _BEST_OF],
 )
 def test_requests_that_can_never_run_get_400_naming_the_field(
     srv, path, base, stream, extra, param, code
 ):
-    if "best_of" in extra and "chat" in path:
-        pytest.skip("best_of is a completions field")
     r = _post(srv, path, {**base, **extra, "stream": stream})
     err = _assert_error(r, 400, param)
     assert param in err["message"]
