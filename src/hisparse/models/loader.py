@@ -51,23 +51,12 @@ from hisparse.models.mtp import MtpLayer, mtp_prefix
 
 __all__ = ["CheckpointError", "build_dsa_model", "checkpoint_files", "load_dsa_model"]
 
-#: Side of the square tiles of DeepSeek's fp8 weight scales.
-FP8_WEIGHT_BLOCK = fp8.BLOCK
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.)")
 #: linear layers kept in fp8 where the checkpoint has them so (others are dequantized)
 _FP8_KEPT = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "wq_b", "wk",
              "gate_proj", "up_proj", "down_proj", "eh_proj"}  # fmt: skip
 FP8_MODES = ("keep", "dequantize")
-
-
-def dequantize_fp8_weight(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)
-) -> torch.Tensor:
-    """fp32 weight from e4m3 ``[..., out, in]`` and 128 x 128 tile scales (DeepSeek's
-    ``weight_dequant``); a `CheckpointError` when the scales do not tile the weight."""
-    _check_scale_shape("weight", tuple(weight.shape), tuple(scale_inv.shape))
-    return fp8.dequantize(weight, scale_inv)
 
 
 def _check_scale_shape(name: str, w: tuple[int, ...], s: tuple[int, ...]) -> None:
@@ -120,11 +109,7 @@ class _Plan:
         self.missing: list[str] = []
 
     def hf(self, name: str) -> str:
-        """The checkpoint name of parameter ``name`` (MTP layers: ``model.layers.<L+i>.``)."""
-        if name.startswith("mtp."):
-            _, i, rest = name.split(".", 2)
-            return mtp_prefix(self.config, int(i)) + rest
-        return name
+        return _hf_name(self.config, name)
 
     def add(self, name: str, key: str, full: tuple[int, ...], split: Any, *, lead: int = 0,
             dst_lead: tuple[Any, ...] = (), src_lead: tuple[Any, ...] = (),
@@ -230,11 +215,13 @@ def build_dsa_model(
     return model
 
 
-def _hf_prefix(config: DsaConfig, module_name: str) -> str:
-    if module_name.startswith("mtp."):
-        _, i, rest = module_name.split(".", 2)
+def _hf_name(config: DsaConfig, name: str) -> str:
+    """The checkpoint name of parameter or module ``name`` (MTP layers: under
+    ``model.layers.<L + i>.``; the rest as named)."""
+    if name.startswith("mtp."):
+        _, i, rest = name.split(".", 2)
         return mtp_prefix(config, int(i)) + rest
-    return module_name
+    return name
 
 
 def _is_fp8(ckpt: CheckpointIndex, key: str) -> bool:
@@ -245,7 +232,7 @@ def _is_fp8(ckpt: CheckpointIndex, key: str) -> bool:
 def _swap_in_fp8(model: nn.Module, ckpt: CheckpointIndex, config: DsaConfig, pow2: bool) -> None:
     for name, module in list(model.named_modules()):
         if isinstance(module, MoE):
-            prefix = _hf_prefix(config, name) + ".experts"
+            prefix = _hf_name(config, name) + ".experts"
             if _is_fp8(ckpt, f"{prefix}.0.gate_proj.weight") or _is_fp8(
                 ckpt, f"{prefix}.gate_up_proj"
             ):
@@ -256,7 +243,7 @@ def _swap_in_fp8(model: nn.Module, ckpt: CheckpointIndex, config: DsaConfig, pow
     for name, module in list(model.named_modules()):
         parent, _, attr = name.rpartition(".")
         kept = type(module) is nn.Linear and attr in _FP8_KEPT
-        if kept and _is_fp8(ckpt, _hf_prefix(config, name) + ".weight"):
+        if kept and _is_fp8(ckpt, _hf_name(config, name) + ".weight"):
             setattr(model.get_submodule(parent), attr, Fp8Linear.like(module, pow2))
 
 
