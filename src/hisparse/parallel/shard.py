@@ -350,7 +350,8 @@ def _skip_lm_head(model: nn.Module) -> None:
 
 def shard_llama(model: nn.Module, tp: Any) -> nn.Module:
     """`LlamaForCausalLM` (on the CPU, loaded whole) -> this rank's shard, in place."""
-    from hisparse.models.llama import LlamaAttention, LlamaDecoderLayer
+    from hisparse.models.llama import LlamaDecoderLayer
+    from hisparse.models.llama_attention import LlamaAttention
 
     rank, world = tp.rank, tp.world_size
     for layer in model.model.layers:
@@ -366,7 +367,7 @@ def shard_llama(model: nn.Module, tp: Any) -> nn.Module:
         shard_mlp(layer.mlp, rank, world)
         _reduce_output(layer.mlp, tp)
     # The batch-1 CPU decode step runs the layers without their modules' calls (no hooks).
-    model._decode_one_cpu_applies = lambda x, plan: False  # type: ignore[method-assign]
+    model.cpu_fast_path = False
     # Nor does its fused one-row CPU MLP: every MLP goes through its module (the all-reduce).
     model._mlp = lambda i, mlp, h: mlp(h)  # type: ignore[method-assign]
     if rank != 0:
