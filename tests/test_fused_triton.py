@@ -497,18 +497,18 @@ def test_llama_prefill_by_token_rows_matches_the_batched_path(monkeypatch) -> No
     path, and the same hidden states up to fp32 summation order, over a first chunk (one
     request scored, one short enough to be dense) and a second chunk on top of it; the
     tokens in one block and in blocks of about ten (`PREFILL_SCRATCH_BYTES`)."""
-    from hisparse.models import llama
+    from hisparse.models import llama_attention
 
     model = _tiny_llama()
     picks: list[torch.Tensor] = []
-    select = llama.LlamaAttention._select
+    select = llama_attention.LlamaAttention._select
 
     def recording(self, *args):  # type: ignore[no-untyped-def]
         out = select(self, *args)
         picks.append(out.clone())
         return out
 
-    monkeypatch.setattr(llama.LlamaAttention, "_select", recording)
+    monkeypatch.setattr(llama_attention.LlamaAttention, "_select", recording)
     g = torch.Generator().manual_seed(1)
     chunks = [[torch.randint(0, 96, (n,), generator=g) for n in ns] for ns in ((40, 23), (9, 5))]
     runs = []
@@ -516,7 +516,7 @@ def test_llama_prefill_by_token_rows_matches_the_batched_path(monkeypatch) -> No
         monkeypatch.setenv("HISPARSE_GQA_INDEXER", backend)
         monkeypatch.setenv("HISPARSE_ATTENTION", backend)
         if scratch is not None:  # blocks of 10-12 tokens
-            monkeypatch.setattr(llama, "PREFILL_SCRATCH_BYTES", scratch)
+            monkeypatch.setattr(llama_attention, "PREFILL_SCRATCH_BYTES", scratch)
         picks.clear()
         cache = model.new_dense_cache(max_reqs=2, max_len=64, block_size=8)
         hidden = []

@@ -219,7 +219,7 @@ def test_sparse_topk_is_placement_invariant(ours, tok, method):
 def test_sparse_selection_uses_the_budget(ours, tok):
     """With top_k < context the layer reads exactly top_k rows per token (sinks + window +
     indexer choice), and a top_k of at least the length is dense."""
-    from hisparse.models.llama import LlamaAttention
+    from hisparse.models.llama_attention import LlamaAttention
 
     prompt = _passage_ids(tok, 70)
     seen = []

@@ -27,7 +27,8 @@ from hisparse.runtime.ops import cpu_backend
 from hisparse.runtime.ops.cpu import F32
 
 if TYPE_CHECKING:
-    from hisparse.models.llama import GqaKVCache, LlamaForCausalLM, Step, StepPlan
+    from hisparse.models.llama import GqaKVCache, LlamaForCausalLM
+    from hisparse.models.llama_attention import Step, StepPlan
 
 
 def sdpa_one_cpu(
