@@ -188,6 +188,9 @@ class LlamaForCausalLM(nn.Module):
         self.indexer = indexer or GqaIndexerConfig()
         self.model = LlamaBackbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        #: a batch-1 CPU decode step may take `llama_cpu.decode_one_cpu` (a tensor-parallel
+        #: shard may not: that path calls no module, so no all-reduce hook runs)
+        self.cpu_fast_path = True
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config)
@@ -245,7 +248,8 @@ class LlamaForCausalLM(nn.Module):
         if x.device.type == "cpu" and not fused.fused_on(x):  # the same rotation, fewer ops
             cos, sin = full_width_rope(cos, sin)
         plan = StepPlan.of(step)
-        if decode_one_cpu_applies(x, plan) and cache.row_format.torch_dtype == torch.float32:
+        fast = self.cpu_fast_path and decode_one_cpu_applies(x, plan)
+        if fast and cache.row_format.torch_dtype == torch.float32:
             return decode_one_cpu(self, x, cos, sin, step, cache, plan)  # writes fp32 rows
         layers = [layer for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)]
         # Each residual add is fused with the norm that follows it (one kernel on CUDA; on
