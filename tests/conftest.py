@@ -24,10 +24,11 @@ def _one_torch_thread():
     torch.set_num_threads(saved)
 
 
-# The suite's lossless and swap-path tests read through the hot buffers even where the GPU
-# pool has room: `HiSparseConfig.offload` unset means "always" here (the library's default,
-# "under_pressure", keeps such requests resident). Tests of the default unset the variable.
-os.environ.setdefault("HISPARSE_OFFLOAD", "always")
+# The suite runs the library's default offload policy ("under_pressure"): a test that needs
+# requests to read through the hot buffers where the GPU pool has room asks for it with
+# ``HiSparseConfig(offload="always")``. A policy set in the shell would change what every
+# other test runs, so it is dropped here.
+os.environ.pop("HISPARSE_OFFLOAD", None)
 # CPU pools start poisoned (0xFF: NaN) as GPU pools always do, so that a read of a row nothing
 # wrote fails a test instead of passing as zero (the library skips the CPU fill: it is slow).
 os.environ.setdefault("HISPARSE_POISON", "1")
@@ -67,6 +68,28 @@ def _parse_the_bundled_gguf_once():
     mp.setattr(tokenizer, "read_gguf", read_gguf)
     yield
     mp.undo()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """``tiny_checkpoint(arch, seed=0, preset="tiny", **overrides)``: the folder of
+    `make_tiny`'s checkpoint, written once per session (per xdist worker) and shared by every
+    module that asks for the same one. Tests read it and never write into it (one that needs
+    its own files makes its own). Needs transformers: only the tests that use a checkpoint
+    are skipped without it (and fail under CI, see `pytest_runtest_makereport`)."""
+    pytest.importorskip("transformers")
+    from hisparse.models.tiny import make_tiny
+
+    built: dict[str, Path] = {}
+
+    def get(arch: str, seed: int = 0, preset: str = "tiny", **overrides) -> Path:
+        key = repr((arch, seed, preset, sorted(overrides.items())))
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"{arch}-{preset}-seed{seed}")
+            built[key] = make_tiny(arch, out, preset, seed, **overrides)
+        return built[key]
+
+    return get
 
 
 # --- under CI, a skip is a failure ------------------------------------------------------------

@@ -29,17 +29,14 @@ from hisparse.engine.sampling import (
     sample_rows,
 )
 
-pytest.importorskip("transformers")
-
-from hisparse.models.tiny import make_tiny
-
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def checkpoint(tmp_path_factory, tiny_checkpoint):
     """The ``make-tiny`` default checkpoint (164-byte fp8 rows), with a tokenizer."""
-    out = make_tiny("deepseek_v32", tmp_path_factory.mktemp("v32"), seed=0)
+    out = tmp_path_factory.mktemp("v32")
+    shutil.copytree(tiny_checkpoint("deepseek_v32"), out, dirs_exist_ok=True)
     add_tokenizer(out)
     return out
 
@@ -309,7 +306,7 @@ def test_chat_without_a_template_says_so(tmp_path, checkpoint):
 # --- defaults that work for any checkpoint -----------------------------------------------------
 
 
-def test_kv_format_auto_and_each_documented_format_run_or_are_refused(checkpoint, tmp_path):
+def test_kv_format_auto_and_each_documented_format_run_or_are_refused(checkpoint, tiny_checkpoint):
     """The make-tiny default (kv_lora_rank 128, rope 16) has 164-byte fp8 rows: auto picks
     fp32 rows for the fp32 CPU model, bf16 and fp32 run, fp8_ds_mla is refused at once with
     the format to use. A checkpoint whose fp8 rows are aligned gets fp8_ds_mla from auto."""
@@ -324,10 +321,9 @@ def test_kv_format_auto_and_each_documented_format_run_or_are_refused(checkpoint
         tiny_llm(checkpoint, kv_format="fp8_ds_mla")
     with pytest.raises(ValueError, match="kv_format='fp16' must be one of"):
         tiny_llm(checkpoint, kv_format="fp16")
-    aligned = make_tiny(
-        "deepseek_v32", tmp_path / "v512", seed=0, kv_lora_rank=512, qk_rope_head_dim=64,
-        num_hidden_layers=2,
-    )  # fmt: skip
+    aligned = tiny_checkpoint(
+        "deepseek_v32", kv_lora_rank=512, qk_rope_head_dim=64, num_hidden_layers=2
+    )
     with tiny_llm(aligned) as llm:  # fp8 rows of 656 bytes
         assert llm.runner.row_format == "fp8_ds_mla"
         assert llm.generate(prompt_token_ids=[10, 11, 12], sampling_params=GREEDY)[0].ok
@@ -362,7 +358,6 @@ def test_ctrl_c_in_generate_prints_the_partial_answer(checkpoint, capsys, monkey
     """Ctrl-C during the 4th step: the answer so far, "interrupted", exit status 130; the
     API raises `GenerationInterrupted` (a KeyboardInterrupt) carrying the outputs."""
     from hisparse.cli import main
-
     from hisparse.engine.model_runner import ModelRunner
 
     run_part = ModelRunner.execute_part

@@ -21,16 +21,12 @@ from hisparse.engine import kv_manager
 from hisparse.engine import llm as llm_module
 from hisparse.kv.host_pool import HostPool, live_pool
 
-pytest.importorskip("transformers")
-
-from hisparse.models.tiny import make_tiny
-
 SHORT = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny("deepseek_v32", tmp_path_factory.mktemp("v32"), seed=0)
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("deepseek_v32")
 
 
 def _works(path) -> None:

@@ -29,10 +29,6 @@ from hisparse.engine.sampling import _Row, sample_rows
 from hisparse.kv.host_pool import live_pool
 from hisparse.models.registry import KV_FORMATS
 
-pytest.importorskip("transformers")
-
-from hisparse.models.tiny import make_tiny
-
 #: Values of any kind: right and wrong types, edges, NaN, infinities, huge numbers.
 ANY = st.one_of(
     st.none(),
@@ -56,8 +52,8 @@ QUICK = settings(max_examples=300, deadline=None)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny("deepseek_v32", tmp_path_factory.mktemp("v32"), seed=0)
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("deepseek_v32")
 
 
 def _names(err: BaseException, *fields: str) -> None:

@@ -13,16 +13,11 @@ import torch
 from hisparse import HiSparseConfig
 from hisparse.engine.llm import LLM
 from hisparse.engine.sampling import SamplingParams
-from hisparse.models.tiny import make_tiny
-
-pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("deepseek_v32")
-    make_tiny("deepseek_v32", out, seed=0)
-    return out
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("deepseek_v32")
 
 
 def _prompts(lengths=(40, 23, 70, 33), seed=1) -> list[list[int]]:

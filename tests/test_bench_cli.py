@@ -20,19 +20,13 @@ from hisparse.cli import main
 from hisparse.engine.llm import LLM
 from hisparse.engine.sampling import SamplingParams
 
-pytest.importorskip("transformers")
-
-from hisparse.models.tiny import make_tiny
-
 TOP_K = 16  # the tiny preset's index_topk
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
-def checkpoint(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(request.param)
-    make_tiny(request.param, out, seed=0)
-    return out
+def checkpoint(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param)
 
 
 def _prompts(lengths=(90, 61, 120), seed=1) -> list[list[int]]:
@@ -40,8 +34,9 @@ def _prompts(lengths=(90, 61, 120), seed=1) -> list[list[int]]:
     return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
 
 
-def _run(path, placement, *, overlap=0.8, synthetic=True, seed=0, batched=2048):
-    cfg = HiSparseConfig(host_pool_gib=0.01, block_size=4, device_buffer_size=2 * TOP_K)
+def _run(path, placement, *, overlap=0.8, synthetic=True, seed=0, batched=2048, offload=None):
+    cfg = HiSparseConfig(host_pool_gib=0.01, block_size=4, device_buffer_size=2 * TOP_K,
+                         offload=offload)  # fmt: skip
     llm = LLM(
         path,
         kv_placement=placement,
@@ -76,7 +71,8 @@ def _by_request(log):
 @pytest.mark.parametrize("synthetic", [True, False], ids=["synthetic", "model-prefill"])
 def test_replay_is_lossless_and_identical_between_placements(checkpoint, synthetic):
     gpu, gpu_log, _ = _run(checkpoint, "gpu", synthetic=synthetic)
-    hs, hs_log, hs_stats = _run(checkpoint, "hisparse", synthetic=synthetic)
+    # offload="always": the replayed rows are read through the hot buffers
+    hs, hs_log, hs_stats = _run(checkpoint, "hisparse", synthetic=synthetic, offload="always")
     assert [o.token_ids for o in hs] == [o.token_ids for o in gpu]
     assert all(len(o.token_ids) == PARAMS.max_tokens for o in gpu)
     # the same selections, request by request and step by step (batch order aside)
@@ -94,7 +90,7 @@ def test_synthetic_prefill_warms_the_hot_buffer(checkpoint):
     """After a synthetic prefill the hot buffer holds the replayed last-prompt selection
     (copied from the resident pages, as after a real prefill): the first decode step of a
     request misses only the replaced part, about 1 - overlap of its rows."""
-    _, _, stats = _run(checkpoint, "hisparse", overlap=0.75)
+    _, _, stats = _run(checkpoint, "hisparse", overlap=0.75, offload="always")
     first = stats[0]  # every request decodes in the first decode step (all prefilled first)
     wanted = first["hits"] + first["misses"]
     assert first["misses"] / wanted <= 0.3
@@ -172,7 +168,7 @@ def _bench_argv(ckpt, tmp_path, *extra):
 
 
 def test_bench_cli_writes_json(checkpoint, tmp_path, capsys):
-    assert main(_bench_argv(checkpoint, tmp_path)) == 0
+    assert main(_bench_argv(checkpoint, tmp_path, "--offload", "always")) == 0
     text = capsys.readouterr().out
     assert "TTFT NOT measured" in text and "HiSparse / all-GPU" in text
     doc = json.loads((tmp_path / "bench.json").read_text())

@@ -13,21 +13,17 @@ from hisparse import HiSparseConfig
 from hisparse.engine.llm import LLM
 from hisparse.engine.sampling import SamplingParams
 
-pytest.importorskip("transformers")
-
-from hisparse.models.tiny import make_tiny
-
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 #: A prompt past the default prefill step of 2,048 tokens: 2 steps of 2,048, 5 of 512.
 LONG = 2200
 
 
 @pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
-def checkpoint(request, tmp_path_factory):
-    return make_tiny(request.param, tmp_path_factory.mktemp(request.param), seed=0)
+def checkpoint(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param)
 
 
-def _llm(path, placement, *, chunk, max_model_len=4096, **kw):
+def _llm(path, placement, *, chunk, max_model_len=4096, offload=None, **kw):
     return LLM(
         path,
         kv_placement=placement,
@@ -35,7 +31,7 @@ def _llm(path, placement, *, chunk, max_model_len=4096, **kw):
         max_model_len=max_model_len,
         max_num_batched_tokens=chunk,
         gpu_memory_gib=0.05,
-        hisparse=HiSparseConfig(host_pool_gib=0.05, block_size=16),
+        hisparse=HiSparseConfig(host_pool_gib=0.05, block_size=16, offload=offload),
         **kw,
     )
 
@@ -87,12 +83,13 @@ def test_a_long_prefill_holds_at_most_the_plans_blocks_at_every_step(checkpoint)
     (its peak, while the forward runs) a request holds at most what the planner counts for it
     (`KVLayout.gpu_blocks_per_request`, which admission and preemption use too), at most
     three resident pages per resident group, and never more than its decode will hold;
-    all-GPU placement holds every page, exactly the plan's figure."""
+    all-GPU placement holds every page, exactly the plan's figure. ``offload="always"``: with
+    the default policy a lone request keeps its pages resident while the pool has room."""
     prompt = [_prompt(LONG)]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     tokens = {}
     for placement in ("gpu", "hisparse"):
-        with _llm(checkpoint, placement, chunk=512) as llm:
+        with _llm(checkpoint, placement, chunk=512, offload="always") as llm:
             kv, run, seen = llm.kv, llm.runner.run, []
 
             def recording(batch, *, decode, finishing, kv=kv, run=run, seen=seen):

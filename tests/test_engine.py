@@ -2,7 +2,9 @@
 
 Lossless: ``kv_placement="hisparse"`` gives the same greedy tokens as ``"gpu"`` — with prompts
 longer than top_k, with the hot buffer at its minimum, with a GPU pool tight enough to force
-preemption with recompute, and with a host pool so small that requests must wait.
+preemption with recompute, and with a host pool so small that requests must wait. The default
+offload policy (``"under_pressure"``) unless a test exercises the swap path: those ask for
+``offload="always"`` (every request reads its older rows through its hot buffer).
 """
 
 from __future__ import annotations
@@ -21,18 +23,16 @@ from hisparse.config import HiSparseConfigError
 from hisparse.engine.llm import LLM
 from hisparse.engine.sampling import SamplingParams
 
-pytest.importorskip("transformers")
-
-from hisparse.models.tiny import make_tiny
-
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
+#: `HiSparseConfig` keywords of the tests that exercise the swap path (`_run`'s ``**hs``).
+ALWAYS = {"offload": "always"}
+
+
 @pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
-def checkpoint(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(request.param)
-    make_tiny(request.param, out, seed=0)
-    return out
+def checkpoint(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param)
 
 
 def requests_pool(requests: float):
@@ -84,19 +84,21 @@ def _tokens(outs):
     return [o.token_ids for o in outs]
 
 
-def test_hisparse_equals_all_gpu(checkpoint):
+@pytest.mark.parametrize("offload", [None, "always"], ids=["default", "always"])
+def test_hisparse_equals_all_gpu(checkpoint, offload):
     gpu = _run(checkpoint, "gpu")
-    hs = _run(checkpoint, "hisparse")
+    hs = _run(checkpoint, "hisparse", offload=offload)
     assert _tokens(hs) == _tokens(gpu)
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in gpu)
-    # the hot buffers really were used: misses were swapped in, hits served
-    assert sum(o.metrics.misses for o in hs) > 0 and sum(o.metrics.hits for o in hs) > 0
+    if offload == "always":
+        # the hot buffers really were used: misses were swapped in, hits served
+        assert sum(o.metrics.misses for o in hs) > 0 and sum(o.metrics.hits for o in hs) > 0
 
 
 def test_lossless_with_lazy_host_mirror(checkpoint):
     """Decode rows reach the host only when their page leaves the GPU (`write_back`)."""
     gpu = _run(checkpoint, "gpu")
-    hs = _run(checkpoint, "hisparse", eager_host_mirror=False)
+    hs = _run(checkpoint, "hisparse", eager_host_mirror=False, **ALWAYS)
     assert _tokens(hs) == _tokens(gpu)
 
 
@@ -104,7 +106,7 @@ def test_lazy_mirror_writes_back_decode_pages_only(checkpoint):
     """A chunked prefill mirrors its rows itself: its trimmed pages are not copied again; the
     pages decode rows reach only on the GPU are, once each, when they leave the tail."""
     prompts = _prompts((70, 41))
-    cfg = HiSparseConfig(host_pool_gib=0.01, block_size=4, eager_host_mirror=False)
+    cfg = HiSparseConfig(host_pool_gib=0.01, block_size=4, eager_host_mirror=False, **ALWAYS)
     kw = dict(hisparse=cfg, kv_format="bf16", max_model_len=128, max_num_seqs=4,
               gpu_memory_gib=0.02, max_num_batched_tokens=16)  # fmt: skip
     for max_tokens, want in ((2, 0), (30, None)):
@@ -131,7 +133,7 @@ def test_lazy_mirror_writes_back_decode_pages_only(checkpoint):
 def test_lossless_at_minimum_hot_buffer(checkpoint):
     gpu = _run(checkpoint, "gpu")
     top_k = 16  # the tiny preset's index_topk
-    hs = _run(checkpoint, "hisparse", device_buffer_size=top_k)
+    hs = _run(checkpoint, "hisparse", device_buffer_size=top_k, **ALWAYS)
     assert _tokens(hs) == _tokens(gpu)
 
 
@@ -139,9 +141,9 @@ def test_lossless_under_preemption_and_a_tiny_host_pool(checkpoint):
     long = SamplingParams(temperature=0, max_tokens=90)
     prompts = _prompts((20, 23, 30, 33))
     # GPU pool tight enough that decoding requests outgrow it: one is preempted and recomputed
-    tight = _run(
-        checkpoint, "hisparse", blocks=requests_pool(1.9), top_k=4, params=long, prompts=prompts
-    )
+    # (the default policy's demotions before it: test_offload_under_pressure.py)
+    tight = _run(checkpoint, "hisparse", blocks=requests_pool(1.9), top_k=4, params=long,
+                 prompts=prompts, **ALWAYS)  # fmt: skip
     assert sum(o.metrics.preemptions for o in tight) > 0
     for o in tight:  # recorded at the first preemption only
         n = o.metrics.tokens_before_first_preemption
@@ -276,7 +278,8 @@ def test_indexer_pages_are_sub_blocks_of_shared_blocks():
         [True] * 4, block_size=4, kv_format="bf16", kv_lora_rank=128, rope_dim=16,
         index_head_dim=64,
     )  # fmt: skip
-    cfg = HiSparseConfig(top_k=4, host_pool_gib=0.001, block_size=4).resolve()
+    # offload="always": a request holds its tail pages only (what gpu_need counts)
+    cfg = HiSparseConfig(top_k=4, host_pool_gib=0.001, block_size=4, offload="always").resolve()
     kv = KVCacheManager(
         specs, cfg, placement="hisparse", gpu_budget_bytes=2**20, max_model_len=128,
         max_num_seqs=2, device=torch.device("cpu"),
@@ -321,12 +324,14 @@ EAGER = {"cuda_graphs": False}
 
 def test_padded_decode_equals_eager(checkpoint):
     """Batches of 3, 2 and 1 requests padded to 4, 2 and 1 rows give the plain eager step's
-    tokens and swap counters in both placements (so HiSparse == all-GPU on that path too)."""
+    tokens and swap counters in both placements (so HiSparse == all-GPU on that path too);
+    ``offload="always"``, so that the counters count swaps."""
     params = [SamplingParams(temperature=0, max_tokens=n) for n in (24, 9, 16)]
     prompts = _prompts((40, 23, 70))
     tokens = {}
     for placement in ("gpu", "hisparse"):
-        eager = _run(checkpoint, placement, params=params, prompts=prompts, llm_kw=EAGER)
+        eager = _run(checkpoint, placement, params=params, prompts=prompts, llm_kw=EAGER,
+                     **ALWAYS)  # fmt: skip
         with LLM(
             checkpoint,
             kv_placement=placement,
@@ -335,7 +340,7 @@ def test_padded_decode_equals_eager(checkpoint):
             max_num_seqs=4,
             gpu_memory_gib=0.02,
             cuda_graphs=True,
-            hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4),
+            hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4, **ALWAYS),
         ) as llm:
             padded = llm.generate(prompt_token_ids=prompts, sampling_params=params)
             assert llm.runner.graphs is not None and not llm.runner.graphs.capture
@@ -360,6 +365,7 @@ def test_padded_decode_lossless_at_minimum_hot_buffer_and_under_preemption(check
         prompts=prompts,
         device_buffer_size=4,
         llm_kw=PADDED,
+        **ALWAYS,
     )
     assert sum(o.metrics.preemptions for o in tight) > 0
     assert _tokens(tight) == _tokens(ref)
@@ -381,7 +387,9 @@ def test_padded_decode_replays_the_same_selections(checkpoint, synthetic):
             max_num_seqs=4,
             gpu_memory_gib=0.02,
             step_hooks=BenchHooks(topk_overlap=0.8, synthetic_prefill=synthetic),
-            hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4, device_buffer_size=32),
+            hisparse=HiSparseConfig(
+                host_pool_gib=0.01, block_size=4, device_buffer_size=32, **ALWAYS
+            ),
             **kw,
         ) as llm:
             llm.runner.hooks.replay.log = []
@@ -429,7 +437,7 @@ def test_triton_swap_in_stays_lossless_when_the_batch_shrinks(checkpoint, monkey
     ref = _run(checkpoint, "gpu", params=params, prompts=prompts, llm_kw=EAGER)
     monkeypatch.setenv("HISPARSE_OPS", "triton")
     for kw in (EAGER, PADDED):
-        hs = _run(checkpoint, "hisparse", params=params, prompts=prompts, llm_kw=kw)
+        hs = _run(checkpoint, "hisparse", params=params, prompts=prompts, llm_kw=kw, **ALWAYS)
         assert _tokens(hs) == _tokens(ref)
 
 

@@ -23,18 +23,12 @@ from hisparse.engine.llm import LLM
 from hisparse.engine.sampling import SamplingParams, sample
 from hisparse.engine.scheduler import Scheduler
 
-pytest.importorskip("transformers")
-
-from hisparse.models.tiny import make_tiny
-
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("deepseek_v32")
-    make_tiny("deepseek_v32", out, seed=0)
-    return out
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("deepseek_v32")
 
 
 def _prompts(lengths, seed=1) -> list[list[int]]:
@@ -42,10 +36,10 @@ def _prompts(lengths, seed=1) -> list[list[int]]:
     return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
 
 
-def _llm(path, placement="hisparse", blocks=None, **kw) -> LLM:
+def _llm(path, placement="hisparse", blocks=None, offload=None, **kw) -> LLM:
     args = dict(
         kv_placement=placement,
-        hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4),
+        hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4, offload=offload),
         kv_format="bf16",
         max_model_len=128,
         max_num_seqs=4,
@@ -201,10 +195,11 @@ def test_a_failed_construction_gives_the_host_pool_back(checkpoint):
 
 def test_generate_summary_says_n_a_when_nothing_was_looked_up(checkpoint):
     """A short prompt inside the hot buffer swaps nothing, and one token has no decode rate:
-    the CLI's summary says so instead of printing 0.0% and 0.0 tok/s."""
+    the CLI's summary says so instead of printing 0.0% and 0.0 tok/s (``offload="always"``:
+    the longer prompt's rows are then read through the hot buffer)."""
     from hisparse.cli_generate import summary_line
 
-    with _llm(checkpoint) as llm:
+    with _llm(checkpoint, offload="always") as llm:
         (one,) = llm.generate(
             prompt_token_ids=_prompts((5,)),
             sampling_params=SamplingParams(temperature=0, max_tokens=1),

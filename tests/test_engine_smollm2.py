@@ -62,11 +62,14 @@ def _generate_uncached(
 
 
 def test_smollm2_hisparse_equals_all_gpu():
+    """The default offload policy (the prompts fit: every page stays resident) and
+    ``offload="always"`` (rows read through the hot buffer, also at its minimum size)."""
     gpu, _ = _generate("gpu")
-    hs, outs = _generate("hisparse")
+    assert _generate("hisparse")[0] == gpu
+    hs, outs = _generate("hisparse", offload="always")
     assert hs == gpu
     assert sum(o.metrics.misses for o in outs) > 0  # rows really came from the host pool
-    minimal, _ = _generate("hisparse", device_buffer_size=TOP_K)
+    minimal, _ = _generate("hisparse", device_buffer_size=TOP_K, offload="always")
     assert minimal == gpu
 
 

@@ -352,7 +352,7 @@ def test_batched_moe_equals_the_per_expert_loop(monkeypatch, k, shared) -> None:
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
-def test_model_with_fused_ops_matches_the_references(monkeypatch, tmp_path, arch) -> None:
+def test_model_with_fused_ops_matches_the_references(monkeypatch, tiny_checkpoint, arch) -> None:
     """A DSA model (fp8 indexer, fp8_ds_mla rows, experts stacked): a prefill and two
     fixed-shape decode steps with every fused kernel against the torch references. In fp32:
     in bf16 an RMS norm's one-ulp difference (its sum order) can flip a router or top-k choice
@@ -360,7 +360,6 @@ def test_model_with_fused_ops_matches_the_references(monkeypatch, tmp_path, arch
     silu kernel's exp is numpy's here and an ulp from torch's (on CUDA both are ``expf``):
     torch's silu stands in for it (`test_silu_mul_matches_reference` checks the kernel)."""
     from hisparse.models.loader import load_dsa_model
-    from hisparse.models.tiny import make_tiny
 
     def torch_silu_mul(x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
@@ -368,8 +367,7 @@ def test_model_with_fused_ops_matches_the_references(monkeypatch, tmp_path, arch
 
     monkeypatch.setattr(ffn, "silu_mul", torch_silu_mul)
 
-    make_tiny(arch, tmp_path / "m", preset="tiny")
-    model = load_dsa_model(tmp_path / "m", dtype=torch.float32, indexer_mode="fp8")
+    model = load_dsa_model(tiny_checkpoint(arch), dtype=torch.float32, indexer_mode="fp8")
     model.prepare_fused()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (n,), generator=g) for n in (40, 23)]

@@ -300,16 +300,14 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("indexer_mode", ["exact", "fp8"])
 def test_model_indexer_runs_through_the_kernel(
-    indexer_mode: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+    indexer_mode: str, tiny_checkpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The tiny DeepSeek-V3.2 model picks the same rows (as sets) and gives the same logits
     with the kernel as with the reference, over a prefill chunk and two decode steps."""
-    pytest.importorskip("transformers")
     from hisparse.models import load_dsa_model
     from hisparse.models.deepseek_v32 import Indexer
-    from hisparse.models.tiny import make_tiny
 
-    path = make_tiny("deepseek_v32", tmp_path, seed=3, num_hidden_layers=2)
+    path = tiny_checkpoint("deepseek_v32", seed=3, num_hidden_layers=2)
     model = load_dsa_model(path, dtype=torch.float32, indexer_mode=indexer_mode)
     ids = torch.randint(0, 512, (22,), generator=torch.Generator().manual_seed(4)).tolist()
 

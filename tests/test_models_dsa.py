@@ -35,9 +35,9 @@ ATOL, RTOL = 2e-5, 1e-4
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def tiny(request, tmp_path_factory):
+def tiny(request, tiny_checkpoint):
     arch = request.param
-    path = make_tiny(arch, tmp_path_factory.mktemp(arch), seed=0)
+    path = tiny_checkpoint(arch)
     ours = load_dsa_model(path, dtype=torch.float32)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return arch, path, ours, ref

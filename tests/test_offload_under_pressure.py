@@ -16,20 +16,14 @@ from hisparse import HiSparseConfig
 from hisparse.config import HiSparseConfigError
 from hisparse.engine.llm import LLM
 from hisparse.engine.sampling import SamplingParams
-
-pytest.importorskip("transformers")
-
-from hisparse.models.tiny import make_tiny
 from test_engine import _prompts, _run, _tokens, requests_pool
 
 LONG = SamplingParams(temperature=0, max_tokens=40)
 
 
 @pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
-def checkpoint(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(request.param)
-    make_tiny(request.param, out, seed=0)
-    return out
+def checkpoint(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param)
 
 
 def _run_probe(path, placement, *, blocks=None, params=LONG, prompts=None, llm_kw=None, **hs):
@@ -77,7 +71,7 @@ def test_under_pressure_requests_are_demoted_and_stay_lossless(checkpoint, eager
     assert seen["demotions"] > 0
     assert sum(o.metrics.misses for o in outs) > 0  # demoted rows came back from the host
     always, seen_always = _run_probe(checkpoint, "hisparse", blocks=pool, params=LONG,
-                                     prompts=prompts, llm_kw=llm_kw,
+                                     prompts=prompts, llm_kw=llm_kw, offload="always",
                                      eager_host_mirror=eager)  # fmt: skip
     assert seen["running"] == seen_always["running"] == len(prompts)
     assert sum(o.metrics.preemptions for o in outs) == sum(o.metrics.preemptions for o in always)
@@ -151,9 +145,9 @@ def test_offload_policy_is_checked(monkeypatch):
 
 
 def test_default_is_under_pressure(checkpoint, monkeypatch):
-    """Unset (as a user leaves it; the suite's conftest sets ``HISPARSE_OFFLOAD=always``), the
-    policy is "under_pressure": with room nothing is read through the hot buffer."""
-    monkeypatch.delenv("HISPARSE_OFFLOAD")
+    """Unset (as a user leaves it), the policy is "under_pressure": with room nothing is read
+    through the hot buffer; ``$HISPARSE_OFFLOAD`` overrides it."""
+    monkeypatch.delenv("HISPARSE_OFFLOAD", raising=False)
     assert HiSparseConfig(top_k=4).resolve().offload == "under_pressure"
     outs, seen = _run_probe(checkpoint, "hisparse")
     assert _tokens(outs) == _tokens(_run(checkpoint, "gpu", params=LONG))
@@ -163,10 +157,8 @@ def test_default_is_under_pressure(checkpoint, monkeypatch):
     assert sum(o.metrics.misses for o in outs) > 0
 
 
-smollm2 = pytest.importorskip("hisparse.models.smollm2")
-
-
 def test_smollm2_real_weights_with_room_and_under_pressure():
+    smollm2 = pytest.importorskip("hisparse.models.smollm2")
     try:
         smollm2.smollm2_gguf_path()
     except FileNotFoundError as err:  # pragma: no cover - `make test` installs it

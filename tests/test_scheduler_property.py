@@ -17,10 +17,6 @@ from hisparse import HiSparseConfig
 from hisparse.engine.llm import LLM
 from hisparse.engine.sampling import SamplingParams
 
-pytest.importorskip("transformers")
-
-from hisparse.models.tiny import make_tiny
-
 MAX_MODEL_LEN = 160
 BLOCK = 4
 TOP_K = 8
@@ -28,8 +24,8 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny("glm_moe_dsa", tmp_path_factory.mktemp("glm"), seed=0, index_topk=TOP_K)
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("glm_moe_dsa", index_topk=TOP_K)
 
 
 _CFG = dict(block_size=BLOCK, device_buffer_size=2 * TOP_K)

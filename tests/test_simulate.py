@@ -108,12 +108,8 @@ BLOCK, INPUT, OUTPUT, N, BATCHED = 16, 100, 140, 6, 128
 
 
 @pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
-def tiny(request, tmp_path_factory) -> str:
-    from hisparse.models.tiny import make_tiny
-
-    out = tmp_path_factory.mktemp(f"sim-{request.param}")
-    make_tiny(request.param, out, seed=0)
-    return str(out)
+def tiny(request, tiny_checkpoint) -> str:
+    return str(tiny_checkpoint(request.param))
 
 
 _MODES = {"always": ("hisparse", "always"), "under_pressure": ("hisparse", "under_pressure"),
@@ -277,14 +273,15 @@ def test_compare_refuses_a_bench_of_the_models_own_top_k(tiny: str, tmp_path, ca
 
 def test_sampled_requests_estimate_all(tiny: str) -> None:
     """Simulating every other request's hot buffers and counting the rest as their mean
-    keeps the schedule exact and the bytes near the full simulation."""
+    keeps the schedule exact and the bytes near the full simulation (``offload="always"``:
+    every request reads through its hot buffer, as the estimate assumes)."""
     from hisparse.sim.simulator import SimSettings, simulate
     from hisparse.sim.trace import synthetic_trace
 
     def run(f: float) -> dict:
         s = SimSettings(model=tiny, gpu_memory_gib=0.004, max_model_len=INPUT + OUTPUT,
                         max_num_seqs=N, block_size=BLOCK, max_num_batched_tokens=BATCHED,
-                        target="cpu", sample_requests=f)  # fmt: skip
+                        target="cpu", sample_requests=f, offload="always")  # fmt: skip
         return simulate(s, synthetic_trace(2 * N, input_len=INPUT, output_len=OUTPUT))
 
     full, half = run(1.0), run(0.5)

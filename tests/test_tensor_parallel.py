@@ -20,10 +20,6 @@ from hisparse.parallel import TensorParallelError
 from hisparse.parallel.shm import SHM_DIR
 from hisparse.testing.tp_hooks import SelectionDigest
 
-pytest.importorskip("transformers")
-
-from hisparse.models.tiny import make_tiny
-
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
@@ -34,16 +30,14 @@ def _short_collective_timeout(monkeypatch):
 
 
 @pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
-def checkpoint(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(request.param)
-    make_tiny(request.param, out, seed=0)
-    return out
+def checkpoint(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param)
 
 
 @pytest.fixture(scope="module")
-def v32(tmp_path_factory):
+def v32(tiny_checkpoint):
     """One architecture is enough for the launch and failure tests."""
-    return make_tiny("deepseek_v32", tmp_path_factory.mktemp("v32"), seed=0)
+    return tiny_checkpoint("deepseek_v32")
 
 
 def _prompts(lengths=(40, 23, 70, 33), seed=1) -> list[list[int]]:
@@ -52,13 +46,15 @@ def _prompts(lengths=(40, 23, 70, 33), seed=1) -> list[list[int]]:
 
 
 def _shm_files() -> set[str]:
-    return {f for f in os.listdir(SHM_DIR) if f.startswith("hisparse-")}
+    """The pool files of the engines this process drives (named ``hisparse-<driver pid>-``):
+    not those of another pytest-xdist worker's engines, which come and go meanwhile."""
+    return {f for f in os.listdir(SHM_DIR) if f.startswith(f"hisparse-{os.getpid()}-")}
 
 
-def _engine(path, tp, *, gib=0.02, top_k=None, hooks=None, **kw) -> LLM:
+def _engine(path, tp, *, gib=0.02, top_k=None, hooks=None, offload=None, **kw) -> LLM:
     return LLM(
         path,
-        hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4, top_k=top_k),
+        hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4, top_k=top_k, offload=offload),
         kv_format="bf16",
         max_model_len=128,
         max_num_seqs=4,
@@ -85,11 +81,11 @@ def test_tp2_equals_tp1_with_one_host_pool(checkpoint):
     both ranks selected the same rows, hold bit-identical GPU pools (MLA rows, indexer keys
     and hot buffers are the same on every rank) and share one host pool that rank 0 writes."""
     prompts = _prompts()
-    with _engine(checkpoint, 1) as one:
+    with _engine(checkpoint, 1, offload="always") as one:
         ref = [o.token_ids for o in one.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
         one_pool = one.kv.layout.host_pool_bytes
     before = _shm_files()
-    with _engine(checkpoint, 2, hooks=SelectionDigest()) as llm:
+    with _engine(checkpoint, 2, hooks=SelectionDigest(), offload="always") as llm:
         assert _shm_files() == before  # the name goes once every rank mapped the pool
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
         states = llm._tensor_parallel_state()
@@ -155,7 +151,8 @@ def test_tp2_lazy_mirror_and_all_gpu_placement(v32):
         ref = [o.token_ids for o in one.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
     lazy = LLM(
         v32,
-        hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4, eager_host_mirror=False),
+        hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4, eager_host_mirror=False,
+                                offload="always"),
         kv_format="bf16", max_model_len=128, max_num_seqs=4, gpu_memory_gib=0.02,
         tensor_parallel_size=2,
     )  # fmt: skip
@@ -184,7 +181,9 @@ def test_smollm2_tp3_equals_tp1():
     for tp in (1, 3):
         with LLM(
             "smollm2",
-            hisparse=HiSparseConfig(top_k=top_k, device_buffer_size=top_k, host_pool_gib=0.05),
+            hisparse=HiSparseConfig(
+                top_k=top_k, device_buffer_size=top_k, host_pool_gib=0.05, offload="always"
+            ),  # rows read through the hot buffer
             max_model_len=512,
             gpu_memory_gib=0.1,
             max_num_seqs=1,

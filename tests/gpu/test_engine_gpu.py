@@ -32,8 +32,9 @@ def checkpoint(request, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.parametrize("offload", [None, "always"], ids=["default", "always"])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp32"])
-def test_hisparse_equals_all_gpu_on_cuda(checkpoint, kv_format):
+def test_hisparse_equals_all_gpu_on_cuda(checkpoint, kv_format, offload):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 23, 70, 33)]
     params = SamplingParams(temperature=0, max_tokens=32)
@@ -44,7 +45,7 @@ def test_hisparse_equals_all_gpu_on_cuda(checkpoint, kv_format):
             kv_placement=placement,
             device="cuda",
             dtype="float32",
-            hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4),
+            hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4, offload=offload),
             kv_format=kv_format,
             max_model_len=256,
             gpu_memory_gib=0.05,
@@ -52,7 +53,7 @@ def test_hisparse_equals_all_gpu_on_cuda(checkpoint, kv_format):
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         assert all(o.ok for o in outs), [o.error for o in outs]
         tokens[placement] = [o.token_ids for o in outs]
-        if placement == "hisparse":
+        if placement == "hisparse" and offload == "always":
             assert sum(o.metrics.misses for o in outs) > 0
     assert tokens["hisparse"] == tokens["gpu"]
 
@@ -71,7 +72,9 @@ def test_topk_replay_is_lossless_on_cuda(checkpoint, synthetic):
             kv_placement=placement,
             device="cuda",
             dtype="float32",
-            hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4, device_buffer_size=32),
+            hisparse=HiSparseConfig(
+                host_pool_gib=0.01, block_size=4, device_buffer_size=32, offload="always"
+            ),
             kv_format="bf16",
             max_model_len=192,
             gpu_memory_gib=0.05,
@@ -136,7 +139,8 @@ def test_cuda_graphs_lossless_and_same_tokens_as_eager(checkpoint):
     tokens = {}
     for placement in ("gpu", "hisparse"):
         for graphs in (True, False):
-            outs, captured = _generate(checkpoint, placement, prompts, params, cuda_graphs=graphs)
+            outs, captured = _generate(checkpoint, placement, prompts, params, cuda_graphs=graphs,
+                                       offload="always")  # fmt: skip
             tokens[placement, graphs] = [o.token_ids for o in outs]
             if graphs:
                 assert captured == [1, 2, 4]
@@ -154,7 +158,7 @@ def test_cuda_graphs_lossless_at_minimum_hot_buffer(checkpoint):
     params = SamplingParams(temperature=0, max_tokens=60)
     ref, _ = _generate(checkpoint, "gpu", prompts, params, cuda_graphs=True, top_k=4)
     hs, captured = _generate(checkpoint, "hisparse", prompts, params, cuda_graphs=True,
-                             top_k=4, device_buffer_size=4)  # fmt: skip
+                             top_k=4, device_buffer_size=4, offload="always")  # fmt: skip
     assert captured
     assert sum(o.metrics.misses for o in hs) > 0
     assert [o.token_ids for o in hs] == [o.token_ids for o in ref]
@@ -179,9 +183,11 @@ def test_cuda_graphs_under_preemption_equal_eager_and_all_gpu_until_preempted(ch
     # request, admitted beside two with a page of growth in reserve, preempted at ~50 tokens)
     blocks = lambda lay: 1 + int(1.3 * lay.gpu_blocks_per_request(256))  # noqa: E731
     tight, captured = _generate(checkpoint, "hisparse", prompts, params, cuda_graphs=True,
-                                blocks=blocks, top_k=4, device_buffer_size=4)  # fmt: skip
+                                blocks=blocks, top_k=4, device_buffer_size=4,
+                                offload="always")  # fmt: skip
     eager, _ = _generate(checkpoint, "hisparse", prompts, params, cuda_graphs=False,
-                         blocks=blocks, top_k=4, device_buffer_size=4)  # fmt: skip
+                         blocks=blocks, top_k=4, device_buffer_size=4,
+                         offload="always")  # fmt: skip
     assert captured
     assert sum(o.metrics.preemptions for o in tight) > 0
     assert [o.token_ids for o in tight] == [o.token_ids for o in eager]
@@ -205,7 +211,8 @@ def test_cuda_graphs_replay_the_same_selections(checkpoint):
                       max_model_len=192, max_num_seqs=4, gpu_memory_gib=0.05, cuda_graphs=graphs,
                       step_hooks=BenchHooks(topk_overlap=0.8, synthetic_prefill=True),
                       hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4,
-                                              device_buffer_size=32))  # fmt: skip
+                                              device_buffer_size=32,
+                                              offload="always"))  # fmt: skip
             with LLM(checkpoint, **kw) as llm:
                 llm.runner.hooks.replay.log = []
                 outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)

@@ -45,7 +45,7 @@ def _generate(checkpoint, placement, prompts, params, *, chunk, **kw):
         max_num_batched_tokens=chunk,
         gpu_memory_gib=4,
         cuda_graphs=True,
-        hisparse=HiSparseConfig(host_pool_gib=4),
+        hisparse=HiSparseConfig(host_pool_gib=4, offload="always"),  # read via the hot buffer
         **kw,
     ) as llm:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)

@@ -166,7 +166,7 @@ def test_smollm2_decode_through_the_kernel_is_lossless(
     path = _gguf_path()
     tokens = {}
     for placement in ("gpu", "hisparse"):
-        cfg = HiSparseConfig(top_k=128, host_pool_gib=0.25)
+        cfg = HiSparseConfig(top_k=128, host_pool_gib=0.25, offload="always")
         with LLM(path, kv_placement=placement, hisparse=cfg, device="cuda", dtype=dtype,
                  max_model_len=1024, gpu_memory_gib=0.5, max_num_seqs=4,
                  cuda_graphs=graphs) as llm:  # fmt: skip
