@@ -1,6 +1,7 @@
 """Shared test setup."""
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,36 @@ def tiny_checkpoint(tmp_path_factory):
         return built[key]
 
     return get
+
+
+@pytest.fixture
+def forbid_reference(monkeypatch):
+    """``forbid_reference(fn, ...)``: for the rest of the test, each reference ``fn`` raises
+    wherever it is bound (its own module and every ``hisparse`` module that imported it by
+    name), so a dispatch point that falls back to it, or a kernel path that became a call of
+    it, fails the test instead of passing as the reference's own result. Returns the names
+    of the places patched (a reference bound nowhere is an error: the test would prove
+    nothing)."""
+
+    def forbid(*fns) -> list[str]:
+        patched = []
+        for fn in fns:
+            what = f"{fn.__module__}.{fn.__qualname__}"
+
+            def refuse(*args, _what=what, **kwargs):
+                raise AssertionError(f"{_what} ran where its kernel was meant to run")
+
+            for name, module in list(sys.modules.items()):
+                if module is None or not name.startswith("hisparse"):
+                    continue
+                for attr, value in list(vars(module).items()):
+                    if value is fn:
+                        monkeypatch.setattr(module, attr, refuse)
+                        patched.append(f"{name}.{attr}")
+            assert any(p.startswith(fn.__module__ + ".") for p in patched), what
+        return patched
+
+    return forbid
 
 
 # --- under CI, a skip is a failure ------------------------------------------------------------

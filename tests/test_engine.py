@@ -426,16 +426,22 @@ def test_sync_free_moe_matches_the_per_expert_loop():
     torch.testing.assert_close(dense, moe(x), rtol=1e-5, atol=1e-5 * float(dense.abs().max()))
 
 
-def test_triton_swap_in_stays_lossless_when_the_batch_shrinks(checkpoint, monkeypatch):
+def test_triton_swap_in_stays_lossless_when_the_batch_shrinks(
+    checkpoint, monkeypatch, forbid_reference
+):
     """The gathers walk every row of the swap lists: when the middle request finishes and the
     last one moves up a row, resolve must leave no stale count past this step's requests, or
     the old copies land in hot slots that hold other rows by now (the Triton resolve once
-    wrote only this step's counts; both decode paths then diverged from all-GPU)."""
+    wrote only this step's counts; both decode paths then diverged from all-GPU). The Triton
+    ops run, not the reference's (which raise here)."""
     pytest.importorskip("triton")
+    from hisparse.runtime.ops import OP_NAMES, reference
+
     prompts = _prompts((40, 23, 70), seed=3)
     params = [SamplingParams(temperature=0, max_tokens=n) for n in (4, 2, 6)]
     ref = _run(checkpoint, "gpu", params=params, prompts=prompts, llm_kw=EAGER)
     monkeypatch.setenv("HISPARSE_OPS", "triton")
+    forbid_reference(*(getattr(reference, name) for name in OP_NAMES))
     for kw in (EAGER, PADDED):
         hs = _run(checkpoint, "hisparse", params=params, prompts=prompts, llm_kw=kw, **ALWAYS)
         assert _tokens(hs) == _tokens(ref)
