@@ -3,7 +3,11 @@
 ``TRITON_INTERPRET=1`` must be set before the kernels are defined, so this module sets it
 before importing them (it only affects Triton kernels run on CPU tensors). Every case draws
 fresh random inputs, poisons the outputs, and compares every output and state tensor with
-``torch.equal``; resolve cases run several steps on the evolving hot state.
+``torch.equal``; resolve cases run several steps on the evolving hot state. What every backend
+must do runs on this one and the CPU backend in tests/test_ops_backends.py; here, what only
+the Triton kernels have: each resolve kernel and its knobs, host rows near 2^31, the split
+threshold, the grouped gather's tiles and checks, the mirrored invalidation, the all-GPU
+lookups and row scatters, lazy import.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from hisparse.testing.ops_cases import (
     POISON,
     compare,
     make_resolve_case,
-    next_step_topk,
+    random_paged_view,
     shift_host_rows,
 )
+from test_ops_backends import run_both
 
 pytestmark = pytest.mark.skipif(
     not interpreting(), reason="Triton kernels were defined outside the interpreter"
@@ -40,127 +45,8 @@ pytestmark = pytest.mark.skipif(
 def _run_both(case, steps: int = 1, seed: int = 0) -> None:
     """Reference and Triton resolve over ``steps`` steps; the Triton one also adds its hits,
     misses and rows moved to running totals (``totals=``), checked against the reference's
-    per-request counters summed."""
-    a, b = case.clone(), case.clone()
-    totals = torch.full((3,), 5, dtype=torch.int64)  # running totals from a nonzero start
-    want = totals.clone()
-    for step in range(steps):
-        if step:
-            topk = next_step_topk(a, seed * 100 + step)
-            for c in (a, b):
-                c.topk = topk.clone()
-                for t in (c.out_physical, c.swap_src, c.swap_dst, c.swap_count):
-                    t.fill_(POISON + step)
-        ref.resolve_residency(*a.args())
-        tk.resolve_residency(*b.args(), totals=totals, n_layers=3)
-        bad = compare(a.state_and_outputs(), b.state_and_outputs())
-        assert not bad, f"step {step}: {bad} differ"
-        if a.hit_miss is not None:
-            hm = a.hit_miss[: a.request_state_indices.shape[0]].long().sum(0)
-            want += torch.stack((hm[0], hm[1], 3 * hm[1]))
-            assert torch.equal(totals, want), f"step {step}: totals {totals} != {want}"
-        # The oracle's invariants hold too (so the case exercises a valid state).
-        for s in range(a.lru.shape[0]):
-            assert torch.equal(torch.sort(a.lru[s].long()).values, torch.arange(a.lru.shape[1]))
-            held = a.hot_index[s][a.hot_index[s] >= 0]
-            assert held.unique().numel() == held.numel()
-
-
-@pytest.mark.parametrize("seed", range(24))
-def test_resolve_random_multistep(seed: int) -> None:
-    g = torch.Generator().manual_seed(1000 + seed)
-
-    def pick(xs):
-        return xs[int(torch.randint(0, len(xs), (1,), generator=g))]
-
-    K = pick([3, 4, 5, 8, 16])
-    bs = pick([1, 2, 4, 8])
-    H = pick([16, 20, 32, 48])
-    max_rows = max(1, min(3, H // K))
-    case = make_resolve_case(
-        Q=pick([1, 2, 3, 5]),
-        K=K,
-        H=H,
-        block_size=bs,
-        seed=seed,
-        max_rows=max_rows,
-        p_neg=pick([0.0, 0.1, 0.3]),
-        p_dup=pick([0.0, 0.1, 0.4]),
-        p_resident_page=pick([0.0, 0.2, 0.5]),
-        p_pad_req=pick([0.0, 0.3]),
-        p_pad_row=pick([0.0, 0.2]),
-        hot_fill=pick([0.0, 0.5, 1.0]),
-        reuse=pick([0.0, 0.5, 0.9, 1.0]),
-        with_resident=pick([True, False]),
-        with_optional=pick([True, False]),
-        extra_out_rows=pick([0, 2]),
-        extra_req_rows=pick([0, 3]),  # per-request buffers sized for more requests
-        index_dtype=pick([torch.int32, torch.int64]),
-    )
-    _run_both(case, steps=3, seed=seed)
-
-
-def test_resolve_hand_example_matches() -> None:
-    """The reference test's worked example, through the kernel."""
-    H, bs = 8, 4
-    hot_index = torch.full((1, H), -1, dtype=torch.int32)
-    lru = torch.arange(H, dtype=torch.int16).repeat(1, 1)
-    args = dict(
-        row_req=torch.tensor([0], dtype=torch.int32),
-        request_state_indices=torch.tensor([0], dtype=torch.int32),
-        source_block_table=torch.tensor([[10, 11, 12]], dtype=torch.int32),
-        resident_block_table=torch.tensor([[0, 0, 7]], dtype=torch.int32),
-        hot_block_table=torch.tensor([[5, 6]], dtype=torch.int32),
-        block_size=bs,
-    )
-    out = torch.full((1, 5), 12345, dtype=torch.int32)
-    src = torch.full((1, H), -7, dtype=torch.int32)
-    dst = src.clone()
-    cnt = torch.full((1,), 99, dtype=torch.int32)
-    tk.resolve_residency(
-        topk=torch.tensor([[1, 5, 1, -1, 9]], dtype=torch.int32), hot_index=hot_index, lru=lru,
-        out_physical=out, swap_src=src, swap_dst=dst, swap_count=cnt, **args,
-    )  # fmt: skip
-    assert out.tolist() == [[20, 21, 20, -1, 29]]
-    assert cnt.tolist() == [2] and src[0, :3].tolist() == [41, 45, -7]
-    assert dst[0, :2].tolist() == [20, 21]
-    assert lru[0].tolist() == [2, 3, 4, 5, 6, 7, 0, 1]
-
-
-@pytest.mark.parametrize(
-    "kw",
-    [
-        dict(p_neg=1.0),  # nothing wanted: state untouched
-        dict(p_resident_page=1.0),  # everything resident
-        dict(p_pad_req=1.0),  # every request is padding
-        dict(hot_fill=0.0, reuse=0.0),  # cold start: all misses
-        dict(hot_fill=1.0, reuse=1.0, p_neg=0.0),  # mostly hits, full hot set
-        dict(shuffle_rows=False, p_pad_row=0.0),
-    ],
-)
-def test_resolve_edges(kw: dict) -> None:
-    base = dict(Q=3, K=8, H=16, block_size=4, seed=7, max_rows=2)
-    base.update(kw)
-    _run_both(make_resolve_case(**base), steps=2, seed=7)
-
-
-def test_resolve_wanted_fills_whole_hot_buffer() -> None:
-    """rows * top_k == H, all distinct, all misses: every slot is replaced."""
-    H, K = 16, 8
-    case = make_resolve_case(
-        Q=2, K=K, H=H, block_size=4, seed=3, max_rows=2, p_neg=0.0, p_dup=0.0,
-        p_resident_page=0.0, p_pad_req=0.0, p_pad_row=0.0, hot_fill=1.0, reuse=0.0,
-    )  # fmt: skip
-    # Force exactly two rows per request with 16 distinct fresh positions.
-    case.row_req = torch.tensor([0, 1, 0, 1], dtype=torch.int32)
-    n_pos = case.meta["n_pos"]
-    g = torch.Generator().manual_seed(5)
-    case.topk = torch.stack(
-        [torch.randperm(n_pos, generator=g)[: 2 * K] for _ in range(2)]
-    ).view(2, 2, K).transpose(0, 1).reshape(4, K).to(torch.int32)  # fmt: skip
-    case.out_physical = torch.full((4, K), POISON, dtype=torch.int32)
-    case.valid_counts = torch.full((4,), POISON, dtype=torch.int32)
-    _run_both(case, steps=1)
+    per-request counters summed (`test_ops_backends.run_both`)."""
+    run_both(tk, case, steps=steps, seed=seed)
 
 
 @pytest.mark.parametrize(
@@ -314,68 +200,7 @@ def test_resolve_max_rows_per_request_keyword() -> None:
     assert not compare(a.state_and_outputs(), b.state_and_outputs())
 
 
-def _paged(num_blocks: int, bs: int, row_bytes: int, row_stride: int, g: torch.Generator):
-    """A random paged uint8 view whose rows may sit apart (token-major host layout)."""
-    block_stride = bs * row_stride + 16
-    raw = torch.randint(0, 256, (num_blocks * block_stride + 32,), dtype=torch.uint8, generator=g)
-    return raw.as_strided((num_blocks, bs, row_bytes), (block_stride, row_stride, 1), 16)
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_gather_compact_matches_reference(seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    bs = [1, 2, 4][seed % 3]
-    rb = [16, 48, 80][seed % 3]
-    H = 24
-    case = make_resolve_case(Q=4, K=8, H=H, block_size=bs, seed=seed, max_rows=2)
-    ref.resolve_residency(*case.args())
-    host_blocks = int(case.source_block_table.max()) + 1
-    host = _paged(host_blocks, bs, rb, rb + 16 * (seed % 2), g)
-    dev_blocks = int(case.hot_block_table.max()) + 1
-    dev_a = _paged(dev_blocks, bs, rb, rb, g)
-    dev_b = dev_a.clone()
-    # The list beyond the count stays poisoned: the kernel must not read it as rows.
-    ref.gather_compact(host, dev_a, case.swap_src, case.swap_dst, case.swap_count)
-    tk.gather_compact(host, dev_b, case.swap_src, case.swap_dst, case.swap_count)
-    assert torch.equal(dev_a, dev_b)
-    assert int(case.swap_count.sum()) > 0 or seed % 3 != 0
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_gather_compact_group_matches_reference(seed: int) -> None:
-    """One span read per token for G layers equals G reference gathers, bit for bit."""
-    g = torch.Generator().manual_seed(300 + seed)
-    bs = [1, 2, 4, 8][seed % 4]
-    rb = [16, 48, 80, 656][seed % 4]
-    G = [2, 3, 4, 1][seed % 4]
-    case = make_resolve_case(
-        Q=[1, 3, 5][seed % 3], K=8, H=24, block_size=bs, seed=seed, max_rows=2,
-        hot_fill=[0.0, 0.5][seed % 2], reuse=[0.0, 0.7][seed % 2],
-    )  # fmt: skip
-    ref.resolve_residency(*case.args())
-    nh = int(case.source_block_table.max()) + 1
-    span = _paged(nh, bs, G * rb, G * rb, g)  # token-major: each token's G rows side by side
-    nd = int(case.hot_block_table.max()) + 1
-    # One device pool, block-outermost, each layer's page at its own offset (+ padding).
-    page = bs * rb
-    block = G * page + 16 * (seed % 3)
-    raw = torch.randint(0, 256, (nd * block + 16,), dtype=torch.uint8, generator=g)
-    order = torch.randperm(G, generator=g).tolist()  # layer j's page is slot order[j]
-
-    def views(buf: torch.Tensor) -> list[torch.Tensor]:
-        return [buf.as_strided((nd, bs, rb), (block, rb, 1), 16 + o * page) for o in order]
-
-    pool_a, pool_b = raw.clone(), raw.clone()
-    ref.gather_compact_group(span, views(pool_a), case.swap_src, case.swap_dst, case.swap_count)
-    tk.gather_compact_group(span, views(pool_b), case.swap_src, case.swap_dst, case.swap_count)
-    assert torch.equal(pool_a, pool_b)
-    assert int(case.swap_count.sum()) == 0 or not torch.equal(pool_a, raw)
-    # The same as G separate per-layer gathers from the span's slices.
-    pool_c = raw.clone()
-    for j, v in enumerate(views(pool_c)):
-        sl = span[:, :, j * rb : (j + 1) * rb]
-        tk.gather_compact(sl, v, case.swap_src, case.swap_dst, case.swap_count)
-    assert torch.equal(pool_a, pool_c)
+_paged = random_paged_view  # a random paged uint8 view whose rows may sit apart
 
 
 @pytest.mark.parametrize("tile", [(64, 1), (256, 2)])
@@ -409,46 +234,6 @@ def test_gather_compact_group_rejects_bad_views() -> None:
         tk.gather_compact_group(span, [pool[:, 0], pool[:3, 1]], z, z, one)
     with pytest.raises(ValueError, match="layers x"):
         tk.gather_compact_group(span, [pool[:, 0]], z, z, one)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_gather_plan_matches_reference(seed: int) -> None:
-    g = torch.Generator().manual_seed(50 + seed)
-    bs_s, bs_d, rb, n = 4, 2, 32, 37
-    src = _paged(9, bs_s, rb, rb + 16, g)
-    dst_a = _paged(30, bs_d, rb, rb, g)
-    dst_b = dst_a.clone()
-    src_rows = torch.randint(0, 9 * bs_s, (n,), generator=g)
-    dst_rows = torch.randperm(30 * bs_d, generator=g)[:n]
-    mask = torch.rand(n, generator=g) < 0.6
-    if seed % 2:
-        src_rows, dst_rows, mask = src_rows.int(), dst_rows.int(), mask.int()
-    if seed >= 2:  # no mask: rows with a -1 on either side are skipped
-        src_rows[torch.rand(n, generator=g) < 0.3] = -1
-        dst_rows[torch.rand(n, generator=g) < 0.3] = -1
-        mask = None
-    ref.gather_plan(src, dst_a, src_rows, dst_rows, mask)
-    tk.gather_plan(src, dst_b, src_rows, dst_rows, mask)
-    assert torch.equal(dst_a, dst_b)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_invalidate_matches_reference(seed: int) -> None:
-    g = torch.Generator().manual_seed(80 + seed)
-    S, H, Q, n = 5, 24, 4, 12
-    hot = torch.full((S, H), -1, dtype=torch.int32)
-    for s in range(S):
-        k = int(torch.randint(0, H, (1,), generator=g))
-        hot[s, torch.randperm(H, generator=g)[:k]] = torch.randperm(40, generator=g)[:k].int()
-    state = torch.randperm(S, generator=g)[:Q].int()
-    state[int(torch.randint(0, Q, (1,), generator=g))] = -1
-    row_req = torch.randint(-1, Q, (n + 2,), generator=g).int()
-    written = torch.randint(-1, 40, (n,), generator=g).int()
-    a, b = hot.clone(), hot.clone()
-    ref.invalidate_written_slots(a, state, row_req, written)
-    tk.invalidate_written_slots(b, state, row_req, written)
-    assert torch.equal(a, b)
-    assert not torch.equal(a, hot) or seed  # the first case changes something
 
 
 @pytest.mark.parametrize("seed", range(4))
