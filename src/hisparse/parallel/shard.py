@@ -85,7 +85,7 @@ def check_tensor_parallel_size(path: Path, gguf: bool, tp: int) -> None:
 
 def read_gguf_scalars(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
     """Scalar metadata ``keys`` of a GGUF file, read from its header without parsing the rest
-    (`gguf.GGUFReader` builds every field, ~3 s for SmolLM2's vocabulary)."""
+    (`gguf.GGUFReader` builds every field: seconds for SmolLM2's vocabulary)."""
     scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
               11: "q", 12: "d"}  # fmt: skip
     out: dict[str, Any] = {}
