@@ -26,8 +26,8 @@ def vocab_rows(vocab: int, rank: int, world: int) -> tuple[int, int, int]:
     return first, per, max(0, min(per, vocab - first))
 
 
-class VocabParallelEmbedding(nn.Module):
-    """This rank's rows of an embedding; `forward` all-reduces over ``tp`` (module docstring)."""
+class _VocabRows(nn.Module):
+    """This rank's rows of a ``[vocab, dim]`` weight (`vocab_rows`), and the group."""
 
     def __init__(self, vocab: int, dim: int, rank: int, world: int, tp: Any = None) -> None:
         super().__init__()
@@ -38,6 +38,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"vocab={self.vocab}, rows [{self.first}, {self.first + self.rows}) of {self.world}"
+
+
+class VocabParallelEmbedding(_VocabRows):
+    """This rank's rows of an embedding; `forward` all-reduces over ``tp`` (module docstring)."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.first
@@ -47,18 +51,8 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out) if self.tp is not None else out
 
 
-class VocabParallelHead(nn.Module):
+class VocabParallelHead(_VocabRows):
     """This rank's rows of the LM head; `forward` gathers the logits on rank 0."""
-
-    def __init__(self, vocab: int, dim: int, rank: int, world: int, tp: Any = None) -> None:
-        super().__init__()
-        self.vocab, self.rank, self.world = vocab, rank, world
-        self.first, self.rows, self.real_rows = vocab_rows(vocab, rank, world)
-        self.weight = nn.Parameter(torch.empty(self.rows, dim), requires_grad=False)
-        self.tp = tp
-
-    def extra_repr(self) -> str:
-        return f"vocab={self.vocab}, rows [{self.first}, {self.first + self.rows}) of {self.world}"
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, V]`` logits on rank 0, ``[N, 0]`` elsewhere (``[N, rows]`` without a group)."""
