@@ -33,6 +33,10 @@ os.environ.pop("HISPARSE_OFFLOAD", None)
 # CPU pools start poisoned (0xFF: NaN) as GPU pools always do, so that a read of a row nothing
 # wrote fails a test instead of passing as zero (the library skips the CPU fill: it is slow).
 os.environ.setdefault("HISPARSE_POISON", "1")
+# The CPU suite runs every Triton kernel under Triton's interpreter, which must be on before
+# Triton first defines a kernel: whatever module a test collection imports first (an engine
+# import reaches the fused and fp8 kernels), the kernels are then the interpreter's.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -121,6 +125,40 @@ def forbid_reference(monkeypatch):
         return patched
 
     return forbid
+
+
+# --- pytest-xdist (`make test` runs two workers, --dist loadgroup) ---------------------------
+#: Modules whose module-scoped fixtures or module caches build engines, servers or models
+#: (seconds each): their tests stay on one worker, which builds them once. Tests of the other
+#: modules are dealt out one at a time. The tensor-parallel modules also stay together: each of
+#: their tests spawns its ranks, and one such test at a time is enough for a 2-core machine.
+ONE_WORKER_MODULES = frozenset(
+    {
+        "test_api_outputs",
+        "test_engine_smollm2",
+        "test_fp8_model",
+        "test_fp8_tensor_parallel",
+        "test_gguf_loader",
+        "test_llama_smollm2",
+        "test_models_dsa",
+        "test_output_processor",
+        "test_scheduler_property",
+        "test_serve",
+        "test_serve_faults",
+        "test_serve_limits",
+        "test_serve_shutdown",
+        "test_serve_soak",
+        "test_tensor_parallel",
+    }
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = getattr(getattr(item, "module", None), "__name__", "")
+        if module.rsplit(".", 1)[-1] in ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(module))
 
 
 # --- under CI, a skip is a failure ------------------------------------------------------------

@@ -17,7 +17,8 @@ import pytest
 
 from api_helpers import prompts, rss_mib, tiny_llm
 from hisparse import LLM, HiSparseConfig, SamplingParams
-from hisparse.engine import kv_manager
+from hisparse.engine import core as engine_core
+from hisparse.engine import kv_blocks, kv_manager
 from hisparse.engine import llm as llm_module
 from hisparse.kv.host_pool import HostPool, live_pool
 
@@ -54,7 +55,7 @@ def test_a_constructor_that_fails_late_releases_everything(checkpoint, monkeypat
         init(self, *a, **k)
 
     monkeypatch.setattr(kv_manager.KVCacheManager, "__init__", recording)
-    real_pool = kv_manager.BlockPool
+    real_pool = kv_blocks.BlockPool
 
     def host_blocks_fail(n, name="block pool"):
         if name == "host block pool":
@@ -62,7 +63,7 @@ def test_a_constructor_that_fails_late_releases_everything(checkpoint, monkeypat
         return real_pool(n, name)
 
     with monkeypatch.context() as m:
-        m.setattr(kv_manager, "BlockPool", host_blocks_fail)
+        m.setattr(kv_blocks, "BlockPool", host_blocks_fail)
         with pytest.raises(MemoryError):
             tiny_llm(checkpoint)
     assert live_pool() is None
@@ -123,7 +124,7 @@ def test_a_pool_still_held_is_refused_not_doubled(checkpoint):
 
 
 def test_step_stats_are_bounded(checkpoint, monkeypatch):
-    monkeypatch.setattr(llm_module, "STEP_STATS_KEPT", 5)
+    monkeypatch.setattr(engine_core, "STEP_STATS_KEPT", 5)
     with tiny_llm(checkpoint) as llm:
         for _ in range(3):
             llm.generate(prompt_token_ids=prompts((9,)), sampling_params=SHORT)
@@ -136,7 +137,7 @@ def test_step_stats_are_bounded(checkpoint, monkeypatch):
 
 
 def test_default_host_pool_is_sized_to_the_model_and_requests(checkpoint):
-    from hisparse.engine.setup import default_host_pool_bytes as _default_host_pool_bytes
+    from hisparse.engine.device import default_host_pool_bytes as _default_host_pool_bytes
     from hisparse.models.registry import engine_specs
 
     with tiny_llm(checkpoint, hisparse=HiSparseConfig(block_size=4)) as llm:

@@ -223,7 +223,7 @@ def test_persistent_block_tables_follow_every_block_change():
     specs = []
     for i in range(2):
         name = f"layers.{i}.attn"
-        specs.append(LayerCacheSpec(name, CacheKind.SPARSE_MLA, 64, 4, RowFormat.BF16_MLA, name))
+        specs.append(LayerCacheSpec(name, CacheKind.SPARSE, 64, 4, RowFormat.BF16_MLA, name))
         specs.append(LayerCacheSpec(f"layers.{i}.indexer", CacheKind.INDEXER, 32, 4))
     cfg = HiSparseConfig(top_k=4, host_pool_gib=0.001, block_size=4).resolve()
     for placement in ("hisparse", "gpu"):
@@ -241,7 +241,7 @@ def test_persistent_block_tables_follow_every_block_change():
             kv.flush_table_updates()  # what the runner applies before a step
             slots = torch.tensor([kv.requests[r].slot for r in ids])
             host, idx, res = kv.step_tables(slots)
-            if kv.offload:
+            if kv.hisparse:
                 assert torch.equal(host, kv.block_table(ids, "host"))
             assert torch.equal(idx, kv.block_table(ids, "indexer"))
             for gi, t in enumerate(res):
@@ -452,8 +452,8 @@ def test_decode_path_falls_back_where_a_step_cannot_be_captured(monkeypatch):
     PyTorch reference backend) makes the default run the same step uncaptured, with a
     warning, and makes an explicit cuda_graphs=True an error that says what to pass."""
     pytest.importorskip("triton")
-    from hisparse.engine.setup import capture_blockers
-    from hisparse.engine.setup import decode_path as _decode_path
+    from hisparse.engine.device import capture_blockers
+    from hisparse.engine.device import decode_path as _decode_path
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.delenv("HISPARSE_OPS", raising=False)

@@ -105,7 +105,7 @@ def test_all_resident_matches_the_page_sets_through_demotion_and_preemption(
     def checked(self, req_ids):
         for r in req_ids:  # request by request, then the batch
             b = self.requests[r]
-            want = self.sticky and all(
+            want = self.policy.under_pressure and all(
                 all(p in res for p in range(len(b.indexer))) for res in b.resident
             )
             assert counted(self, [r]) == want, (r, want)
@@ -263,18 +263,18 @@ def test_a_growth_skipped_within_its_pages_has_them(checkpoint, monkeypatch, pla
 
     def schedule(self):
         kv = self.kv
-        before = {r.req_id: kv.grows(r.req_id, r.num_computed + 1) for r in self.running}
-        parts = original(self)
-        for part in parts:
+        before = {r.req_id: kv.needs_growth(r.req_id, r.num_computed + 1) for r in self.running}
+        out = original(self)
+        for part in out.parts:
             for r, n in part.batch:
                 b = kv.requests[r.req_id]
                 pages = cdiv(r.num_computed + n, kv.block_size)
-                if kv.offload:
+                if kv.hisparse:
                     assert len(b.host) >= pages and len(b.indexer) >= pages
                 assert all(pages - 1 in res for res in b.resident)
                 if part.decode and not before.get(r.req_id, True):
                     skipped.append(r.req_id)
-        return parts
+        return out
 
     monkeypatch.setattr(Scheduler, "schedule", schedule)
     _, seen = _run_probe(checkpoint, placement, blocks=requests_pool(4.2),

@@ -49,7 +49,7 @@ def _sizes(path, placement: str, budget: int) -> tuple[int, int, int, int, int]:
         # the pool check counts one max_model_len request at its peak; admission and
         # preemption count the same figure (a prefill streams its pages to the host)
         one = 1 + kv.layout.gpu_blocks_per_request(MAX_MODEL_LEN)
-        host = kv.layout.host_block_bytes if kv.offload else 1
+        host = kv.layout.host_block_bytes if kv.hisparse else 1
         return (
             kv.layout.gpu_bytes_per_block,
             host,
