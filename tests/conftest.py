@@ -18,7 +18,17 @@ settings.load_profile("explore" if os.environ.get("HISPARSE_HYPOTHESIS") == "exp
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread():
     """One intra-op thread: on a busy 2-core CI machine spinning OpenMP workers made each small
-    matmul far slower than running it on one core."""
+    matmul far slower than running it on one core (and two pytest-xdist workers of two
+    threads each on two cores ran some engine tests ten times slower). numba's threads are
+    started first: starting them (the first parallel kernel, or numba.set_num_threads) sets
+    the OpenMP runtime it shares with torch to NUMBA_NUM_THREADS threads (the cores), which
+    torch then used for the rest of the session."""
+    try:
+        import numba
+
+        numba.get_num_threads()  # starts numba's thread pool now
+    except ImportError:
+        pass
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -129,9 +139,10 @@ def forbid_reference(monkeypatch):
 
 # --- pytest-xdist (`make test` runs two workers, --dist loadgroup) ---------------------------
 #: Modules whose module-scoped fixtures or module caches build engines, servers or models
-#: (seconds each): their tests stay on one worker, which builds them once. Tests of the other
-#: modules are dealt out one at a time. The tensor-parallel modules also stay together: each of
-#: their tests spawns its ranks, and one such test at a time is enough for a 2-core machine.
+#: (seconds each): under --dist loadgroup their tests stay on one worker, which builds them
+#: once. Tests of the other modules are dealt out one at a time. The tensor-parallel modules
+#: also stay together: each of their tests spawns its ranks, and one such test at a time is
+#: enough for a 2-core machine.
 ONE_WORKER_MODULES = frozenset(
     {
         "test_api_outputs",
@@ -153,12 +164,24 @@ ONE_WORKER_MODULES = frozenset(
 )
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        module = getattr(getattr(item, "module", None), "__name__", "")
-        if module.rsplit(".", 1)[-1] in ONE_WORKER_MODULES:
-            item.add_marker(pytest.mark.xdist_group(module))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup, with the modules of `ONE_WORKER_MODULES` as groups. (xdist marks a
+    group by a suffix of the test's node id, which pytest 9.2 no longer lets a plugin set, so
+    ``xdist_group`` marks do not group here; this scheduler reads the module instead.) The
+    largest groups are dealt first (xdist's loadscope order), then one test at a time."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            if Path(path).stem in ONE_WORKER_MODULES:
+                return path
+            return nodeid
+
+    return ModuleGroups(config, log)
 
 
 # --- under CI, a skip is a failure ------------------------------------------------------------
