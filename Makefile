@@ -29,10 +29,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
+# The suite on two pytest-xdist workers (one torch thread each: tests/conftest.py), the
+# modules with expensive module-scoped fixtures kept on one worker (--dist loadgroup,
+# conftest's ONE_WORKER_MODULES). PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=25
 
 demo: $(STAMP)
 	$(VENV)/bin/hisparse generate --offload always
