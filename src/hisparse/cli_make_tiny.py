@@ -8,7 +8,9 @@ dimensions with 2 layers and a small FFN, for GPU benchmarks. ``--fp8`` writes t
 format instead (`hisparse.models.checkpoint_writer`: e4m3 weights with 128 x 128 ue8m0 tile
 scales, DeepSeek's ``quantization_config``, the multi-token-prediction layer, a byte-level
 tokenizer); ``--preset v32-shapes`` is DeepSeek-V3.2's real layer shapes with fewer experts and
-layers (~3.4 GB with ``--fp8``), for GPU runs of the fp8 kernels.
+layers (~3.4 GB with ``--fp8``), for GPU runs of the fp8 kernels. ``--arch deepseek_v4``
+writes DeepSeek-V4 in the release's tensor names (`hisparse.models.v4_tiny`; ``--preset
+v4-attention``: V4-Flash's attention shapes in 2 layers).
 """
 
 from __future__ import annotations
@@ -45,9 +47,9 @@ def add_make_tiny_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``make-tiny`` on the ``hisparse`` subcommand parser."""
     p = sub.add_parser(
         "make-tiny",
-        help="write a small random DSA checkpoint (tests, benchmarks)",
-        description="Write a random DeepSeek-V3.2 or GLM-5 checkpoint (config.json + "
-        "model.safetensors) built and saved by transformers.",
+        help="write a small random DSA or DeepSeek-V4 checkpoint (tests, benchmarks)",
+        description="Write a random DeepSeek-V3.2, GLM-5 or DeepSeek-V4 checkpoint "
+        "(config.json + model.safetensors) built and saved by transformers.",
     )
     p.add_argument("out", metavar="OUT", type=Path, help="folder to write")
     p.add_argument("--arch", required=True, choices=ARCHS, help="model architecture")
@@ -57,7 +59,8 @@ def add_make_tiny_parser(sub: argparse._SubParsersAction) -> None:
         default="tiny",
         help="'tiny': small everything, index_topk 16 (CPU tests); 'v32-attention': the "
         "arch's real attention and indexer dims, 2 layers, small FFN; 'v32-shapes': "
-        "DeepSeek-V3.2's real layer shapes, 16 experts, 3 layers + MTP (default: %(default)s)",
+        "DeepSeek-V3.2's real layer shapes, 16 experts, 3 layers + MTP; 'v4-attention' "
+        "(deepseek_v4): V4-Flash's attention, 2 layers, small FFN (default: %(default)s)",
     )
     p.add_argument("--layers", type=int, default=None, help="num_hidden_layers override")
     p.add_argument(

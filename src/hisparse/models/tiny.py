@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-ARCHS = ("deepseek_v32", "glm_moe_dsa")
-PRESETS = ("tiny", "v32-attention", "v32-shapes")
+ARCHS = ("deepseek_v32", "glm_moe_dsa", "deepseek_v4")
+PRESETS = ("tiny", "v32-attention", "v32-shapes", "v4-attention")
 
 # Small everything. kv_lora_rank 128 keeps fp8_ds_mla rows possible (one 128-value tile);
 # 16 indexer heads make exact-zero score ties (every head's ReLU at 0) unlikely.
@@ -121,6 +121,15 @@ def tiny_config_kwargs(
     the tile-aligned widths of fp8 tiny checkpoints)."""
     if arch not in ARCHS:
         raise ValueError(f"arch {arch!r}: expected one of {ARCHS}")
+    if arch == "deepseek_v4" or preset == "v4-attention":
+        if arch != "deepseek_v4" or fp8:
+            raise ValueError(
+                "preset 'v4-attention' is DeepSeek-V4's (arch deepseek_v4), and deepseek_v4 "
+                "checkpoints are written unquantized (no --fp8)"
+            )
+        from hisparse.models.v4_tiny import v4_config_kwargs
+
+        return v4_config_kwargs(preset, **overrides)
     if preset == "tiny":
         kw = dict(_TINY, **(_TINY_FP8 if fp8 else {}))
         if arch == "glm_moe_dsa":
@@ -167,8 +176,14 @@ def make_tiny(
         overrides: any other config field (e.g. ``num_hidden_layers=6``).
 
     Returns the folder. Needs ``transformers`` (a test dependency of hisparse) unless it goes
-    through `checkpoint_writer`.
+    through `checkpoint_writer`. ``deepseek_v4`` goes through `v4_tiny.make_tiny_v4` (the
+    release's tensor names, a byte-level tokenizer).
     """
+    if arch == "deepseek_v4":
+        from hisparse.models.v4_tiny import make_tiny_v4
+
+        tiny_config_kwargs(arch, preset, fp8=fp8)  # refuses the combinations it cannot write
+        return make_tiny_v4(out_dir, preset, seed, dtype=dtype, **overrides)
     if fp8 or preset == "v32-shapes":
         from hisparse.models import checkpoint_writer
         from hisparse.models.fp8 import Fp8Format

@@ -1,0 +1,136 @@
+"""What a DeepSeek-V4 layer caches per request, and a dense implementation of it.
+
+Per layer (docs/design.md §20):
+
+* ``window``: every token's shared K=V row (``head_dim`` values); attention reads the last
+  ``sliding_window`` of them;
+* compressed layers: ``entries.compressor``, one row per closed window of ``compress_rate``
+  tokens, and the compressor's carried state ``state.compressor.{kv,gate}``: the projections of
+  the last window (the last two for a compressed sparse layer, whose entries overlap the
+  previous window), a ring of ``state_ring`` positions. A window closes when its last token
+  arrives, in whichever step that is, so chunk boundaries anywhere give the same entries;
+* compressed sparse layers also keep the indexer's own entries and state
+  (``entries.indexer``, ``state.indexer.*``).
+
+The model addresses every store by (request row of the step, position) through `V4Cache`;
+`DenseV4Cache` keeps each store as one ``[max_reqs, length, width]`` tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from hisparse.models.kv_access import ForwardStep
+from hisparse.models.v4_config import CSA, V4Config
+
+
+def state_ring(config: V4Config, layer: int) -> int:
+    """Positions of compressor state a layer carries: the open window, and the one before it
+    on a compressed sparse layer (its entries overlap two windows)."""
+    rate = config.compress_rate(layer)
+    return 2 * rate if config.layer_types[layer] == CSA else rate
+
+
+def store_shapes(config: V4Config, max_len: int) -> dict[tuple[int, str], tuple[int, int]]:
+    """``(layer, store) -> (rows per request, row width)`` of every store of ``config``."""
+    d, di = config.head_dim, config.index_head_dim
+    shapes: dict[tuple[int, str], tuple[int, int]] = {}
+    for layer, kind in enumerate(config.layer_types):
+        shapes[(layer, "window")] = (max_len, d)
+        rate = config.compress_rate(layer)
+        if not rate:
+            continue
+        ring = state_ring(config, layer)
+        names = [("compressor", d)] + ([("indexer", di)] if kind == CSA else [])
+        for name, width in names:
+            series = width * (2 if kind == CSA else 1)
+            shapes[(layer, f"entries.{name}")] = (max_len // rate, width)
+            shapes[(layer, f"state.{name}.kv")] = (ring, series)
+            shapes[(layer, f"state.{name}.gate")] = (ring, series)
+    return shapes
+
+
+class V4Cache(Protocol):
+    """Row-addressed per-request stores (module docstring)."""
+
+    def write(
+        self, layer: int, store: str, req_row: torch.Tensor, pos: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Rows ``values [M, width]`` at ``pos [M]`` of the step's request rows ``req_row``."""
+        ...
+
+    def read(
+        self, layer: int, store: str, req_row: torch.Tensor, pos: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows ``[*pos.shape, width]`` (zeros where ``pos < 0``); ``req_row`` broadcasts."""
+        ...
+
+
+class DenseV4Cache:
+    """Every store of every request slot as a plain tensor on one device (tests, CPU)."""
+
+    def __init__(
+        self,
+        config: V4Config,
+        *,
+        max_reqs: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = config
+        self.max_len = max_len
+        self.device = torch.device(device)
+        self.stores = {
+            key: torch.zeros(max_reqs, length, width, dtype=dtype, device=self.device)
+            for key, (length, width) in store_shapes(config, max_len).items()
+        }
+        self.lens = [0] * max_reqs
+        self._slots: torch.Tensor | None = None
+
+    def reset(self, req: int) -> None:
+        """Forget request slot ``req`` (its rows are rewritten by the next request there)."""
+        self.lens[req] = 0
+
+    def begin_step(self, reqs: Sequence[int], num_new: Sequence[int]) -> ForwardStep:
+        """Append ``num_new[i]`` tokens to request slot ``reqs[i]``; the step's metadata."""
+        if len(reqs) != len(num_new) or len(set(reqs)) != len(reqs):
+            raise ValueError("reqs must be distinct and match num_new")
+        positions, req_index, seq_lens = [], [], []
+        for row, (r, n) in enumerate(zip(reqs, num_new, strict=True)):
+            start = self.lens[r]
+            if start + n > self.max_len:
+                raise ValueError(f"request {r} would hold {start + n} > max_len={self.max_len}")
+            positions.append(torch.arange(start, start + n))
+            req_index.append(torch.full((n,), row))
+            seq_lens.append(start + n)
+            self.lens[r] = start + n
+        self._slots = torch.tensor(list(reqs), device=self.device)
+        return ForwardStep(
+            positions=torch.cat(positions).to(self.device),
+            req_index=torch.cat(req_index).to(self.device),
+            seq_lens=torch.tensor(seq_lens, device=self.device),
+            max_len=max(seq_lens),
+        )
+
+    def _slot(self, req_row: torch.Tensor) -> torch.Tensor:
+        if self._slots is None:
+            raise RuntimeError("DenseV4Cache.begin_step was not called")
+        return self._slots[req_row.long()]
+
+    def write(
+        self, layer: int, store: str, req_row: torch.Tensor, pos: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        t = self.stores[(layer, store)]
+        t[self._slot(req_row), pos.long()] = values.to(t.dtype)
+
+    def read(
+        self, layer: int, store: str, req_row: torch.Tensor, pos: torch.Tensor
+    ) -> torch.Tensor:
+        t = self.stores[(layer, store)]
+        slot = self._slot(req_row).expand(pos.shape)
+        rows = t[slot, pos.clamp(min=0).long()]
+        return rows.masked_fill((pos < 0).unsqueeze(-1), 0)

@@ -1,0 +1,85 @@
+"""Load a DeepSeek-V4 checkpoint (config.json + safetensors) into `DeepseekV4ForCausalLM`.
+
+The release names its tensors ``embed.weight``, ``layers.{i}.attn.wq_a.weight``, ``hc_head_fn``
+...; transformers' ``save_pretrained`` writes the same names under a ``model.`` prefix, with
+``model.embed_tokens`` and ``model.hc_head.hc_fn``: both load. Weights the release quantizes
+(fp8 with UE8M0 scales, 4-bit experts: `v4_quant`) are dequantized to the model dtype here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from hisparse.models.checkpoint import CheckpointError, CheckpointIndex, SliceReader
+from hisparse.models.deepseek_v4 import DeepseekV4ForCausalLM
+from hisparse.models.v4_config import V4Config
+
+#: transformers-saved names that differ from the release's beyond the ``model.`` prefix
+_ALIASES = (
+    (re.compile(r"^embed_tokens\.weight$"), "embed.weight"),
+    (re.compile(r"^hc_head\.hc_(fn|base|scale)$"), r"hc_head_\1"),
+)
+
+#: parameters kept in fp32 whatever the model dtype (transformers keeps them so too)
+_FP32 = re.compile(r"(norm\.weight|attn_sink|\.ape|hc_\w+|gate\.bias)$")
+
+
+def release_name(name: str) -> str:
+    """The release's name of a checkpoint tensor named either way (module docstring)."""
+    if name.startswith("model."):
+        name = name[len("model.") :]
+    for pattern, repl in _ALIASES:
+        name = pattern.sub(repl, name)
+    return name
+
+
+def _is_scale(name: str) -> bool:
+    return name.endswith(".scale") or name.endswith("weight_scale_inv")
+
+
+def load_v4_model(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> DeepseekV4ForCausalLM:
+    """The model of checkpoint folder ``path`` in ``dtype`` (fp32 parameters stay fp32)."""
+    from hisparse.models.v4_quant import dequantize_tensor
+
+    path = Path(path)
+    config = V4Config.from_pretrained(path)
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(config)
+    ckpt = CheckpointIndex(path)
+    names = {release_name(k): k for k in ckpt.tensors if not k.startswith("mtp.")}
+    scales = {
+        re.sub(r"\.(scale|weight_scale_inv)$", ".weight", release_name(k)): k
+        for k in ckpt.tensors
+        if _is_scale(k)
+    }
+    state = model.state_dict(keep_vars=True)
+    missing = [k for k in state if k not in names and not k.startswith("rotary_")]
+    if missing:
+        raise CheckpointError(
+            f"{path}: the checkpoint lacks {len(missing)} tensors of a deepseek_v4 model of "
+            f"this config.json, e.g. {missing[:3]}; is it a DeepSeek-V4 checkpoint?"
+        )
+    values: dict[str, torch.Tensor] = {}
+    with SliceReader(ckpt) as reader:
+        for key, param in state.items():
+            if key.startswith("rotary_"):
+                continue
+            t = reader.read(names[key])
+            if key in scales:
+                t = dequantize_tensor(t, reader.read(scales[key]))
+            want = torch.long if key.endswith("tid2eid") else dtype
+            if _FP32.search(key):
+                want = torch.float32
+            if tuple(t.shape) != tuple(param.shape):
+                raise CheckpointError(f"{path}: {names[key]} has shape {tuple(t.shape)}, "
+                                      f"this config.json needs {tuple(param.shape)}")  # fmt: skip
+            values[key] = t.to(device=device, dtype=want)
+    model.load_state_dict(values, strict=False, assign=True)
+    model.rotary_main.to(device)  # built on the CPU inside the meta skeleton
+    model.rotary_compress.to(device)
+    return model.eval()
