@@ -72,8 +72,24 @@ class EngineCore:
             with self.tp_section():
                 self.tp.send(("abort", [r.req_id for r in reqs]))
 
+    def add_from_driver(self, specs: list[Any]) -> None:
+        """A worker: the requests the driver's `add` sent."""
+        for rid, ids, params, index in specs:
+            self.scheduler.add(Request(req_id=rid, prompt_token_ids=ids, params=params,
+                                       index=index))  # fmt: skip
+
+    def abort_from_driver(self, ids: list[str]) -> None:
+        """A worker: the requests the driver's `abort` named (those this rank holds)."""
+        wanted = set(ids)
+        for req in [r for r in self.unfinished() if r.req_id in wanted]:
+            self.scheduler.abort(req)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
+
+    def unfinished(self) -> list[Request]:
+        """Every queued or running request (under data parallelism, every rank's)."""
+        return [*self.scheduler.running, *self.scheduler.waiting]
 
     # --- steps ---------------------------------------------------------------------------
     def step(self) -> list[StepReport]:
@@ -167,6 +183,27 @@ class EngineCore:
             except BaseException as err:
                 self.on_fatal()
                 raise tp.fail(err) from err
+
+
+def run_with_progress(
+    core: EngineCore, requests: list[Request], progress: bool, on_finish: Any = None
+) -> None:
+    """`EngineCore.run` with a progress bar (``progress``) and ``on_finish(done, total)``."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
+    done = [sum(r.finished for r in requests)]
+
+    def on_progress(new_done: int) -> None:
+        bar.update(new_done - done[0])
+        if on_finish is not None:
+            on_finish(new_done, len(requests))
+        done[0] = new_done
+
+    try:
+        core.run(requests, on_progress)
+    finally:
+        bar.close()
 
 
 @contextlib.contextmanager

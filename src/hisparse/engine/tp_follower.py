@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hisparse.engine.request import Request
 from hisparse.parallel import group as tp_group
 
 if TYPE_CHECKING:
@@ -96,13 +95,9 @@ def serve_tensor_parallel(llm: LLM) -> str:
             sched.failed.clear()
             llm.runner.flush_metrics()
         elif op == "add":
-            for rid, ids, params, index in args[0]:
-                sched.add(Request(req_id=rid, prompt_token_ids=ids, params=params,
-                                  index=index))  # fmt: skip
+            llm._core.add_from_driver(args[0])
         elif op == "abort":
-            ids = set(args[0])
-            for req in [r for r in [*sched.running, *sched.waiting] if r.req_id in ids]:
-                sched.abort(req)
+            llm._core.abort_from_driver(args[0])
         elif op == "max_num_seqs":
             sched.max_num_seqs = args[0]
         elif op == "state":

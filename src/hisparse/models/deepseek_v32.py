@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +131,9 @@ class MoE(nn.Module):
         self.w_down: torch.Tensor | None = None  # [E (+1), H, I]
         self.shared_in_stack = False  # the shared expert is the stacks' last entry
         self._stack_ptrs: tuple[int, ...] = ()
+        #: expert parallelism (`hisparse.parallel.expert.ExpertParallel`): this rank's experts
+        #: over every data-parallel rank's tokens
+        self.ep: Any = None
 
     @torch.no_grad()
     def stack_experts(self) -> None:
@@ -196,6 +200,8 @@ class MoE(nn.Module):
         return fused.moe_combine(y[:e], w, chosen, shared)
 
     def forward(self, x: torch.Tensor, *, sync_free: bool = False) -> torch.Tensor:
+        if self.ep is not None:
+            return self.ep.forward(self, x)
         if self.fp8_experts is not None:  # grouped GEMMs: sync-free on every path
             weights, ids = self.gate(x)
             return self.fp8_experts(x, weights, ids) + self.shared_experts(x)

@@ -103,8 +103,11 @@ class TPGroup:
         device: torch.device,
         launch: str,
         timeout: float,
+        kind: str = "tensor-parallel",
     ) -> None:
         self.rank, self.world_size = rank, world_size
+        #: how errors name the ranks: ``tensor-parallel`` or ``data-parallel``
+        self.kind = kind
         self.local_rank, self.local_world_size = local_rank, local_world_size
         self.device = device
         #: "spawn" (the driver started the workers) or "torchrun"
@@ -134,6 +137,7 @@ class TPGroup:
         *,
         worker_main: Callable[[WorkerSpec, Any], None],
         serve_ranks: Callable[[torch.device], None],
+        kind: str = "tensor-parallel",
     ) -> TPGroup:
         """This process's rank: a spawned worker (`_WORKER`), a ``torchrun`` rank, or a
         driver that spawns ranks 1 .. ``world_size - 1`` now. The engine's entry points are
@@ -145,7 +149,7 @@ class TPGroup:
             spec = _WORKER
             tp = cls(rank=spec.rank, world_size=spec.world_size, local_rank=spec.rank,
                      local_world_size=spec.world_size, device=rank_device(device, spec.rank),
-                     launch="spawn", timeout=spec.timeout_s)  # fmt: skip
+                     launch="spawn", timeout=spec.timeout_s, kind=kind)  # fmt: skip
             store = dist.TCPStore("127.0.0.1", spec.store_port, world_size, is_master=False,
                                   timeout=datetime.timedelta(seconds=spec.timeout_s))  # fmt: skip
             tp._init_groups(store)
@@ -161,7 +165,7 @@ class TPGroup:
             if env["rank"] > 0 and not _TORCHRUN_WORKER:
                 serve_ranks(device)  # never returns: this process serves rank 0
             tp = cls(**env, device=rank_device(device, env["local_rank"]), launch="torchrun",
-                     timeout=timeout)  # fmt: skip
+                     timeout=timeout, kind=kind)  # fmt: skip
             tp.group, tp.control = torchrun_groups(tp.device)
             if tp.is_driver:  # the other ranks build the same engine
                 dist.broadcast_object_list([("engine", llm_kwargs)], src=0, group=tp.control)
@@ -169,7 +173,8 @@ class TPGroup:
             return tp
         _check_devices(device, world_size)
         tp = cls(rank=0, world_size=world_size, local_rank=0, local_world_size=world_size,
-                 device=rank_device(device, 0), launch="spawn", timeout=timeout)  # fmt: skip
+                 device=rank_device(device, 0), launch="spawn", timeout=timeout,
+                 kind=kind)  # fmt: skip
         try:
             store = tp._spawn(llm_kwargs, worker_main)
             tp._init_groups(store)
@@ -213,7 +218,7 @@ class TPGroup:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TensorParallelError(
-                    f"tensor-parallel ranks {sorted(waiting)} did not start within "
+                    f"{self.kind} ranks {sorted(waiting)} did not start within "
                     f"{self.timeout:.0f} s ({TIMEOUT_ENV})"
                 )
             sentinels = {self.workers[r - 1].sentinel: r for r in waiting}
@@ -227,7 +232,7 @@ class TPGroup:
                 msg = _recv(obj)
                 if msg is None or msg[0] != "up":
                     self.check_workers()
-                    raise TensorParallelError(_describe(rank, None, msg))
+                    raise TensorParallelError(_describe(rank, None, msg, self.kind))
                 del waiting[rank]
 
     def _init_groups(self, store: Any) -> None:
@@ -327,9 +332,8 @@ class TPGroup:
         """Driver: a `TensorParallelError` naming the first spawned worker that is gone."""
         for rank, proc in enumerate(self.workers, start=1):
             if not proc.is_alive():
-                raise TensorParallelError(
-                    _describe(rank, proc.exitcode, _last_report(self.reports[rank - 1]))
-                )
+                report = _last_report(self.reports[rank - 1])
+                raise TensorParallelError(_describe(rank, proc.exitcode, report, self.kind))
 
     def fail(self, err: BaseException) -> TensorParallelError:
         """Driver or worker: end this engine after ``err`` (kill the spawned workers, drop the
@@ -341,10 +345,11 @@ class TPGroup:
             for rank, proc in enumerate(self.workers, start=1):
                 proc.join(timeout=0.5)
                 if not proc.is_alive():
-                    why.append(_describe(rank, proc.exitcode, _last_report(self.reports[rank - 1])))
+                    report = _last_report(self.reports[rank - 1])
+                    why.append(_describe(rank, proc.exitcode, report, self.kind))
             detail = "; ".join(why) if why else f"{type(err).__name__}: {err}"
             out = TensorParallelError(
-                f"tensor-parallel rank {self.rank}: the engine failed ({detail}); it is closed"
+                f"{self.kind} rank {self.rank}: the engine failed ({detail}); it is closed"
             )
         self.failed = True
         self.shutdown(graceful=False)
@@ -469,7 +474,7 @@ def _last_report(conn: Any) -> Any:
     return msg
 
 
-def _describe(rank: int, exitcode: int | None, report: Any) -> str:
+def _describe(rank: int, exitcode: int | None, report: Any, kind: str = "tensor-parallel") -> str:
     if exitcode is None:
         what = "stopped reporting"
     elif exitcode < 0:
@@ -480,7 +485,7 @@ def _describe(rank: int, exitcode: int | None, report: Any) -> str:
         what = f"was killed by {name}"
     else:
         what = f"exited with status {exitcode}"
-    text = f"tensor-parallel rank {rank} {what}"
+    text = f"{kind} rank {rank} {what}"
     if report is not None and report[0] == "error":
         text += f"; its error:\n{report[1].rstrip()}"
     return text

@@ -1,0 +1,232 @@
+"""Data-parallel attention (docs/design.md §20): N ranks, each with its own scheduler, KV
+manager, HiSparse runtime and host pool over its own requests, the MoE's experts split over
+them (`hisparse.parallel.expert`).
+
+Rank 0 (the user's `LLM`) is the front: it assigns each new request to a rank
+(`DataParallelCore.route`: fewest unfinished requests, then most free GPU KV blocks, then the
+lowest rank), keeps a mirror `Request` of every request another rank runs, and merges what
+each step changed into them, so `generate`, `step` and the server read every rank's requests
+as their own. Every step runs on every rank in lockstep: the ranks schedule on their own, then
+agree in one small collective on the rows of each forward (decode part, then prefill part);
+a rank with no part in a forward that runs somewhere still takes part in its MoE collectives
+(`ExpertParallel.idle_forward`). After the forwards each rank sends the driver what changed
+for its requests (new tokens, text, status, metrics) and its load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hisparse.engine.core import EngineCore, StepReport
+from hisparse.engine.request import Request, Status
+from hisparse.validation import _fail
+
+
+def check_parallel_args(tp: int, dp: int, ep: bool, gguf: bool, cuda_graphs: Any) -> None:
+    """What data parallelism cannot be combined with (checked before anything starts)."""
+    if dp > 1 and tp > 1:
+        _fail("LLM.data_parallel_size", dp, "1 when tensor_parallel_size > 1: data-parallel "
+              "attention is not combined with tensor parallelism yet; pass one of "
+              "them")  # fmt: skip
+    if ep and dp < 2:
+        _fail("LLM.enable_expert_parallel", ep, "False unless data_parallel_size > 1 (the "
+              "experts are split over the data-parallel ranks)")  # fmt: skip
+    if ep and gguf:
+        _fail("LLM.enable_expert_parallel", ep, "False for a model without routed experts "
+              "(a Llama GGUF model); a DSA MoE checkpoint takes it")  # fmt: skip
+    if dp > 1 and cuda_graphs:
+        _fail("LLM.cuda_graphs", cuda_graphs, "False or None with data_parallel_size > 1 "
+              "(the lockstep forwards run eagerly)")  # fmt: skip
+
+
+def expert_parallel(model: Any, group: Any) -> Any:
+    """Split ``model``'s experts over ``group``'s ranks (`ExpertParallel.install`)."""
+    from hisparse.parallel.expert import ExpertParallel
+
+    ep = ExpertParallel(group, model.config.n_routed_experts, model.lm_head.weight.dtype)
+    ep.install(model)
+    return ep
+
+
+class DataParallelCore(EngineCore):
+    """`EngineCore` of one data-parallel rank (module docstring). ``ep``: the model's
+    `ExpertParallel` (None: every rank holds every expert and the forwards need no peer)."""
+
+    def __init__(self, scheduler: Any, runner: Any, *, tp: Any, ep: Any = None,
+                 on_fatal: Any = lambda: None) -> None:  # fmt: skip
+        super().__init__(scheduler, runner, tp=tp, on_fatal=on_fatal)
+        self.ep = ep
+        n = tp.world_size
+        #: driver: unfinished requests other ranks run, by id: (rank, mirror request)
+        self.remote: dict[str, tuple[int, Request]] = {}
+        #: driver: each rank's free GPU KV blocks after the last step
+        self.free_blocks = [0] * n
+        #: requests assigned to each rank so far (tests: both ranks get work)
+        self.assigned = [0] * n
+        #: worker: per request, how many tokens and text characters the driver has
+        self._sent: dict[str, tuple[int, int]] = {}
+
+    # --- requests ------------------------------------------------------------------------
+    def route(self, reqs: list[Request]) -> list[int]:
+        """The rank of each new request: fewest unfinished requests (counting those routed
+        just before it), then most free GPU KV blocks, then the lowest rank."""
+        load = [len(self.scheduler.running) + len(self.scheduler.waiting), *[0] * (
+            self.tp.world_size - 1)]  # fmt: skip
+        for rank, _ in self.remote.values():
+            load[rank] += 1
+        out = []
+        for _ in reqs:
+            rank = min(range(len(load)), key=lambda r: (load[r], -self.free_blocks[r], r))
+            load[rank] += 1
+            self.assigned[rank] += 1
+            out.append(rank)
+        return out
+
+    def add(self, reqs: list[Request]) -> None:
+        specs = []
+        for req, rank in zip(reqs, self.route(reqs), strict=True):
+            if rank == 0:
+                self.scheduler.add(req)
+                continue
+            self.remote[req.req_id] = (rank, req)
+            specs.append((rank, req.req_id, req.prompt_token_ids, req.params, req.index,
+                          req.sampling_seed))  # fmt: skip
+        if specs:
+            with self.tp_section():
+                self.tp.send(("add", specs))
+
+    def add_from_driver(self, specs: list[Any]) -> None:
+        for rank, rid, ids, params, index, seed in specs:
+            if rank == self.tp.rank:
+                req = Request(req_id=rid, prompt_token_ids=ids, params=params, index=index)
+                req.sampling_seed = seed  # the driver's stream: a rank draws what one would
+                self.scheduler.add(req)
+
+    def abort(self, reqs: list[Request]) -> None:
+        ids = []
+        for req in reqs:
+            if req.req_id in self.remote:
+                del self.remote[req.req_id]
+                ids.append(req.req_id)
+                req.status, req.finish_reason = Status.FINISHED, "abort"
+            elif not req.finished:
+                self.scheduler.abort(req)
+        if ids:
+            with self.tp_section():
+                self.tp.send(("abort", ids))
+
+    def abort_from_driver(self, ids: list[str]) -> None:
+        super().abort_from_driver(ids)
+        for rid in ids:
+            self._sent.pop(rid, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work or bool(self.remote)
+
+    def unfinished(self) -> list[Request]:
+        return [*super().unfinished(), *(req for _, req in self.remote.values())]
+
+    # --- a step in lockstep ----------------------------------------------------------------
+    def step(self) -> list[StepReport]:
+        tp, sched = self.tp, self.scheduler
+        if tp.is_driver:
+            tp.send(("step",))
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        self.runner.prepare(out)
+        parts = {p.decode: p for p in out.parts}
+        rows = self._agree([sum(n for _, n in parts[d].batch) if d in parts else 0
+                            for d in (True, False)])  # fmt: skip
+        reports: list[StepReport] = []
+        for decode, n in zip((True, False), rows, strict=True):
+            if not n:
+                continue
+            part = parts.get(decode)
+            with self.ep.forward_rows(n) if self.ep is not None else contextlib.nullcontext():
+                if part is None:
+                    if self.ep is not None:
+                        self.ep.idle_forward()
+                    continue
+                result = self.runner.execute_part(part)
+            sched.update_from_output(part, result)
+            row = self.stats_row(part, t0, result.now)
+            row["dp_rows"] = float(n)
+            reports.append((part.requests, row))
+            t0 = result.now
+        return self._exchange(reports)
+
+    def _agree(self, mine: list[int]) -> list[int]:
+        """Each forward's rows: the most any rank runs in it (one small all-reduce)."""
+        tp = self.tp
+        dev = tp.device if tp.backend == "nccl" else torch.device("cpu")
+        buf = torch.tensor(mine, dtype=torch.int64, device=dev)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=tp.group)
+        return buf.tolist()
+
+    def _exchange(self, reports: list[StepReport]) -> list[StepReport]:
+        """Every rank's changed requests and load to the driver, which updates its mirrors;
+        the driver's reports gain the other ranks' changed requests."""
+        tp, sched = self.tp, self.scheduler
+        free = sched.kv.gpu_blocks.num_free
+        if tp.is_driver:
+            gathered = tp.gather((free, []))
+            assert gathered is not None
+            changed = []
+            for rank, (rank_free, deltas) in enumerate(gathered):
+                self.free_blocks[rank] = rank_free
+                for delta in deltas:
+                    req = self._apply(delta)
+                    if req is not None:
+                        changed.append(req)
+            if changed:
+                if reports:
+                    reports[-1][0].extend(changed)
+                else:
+                    now = time.perf_counter()
+                    row = dict(decode=0.0, tokens=0, running=0, seconds=0.0, end=now)
+                    reports.append((changed, row))
+            return reports
+        self.runner.flush_metrics()  # the swap counters into each request's metrics
+        mine: dict[int, Request] = {id(r): r for reqs, _ in reports for r in reqs}
+        mine.update((id(r), r) for r in sched.failed)
+        sched.failed.clear()
+        tp.gather((free, [self._delta(r) for r in mine.values()]))
+        return reports
+
+    def _delta(self, req: Request) -> tuple[Any, ...]:
+        """What the driver's mirror of ``req`` lacks: new tokens (and logprobs), the text
+        (from the first new character; whole once finished), status and metrics."""
+        ntok, nchar = self._sent.get(req.req_id, (0, 0))
+        ntok = min(ntok, len(req.output_token_ids))
+        nchar = 0 if req.finished or nchar > len(req.text) else nchar
+        lps = req.logprobs[ntok:] if req.logprobs is not None else None
+        if req.finished:
+            self._sent.pop(req.req_id, None)
+        else:
+            self._sent[req.req_id] = (len(req.output_token_ids), len(req.text))
+        return (req.req_id, ntok, req.output_token_ids[ntok:], lps, req.cumulative_logprob,
+                nchar, req.text[nchar:], req.status.value, req.finish_reason, req.error,
+                req.stop_reason, req.num_computed, req.metrics)  # fmt: skip
+
+    def _apply(self, delta: tuple[Any, ...]) -> Request | None:
+        (rid, ntok, toks, lps, cum, nchar, text, status, reason, error, stop, computed,
+         metrics) = delta  # fmt: skip
+        entry = self.remote.get(rid)
+        if entry is None:
+            return None  # aborted here meanwhile
+        req = entry[1]
+        req.output_token_ids[ntok:] = toks
+        if lps is not None and req.logprobs is not None:
+            req.logprobs[ntok:] = lps
+        req.cumulative_logprob = cum
+        req.text = req.text[:nchar] + text
+        req.status, req.finish_reason, req.error = Status(status), reason, error
+        req.stop_reason, req.num_computed, req.metrics = stop, computed, metrics
+        if req.finished:
+            del self.remote[rid]
+        return req
