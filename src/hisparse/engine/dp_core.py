@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,8 +28,11 @@ from hisparse.engine.request import Request, Status
 from hisparse.validation import _fail
 
 
-def check_parallel_args(tp: int, dp: int, ep: bool, gguf: bool, cuda_graphs: Any) -> None:
-    """What data parallelism cannot be combined with (checked before anything starts)."""
+def check_parallel_args(
+    path: Path, tp: int, dp: int, ep: bool, gguf: bool, cuda_graphs: Any
+) -> None:
+    """What data parallelism cannot be combined with, and whether the ranks split the routed
+    experts evenly (read from config.json before anything starts)."""
     if dp > 1 and tp > 1:
         _fail("LLM.data_parallel_size", dp, "1 when tensor_parallel_size > 1: data-parallel "
               "attention is not combined with tensor parallelism yet; pass one of "
@@ -39,6 +43,15 @@ def check_parallel_args(tp: int, dp: int, ep: bool, gguf: bool, cuda_graphs: Any
     if ep and gguf:
         _fail("LLM.enable_expert_parallel", ep, "False for a model without routed experts "
               "(a Llama GGUF model); a DSA MoE checkpoint takes it")  # fmt: skip
+    if ep and not gguf:
+        from hisparse.models.dsa_config import DsaConfig
+
+        experts = DsaConfig.from_pretrained(path).n_routed_experts
+        if experts % dp:
+            ok = [d for d in range(2, experts + 1) if experts % d == 0 and d <= 64]
+            _fail("LLM.data_parallel_size", dp, f"a divisor of the model's {experts} routed "
+                  f"experts with enable_expert_parallel (each rank holds as many), e.g. "
+                  f"{', '.join(map(str, ok))}")  # fmt: skip
     if dp > 1 and cuda_graphs:
         _fail("LLM.cuda_graphs", cuda_graphs, "False or None with data_parallel_size > 1 "
               "(the lockstep forwards run eagerly)")  # fmt: skip

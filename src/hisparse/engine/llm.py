@@ -225,8 +225,8 @@ class LLM:
                       "(DSA models only)")  # fmt: skip
         else:
             check_choice(f + "indexer", indexer, DSA_INDEXERS)
-        check_parallel_args(tensor_parallel_size, data_parallel_size, enable_expert_parallel,
-                            gguf, cuda_graphs)  # fmt: skip
+        check_parallel_args(path, tensor_parallel_size, data_parallel_size,
+                            enable_expert_parallel, gguf, cuda_graphs)  # fmt: skip
         if tensor_parallel_size > 1:
             check_tensor_parallel_size(path, gguf, tensor_parallel_size)
         try:

@@ -52,16 +52,17 @@ class ExpertParallel:
 
     # --- installation ---------------------------------------------------------------------
     def install(self, model: nn.Module) -> None:
-        """Route every MoE layer of ``model`` (the main layers; the MTP layers do not run)
-        through this rank and keep only its own experts' weights."""
+        """Route every MoE layer of ``model`` through this rank and keep only its own
+        experts' weights (the multi-token-prediction layers' too, which do not run yet)."""
         from hisparse.models.deepseek_v32 import MoE
 
-        for layer in model.model.layers:
-            moe = layer.mlp
+        for moe in model.modules():
             if isinstance(moe, MoE):
                 self._keep_local(moe)
                 moe.ep = self
-                self.moe_layers.append(moe)
+        # the layers a forward runs, in order: an idle rank joins each one's collectives
+        self.moe_layers = [layer.mlp for layer in model.model.layers
+                           if isinstance(layer.mlp, MoE)]  # fmt: skip
 
     def _keep_local(self, moe: nn.Module) -> None:
         lo, hi = self.first, self.first + self.per

@@ -1,0 +1,167 @@
+"""Data-parallel attention with expert parallelism on the CPU (gloo, one process per rank):
+each rank runs its own requests with its own pools, the MoE runs over every rank's tokens, and
+the greedy tokens are one rank's (docs/design.md §20)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from hisparse import HiSparseConfig
+from hisparse.config import HiSparseConfigError
+from hisparse.engine.llm import LLM
+from hisparse.engine.sampling import SamplingParams
+from hisparse.models.deepseek_v32 import MoE
+from hisparse.models.layers import MLP
+from hisparse.parallel import TensorParallelError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+@pytest.fixture(autouse=True)
+def _short_collective_timeout(monkeypatch):
+    monkeypatch.setenv("HISPARSE_TP_TIMEOUT", "60")  # a hang fails in 60 s
+
+
+@pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
+def checkpoint(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param)
+
+
+@pytest.fixture(scope="module")
+def v32(tiny_checkpoint):
+    return tiny_checkpoint("deepseek_v32")
+
+
+def _prompts(lengths=(40, 23, 70, 33), seed=1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def _engine(path, dp, *, gib=0.02, top_k=None, offload="always", **kw) -> LLM:
+    return LLM(
+        path,
+        hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4, top_k=top_k, offload=offload),
+        kv_format="bf16",
+        max_model_len=128,
+        max_num_seqs=4,
+        gpu_memory_gib=gib,
+        data_parallel_size=dp,
+        enable_expert_parallel=dp > 1,
+        **kw,
+    )
+
+
+def _local_experts(llm: LLM) -> list[int]:
+    moes = [m for m in llm.model.modules() if isinstance(m, MoE)]
+    return [sum(isinstance(e, MLP) for e in m.experts) for m in moes]
+
+
+def test_dp2_ep2_equals_one_rank(checkpoint):
+    """Prompts longer than top_k (16), HiSparse (every page offloaded) and all-GPU: two
+    data-parallel ranks with half the experts each give one rank's greedy tokens; requests
+    ran on both ranks, each rank made its own host pool, and close() ends the ranks."""
+    prompts = _prompts()
+    with _engine(checkpoint, 1) as one:
+        ref = [o.token_ids for o in one.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+        experts = _local_experts(one)
+    with _engine(checkpoint, 2) as llm:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+        states = llm._tensor_parallel_state()
+        assert _local_experts(llm) == [n // 2 for n in experts]
+        assert llm._core.assigned == [2, 2]
+        workers = llm._tp.workers
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    assert [o.token_ids for o in outs] == ref
+    assert sum(o.metrics.misses for o in outs) > 0  # rows came from the host pools
+    assert all(o.metrics.misses > 0 for o in outs[1::2])  # rank 1's too, in the mirrors
+    pools = [s["host_pool"] for s in states]
+    assert all(p["created"] and not p["shared"] for p in pools)
+    assert len({s["pid"] for s in states}) == 2
+    assert llm.closed and llm.kv.host_pool is None and llm.runner is None
+    assert [w.exitcode for w in workers] == [0]
+    with _engine(checkpoint, 2, kv_placement="gpu") as gpu:
+        outs = gpu.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+        assert [o.token_ids for o in outs] == ref
+
+
+def test_dp2_under_preemption_with_offload_under_pressure(v32):
+    """Pools tight enough to preempt on each rank, pages offloaded only under pressure: the
+    tokens of one rank with the same pools, sampled ones included (a seeded request draws
+    the same stream on whichever rank runs it)."""
+    long = SamplingParams(temperature=0, max_tokens=60)
+    sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=20)
+    prompts = _prompts((20, 23, 30, 33, 21, 27))
+    with _engine(v32, 1, top_k=4, offload="under_pressure") as probe:
+        lay = probe.kv.layout
+        blocks = 1 + int(1.9 * lay.gpu_blocks_per_request(128))
+        gib = (blocks * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
+    params = [long] * 5 + [sampled]
+    runs = []
+    for dp in (1, 2):
+        with _engine(v32, dp, gib=gib, top_k=4, offload="under_pressure") as llm:
+            runs.append(llm.generate(prompt_token_ids=prompts, sampling_params=params))
+    one, two = runs
+    assert all(o.ok for o in two), [o.error for o in two]
+    assert sum(o.metrics.preemptions for o in two) > 0
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    assert [o.text for o in two] == [o.text for o in one]
+
+
+def test_dead_rank_ends_the_engine(v32):
+    """SIGKILL rank 1 in the middle of `generate`: TensorParallelError names the
+    data-parallel rank within seconds, and the engine is closed."""
+    llm = _engine(v32, 2)
+    worker = llm._tp.workers[0]
+
+    def kill() -> None:
+        while len(llm.step_stats) < 5:
+            time.sleep(0.005)
+        os.kill(worker.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"data-parallel rank 1 was killed by SIGKILL"):
+        llm.generate(prompt_token_ids=_prompts((20, 23, 25, 27)), sampling_params=long)
+    assert time.monotonic() - t0 < 30
+    killer.join(timeout=5)
+    assert llm.closed and llm.kv.host_pool is None and llm.runner is None
+    worker.join(timeout=5)
+    assert not worker.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(data_parallel_size=2, tensor_parallel_size=2), "not combined with tensor"),
+        (dict(enable_expert_parallel=True), "data_parallel_size > 1"),
+        (dict(data_parallel_size=3, enable_expert_parallel=True), "divisor of the model's 8"),
+        (dict(data_parallel_size=2, cuda_graphs=True), "lockstep forwards run eagerly"),
+    ],
+)
+def test_bad_parallel_arguments_fail_before_any_rank_starts(v32, kw, match):
+    with pytest.raises(HiSparseConfigError, match=match):
+        LLM(v32, **kw)
+
+
+def test_dp2_ep2_fp8_experts(tiny_checkpoint):
+    """An fp8 checkpoint: each rank keeps its slice of the stacked e4m3 experts and their
+    tile scales, and the greedy tokens are one rank's."""
+    path = tiny_checkpoint("deepseek_v32", fp8=True)
+    prompts = _prompts((40, 23))
+    runs = []
+    for dp in (1, 2):
+        with _engine(path, dp) as llm:
+            runs.append([o.token_ids for o in llm.generate(prompt_token_ids=prompts,
+                                                           sampling_params=GREEDY)])  # fmt: skip
+            sizes = {m.fp8_experts.gate_weight.shape[0] for m in llm.model.modules()
+                     if isinstance(m, MoE)}  # fmt: skip
+            assert sizes == {8 // dp}
+    assert runs[0] == runs[1]
