@@ -214,3 +214,34 @@ def test_make_tiny_cli_writes_what_both_load(tmp_path, capsys):
     with torch.no_grad():
         expect = want(torch.tensor([ids]), use_cache=False).logits[0]
     assert rel_err(model.prefill_logits([ids])[0], expect) < TOL
+
+
+def test_loader_dequantizes_the_release_formats(ckpt, tmp_path):
+    """fp8 weights with UE8M0 tile scales and 4-bit experts (``.scale`` beside ``.weight``, the
+    release's names) load as their dequantized values."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(ckpt / "model.safetensors")
+    g = torch.Generator().manual_seed(2)
+    fp8_name, fp4_name = "layers.1.attn.wq_b.weight", "layers.2.ffn.experts.3.w1.weight"
+    n, k = tensors[fp8_name].shape
+    tensors[fp8_name] = (torch.randn(n, k, generator=g) * 50).to(torch.float8_e4m3fn)
+    tensors[fp8_name[: -len("weight")] + "scale"] = torch.randint(
+        120, 130, (-(-n // 128), -(-k // 128)), generator=g
+    ).to(torch.uint8)
+    n, k = tensors[fp4_name].shape
+    tensors[fp4_name] = torch.randint(-128, 128, (n, k // 2), generator=g).to(torch.int8)
+    tensors[fp4_name[: -len("weight")] + "scale"] = torch.randint(
+        120, 130, (n, k // 32), generator=g
+    ).to(torch.uint8)
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(ckpt / name, tmp_path / name)
+    save_file(tensors, tmp_path / "model.safetensors")
+    model = load_v4_model(tmp_path)
+    state = model.state_dict()
+    for name in (fp8_name, fp4_name):
+        scale = tensors[name[: -len("weight")] + "scale"]
+        torch.testing.assert_close(state[name], dequantize_tensor(tensors[name], scale))
+    assert torch.isfinite(model.prefill_logits([list(range(2, 30))])[0]).all()

@@ -61,6 +61,7 @@ from hisparse.engine.tp_follower import (
     tensor_parallel_state,
     worker_main,
 )
+from hisparse.engine.v4_step_cache import check_v4_arguments
 from hisparse.models.registry import (
     DSA_INDEXERS,
     GQA_KV_FORMATS,
@@ -68,6 +69,7 @@ from hisparse.models.registry import (
     KV_FORMATS,
     engine_specs,
     is_gguf,
+    is_v4,
     load_model,
     resolve_model,
 )
@@ -218,6 +220,7 @@ class LLM:
         )
         path = resolve_model(model)
         gguf = is_gguf(path)
+        v4 = is_v4(path) and check_v4_arguments(llm_kwargs)  # all-GPU, eager, one GPU
         if gguf:
             check_choice(f + "kv_format", kv_format, GQA_KV_FORMATS)
             if step_hooks is not None and step_hooks.synthetic_prefill:
@@ -294,7 +297,7 @@ class LLM:
                 device=self.device,
                 hooks=step_hooks,
                 decode_path="eager"
-                if dp
+                if dp or v4
                 else decode_path(cuda_graphs, self.device, indexer, tensor_parallel_size),
                 host_fence=shards.fence if shards is not None and not gguf else None,
                 eos_token_ids=self.eos_token_ids,

@@ -36,6 +36,7 @@ from hisparse.engine.request import Request
 from hisparse.engine.sampling import sample_rows
 from hisparse.engine.step_cache import PrefillLayerCache, StepCache
 from hisparse.engine.step_data import ModelOutput, ScheduledStep, SchedulerOutput, WriteBack
+from hisparse.engine.v4_step_cache import V4StepCache
 from hisparse.engine.warm_start import WarmStart
 from hisparse.kv.specs import CacheKind, LayerCacheSpec
 from hisparse.models.kv_access import ForwardStep
@@ -184,6 +185,9 @@ class ModelRunner:
         self._fence_pending = False
         #: pages the lazy mirror copied to the host (`write_back`), counted per resident group
         self.pages_written_back = 0
+        #: DeepSeek-V4: its compressors' state per request slot (`engine.v4_step_cache`)
+        new_state = getattr(model, "new_slot_state", None)
+        self.v4_state = new_state(max_num_seqs + 1, device) if new_state is not None else None
 
     def reset_slot(self, slot: int) -> None:
         for leader in self.leaders:
@@ -330,6 +334,7 @@ class ModelRunner:
                 kv.staging_raw, host_bt, starts, counts, rix, pos, bs, gather_earlier=not synthetic
             )
         cache = StepCache(self, decode, rows_of(idx_table), idx_table, staging)
+        model_cache = cache if self.v4_state is None else V4StepCache(self, self.v4_state)
         if synthetic:
             assert hooks is not None
             self._prefill_cache = cache
@@ -343,7 +348,7 @@ class ModelRunner:
         else:
             if hooks is not None:
                 hooks.begin_step(decode)
-            hidden = self.model(packed[4 * R :], step, cache)
+            hidden = self.model(packed[4 * R :], step, model_cache)
             if hooks is not None:
                 hooks.end_step(decode)
             if decode:

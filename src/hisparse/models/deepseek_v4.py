@@ -23,7 +23,7 @@ from torch import nn
 from hisparse.attention.v4_attention_reference import v4_attention_reference
 from hisparse.models.kv_access import ForwardStep
 from hisparse.models.layers import embedding
-from hisparse.models.v4_cache import DenseV4Cache, V4Cache, state_ring
+from hisparse.models.v4_cache import DenseV4Cache, SlotState, V4Cache, state_ring
 from hisparse.models.v4_config import CSA, SLIDING, V4Config
 from hisparse.models.v4_layers import (
     V4MoE,
@@ -235,6 +235,7 @@ class Attention(nn.Module):
                 rows = torch.cat((rows, self._entries("compressor", cache, req, count)), dim=1)
                 entry = torch.arange(count, device=x.device)
                 valid = torch.cat((valid, entry[None, :] < ready[:, None]), dim=1)
+        rows = rows.masked_fill(~valid.unsqueeze(-1), 0)  # a pool's unused rows may hold NaN
         out = v4_attention_reference(q, rows, valid, self.attn_sink, self.head_dim**-0.5)
         out = rope_tail(out, cos, -sin)  # K = V carried RoPE into the values: undo it
         grouped = out.reshape(n, self.groups, -1).transpose(0, 1)  # [g, N, H*D/g]
@@ -313,6 +314,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         return DenseV4Cache(
             self.config, max_reqs=max_reqs, max_len=max_len, dtype=w.dtype, device=w.device
         )
+
+    def new_slot_state(self, slots: int, device: torch.device) -> SlotState:
+        """The compressors' carried state of ``slots`` engine request slots (`V4StepCache`)."""
+        return SlotState(self.config, slots, self.head.weight.dtype, device)
 
     @torch.no_grad()
     def prefill_logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:

@@ -1,6 +1,7 @@
 """The model registry: which model family a checkpoint is, how it loads, what it caches.
 
-Two families: DSA checkpoints (`deepseek_v32`, `glm_moe_dsa`: a folder with config.json and
+Three families: DeepSeek-V4 (`deepseek_v4`, `hisparse.models.deepseek_v4`; all-GPU placement
+only for now), DSA checkpoints (`deepseek_v32`, `glm_moe_dsa`: a folder with config.json and
 safetensors; MLA rows, an indexer cache on every full indexer layer) and Llama GQA models from
 a GGUF file (SmolLM2 bundled; K+V rows and a compact key cache per layer). The engine
 (`hisparse.LLM`) loads through `load_model` and sizes its pools from `engine_specs`; the
@@ -25,7 +26,9 @@ from hisparse.config import (
 )
 from hisparse.kv.row_formats import MLA_TILE, mla_row_bytes
 from hisparse.kv.specs import CacheKind, LayerCacheSpec, RowFormat
+from hisparse.models.deepseek_v4 import DeepseekV4ForCausalLM
 from hisparse.models.deepseek_v32 import DsaForCausalLM
+from hisparse.models.v4_cache import row_values
 from hisparse.validation import _fail
 
 #: ``kv_format`` values: ``auto`` picks per checkpoint and device (`LLM`)
@@ -160,6 +163,45 @@ def is_gguf(path: Path) -> bool:
     return path.suffix == ".gguf"
 
 
+def is_v4(path: Path) -> bool:
+    """Whether ``path`` is a DeepSeek-V4 checkpoint folder (``model_type: deepseek_v4``)."""
+    if is_gguf(path) or not (path / "config.json").is_file():
+        return False
+    import json
+
+    return json.loads((path / "config.json").read_text()).get("model_type") == "deepseek_v4"
+
+
+#: ``kv_format`` of DeepSeek-V4 rows: the model dtype's (``auto``), or the one named
+V4_KV_FORMATS = ("auto", "bf16", "fp32")
+
+
+def _load_v4(
+    path: Path, hs: HiSparseConfig, dtype: torch.dtype, device: torch.device, kv_format: str
+) -> LoadedModel:
+    """A DeepSeek-V4 checkpoint for the engine: its rows in the model dtype (`v4_cache`)."""
+    from hisparse.models.tokenizer import load_chat_template
+    from hisparse.models.v4_loader import load_v4_model
+
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    if kv_format not in ("auto", names.get(dtype)):
+        raise HiSparseConfigError(
+            f"LLM.kv_format={kv_format!r}: DeepSeek-V4 keeps its rows in the model dtype "
+            f"({dtype}); use kv_format='auto'.",
+            field="LLM.kv_format",
+            value=kv_format,
+        )
+    model = load_v4_model(path, dtype=dtype, device=device)
+    mcfg = model.config
+    config = hs.resolve(model_top_k=mcfg.index_topk)
+    if config.top_k != mcfg.index_topk:
+        set_index_topk(model, config.top_k)
+    return LoadedModel(
+        model, config, load_tokenizer(path), load_chat_template(path), eos_ids(path, mcfg),
+        names.get(dtype, str(dtype)), mcfg.max_position_embeddings,
+    )  # fmt: skip
+
+
 def load_model(
     path: Path,
     hs: HiSparseConfig,
@@ -182,6 +224,15 @@ def load_model(
             loaded.model.prepare_fused()
         loaded.row_format = shard_gqa_row_format(loaded.row_format, tp.world_size)
         return loaded
+    if is_v4(path):
+        if tp is not None:
+            raise HiSparseConfigError(
+                "LLM.tensor_parallel_size: DeepSeek-V4 runs on one GPU for now "
+                "(tensor parallelism of its layers is not built); pass tensor_parallel_size=1.",
+                field="LLM.tensor_parallel_size",
+                value=tp.world_size,
+            )
+        return _load_v4(path, hs, dtype, device, kv_format)
     if is_gguf(path):
         # A GQA model (SmolLM2 by default): training-free indexer, K+V rows.
         from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig
@@ -239,6 +290,15 @@ def engine_specs(
     a compact key cache on every layer (index groups of one).
     """
     specs: list[LayerCacheSpec] = []
+    if isinstance(model, DeepseekV4ForCausalLM):
+        # one row per token and layer: window row and entries (`v4_cache.row_layout`)
+        size = model.head.weight.element_size()
+        return [
+            LayerCacheSpec(
+                f"layers.{i}.attn", CacheKind.SPARSE, row_values(model.config, i) * size, block_size
+            )
+            for i in range(model.config.num_hidden_layers)
+        ]
     idx_row = model.indexer_format.row_bytes  # type: ignore[union-attr]
     if isinstance(model, DsaForCausalLM):
         cfg = model.config

@@ -134,3 +134,37 @@ class DenseV4Cache:
         slot = self._slot(req_row).expand(pos.shape)
         rows = t[slot, pos.clamp(min=0).long()]
         return rows.masked_fill((pos < 0).unsqueeze(-1), 0)
+
+
+def row_layout(config: V4Config, layer: int) -> dict[str, tuple[int, int]]:
+    """``store -> (first value, width)`` within one token's row of ``layer`` in the engine's
+    pools: the window row, then (compressed layers) the entry of the window this token closes,
+    then (CSA) the indexer's entry. Entries sit at the row of their window's last token, so the
+    pools' block tables address them; rows of tokens that close no window leave them unused."""
+    d = config.head_dim
+    layout = {"window": (0, d)}
+    if config.compress_rate(layer):
+        layout["entries.compressor"] = (d, d)
+        if config.layer_types[layer] == CSA:
+            layout["entries.indexer"] = (2 * d, config.index_head_dim)
+    return layout
+
+
+def row_values(config: V4Config, layer: int) -> int:
+    """Values in one token's row of ``layer`` (`row_layout`)."""
+    return sum(width for _, width in row_layout(config, layer).values())
+
+
+class SlotState:
+    """The compressors' carried state of every engine request slot: ``[slots, ring, width]``
+    per ``(layer, store)`` (the ``state.*`` stores of `store_shapes`). A request only reads
+    positions it wrote itself, so a slot needs no reset between requests."""
+
+    def __init__(
+        self, config: V4Config, slots: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        self.stores = {
+            key: torch.zeros(slots, length, width, dtype=dtype, device=device)
+            for key, (length, width) in store_shapes(config, 1).items()
+            if key[1].startswith("state.")
+        }

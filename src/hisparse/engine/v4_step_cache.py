@@ -1,0 +1,112 @@
+"""The `V4Cache` a DeepSeek-V4 model sees during one engine step (all-GPU placement).
+
+Each layer's rows live in its sparse cache's pool as `v4_cache.row_layout` rows (window row,
+and the entries at the row of their window's last token), found through the step's resident
+block tables like every other model's rows; the compressors' carried state lives per request
+slot (`v4_cache.SlotState`). HiSparse placement of these layers is not built (issue #57):
+`LLM` refuses it for DeepSeek-V4.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hisparse.engine.hooks import StepHooks
+from hisparse.models.registry import V4_KV_FORMATS
+from hisparse.models.v4_cache import SlotState, row_layout, row_values
+from hisparse.validation import _fail, check_choice
+
+if TYPE_CHECKING:
+    from hisparse.engine.model_runner import ModelRunner
+
+
+class V4StepCache:
+    """Row-addressed reads and writes of one step over the runner's pools (module docstring)."""
+
+    def __init__(self, runner: ModelRunner, state: SlotState) -> None:
+        self.runner, self.state = runner, state
+        self.config = runner.model.config
+        self.block_size = runner.config.block_size
+        self.slots = runner.step_requests().slots  # engine slot of each request row
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def _pool(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s pages as ``[blocks, block_size, row values]`` of the model dtype
+        (a view: the pool may interleave layers, so it is indexed, never reshaped)."""
+        rows = self._rows.get(layer)
+        if rows is None:
+            view = self.runner.handles[layer].runtime.device_view
+            assert view is not None, "device view not bound"
+            rows = view.view(self.runner.model.head.weight.dtype)
+            assert rows.shape[-1] == row_values(self.config, layer)
+            self._rows[layer] = rows
+        return rows
+
+    def _physical(
+        self, layer: int, req_row: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset in the block) of each request row's position ``pos``."""
+        _, tables = self.runner.handles[layer]._step()
+        bs = self.block_size
+        p = pos.clamp(min=0).long()
+        blk = tables.resident_block_table[req_row.long().expand(p.shape), p // bs].long()
+        return blk, p % bs
+
+    def _logical(self, layer: int, store: str, pos: torch.Tensor) -> torch.Tensor:
+        """The token position whose row holds ``store``'s row ``pos``."""
+        if store == "window":
+            return pos
+        rate = self.config.compress_rate(layer)
+        return torch.where(pos >= 0, pos * rate + rate - 1, pos)
+
+    def write(
+        self, layer: int, store: str, req_row: torch.Tensor, pos: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        if store.startswith("state."):
+            t = self.state.stores[(layer, store)]
+            t[self.slots[req_row.long()], pos.long()] = values.to(t.dtype)
+            return
+        first, width = row_layout(self.config, layer)[store]
+        blk, off = self._physical(layer, req_row, self._logical(layer, store, pos))
+        pool = self._pool(layer)
+        pool[blk, off, first : first + width] = values.to(pool.dtype)
+
+    def read(
+        self, layer: int, store: str, req_row: torch.Tensor, pos: torch.Tensor
+    ) -> torch.Tensor:
+        if store.startswith("state."):
+            t = self.state.stores[(layer, store)]
+            slot = self.slots[req_row.long()].expand(pos.shape)
+            out = t[slot, pos.clamp(min=0).long()]
+        else:
+            first, width = row_layout(self.config, layer)[store]
+            blk, off = self._physical(layer, req_row, self._logical(layer, store, pos))
+            out = self._pool(layer)[blk, off, first : first + width]
+        return out.masked_fill((pos < 0).unsqueeze(-1), 0)
+
+
+def check_v4_arguments(args: dict[str, Any]) -> bool:
+    """True, or a `HiSparseConfigError` for an `LLM` argument (``args``: all of them by name)
+    that a DeepSeek-V4 checkpoint does not run with yet: HiSparse placement of its compressed
+    layers (issue #57), CUDA-graph decode, row formats other than the model dtype, synthetic
+    prefill, tensor / data parallelism."""
+    f = "LLM."
+    if args["kv_placement"] != "gpu":
+        why = "(HiSparse placement of its compressed layers is not built yet)"
+        _fail(f + "kv_placement", args["kv_placement"], f"'gpu' for a DeepSeek-V4 checkpoint {why}",
+              example="gpu")  # fmt: skip
+    if args["cuda_graphs"]:
+        why = "(its decode step is not captured as a CUDA graph yet)"
+        _fail(f + "cuda_graphs", args["cuda_graphs"], f"False or unset for DeepSeek-V4 {why}",
+              example=False)  # fmt: skip
+    check_choice(f + "kv_format", args["kv_format"], V4_KV_FORMATS)
+    hooks: StepHooks | None = args["step_hooks"]
+    if hooks is not None and hooks.synthetic_prefill:
+        _fail(f + "step_hooks", hooks, "no synthetic prefill for DeepSeek-V4 (DSA models only)")
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        if args.get(name, 1) != 1:
+            _fail(f + name, args[name], "1 for a DeepSeek-V4 checkpoint (its layers are not "
+                  "sharded yet)", example=1)  # fmt: skip
+    return True
