@@ -54,6 +54,8 @@ def test_greedy_tokens_equal_transformers(ckpt, llm):
         (dict(kv_placement="hisparse"), "LLM.kv_placement"),
         (dict(kv_placement="gpu", cuda_graphs=True), "LLM.cuda_graphs"),
         (dict(kv_placement="gpu", kv_format="fp8_ds_mla"), "LLM.kv_format"),
+        (dict(kv_placement="gpu", tensor_parallel_size=2), "LLM.tensor_parallel_size"),
+        (dict(kv_placement="gpu", data_parallel_size=2), "LLM.data_parallel_size"),
     ],
 )
 def test_what_is_not_built_is_refused(ckpt, kwargs, field):
