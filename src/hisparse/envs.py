@@ -71,7 +71,7 @@ def _backend_var(name: str, what: str) -> EnvVar:
 REGISTRY: dict[str, EnvVar] = {
     v.name: v
     for v in (
-        _backend_var("HISPARSE_ATTENTION", "sparse attention (MLA and GQA) kernels"),
+        _backend_var("HISPARSE_ATTENTION", "sparse attention (MLA, GQA, DeepSeek-V4) kernels"),
         _backend_var("HISPARSE_INDEXER", "the DSA lightning indexer's scores"),
         _backend_var("HISPARSE_GQA_INDEXER", "the GQA models' indexers"),
         _backend_var("HISPARSE_TOPK", "the indexer's top-k selection"),

@@ -26,6 +26,7 @@ from hisparse.attention.sparse_gqa_reference import (
     sparse_gqa_reference,
 )
 from hisparse.attention.sparse_mla_reference import sparse_mla_decode_reference
+from hisparse.attention.v4_attention_reference import v4_attention_paged_reference
 from hisparse.kv.row_formats import IndexerCacheFormat, MlaFormat
 
 
@@ -121,6 +122,28 @@ def sparse_gqa_decode(
 
         return sgt.sparse_gqa_decode_triton(q, kv_cache, indices, scale, row_format)
     return sparse_gqa_reference(q, kv_cache, indices, scale, row_format)
+
+
+def v4_attention(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    indices: torch.Tensor,
+    n_window: int,
+    entry_col: int,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """DeepSeek-V4 attention over pool rows (contract of `v4_attention_paged_reference`): the
+    Triton kernel (`v4_attention_triton`) for CUDA tensors, the reference elsewhere;
+    ``HISPARSE_ATTENTION`` forces one, as for sparse MLA and GQA."""
+    if _attention_backend(q.device) == "triton":
+        try:
+            from hisparse.attention import v4_attention_triton as v4t
+        except ImportError:  # pragma: no cover - Triton missing: the reference still works
+            v4t = None
+        if v4t is not None and v4t.supports(q, pool, entry_col):
+            return v4t.v4_attention_triton(q, pool, indices, n_window, entry_col, sinks, scale)
+    return v4_attention_paged_reference(q, pool, indices, n_window, entry_col, sinks, scale)
 
 
 def sparse_gqa_kernel_takes(

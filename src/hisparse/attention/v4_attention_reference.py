@@ -29,3 +29,35 @@ def v4_attention_reference(
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1)[..., :-1]
     return torch.einsum("nhk,nkd->nhd", probs, rows.float()).to(q.dtype)
+
+
+def v4_paged_rows(
+    pool: torch.Tensor, indices: torch.Tensor, n_window: int, entry_col: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows [N, K, D], valid [N, K])`` that ``indices [N, K]`` name in a row pool ``pool
+    [blocks, block_size, values]`` (physical row ``block * block_size + offset``, ``-1``
+    masked): the first ``n_window`` columns of ``indices`` read values ``[0, D)`` of their row
+    (window rows), the rest ``[entry_col, entry_col + D)`` (entries)."""
+    bs = pool.shape[1]
+    valid = indices >= 0
+    safe = indices.clamp(min=0).long()
+    rows = pool[safe // bs, safe % bs]  # [N, K, values]
+    window = rows[:, :n_window, :head_dim]
+    entries = rows[:, n_window:, entry_col : entry_col + head_dim]
+    rows = torch.cat((window, entries), dim=1)
+    return rows.masked_fill(~valid.unsqueeze(-1), 0), valid
+
+
+def v4_attention_paged_reference(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    indices: torch.Tensor,
+    n_window: int,
+    entry_col: int,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`v4_attention_reference` over the rows ``indices`` name in ``pool`` (`v4_paged_rows`):
+    the contract of the Triton kernel (`v4_attention_triton`)."""
+    rows, valid = v4_paged_rows(pool, indices, n_window, entry_col, q.shape[-1])
+    return v4_attention_reference(q, rows, valid, sinks, scale)

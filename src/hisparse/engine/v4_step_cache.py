@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hisparse.attention.dispatch import v4_attention
 from hisparse.engine.hooks import StepHooks
 from hisparse.models.registry import V4_KV_FORMATS
 from hisparse.models.v4_cache import SlotState, row_layout, row_values
@@ -72,6 +73,32 @@ class V4StepCache:
         blk, off = self._physical(layer, req_row, self._logical(layer, store, pos))
         pool = self._pool(layer)
         pool[blk, off, first : first + width] = values.to(pool.dtype)
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        req: torch.Tensor,
+        window: torch.Tensor,
+        entries: torch.Tensor | None,
+        sinks: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """V4 attention of ``q [N, H, D]`` over its window rows ``window [N, W]`` and entries
+        ``entries [N, E]`` (positions; ``-1`` none), read where they sit in the pool
+        (`attention.dispatch.v4_attention`: the Triton kernel on CUDA)."""
+        bs = self.block_size
+
+        def rows(store: str, pos: torch.Tensor) -> torch.Tensor:
+            blk, off = self._physical(layer, req[:, None], self._logical(layer, store, pos))
+            return torch.where(pos >= 0, blk * bs + off, -1)
+
+        idx = rows("window", window)
+        if entries is not None:
+            idx = torch.cat((idx, rows("entries.compressor", entries)), dim=1)
+        entry_col, _ = row_layout(self.config, layer).get("entries.compressor", (0, 0))
+        pool = self._pool(layer)
+        return v4_attention(q, pool, idx, window.shape[1], entry_col, sinks, scale)
 
     def read(
         self, layer: int, store: str, req_row: torch.Tensor, pos: torch.Tensor

@@ -86,7 +86,7 @@ class Compressor(nn.Module):
         rate, width = self.rate, self.width
         pos, req = step.positions, step.req_index
         kv = self.wkv(x)
-        gate = self.wgate(x) + self.ape[pos % rate]
+        gate = self.wgate(x)  # the slot bias joins when a window closes (fp32, as transformers)
         closing = (((pos + 1) % rate) == 0) & (req >= 0)
         ends = closing.nonzero().squeeze(1)
         if ends.numel():
@@ -105,7 +105,9 @@ class Compressor(nn.Module):
             gate_src = torch.where(
                 from_step, gate[tok], cache.read(layer, f"state.{name}.gate", r[:, None], ring_pos)
             )
-            gate_src = gate_src.masked_fill((src < 0).unsqueeze(-1), float("-inf"))
+            gate_src = (gate_src + self.ape[src % rate]).masked_fill(
+                (src < 0).unsqueeze(-1), float("-inf")
+            )
             if self.overlap:  # slots of the previous window: series a; own window: series b
                 kv_src = torch.cat((kv_src[:, :rate, :width], kv_src[:, rate:, width:]), dim=1)
                 gate_src = torch.cat(
@@ -206,37 +208,35 @@ class Attention(nn.Module):
         q = rope_tail(q, cos, sin)
         kv = rope_tail(self.norm(self.wkv(x)), cos, sin)
         cache.write(self.layer, "window", req, pos, kv)
-        win = (
-            pos[:, None]
-            - cfg.sliding_window
-            + 1
-            + torch.arange(cfg.sliding_window, device=x.device)
-        )
-        rows = cache.read(self.layer, "window", req[:, None], win.masked_fill(win < 0, -1))
-        valid = win >= 0
+        arange_w = torch.arange(cfg.sliding_window, device=x.device)
+        win = pos[:, None] - cfg.sliding_window + 1 + arange_w
+        win = win.masked_fill(win < 0, -1)
+        entries: torch.Tensor | None = None  # entry indices per query (-1: none)
         if self.compressor is not None:
             ring = state_ring(cfg, self.layer)
             self.compressor(x, step, where, cache, self.layer, "compressor", ring, rotary)
-            count = (
-                step.max_len if step.max_len is not None else int(step.seq_lens.max())
-            ) // self.rate
+            max_len = step.max_len if step.max_len is not None else int(step.seq_lens.max())
+            count = max_len // self.rate
             ready = (pos + 1) // self.rate
             if self.indexer is not None:
                 self.indexer.compressor(x, step, where, cache, self.layer, "indexer", ring, rotary)
                 if count:
                     keys = self._entries("indexer", cache, req, count)
-                    chosen = self.indexer.select(x, q_resid, keys, ready, *rope["compress"])
-                    rows = torch.cat(
-                        (rows, cache.read(self.layer, "entries.compressor", req[:, None], chosen)),
-                        1,
-                    )
-                    valid = torch.cat((valid, chosen >= 0), dim=1)
+                    entries = self.indexer.select(x, q_resid, keys, ready, *rope["compress"])
             elif count:
-                rows = torch.cat((rows, self._entries("compressor", cache, req, count)), dim=1)
-                entry = torch.arange(count, device=x.device)
-                valid = torch.cat((valid, entry[None, :] < ready[:, None]), dim=1)
-        rows = rows.masked_fill(~valid.unsqueeze(-1), 0)  # a pool's unused rows may hold NaN
-        out = v4_attention_reference(q, rows, valid, self.attn_sink, self.head_dim**-0.5)
+                entry = torch.arange(count, device=x.device)[None, :].expand(n, count)
+                entries = entry.masked_fill(entry >= ready[:, None], -1)
+        scale = self.head_dim**-0.5
+        attend = getattr(cache, "attend", None)  # the engine's pools: rows read in place
+        if attend is not None:
+            out = attend(self.layer, q, req, win, entries, self.attn_sink, scale)
+        else:
+            rows = cache.read(self.layer, "window", req[:, None], win)
+            valid = win >= 0
+            if entries is not None:
+                got = cache.read(self.layer, "entries.compressor", req[:, None], entries)
+                rows, valid = torch.cat((rows, got), dim=1), torch.cat((valid, entries >= 0), 1)
+            out = v4_attention_reference(q, rows, valid, self.attn_sink, scale)
         out = rope_tail(out, cos, -sin)  # K = V carried RoPE into the values: undo it
         grouped = out.reshape(n, self.groups, -1).transpose(0, 1)  # [g, N, H*D/g]
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)
