@@ -52,11 +52,37 @@ def test_greedy_tokens_equal_transformers(ckpt, llm, backend, monkeypatch):
         assert out.outputs[0].token_ids == want[0, len(prompt) :].tolist()
 
 
+def _reference_tokens(ckpt, prompts: list[list[int]]) -> list[list[int]]:
+    ref = transformers.DeepseekV4ForCausalLM.from_pretrained(ckpt).eval()
+    out = []
+    for prompt in prompts:
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
+                                min_new_tokens=NEW)  # fmt: skip
+        out.append(want[0, len(prompt) :].tolist())
+    return out
+
+
+def test_fixed_shape_decode_equals_transformers(ckpt):
+    """``cuda_graphs=True`` on the CPU: the CUDA graphs' fixed-shape decode step (padded
+    batch, sync-free compressor and MoE) run eagerly."""
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in LENGTHS]
+    engine = LLM(ckpt, kv_placement="gpu", max_num_seqs=4, max_model_len=64, device="cpu",
+                 cuda_graphs=True, max_num_batched_tokens=16)  # fmt: skip
+    try:
+        assert engine.runner.decode_path == "padded"
+        params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+        outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+    finally:
+        engine.close()
+    assert [o.outputs[0].token_ids for o in outs] == _reference_tokens(ckpt, prompts)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
         (dict(kv_placement="hisparse"), "LLM.kv_placement"),
-        (dict(kv_placement="gpu", cuda_graphs=True), "LLM.cuda_graphs"),
         (dict(kv_placement="gpu", kv_format="fp8_ds_mla"), "LLM.kv_format"),
         (dict(kv_placement="gpu", tensor_parallel_size=2), "LLM.tensor_parallel_size"),
         (dict(kv_placement="gpu", data_parallel_size=2), "LLM.data_parallel_size"),

@@ -86,6 +86,7 @@ def decode_path(
     device: torch.device,
     indexer: str = "fp8",
     tensor_parallel_size: int = 1,
+    capture_by_default: bool = True,
 ) -> str:
     """`ModelRunner` decode path for the ``cuda_graphs`` argument on ``device``: CUDA graphs by
     default on CUDA, unless a part of the step cannot be captured (then the same fixed-shape
@@ -97,8 +98,8 @@ def decode_path(
         return "eager"
     if device.type != "cuda":
         return "padded"  # cuda_graphs=True on the CPU: the graphs' step, run eagerly
-    if cuda_graphs is None and tensor_parallel_size > 1:
-        return "padded"
+    if cuda_graphs is None and (tensor_parallel_size > 1 or not capture_by_default):
+        return "padded"  # capture_by_default False: DeepSeek-V4, whose capture has not run
     blockers = capture_blockers(device, indexer)
     if not blockers:
         return "graphs"

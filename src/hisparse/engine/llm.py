@@ -220,7 +220,7 @@ class LLM:
         )
         path = resolve_model(model)
         gguf = is_gguf(path)
-        v4 = is_v4(path) and check_v4_arguments(llm_kwargs)  # all-GPU, eager, one GPU
+        v4 = is_v4(path) and check_v4_arguments(llm_kwargs)  # all-GPU, one GPU (design §20)
         if gguf:
             check_choice(f + "kv_format", kv_format, GQA_KV_FORMATS)
             if step_hooks is not None and step_hooks.synthetic_prefill:
@@ -297,8 +297,8 @@ class LLM:
                 device=self.device,
                 hooks=step_hooks,
                 decode_path="eager"
-                if dp or v4
-                else decode_path(cuda_graphs, self.device, indexer, tensor_parallel_size),
+                if dp
+                else decode_path(cuda_graphs, self.device, indexer, tensor_parallel_size, not v4),
                 host_fence=shards.fence if shards is not None and not gguf else None,
                 eos_token_ids=self.eos_token_ids,
                 share_tokens=shards.share_tokens if shards is not None else None,

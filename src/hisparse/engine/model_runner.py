@@ -456,7 +456,8 @@ class ModelRunner:
             positions=pos, req_index=rix, seq_lens=seq_lens, max_len=self._max_len, static=True
         )
         cache = StepCache(self, True, idx_rows, idx_table)
-        logits = self.model.logits(self.model(ids, step, cache))
+        model_cache = cache if self.v4_state is None else V4StepCache(self, self.v4_state)
+        logits = self.model.logits(self.model(ids, step, model_cache))
         counts = self._step_counts(b) if kv.hisparse and not all_resident else self._zero_counts[:b]
         return logits, counts
 

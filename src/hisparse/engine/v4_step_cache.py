@@ -48,12 +48,21 @@ class V4StepCache:
     def _physical(
         self, layer: int, req_row: torch.Tensor, pos: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, offset in the block) of each request row's position ``pos``."""
+        """(block, offset in the block) of each request row's position ``pos``; padding rows
+        (``req_row < 0``) and ``pos < 0`` (a write to skip) land in the null block 0, which
+        no valid read names."""
         _, tables = self.runner.handles[layer]._step()
         bs = self.block_size
         p = pos.clamp(min=0).long()
-        blk = tables.resident_block_table[req_row.long().expand(p.shape), p // bs].long()
-        return blk, p % bs
+        r = req_row.long().expand(p.shape)
+        blk = tables.resident_block_table[r.clamp(min=0), p // bs].long()
+        blk = torch.where((r >= 0) & (pos >= 0), blk, 0)
+        return blk, torch.where(pos >= 0, p % bs, 0)
+
+    def _slot(self, req_row: torch.Tensor) -> torch.Tensor:
+        """The state slot of each request row (padding: the spare slot, the last)."""
+        r = req_row.long()
+        return torch.where(r >= 0, self.slots[r.clamp(min=0)], self.state.spare)
 
     def _logical(self, layer: int, store: str, pos: torch.Tensor) -> torch.Tensor:
         """The token position whose row holds ``store``'s row ``pos``."""
@@ -67,7 +76,7 @@ class V4StepCache:
     ) -> None:
         if store.startswith("state."):
             t = self.state.stores[(layer, store)]
-            t[self.slots[req_row.long()], pos.long()] = values.to(t.dtype)
+            t[self._slot(req_row), pos.long()] = values.to(t.dtype)
             return
         first, width = row_layout(self.config, layer)[store]
         blk, off = self._physical(layer, req_row, self._logical(layer, store, pos))
@@ -105,7 +114,7 @@ class V4StepCache:
     ) -> torch.Tensor:
         if store.startswith("state."):
             t = self.state.stores[(layer, store)]
-            slot = self.slots[req_row.long()].expand(pos.shape)
+            slot = self._slot(req_row).expand(pos.shape)
             out = t[slot, pos.clamp(min=0).long()]
         else:
             first, width = row_layout(self.config, layer)[store]
@@ -117,17 +126,13 @@ class V4StepCache:
 def check_v4_arguments(args: dict[str, Any]) -> bool:
     """True, or a `HiSparseConfigError` for an `LLM` argument (``args``: all of them by name)
     that a DeepSeek-V4 checkpoint does not run with yet: HiSparse placement of its compressed
-    layers (issue #57), CUDA-graph decode, row formats other than the model dtype, synthetic
-    prefill, tensor / data parallelism."""
+    layers (issue #57), row formats other than the model dtype, synthetic prefill, tensor /
+    data parallelism."""
     f = "LLM."
     if args["kv_placement"] != "gpu":
         why = "(HiSparse placement of its compressed layers is not built yet)"
         _fail(f + "kv_placement", args["kv_placement"], f"'gpu' for a DeepSeek-V4 checkpoint {why}",
               example="gpu")  # fmt: skip
-    if args["cuda_graphs"]:
-        why = "(its decode step is not captured as a CUDA graph yet)"
-        _fail(f + "cuda_graphs", args["cuda_graphs"], f"False or unset for DeepSeek-V4 {why}",
-              example=False)  # fmt: skip
     check_choice(f + "kv_format", args["kv_format"], V4_KV_FORMATS)
     hooks: StepHooks | None = args["step_hooks"]
     if hooks is not None and hooks.synthetic_prefill:

@@ -88,7 +88,10 @@ class Compressor(nn.Module):
         kv = self.wkv(x)
         gate = self.wgate(x)  # the slot bias joins when a window closes (fp32, as transformers)
         closing = (((pos + 1) % rate) == 0) & (req >= 0)
-        ends = closing.nonzero().squeeze(1)
+        # A fixed-shape step (CUDA graphs) reads nothing back: every token computes the entry
+        # of the window it would close and only the closing ones are kept (others: pos -1).
+        everyone = torch.arange(x.shape[0], device=x.device)
+        ends = everyone if step.static else closing.nonzero().squeeze(1)
         if ends.numel():
             w = (pos[ends] + 1) // rate - 1
             r = req[ends]
@@ -116,9 +119,12 @@ class Compressor(nn.Module):
             weights = gate_src.softmax(dim=1, dtype=torch.float32).to(kv_src.dtype)
             entry = self.norm((kv_src * weights).sum(dim=1))
             cos, sin = rotary(w * rate, entry.dtype)
+            w = torch.where(closing[ends], w, -1)
             cache.write(layer, f"entries.{name}", r, w, rope_tail(entry, cos, sin))
-        # Carry the newest `ring` positions of each request into the next step.
-        keep = ((pos >= step.seq_lens[req.clamp(min=0)] - ring) & (req >= 0)).nonzero().squeeze(1)
+        # Carry the newest `ring` positions of each request into the next step (a decode step:
+        # all of its tokens; padding goes to the spare slot).
+        newest = (pos >= step.seq_lens[req.clamp(min=0)] - ring) & (req >= 0)
+        keep = everyone if step.static else newest.nonzero().squeeze(1)
         cache.write(layer, f"state.{name}.kv", req[keep], pos[keep] % ring, kv[keep])
         cache.write(layer, f"state.{name}.gate", req[keep], pos[keep] % ring, gate[keep])
 
@@ -300,7 +306,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             )
             streams = hc_merge(streams, out, post, comb)
             post, comb, collapsed = block.hc("ffn", streams, cfg)
-            streams = hc_merge(streams, block.ffn(block.ffn_norm(collapsed), input_ids), post, comb)
+            mlp = block.ffn(block.ffn_norm(collapsed), input_ids, sync_free=step.static)
+            streams = hc_merge(streams, mlp, post, comb)
         collapsed = hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg)
         return self.norm(collapsed)
 

@@ -125,7 +125,8 @@ class DenseV4Cache:
         self, layer: int, store: str, req_row: torch.Tensor, pos: torch.Tensor, values: torch.Tensor
     ) -> None:
         t = self.stores[(layer, store)]
-        t[self._slot(req_row), pos.long()] = values.to(t.dtype)
+        keep = pos >= 0  # pos -1: a row not to write (a fixed-shape step's non-closing window)
+        t[self._slot(req_row[keep]), pos[keep].long()] = values[keep].to(t.dtype)
 
     def read(
         self, layer: int, store: str, req_row: torch.Tensor, pos: torch.Tensor
@@ -168,3 +169,5 @@ class SlotState:
             for key, (length, width) in store_shapes(config, 1).items()
             if key[1].startswith("state.")
         }
+        #: the slot padding rows of a fixed-shape step read and write
+        self.spare = slots - 1

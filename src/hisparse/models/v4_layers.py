@@ -183,9 +183,21 @@ class V4MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(h, i, lim) for _ in range(config.n_routed_experts))
         self.shared_experts = Expert(h, i, lim)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor, *, sync_free: bool = False
+    ) -> torch.Tensor:
+        """``sync_free``: every expert on every row, a row's term kept where its router chose
+        the expert (no host read: fixed shapes for CUDA graphs; the same terms in the same
+        order, only the matmuls' row counts differ)."""
         weights, ids = self.gate(x, input_ids)
         out = torch.zeros_like(x)
+        if sync_free:
+            for e, expert in enumerate(self.experts):
+                chosen = ids == e  # [N, k]: at most one True per row
+                w = torch.where(chosen, weights, 0.0).sum(-1, keepdim=True)
+                y = (expert(x) * w).to(out.dtype)
+                out = out + torch.where(chosen.any(-1, keepdim=True), y, 0.0)
+            return out + self.shared_experts(x)
         for e in torch.unique(ids).tolist():
             tok, slot = torch.where(ids == e)
             y = self.experts[e](x[tok]) * weights[tok, slot, None]
