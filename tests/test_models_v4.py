@@ -108,6 +108,49 @@ def test_one_pass_logits_equal_transformers(model, ref, prompts, want):
     assert rel_err(got[1], want_short) < TOL
 
 
+def test_indexer_scores_in_slices_of_queries(model, prompts, want, monkeypatch):
+    """A long context scores a few queries at a time (`SCORE_BUDGET`): the same logits."""
+    from hisparse.models import deepseek_v4
+
+    monkeypatch.setattr(deepseek_v4, "SCORE_BUDGET", 300)  # one query per slice here
+    got = model.prefill_logits([prompts[0].tolist()])[0]
+    assert rel_err(got, want[0]) < TOL
+
+
+#: DeepSeek-V4-Flash-Base's config.json as published (legacy keys: ``compress_ratios`` with
+#: the MTP layer's trailing entry, ``num_hash_layers``, ``qk_rope_head_dim``, a flat YaRN
+#: ``rope_scaling``)
+FLASH_BASE = dict(
+    model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], bos_token_id=0,
+    eos_token_id=1, hc_eps=1e-06, hc_mult=4, hc_sinkhorn_iters=20, head_dim=512,
+    hidden_act="silu", hidden_size=4096, index_head_dim=128, index_n_heads=64, index_topk=512,
+    max_position_embeddings=1048576, moe_intermediate_size=2048, n_routed_experts=256,
+    n_shared_experts=1, norm_topk_prob=True, num_attention_heads=64, num_experts_per_tok=6,
+    num_hidden_layers=43, num_hash_layers=3, num_key_value_heads=1, num_nextn_predict_layers=1,
+    o_groups=8, o_lora_rank=1024, q_lora_rank=1024, qk_rope_head_dim=64, rms_norm_eps=1e-06,
+    rope_scaling=dict(beta_fast=32, beta_slow=1, factor=16,
+                      original_max_position_embeddings=65536, type="yarn"),
+    rope_theta=10000, routed_scaling_factor=1.5, scoring_func="sqrtsoftplus",
+    sliding_window=128, swiglu_limit=10.0, tie_word_embeddings=False, vocab_size=129280,
+    compress_rope_theta=160000, compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0],
+)  # fmt: skip
+
+
+def test_release_config_reads_as_transformers_does():
+    cfg = V4Config.from_dict(FLASH_BASE)
+    hf = transformers.DeepseekV4Config(**{k: v for k, v in FLASH_BASE.items() if k != "model_type"})
+    assert list(cfg.layer_types) == hf.layer_types
+    assert cfg.layer_types[:4] == (SLIDING, SLIDING, CSA, HCA) and len(cfg.layer_types) == 43
+    assert list(cfg.mlp_layer_types) == hf.mlp_layer_types
+    assert cfg.qk_rope_head_dim == hf.qk_rope_head_dim == 64
+    rot = transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4RotaryEmbedding(hf)
+    for ours, kind in ((cfg.rope_main, "main"), (cfg.rope_compress, "compress")):
+        inv, factor = ours.inv_freq_and_factor(cfg.qk_rope_head_dim)
+        torch.testing.assert_close(inv, getattr(rot, f"{kind}_inv_freq"))
+        assert factor == getattr(rot, f"{kind}_attention_scaling")
+    assert cfg.rope_compress.rope_type == "yarn" and cfg.rope_main.rope_type == "default"
+
+
 def test_indexer_choice_matters(model, prompts, want):
     """With every entry selectable the logits move: the test above checks a real top-k."""
     indexers = [b.attn.indexer for b in model.layers if b.attn.indexer is not None]

@@ -36,6 +36,9 @@ from hisparse.models.v4_layers import (
     unweighted_rms_norm,
 )
 
+#: values the indexer's scoring may hold at once (`Attention._select` slices queries to it)
+SCORE_BUDGET = 1 << 26
+
 
 @dataclass
 class StepIndex:
@@ -195,6 +198,30 @@ class Attention(nn.Module):
         pos = torch.arange(count, device=req.device)[None, :].expand(req.shape[0], count)
         return cache.read(self.layer, f"entries.{name}", req[:, None], pos)
 
+    def _select(
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        req: torch.Tensor,
+        ready: torch.Tensor,
+        count: int,
+        cache: V4Cache,
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """The indexer's choice for every query, a slice of queries at a time so that the
+        keys gathered per query and the per-head scores (``queries × count × heads``) stay
+        within `SCORE_BUDGET` values whatever the context."""
+        assert self.indexer is not None
+        ix = self.indexer
+        rows = max(1, SCORE_BUDGET // (count * max(ix.n_heads, ix.head_dim)))
+        cos, sin = rope["compress"]
+        parts = []
+        for lo in range(0, x.shape[0], rows):
+            sl = slice(lo, lo + rows)
+            keys = self._entries("indexer", cache, req[sl], count)
+            parts.append(ix.select(x[sl], q_resid[sl], keys, ready[sl], cos[sl], sin[sl]))
+        return torch.cat(parts)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -227,8 +254,7 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 self.indexer.compressor(x, step, where, cache, self.layer, "indexer", ring, rotary)
                 if count:
-                    keys = self._entries("indexer", cache, req, count)
-                    entries = self.indexer.select(x, q_resid, keys, ready, *rope["compress"])
+                    entries = self._select(x, q_resid, req, ready, count, cache, rope)
             elif count:
                 entry = torch.arange(count, device=x.device)[None, :].expand(n, count)
                 entries = entry.masked_fill(entry >= ready[:, None], -1)
