@@ -141,6 +141,18 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "budget left per GPU, requests that fit, host RAM for one shared copy",
     )
     plan.add_argument(
+        "--data-parallel-size",
+        type=int,
+        help="plan one node of this many GPUs with data-parallel attention (each rank its own "
+        "requests, KV and host pool) beside tensor parallelism over them, for max_query_len 1-4",
+    )
+    plan.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="with --data-parallel-size: split the routed experts over the ranks (whole "
+        "experts each)",
+    )
+    plan.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -184,8 +196,8 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    if args.tensor_parallel_size is not None:
-        return _run_plan_tensor_parallel(args)
+    if args.tensor_parallel_size is not None or args.data_parallel_size is not None:
+        return _run_plan_node(args)
     for flag, value in (("--host-pool-gib", args.host_pool_gib),
                         ("--max-model-len", args.max_model_len)):  # fmt: skip
         if value is None:
@@ -278,22 +290,25 @@ def byte_bound(hisparse: KVLayout, all_gpu: KVLayout, context_len: int) -> float
 TP_PLAN_LEN = 131072
 
 
-def _run_plan_tensor_parallel(args: argparse.Namespace) -> int:
+def _run_plan_node(args: argparse.Namespace) -> int:
     """One node of ``--tensor-parallel-size`` GPUs of ``--gpu-memory-gib`` each: weights per
     rank, the KV budget left per GPU, the requests that fit with HiSparse and all-GPU, and
-    the host RAM that holds them once (`hisparse.parallel.plan`)."""
-    import dataclasses
+    the host RAM that holds them once (`hisparse.parallel.plan`); with
+    ``--data-parallel-size`` the data-parallel node beside it (`hisparse.cli_plan_node`)."""
+    from hisparse.cli_plan_node import node_plan, run_plan_data_parallel
+    from hisparse.parallel.plan import dsa_config_of, format_count, weight_format_of
 
-    from hisparse.parallel.plan import (
-        dsa_config_of,
-        format_count,
-        weight_format_of,
-        widest_rank_parts,
-    )
-
-    tp = args.tensor_parallel_size
+    if args.tensor_parallel_size is not None and args.data_parallel_size is not None:
+        raise HiSparseConfigError(
+            "--data-parallel-size is not combined with --tensor-parallel-size yet: pass one "
+            "(the data-parallel table shows tensor parallelism over the same GPUs beside it)"
+        )
+    if args.enable_expert_parallel and args.data_parallel_size is None:
+        raise HiSparseConfigError("--enable-expert-parallel needs --data-parallel-size N")
+    tp = args.tensor_parallel_size or args.data_parallel_size
+    flag = "--tensor-parallel-size" if args.data_parallel_size is None else "--data-parallel-size"
     if tp < 1:
-        raise HiSparseConfigError(f"--tensor-parallel-size {tp}: must be a positive integer")
+        raise HiSparseConfigError(f"{flag} {tp}: must be a positive integer")
     check_gib("--gpu-memory-gib", args.gpu_memory_gib)
     if not 0 < args.gpu_memory_utilization <= 1:
         raise HiSparseConfigError(
@@ -308,41 +323,22 @@ def _run_plan_tensor_parallel(args: argparse.Namespace) -> int:
     model = load_model_cache_shape(args.model, block_size=args.block_size, kv_format=args.kv_format)
     _check_row_alignment(model, args)
     cfg = dsa_config_of(args.model)
-    for what, size in (("attention heads", cfg.num_attention_heads),
-                       ("expert width (moe_intermediate_size)", cfg.moe_intermediate_size),
-                       ("dense MLP width (intermediate_size)", cfg.intermediate_size)):  # fmt: skip
-        if size % tp:
-            raise HiSparseConfigError(
-                f"--tensor-parallel-size {tp} does not divide the model's {size} {what}"
-            )
+    indivisible = next(
+        (f"tensor parallelism over {tp} ranks does not divide the model's {size} {what}"
+         for what, size in (("attention heads", cfg.num_attention_heads),
+                            ("expert width (moe_intermediate_size)", cfg.moe_intermediate_size),
+                            ("dense MLP width (intermediate_size)", cfg.intermediate_size))
+         if size % tp),
+        None,
+    )  # fmt: skip
     fmt = weight_format_of(args.model)
-    parts = widest_rank_parts(cfg, tp, indexer_layers=len(model.indexer_specs), fmt=fmt)
-    weights = sum(p.bytes_per_rank for p in parts)
-    usable = int(args.gpu_memory_utilization * args.gpu_memory_gib * 2**30)
-    budget = usable - weights
-    if budget <= 0:
-        raise HiSparseConfigError(
-            f"{model.name}: {format_gib(weights)} of weights per rank exceed "
-            f"{args.gpu_memory_utilization:.0%} of {args.gpu_memory_gib} GiB; raise "
-            "--tensor-parallel-size or --gpu-memory-gib."
-        )
-    config = HiSparseConfig(
-        top_k=args.top_k, device_buffer_size=args.device_buffer_size, block_size=args.block_size
-    ).resolve(model.index_topk)
-    block = sum(s.row_bytes for s in model.sparse_specs) * args.block_size
-    # The GPU side first (a host pool of one request), then the host RAM its requests need.
-    probe = dataclasses.replace(config, host_pool_bytes=config.min_host_blocks(max_len) * block)
-    gpu_side = plan_kv_layout(model.specs, probe, budget, max_len, "hisparse")
-    fits = gpu_side.max_requests_gpu(context_len)
-    host_blocks = fits * gpu_side.host_blocks_per_request(context_len) + 1
-    host_bytes = (
-        int(args.host_pool_gib * 2**30)
-        if args.host_pool_gib is not None
-        else max(host_blocks * block, probe.host_pool_bytes or 0)
-    )
-    config = dataclasses.replace(config, host_pool_bytes=host_bytes)
-    hisparse = plan_kv_layout(model.specs, config, budget, max_len, "hisparse")
-    all_gpu = plan_kv_layout(model.specs, config, budget, max_len, "gpu", check_capacity=False)
+    if args.data_parallel_size is not None:
+        return run_plan_data_parallel(args, model, cfg, fmt, max_len, context_len, indivisible)
+    if indivisible:
+        raise HiSparseConfigError(f"--tensor-parallel-size {tp}: {indivisible}")
+    node, parts = node_plan(args, model, cfg, fmt, ranks=tp, data_parallel=False,
+                            max_query_len=1, max_len=max_len, context_len=context_len)  # fmt: skip
+    weights, budget, hisparse, all_gpu = node.weights, node.budget, node.hisparse, node.all_gpu
 
     console = Console(width=max(Console().width, 100), highlight=False)
     params = sum(p.params for p in parts)

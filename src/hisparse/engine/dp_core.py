@@ -79,8 +79,10 @@ class DataParallelCore(EngineCore):
         self.remote: dict[str, tuple[int, Request]] = {}
         #: driver: each rank's free GPU KV blocks after the last step
         self.free_blocks = [0] * n
-        #: requests assigned to each rank so far (tests: both ranks get work)
+        #: requests assigned to each rank so far, and the most each ran at once (the plan's
+        #: per-rank figure: tests)
         self.assigned = [0] * n
+        self.peak_running = [0] * n
         #: worker: per request, how many tokens and text characters the driver has
         self._sent: dict[str, tuple[int, int]] = {}
 
@@ -185,13 +187,14 @@ class DataParallelCore(EngineCore):
         """Every rank's changed requests and load to the driver, which updates its mirrors;
         the driver's reports gain the other ranks' changed requests."""
         tp, sched = self.tp, self.scheduler
-        free = sched.kv.gpu_blocks.num_free
+        load = (sched.kv.gpu_blocks.num_free, len(sched.running))
         if tp.is_driver:
-            gathered = tp.gather((free, []))
+            gathered = tp.gather((load, []))
             assert gathered is not None
             changed = []
-            for rank, (rank_free, deltas) in enumerate(gathered):
+            for rank, ((rank_free, running), deltas) in enumerate(gathered):
                 self.free_blocks[rank] = rank_free
+                self.peak_running[rank] = max(self.peak_running[rank], running)
                 for delta in deltas:
                     req = self._apply(delta)
                     if req is not None:
@@ -208,7 +211,7 @@ class DataParallelCore(EngineCore):
         mine: dict[int, Request] = {id(r): r for reqs, _ in reports for r in reqs}
         mine.update((id(r), r) for r in sched.failed)
         sched.failed.clear()
-        tp.gather((free, [self._delta(r) for r in mine.values()]))
+        tp.gather((load, [self._delta(r) for r in mine.values()]))
         return reports
 
     def _delta(self, req: Request) -> tuple[Any, ...]:

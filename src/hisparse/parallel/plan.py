@@ -135,10 +135,12 @@ def dsa_weight_parts(
     rank: int = 0,
     fmt: WeightFormat | None = None,
     mtp: int | None = None,
+    ep: int = 1,
 ) -> list[WeightPart]:
     """Weights of ``cfg`` on rank ``rank`` of ``tp``, by kind (module docstring).
     ``indexer_layers``: layers that own an indexer (default: ``cfg.indexer_full``); ``mtp``:
-    multi-token-prediction layers (default: ``cfg.num_nextn_predict_layers``)."""
+    multi-token-prediction layers (default: ``cfg.num_nextn_predict_layers``); ``ep``: ranks
+    the routed experts are split over, whole experts each (expert parallelism)."""
     fmt = fmt or WeightFormat()
     R = _Rank(tp, rank, fmt)
     b = fmt.dtype_bytes
@@ -164,19 +166,25 @@ def dsa_weight_parts(
     whole = R.linear(ql, h) + R.linear(c + r, h) + b * (ql + c)
     indexer_p = ql * hi * d + h * d + h * hi + 2 * d
     indexer = R.linear(hi * d, ql) + R.linear(d, h) + 4 * h * hi + b * 2 * d
-    experts_p, experts = E * 3 * h * Ie, E * R.mlp(Ie, h)
+    if E % ep:
+        raise ValueError(f"{ep} expert-parallel ranks do not divide {E} routed experts")
+    experts_p, experts = E * 3 * h * Ie, E // ep * R.mlp(Ie, h)
     shared_p, shared = 3 * h * Ie * S, R.mlp(Ie * S, h)
     router_p, router = E * h + E, 4 * (E * h + E)
     dense_b = dense * R.mlp(inter, h)
+    per_rank = f", {E // ep} a rank" if ep > 1 else ""
+    by_head_s, by_vocab_s = (" (by head)", " (by vocabulary)") if tp > 1 else ("", "")
     parts = [
-        WeightPart("attention q_b, kv_b, o (by head)", L * by_head_p, L * by_head, True),
+        WeightPart(f"attention q_b, kv_b, o{by_head_s}", L * by_head_p, L * by_head, True),
         WeightPart("attention q_a, kv_a + norms (whole)", L * whole_p, L * whole, False),
         WeightPart(f"indexer ({full} layers, whole)", full * indexer_p, full * indexer, False),
         WeightPart(f"dense MLP ({dense} layers)", dense * 3 * h * inter, dense_b, True),
-        WeightPart(f"routed experts ({moe} layers x {E})", moe * experts_p, moe * experts, True),
+        WeightPart(
+            f"routed experts ({moe} layers x {E}{per_rank})", moe * experts_p, moe * experts, True
+        ),
         WeightPart(f"shared experts ({moe} x {S})", moe * shared_p, moe * shared, True),
         WeightPart("router (whole, fp32)", moe * router_p, moe * router, False),
-        WeightPart("embedding + LM head (by vocabulary)", 2 * V * h, 2 * R.vocab(V, h), True),
+        WeightPart(f"embedding + LM head{by_vocab_s}", 2 * V * h, 2 * R.vocab(V, h), True),
         WeightPart("layer norms (whole)", (2 * L + 1) * h, b * (2 * L + 1) * h, False),
     ]
     if mtp:

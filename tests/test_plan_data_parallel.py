@@ -1,0 +1,102 @@
+"""``hisparse plan --data-parallel-size N --enable-expert-parallel``: weights per rank are what
+a data-parallel rank keeps (whole attention and vocabulary, 1/N of the routed experts), and a
+rank's planned requests are what the engine's own admission runs on each rank."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hisparse import HiSparseConfig
+from hisparse.cli import main
+from hisparse.cli_plan_node import NodePlan, rank_layouts
+from hisparse.engine.llm import LLM
+from hisparse.engine.sampling import SamplingParams
+from hisparse.kv.cache_shapes import load_model_cache_shape
+from hisparse.models.deepseek_v32 import MoE
+from hisparse.models.dsa_config import DsaConfig
+from hisparse.models.loader import load_dsa_model
+from hisparse.parallel.expert import ExpertParallel
+from hisparse.parallel.plan import WeightFormat, dsa_weight_parts
+
+DP8 = ["plan", "--data-parallel-size", "8", "--enable-expert-parallel", "--gpu-memory-gib", "141"]
+
+
+def test_plan_data_parallel_node_beside_tensor_parallel(capsys):
+    """DeepSeek-V3.2 and GLM-5 on 8 GPUs of 141 GiB: weights per rank with the experts split,
+    the 128K requests a rank and the node hold for both placements and max_query_len 1-4,
+    TP 8's beside them, and the node's host RAM (one pool per rank)."""
+    assert main([*DP8, "--model", "deepseek-v3.2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # lines as the terminal's width wraps them
+    assert "routed experts (58 layers x 256, 32 a rank)" in out and "101.15 GiB" in out
+    assert "HiSparse 176 (22 a rank), all-GPU 32 (4 a rank); TP 8: HiSparse 38, all-GPU 7" in out
+    assert "8 x 107.52 GiB = 860.16 GiB for the node" in out
+    for q in (1, 2, 3, 4):
+        assert f"│ DP 8 + EP 8 │ {q} │" in out and f"│ TP 8 │ {q} │" in out
+    assert main([*DP8, "--model", "glm-5"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "HiSparse 240 (30 a rank), all-GPU 16 (2 a rank); TP 8: HiSparse 66, all-GPU 5" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--data-parallel-size", "3", "--enable-expert-parallel"], "256 routed experts"),
+        (["--data-parallel-size", "8"], "pass --enable-expert-parallel"),
+        (["--data-parallel-size", "2", "--tensor-parallel-size", "2"], "not combined"),
+        (["--tensor-parallel-size", "8", "--enable-expert-parallel"], "needs --data-parallel"),
+    ],
+)
+def test_plan_data_parallel_errors(capsys, args, needle):
+    assert main(["plan", "--model", "deepseek-v3.2", "--gpu-memory-gib", "141", *args]) == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_plan_counts_what_a_data_parallel_rank_keeps(tiny_checkpoint, fp8):
+    """The plan's bytes per rank against the parameters a rank keeps once its
+    `ExpertParallel` dropped the other ranks' experts (fp8 stacked experts and bf16 MLPs)."""
+    path = tiny_checkpoint("deepseek_v32", fp8=True) if fp8 else tiny_checkpoint("deepseek_v32")
+    cfg = DsaConfig.from_pretrained(path)
+    fmt = WeightFormat(fp8=fp8, dtype_bytes=2)
+    for rank in (0, 1):
+        model = load_dsa_model(path, dtype=torch.bfloat16)
+        group = SimpleNamespace(rank=rank, world_size=2, group=None, backend="gloo")
+        ExpertParallel(group, cfg.n_routed_experts, torch.bfloat16).install(model)
+        kept = sum(p.numel() * p.element_size() for p in model.parameters())
+        planned = sum(p.bytes_per_rank for p in dsa_weight_parts(cfg, 1, fmt=fmt, ep=2))
+        assert kept == planned, rank
+        assert all(m.ep is not None for m in model.modules() if isinstance(m, MoE))
+
+
+def test_planned_requests_per_rank_are_the_engines_admission(tiny_checkpoint, monkeypatch):
+    """A KV budget the planner gives 2 requests of max_model_len a rank: two data-parallel
+    ranks run 2 each at their peak (4 for the node, the plan's node figure) with 7 queued,
+    and nobody is preempted."""
+    monkeypatch.setenv("HISPARSE_TP_TIMEOUT", "60")
+    path = tiny_checkpoint("deepseek_v32")
+    inp, out, block = 32, 8, 4
+    max_len = inp + out
+    shape = load_model_cache_shape(path, block_size=block, kv_format="bf16")
+    config = HiSparseConfig(block_size=block, offload="always").resolve(shape.index_topk)
+    host = 8 << 20
+    per_block = rank_layouts(shape, config, 1 << 30, max_len, max_len, host, 16)[0]
+    blocks = 1 + 2 * per_block.gpu_blocks_per_request(max_len)  # + the null block
+    budget = blocks * per_block.gpu_bytes_per_block + per_block.staging_bytes
+    planned = rank_layouts(shape, config, budget, max_len, max_len, host, 16)[0]
+    assert planned.max_requests(max_len) == 2
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(inp)] for i in range(7)]
+    params = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
+    with LLM(path, hisparse=HiSparseConfig(host_pool_gib=host / 2**30, block_size=block,
+                                           offload="always"),
+             kv_format="bf16", max_model_len=max_len, max_num_seqs=16,
+             gpu_memory_gib=budget / 2**30, schedule="prefill-first",
+             data_parallel_size=2, enable_expert_parallel=True) as llm:  # fmt: skip
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert llm._core.peak_running == [2, 2]
+    assert all(o.ok and len(o.token_ids) == out for o in outs)
+    assert sum(o.metrics.preemptions for o in outs) == 0
+    node = NodePlan("DP 2 + EP 2", 1, 0, budget, planned, planned, request_ranks=2, host_pools=2)
+    assert node.per_node(max_len)[0] == sum(llm._core.peak_running) == 4
