@@ -5,9 +5,14 @@ the greedy tokens are one rank's (docs/design.md §20)."""
 from __future__ import annotations
 
 import os
+import queue
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -165,3 +170,63 @@ def test_dp2_ep2_fp8_experts(tiny_checkpoint):
                      if isinstance(m, MoE)}  # fmt: skip
             assert sizes == {8 // dp}
     assert runs[0] == runs[1]
+
+
+def test_serve_data_parallel_streams(tiny_checkpoint):
+    """`hisparse serve --data-parallel-size 2 --enable-expert-parallel` (the CLI, a real
+    server): four concurrent streams through the `openai` client, spread over both ranks,
+    give one rank's text; SIGTERM ends the server and its ranks cleanly."""
+    openai = pytest.importorskip("openai")
+    path = tiny_checkpoint("deepseek_v32", fp8=True)  # with a byte-level tokenizer
+    prompts = [f"{i}: the quick brown fox jumps over the lazy dog {i}" for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(path, hisparse=HiSparseConfig(host_pool_gib=0.05, offload="always"),
+             max_model_len=256, max_num_seqs=4, gpu_memory_gib=0.05) as one:  # fmt: skip
+        ref = [o.text for o in one.generate(prompts, params)]
+    cmd = [sys.executable, "-m", "hisparse", "serve", "--model", str(path), "--device", "cpu",
+           "--host", "127.0.0.1", "--port", "0", "--max-model-len", "256", "--max-num-seqs",
+           "4", "--gpu-memory-gib", "0.05", "--host-pool-gib", "0.05", "--offload", "always",
+           "--served-model-name", "tiny", "--log-level", "warning",
+           "--data-parallel-size", "2", "--enable-expert-parallel"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = _served_port(proc)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               timeout=120, max_retries=0)  # fmt: skip
+
+        def stream(prompt: str) -> str:
+            chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
+                                               temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True})  # fmt: skip
+            return "".join(c.choices[0].text for c in chunks)
+
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(stream, prompts))
+        assert texts == ref
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        stderr = proc.stderr.read()
+        assert code == 0 and "Traceback" not in stderr, stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def _served_port(proc: subprocess.Popen) -> int:
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
+        except queue.Empty:
+            pytest.fail("the server did not start within 180 s")
+        if m := re.search(r"serving .* on http://127\.0\.0\.1:(\d+)/v1", line):
+            return int(m.group(1))

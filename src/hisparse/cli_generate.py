@@ -34,6 +34,12 @@ DEMO_TOP_K = 128
 DEMO_QUESTION = "Summarize this passage in one sentence."
 #: Exit status after Ctrl-C (128 + SIGINT, as shells report it).
 EXIT_INTERRUPTED = 130
+#: The parallelism flags' `LLM` arguments (error messages name the flag).
+PARALLEL_FLAGS = {
+    "LLM.tensor_parallel_size": "--tensor-parallel-size",
+    "LLM.data_parallel_size": "--data-parallel-size",
+    "LLM.enable_expert_parallel": "--enable-expert-parallel",
+}
 #: The API field each flag sets, for error messages in the flag's terms.
 FLAGS = {
     "SamplingParams.max_tokens": "--max-tokens",
@@ -48,8 +54,39 @@ FLAGS = {
     "LLM.kv_placement": "--kv-placement",
     "LLM.device": "--device",
     "LLM.model": "--model",
-    "LLM.tensor_parallel_size": "--tensor-parallel-size",
+    **PARALLEL_FLAGS,
 }
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """``--tensor-parallel-size``, ``--data-parallel-size``, ``--enable-expert-parallel``
+    (vLLM's names) on a command that builds an engine; `parallel_kwargs` reads them."""
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks to shard the model over, one GPU each (default 1); see the README for torchrun",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="data-parallel attention: ranks that each run their own requests with their own KV "
+        "cache and host pool, one GPU each (default 1); not with --tensor-parallel-size",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="with --data-parallel-size: split each MoE layer's routed experts over the ranks",
+    )
+
+
+def parallel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+    )
 
 
 def demo_prompt() -> str:
@@ -98,12 +135,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--max-model-len", type=int, default=4096)
     gen.add_argument("--kv-placement", choices=("hisparse", "gpu"), default="hisparse")
     gen.add_argument("--device", default=None)
-    gen.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="ranks to shard the model over, one GPU each (default 1); see the README for torchrun",
-    )
+    add_parallel_args(gen)
     gen.set_defaults(handler=run_generate, flags=FLAGS, builds_engine=True)
 
 
@@ -151,7 +183,7 @@ def _generate(
             gpu_memory_gib=args.gpu_memory_gib,
             device=args.device,
             max_num_seqs=1,
-            tensor_parallel_size=args.tensor_parallel_size,
+            **parallel_kwargs(args),
         )
     load_s = time.perf_counter() - t0
     with llm:

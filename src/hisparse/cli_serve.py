@@ -15,6 +15,7 @@ import math
 
 from rich.console import Console
 
+from hisparse.cli_generate import PARALLEL_FLAGS, add_parallel_args, parallel_kwargs
 from hisparse.engine.sampling_params import MAX_N
 
 #: uvicorn's log levels (``hisparse.serve.server.LOG_LEVELS``: uvicorn is imported only
@@ -34,7 +35,7 @@ FLAGS = {
     "LLM.kv_placement": "--kv-placement",
     "LLM.device": "--device",
     "LLM.model": "--model",
-    "LLM.tensor_parallel_size": "--tensor-parallel-size",
+    **PARALLEL_FLAGS,
 }
 
 
@@ -85,12 +86,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--gpu-memory-gib", type=float, default=None)
     p.add_argument("--device", default=None)
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="ranks to shard the model over, one GPU each (default 1); see the README for torchrun",
-    )
+    add_parallel_args(p)
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.set_defaults(handler=run_serve, flags=FLAGS, builds_engine=True)
 
@@ -139,7 +135,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 max_num_batched_tokens=args.max_batched_tokens,
                 gpu_memory_gib=args.gpu_memory_gib,
                 device=args.device,
-                tensor_parallel_size=args.tensor_parallel_size,
+                **parallel_kwargs(args),
             )
     except BaseException:
         sock.close()

@@ -12,6 +12,8 @@ import math
 import time
 from typing import Any
 
+from hisparse.cli_generate import parallel_kwargs
+
 
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
@@ -116,7 +118,7 @@ def _make_llm(args: argparse.Namespace, cfg: dict[str, Any], placement: str) -> 
             seed=args.seed,
         ),
         schedule=args.schedule,
-        tensor_parallel_size=args.tensor_parallel_size,
+        **parallel_kwargs(args),
     )
 
 

@@ -26,6 +26,7 @@ from hisparse.bench.report import (
     results_table,
     write_plot,
 )
+from hisparse.cli_generate import PARALLEL_FLAGS, add_parallel_args
 from hisparse.config import HiSparseConfigError, check_gib, default_offload
 
 
@@ -114,12 +115,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "chunks alone while any prompt is unfinished (default: %(default)s)",
     )
     bench.add_argument("--device", default=None)
-    bench.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="ranks to shard the model over, one GPU each (default 1); see the README for torchrun",
-    )
+    add_parallel_args(bench)
     bench.add_argument("--dtype", default="auto")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
@@ -150,7 +146,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
             "LLM.max_model_len": "--max-model-len",
             "LLM.max_num_batched_tokens": "--max-batched-tokens",
             "LLM.max_num_seqs": "--concurrency",
-            "LLM.tensor_parallel_size": "--tensor-parallel-size",
+            **PARALLEL_FLAGS,
             "BenchHooks.seed": "--seed",
             "BenchHooks.topk_overlap": "--topk-overlap",
         },
