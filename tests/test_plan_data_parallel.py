@@ -56,19 +56,32 @@ def test_plan_data_parallel_errors(capsys, args, needle):
 
 @pytest.mark.parametrize("fp8", [True, False])
 def test_plan_counts_what_a_data_parallel_rank_keeps(tiny_checkpoint, fp8):
-    """The plan's bytes per rank against the parameters a rank keeps once its
-    `ExpertParallel` dropped the other ranks' experts (fp8 stacked experts and bf16 MLPs)."""
+    """A rank loading with its share of the experts reads only those (fewer bytes than the
+    whole checkpoint; the tensors equal the whole load's), keeps what the plan counts per
+    rank, and its `ExpertParallel` finds nothing more to drop (fp8 stacked experts and bf16
+    MLPs)."""
     path = tiny_checkpoint("deepseek_v32", fp8=True) if fp8 else tiny_checkpoint("deepseek_v32")
     cfg = DsaConfig.from_pretrained(path)
     fmt = WeightFormat(fp8=fp8, dtype_bytes=2)
+    whole = load_dsa_model(path, dtype=torch.bfloat16)
+    whole_moes = [m for m in whole.modules() if isinstance(m, MoE)]
     for rank in (0, 1):
-        model = load_dsa_model(path, dtype=torch.bfloat16)
+        model = load_dsa_model(path, dtype=torch.bfloat16, experts=(4 * rank, 4))
+        assert model.load_stats["bytes_read"] < whole.load_stats["bytes_read"]
         group = SimpleNamespace(rank=rank, world_size=2, group=None, backend="gloo")
         ExpertParallel(group, cfg.n_routed_experts, torch.bfloat16).install(model)
         kept = sum(p.numel() * p.element_size() for p in model.parameters())
         planned = sum(p.bytes_per_rank for p in dsa_weight_parts(cfg, 1, fmt=fmt, ep=2))
         assert kept == planned, rank
-        assert all(m.ep is not None for m in model.modules() if isinstance(m, MoE))
+        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        assert all(m.ep is not None for m in moes)
+        for m, w in zip(moes, whole_moes, strict=True):
+            if fp8:
+                mine, ref = m.fp8_experts.down_weight, w.fp8_experts.down_weight[4 * rank :][:4]
+                assert torch.equal(mine.view(torch.uint8), ref.view(torch.uint8))
+            else:
+                e = 4 * rank + 3
+                assert torch.equal(m.experts[e].down_proj.weight, w.experts[e].down_proj.weight)
 
 
 def test_planned_requests_per_rank_are_the_engines_admission(tiny_checkpoint, monkeypatch):

@@ -64,8 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Under ``torchrun`` with ``--tensor-parallel-size N > 1`` only rank 0 runs the command;
     the other processes serve the engines it builds (`hisparse.parallel.group`)."""
     args = build_parser().parse_args(argv)
-    ranks = max(getattr(args, "tensor_parallel_size", 1), getattr(args, "data_parallel_size", 1))
-    if getattr(args, "builds_engine", False) and ranks > 1:
+    sizes = (getattr(args, "tensor_parallel_size", 1), getattr(args, "data_parallel_size", 1))
+    if getattr(args, "builds_engine", False) and max(sizes) > 1:
         _serve_rank_if_torchrun_worker(args)
     try:
         return args.handler(args)

@@ -57,6 +57,14 @@ def check_parallel_args(
               "(the lockstep forwards run eagerly)")  # fmt: skip
 
 
+def expert_share(path: Path, group: Any) -> tuple[int, int]:
+    """``(first, count)``: the routed experts rank ``group.rank`` keeps (whole experts)."""
+    from hisparse.models.dsa_config import DsaConfig
+
+    per = DsaConfig.from_pretrained(path).n_routed_experts // group.world_size
+    return group.rank * per, per
+
+
 def expert_parallel(model: Any, group: Any) -> Any:
     """Split ``model``'s experts over ``group``'s ranks (`ExpertParallel.install`)."""
     from hisparse.parallel.expert import ExpertParallel

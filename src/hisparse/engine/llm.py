@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from hisparse.config import HiSparseConfig, check_gib
+from hisparse.engine import dp_core
 from hisparse.engine.async_core import AsyncEngineCore
 from hisparse.engine.core import (
     STEP_STATS_KEPT,
@@ -40,7 +41,6 @@ from hisparse.engine.device import (
     default_kv_gib,
     host_sharing,
 )
-from hisparse.engine.dp_core import DataParallelCore, check_parallel_args, expert_parallel
 from hisparse.engine.hooks import StepHooks
 from hisparse.engine.inputs import (
     GenerationInterrupted,
@@ -228,8 +228,8 @@ class LLM:
                       "(DSA models only)")  # fmt: skip
         else:
             check_choice(f + "indexer", indexer, DSA_INDEXERS)
-        check_parallel_args(path, tensor_parallel_size, data_parallel_size,
-                            enable_expert_parallel, gguf, cuda_graphs)  # fmt: skip
+        dp_core.check_parallel_args(path, tensor_parallel_size, data_parallel_size,
+                                    enable_expert_parallel, gguf, cuda_graphs)  # fmt: skip
         if tensor_parallel_size > 1:
             check_tensor_parallel_size(path, gguf, tensor_parallel_size)
         try:
@@ -243,9 +243,11 @@ class LLM:
                 self.device = tp.device
             hs = hisparse or HiSparseConfig()
             shards = None if dp else tp  # data-parallel ranks hold the whole model
-            loaded = load_model(path, hs, torch_dtype, self.device, indexer, kv_format, shards)
+            experts = dp_core.expert_share(path, tp) if enable_expert_parallel else None
+            loaded = load_model(path, hs, torch_dtype, self.device, indexer, kv_format, shards,
+                                experts)  # fmt: skip
             if enable_expert_parallel:
-                ep = expert_parallel(loaded.model, tp)  # each rank keeps its experts only
+                ep = dp_core.expert_parallel(loaded.model, tp)  # each rank keeps its experts only
             self.model, self.config = loaded.model, loaded.config
             self.tokenizer, self.chat_template = loaded.tokenizer, loaded.chat_template
             self.eos_token_ids = loaded.eos_token_ids
@@ -320,8 +322,8 @@ class LLM:
         # async scheduling chains fixed-shape decodes on one rank (docs/design.md §12.5.1)
         chained = self.async_scheduling and tp is None and self.runner.graphs is not None
         if dp:
-            self._core = DataParallelCore(scheduler, self.runner, tp=tp, ep=ep,
-                                          on_fatal=self._fatal)  # fmt: skip
+            self._core = dp_core.DataParallelCore(scheduler, self.runner, tp=tp, ep=ep,
+                                                  on_fatal=self._fatal)  # fmt: skip
         else:
             core = AsyncEngineCore if chained else EngineCore
             self._core = core(scheduler, self.runner, tp=tp, on_fatal=self._fatal)

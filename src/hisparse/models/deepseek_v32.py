@@ -147,6 +147,8 @@ class MoE(nn.Module):
         experts = [e for e in self.experts if isinstance(e, MLP)]
         if not experts or type(experts[0].gate_proj) is not nn.Linear:
             return
+        if len(experts) != len(self.experts):
+            return  # split over expert-parallel ranks: their forward loops over its experts
         w0 = experts[0].gate_proj.weight
         inter, hidden = w0.shape
         sw = self.shared_experts.gate_proj.weight

@@ -87,6 +87,8 @@ class Fp8Experts(nn.Module):
         super().__init__()
         self.n_experts, self.hidden, self.inter = n_experts, hidden, inter
         self.row_offset, self.pow2 = row_offset, pow2
+        #: the checkpoint index of expert 0 here (expert parallelism keeps a range)
+        self.first_expert = 0
         e8 = fp8.FP8_DTYPE
 
         def param(*shape: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:

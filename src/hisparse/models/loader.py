@@ -53,6 +53,7 @@ __all__ = ["CheckpointError", "build_dsa_model", "checkpoint_files", "load_dsa_m
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.)")
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 #: linear layers kept in fp8 where the checkpoint has them so (others are dequantized)
 _FP8_KEPT = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "wq_b", "wk",
              "gate_proj", "up_proj", "down_proj", "eh_proj"}  # fmt: skip
@@ -107,6 +108,8 @@ class _Plan:
         self.pieces: dict[str, list[_Piece]] = {}
         self.expect: dict[str, tuple[int, ...]] = {}  # checkpoint key -> its full shape
         self.missing: list[str] = []
+        #: checkpoint keys another rank reads (its experts, under expert parallelism)
+        self.skipped: set[str] = set()
 
     def hf(self, name: str) -> str:
         return _hf_name(self.config, name)
@@ -180,10 +183,11 @@ class _Plan:
             self.add(name, key, (full[0], 2 * tiles, full[2]), (dim, base + start, length),
                      dequant=False)  # fmt: skip
             return
-        for e in range(full[0]):
-            key = f"{prefix}.{e}.{part}_proj.weight"
+        first = ex.first_expert  # expert parallelism: this rank's experts only
+        for j in range(full[0]):
+            key = f"{prefix}.{first + j}.{part}_proj.weight"
             key = key if what == "weight" else _scale_key(key)
-            self.add(name, key, full[1:], split, lead=1, dst_lead=(e,), dequant=False)
+            self.add(name, key, full[1:], split, lead=1, dst_lead=(j,), dequant=False)
 
 
 def build_dsa_model(
@@ -274,7 +278,7 @@ def _validate(plan: _Plan, path: Path, config: DsaConfig) -> None:
     if plan.missing:
         more = f" (and {len(plan.missing) - 5} more)" if len(plan.missing) > 5 else ""
         raise CheckpointError(f"{path}: missing tensor(s) {', '.join(plan.missing[:5])}{more}")
-    used = set(plan.expect)
+    used = set(plan.expect) | plan.skipped
     for key, info in ckpt.tensors.items():
         if info.dtype == torch.float8_e4m3fn:
             skey = _scale_key(key)
@@ -389,13 +393,16 @@ def load_dsa_model(
     world: int = 1,
     tp: Any = None,
     fp8_weights: str = "keep",
+    experts: tuple[int, int] | None = None,
 ) -> DsaForCausalLM:
     """Build the model of ``path/config.json`` and load rank ``rank``'s shard of ``world``
     (``tp``: its `TPGroup`, for the collectives of a running rank) onto ``device``.
 
     ``dtype`` is the compute dtype of every weight except fp8 ones (kept e4m3, their scales
     fp32), the router and the indexer's ``weights_proj`` (fp32 as in transformers). Tests use
-    ``torch.float32``. ``fp8_weights="dequantize"`` turns every fp8 weight into ``dtype``."""
+    ``torch.float32``. ``fp8_weights="dequantize"`` turns every fp8 weight into ``dtype``.
+    ``experts``: ``(first, count)``, the routed experts this rank keeps (expert parallelism:
+    `keep_experts`)."""
     from hisparse.parallel.shard import shard_dsa
 
     if fp8_weights not in FP8_MODES:
@@ -411,9 +418,11 @@ def load_dsa_model(
         fmt = fp8.Fp8Format()  # e4m3 tensors without a quantization_config: DeepSeek's format
     keep = fmt if fp8_weights == "keep" else None
     model = build_dsa_model(config, ckpt, indexer_mode=indexer_mode, fp8_format=keep)
+    skipped = keep_experts(model, ckpt, config, *experts) if experts is not None else set()
     full = {n: tuple(p.shape) for n, p in model.named_parameters()}
     splits = shard_dsa(model, rank, world, tp) if world > 1 else {}
     plan = _plan_reads(model, config, ckpt, full, splits)
+    plan.skipped = skipped
     _validate(plan, path, config)
     dtypes = param_dtypes(model, dtype)
     total = sum(_piece_bytes(p, ckpt) for ps in plan.pieces.values() for p in ps)
@@ -439,6 +448,28 @@ def load_dsa_model(
     model.rotary = Rotary(config).to(device)
     model.load_stats = {"bytes_read": progress.done, "seconds": progress.elapsed}
     return model.eval()
+
+
+def keep_experts(
+    model: nn.Module, ckpt: CheckpointIndex, config: DsaConfig, first: int, count: int
+) -> set[str]:
+    """On the meta model: keep routed experts ``[first, first + count)`` of every MoE layer
+    (the others are another rank's: never read here); returns the checkpoint keys of the
+    experts dropped. fp8 experts stored fused (transformers' ``gate_up_proj``) are read whole
+    and split after the load (`hisparse.parallel.expert.ExpertParallel`)."""
+    kept = range(first, first + count)
+    for name, moe in model.named_modules():
+        if not isinstance(moe, MoE):
+            continue
+        ex = moe.fp8_experts
+        if ex is not None and f"{_hf_name(config, name)}.experts.0.gate_proj.weight" in ckpt:
+            for attr, p in list(ex.named_parameters(recurse=False)):
+                setattr(ex, attr, nn.Parameter(p.data[first : first + count], requires_grad=False))
+            ex.n_experts, ex.first_expert = count, first
+        for e in range(len(moe.experts)):
+            if e not in kept:
+                moe.experts[e] = nn.Module()  # no parameters: another rank's expert
+    return {k for k in ckpt.tensors if (m := _EXPERT.search(k)) and int(m.group(1)) not in kept}
 
 
 def _piece_bytes(piece: _Piece, ckpt: CheckpointIndex) -> int:

@@ -210,8 +210,10 @@ def load_model(
     indexer: str,
     kv_format: str,
     tp: Any = None,
+    experts: tuple[int, int] | None = None,
 ) -> LoadedModel:
-    """Load the checkpoint at ``path`` (`resolve_model`) for the engine. ``tp`` (a
+    """Load the checkpoint at ``path`` (`resolve_model`) for the engine (``experts``: the
+    routed experts ``(first, count)`` an expert-parallel rank keeps). ``tp`` (a
     `hisparse.parallel.TPGroup`): a DSA checkpoint loads this rank's shard straight onto
     ``device`` (`load_dsa_model`: each rank reads only its slices); a GGUF model loads on the
     CPU, keeps this rank's shard (`hisparse.parallel.shard`), then moves to ``device``."""
@@ -262,7 +264,14 @@ def load_model(
 
     rank, world = (tp.rank, tp.world_size) if tp is not None else (0, 1)
     model = load_dsa_model(
-        path, dtype=dtype, device=device, indexer_mode=indexer, rank=rank, world=world, tp=tp
+        path,
+        dtype=dtype,
+        device=device,
+        indexer_mode=indexer,
+        rank=rank,
+        world=world,
+        tp=tp,
+        experts=experts,
     )
     if device.type == "cuda":  # the fused ops' state, once the weights sit where they run
         model.prepare_fused()

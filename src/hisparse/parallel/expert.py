@@ -67,10 +67,10 @@ class ExpertParallel:
     def _keep_local(self, moe: nn.Module) -> None:
         lo, hi = self.first, self.first + self.per
         ex = moe.fp8_experts
-        if ex is not None:
+        if ex is not None and ex.n_experts != self.per:  # loaded whole (a fused checkpoint)
             for name, p in list(ex.named_parameters(recurse=False)):
                 setattr(ex, name, nn.Parameter(p.data[lo:hi].clone(), requires_grad=False))
-            ex.n_experts = self.per
+            ex.n_experts, ex.first_expert = self.per, lo
         for e in range(len(moe.experts)):
             if not lo <= e < hi:
                 moe.experts[e] = nn.Module()  # no weights: another rank's expert
