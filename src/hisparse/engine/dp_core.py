@@ -75,13 +75,14 @@ def expert_parallel(model: Any, group: Any) -> Any:
 
 
 class DataParallelCore(EngineCore):
-    """`EngineCore` of one data-parallel rank (module docstring). ``ep``: the model's
-    `ExpertParallel` (None: every rank holds every expert and the forwards need no peer)."""
+    """`EngineCore` of one data-parallel rank (module docstring)."""
 
-    def __init__(self, scheduler: Any, runner: Any, *, tp: Any, ep: Any = None,
+    def __init__(self, scheduler: Any, runner: Any, *, tp: Any,
                  on_fatal: Any = lambda: None) -> None:  # fmt: skip
         super().__init__(scheduler, runner, tp=tp, on_fatal=on_fatal)
-        self.ep = ep
+        #: the model's `ExpertParallel` (None: every rank holds every expert, and the
+        #: forwards need no peer)
+        self.ep = getattr(runner.model, "expert_parallel", None)
         n = tp.world_size
         #: driver: unfinished requests other ranks run, by id: (rank, mirror request)
         self.remote: dict[str, tuple[int, Request]] = {}

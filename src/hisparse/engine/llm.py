@@ -233,7 +233,7 @@ class LLM:
         if tensor_parallel_size > 1:
             check_tensor_parallel_size(path, gguf, tensor_parallel_size)
         try:
-            tp = ep = None
+            tp = None
             if max(tensor_parallel_size, data_parallel_size) > 1:
                 self._tp = tp = TPGroup.start(
                     max(tensor_parallel_size, data_parallel_size), self.device, llm_kwargs,
@@ -246,8 +246,8 @@ class LLM:
             experts = dp_core.expert_share(path, tp) if enable_expert_parallel else None
             loaded = load_model(path, hs, torch_dtype, self.device, indexer, kv_format, shards,
                                 experts)  # fmt: skip
-            if enable_expert_parallel:
-                ep = dp_core.expert_parallel(loaded.model, tp)  # each rank keeps its experts only
+            if enable_expert_parallel:  # each rank keeps its experts only
+                dp_core.expert_parallel(loaded.model, tp)
             self.model, self.config = loaded.model, loaded.config
             self.tokenizer, self.chat_template = loaded.tokenizer, loaded.chat_template
             self.eos_token_ids = loaded.eos_token_ids
@@ -321,12 +321,8 @@ class LLM:
         )
         # async scheduling chains fixed-shape decodes on one rank (docs/design.md §12.5.1)
         chained = self.async_scheduling and tp is None and self.runner.graphs is not None
-        if dp:
-            self._core = dp_core.DataParallelCore(scheduler, self.runner, tp=tp, ep=ep,
-                                                  on_fatal=self._fatal)  # fmt: skip
-        else:
-            core = AsyncEngineCore if chained else EngineCore
-            self._core = core(scheduler, self.runner, tp=tp, on_fatal=self._fatal)
+        core = dp_core.DataParallelCore if dp else AsyncEngineCore if chained else EngineCore
+        self._core = core(scheduler, self.runner, tp=tp, on_fatal=self._fatal)
         self._ids = itertools.count()
 
     # --- the engine core's state, as the API shows it ---------------------------------------

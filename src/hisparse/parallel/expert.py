@@ -60,6 +60,7 @@ class ExpertParallel:
             if isinstance(moe, MoE):
                 self._keep_local(moe)
                 moe.ep = self
+        model.expert_parallel = self
         # the layers a forward runs, in order: an idle rank joins each one's collectives
         self.moe_layers = [layer.mlp for layer in model.model.layers
                            if isinstance(layer.mlp, MoE)]  # fmt: skip
