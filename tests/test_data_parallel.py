@@ -1,6 +1,6 @@
 """Data-parallel attention with expert parallelism on the CPU (gloo, one process per rank):
 each rank runs its own requests with its own pools, the MoE runs over every rank's tokens, and
-the greedy tokens are one rank's (docs/design.md §20)."""
+the greedy tokens are one rank's (docs/design.md §21)."""
 
 from __future__ import annotations
 

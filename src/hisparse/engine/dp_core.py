@@ -1,4 +1,4 @@
-"""Data-parallel attention (docs/design.md §20): N ranks, each with its own scheduler, KV
+"""Data-parallel attention (docs/design.md §21): N ranks, each with its own scheduler, KV
 manager, HiSparse runtime and host pool over its own requests, the MoE's experts split over
 them (`hisparse.parallel.expert`).
 

@@ -148,7 +148,7 @@ class LLM:
         data_parallel_size, enable_expert_parallel: N ranks (processes as above) that each
             run attention, a scheduler and a host pool over their own requests (this object
             routes them); with expert parallelism each keeps ``1/N`` of every MoE layer's
-            experts and the MoE runs over every rank's tokens (docs/design.md §20). Not
+            experts and the MoE runs over every rank's tokens (docs/design.md §21). Not
             combined with ``tensor_parallel_size`` yet.
     """
 

@@ -1,4 +1,4 @@
-"""Expert parallelism under data-parallel attention (docs/design.md §20).
+"""Expert parallelism under data-parallel attention (docs/design.md §21).
 
 Each data-parallel rank runs attention for its own requests, but a MoE layer runs over every
 rank's tokens: rank ``r`` holds whole experts ``[r·E/N, (r+1)·E/N)``. In each forward the ranks
