@@ -83,11 +83,15 @@ class AsyncEngineCore(EngineCore):
     def _deferrable(self, out: SchedulerOutput) -> bool:
         """A decode of one row per request may leave its tokens on the device. Logprobs go
         to the host with the tokens; the next step's penalties and ``min_tokens`` count the
-        token still on the device (`sampling.sample_on_device`'s ``pending``)."""
+        token still on the device (`sampling.sample_on_device`'s ``pending``). A row with a
+        grammar (structured outputs) is not deferred: its next mask is computed on the host
+        from its matcher, which must have accepted this token first."""
         step = out.parts[0]
         # the fixed-shape path takes the device tokens (a benchmark may switch it off)
         fixed_shape = self.runner.graphs is not None
-        return fixed_shape and step.decode and all(n == 1 for _, n in step.batch)
+        # a structured output's next mask needs its token accepted by its grammar first
+        free = all(req.grammar is None for req, _ in step.batch)
+        return fixed_shape and free and step.decode and all(n == 1 for _, n in step.batch)
 
     def _launch(self, out: SchedulerOutput, device_ids: torch.Tensor | None) -> None:
         """Run a deferrable decode (its input ids from the previous decode's device tokens

@@ -100,9 +100,14 @@ def params_per_prompt(params: Any, n: int) -> list[SamplingParams]:
 
 
 def completions(
-    rid: str, ids: list[int], params: SamplingParams, prompt: str | None
+    rid: str, ids: list[int], params: SamplingParams, prompt: str | None, grammars: Any = None
 ) -> list[Request]:
-    """The ``params.n`` requests of one prompt (ids ``rid``, or ``rid.0`` .. ``rid.{n-1}``)."""
+    """The ``params.n`` requests of one prompt (ids ``rid``, or ``rid.0`` .. ``rid.{n-1}``),
+    each with a matcher of its structured output's grammar from ``grammars`` (an
+    `engine.grammar.Grammars`; its `ValueError` for a spec that does not compile)."""
+    spec = params.structured_outputs
+    if spec is not None and grammars is None:
+        raise ValueError("SamplingParams.structured_outputs: this engine has no grammar support")
     return [
         Request(
             req_id=rid if params.n == 1 else f"{rid}.{j}",
@@ -110,6 +115,7 @@ def completions(
             params=params,
             prompt=prompt,
             index=j,
+            grammar=None if spec is None else grammars.matcher(spec),
         )
         for j in range(params.n)
     ]

@@ -250,7 +250,7 @@ class LLM:
                 dp_core.expert_parallel(loaded.model, tp)
             self.model, self.config = loaded.model, loaded.config
             self.tokenizer, self.chat_template = loaded.tokenizer, loaded.chat_template
-            self.eos_token_ids = loaded.eos_token_ids
+            self.eos_token_ids, self.grammars = loaded.eos_token_ids, loaded.grammars
             row_format, model_max_len = loaded.row_format, loaded.max_len
             if max_model_len is not None and max_model_len > model_max_len:
                 _fail(
@@ -453,7 +453,7 @@ class LLM:
         if isinstance(ids, str):
             raise ValueError(ids)
         rid = request_id if request_id is not None else str(next(self._ids))
-        reqs = completions(rid, ids, params, prompt)
+        reqs = completions(rid, ids, params, prompt, self.grammars)
         self._core.add(reqs)
         return reqs
 
@@ -516,7 +516,7 @@ class LLM:
             ids = self._token_ids(text, ids) if error is None else []
             if isinstance(ids, str):
                 error, ids = ids, []
-            reqs = completions(rid, ids, p, text)
+            reqs = completions(rid, ids, p, text, self.grammars)
             if error is not None:
                 for req in reqs:
                     req.status, req.finish_reason, req.error = Status.FINISHED, "error", error

@@ -72,6 +72,9 @@ class Request:
     stop_reason: str | int | None = None
     #: the penalties' device state (`hisparse.engine.sampling.PenaltyState`)
     sampler_state: PenaltyState | None = None
+    #: the structured output's matcher (an xgrammar ``GrammarMatcher``, `engine.grammar`)
+    #: that follows this request's tokens; ``None``: free text
+    grammar: Any = None
     #: incremental decoding state (`hisparse.engine.output_processor.DetokenizerState`)
     detokenizer: object | None = None
     #: the seed of this request's random stream (None: greedy, no stream)

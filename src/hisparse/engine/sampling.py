@@ -160,9 +160,9 @@ def process_logits(
     eos_token_ids: Set[int] = frozenset(),
     pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``raw [B, V]`` logits after ``min_tokens`` masking and the penalties: ``raw`` itself
-    when no row asks for either, else an fp32 copy changed only in the rows that do
-    (``pending``: see `sample_on_device`)."""
+    """``raw [B, V]`` logits after ``min_tokens`` masking, the penalties and the structured
+    outputs' grammar masks: ``raw`` itself when no row asks for any, else an fp32 copy changed
+    only in the rows that do (``pending``: see `sample_on_device`)."""
     params = [r.params for r in rows]
     dev, V = raw.device, raw.shape[-1]
     pen = [i for i, p in enumerate(params) if p.penalized]
@@ -175,7 +175,8 @@ def process_logits(
             ids = sorted(t for t in ids if 0 <= t < V)
             masked_rows += [i] * len(ids)
             masked_ids += ids
-    if not pen and not masked_rows:
+    grammar_rows = [i for i, r in enumerate(rows) if getattr(r, "grammar", None) is not None]
+    if not pen and not masked_rows and not grammar_rows:
         return raw
     x = raw.to(torch.float32, copy=True)
     if pen:
@@ -183,6 +184,10 @@ def process_logits(
     if masked_rows:
         where = to_device([masked_rows, masked_ids], torch.long, dev)
         x[where[0], where[1]] = float("-inf")
+    if grammar_rows:  # structured outputs: never with a token pending (async steps aside)
+        from hisparse.engine.grammar import apply_grammar_masks
+
+        apply_grammar_masks(x, grammar_rows, [rows[i].grammar for i in grammar_rows])
     return x
 
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
+from hisparse.engine.structured_params import StructuredOutputsParams
 from hisparse.validation import _fail, check_bool, check_float, check_int, is_integer
 
 #: Bounds on what one request may ask for, so that no single request can take the engine:
@@ -54,6 +55,8 @@ class SamplingParams:
             in ``[-2, 2]``.
         frequency_penalty: subtracted from a token's logit once per time it is already in
             the output, in ``[-2, 2]``.
+        structured_outputs: a `StructuredOutputsParams` the output must follow (a JSON
+            schema, any JSON object, a regex, a choice, a grammar); ``None``: free text.
     """
 
     temperature: float = 1.0
@@ -70,6 +73,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         f = "SamplingParams."
@@ -109,6 +113,13 @@ class SamplingParams:
             object.__setattr__(self, name, value)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail(f + "min_tokens", self.min_tokens, f"<= max_tokens={self.max_tokens}")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            _fail(f + "structured_outputs", so, "a StructuredOutputsParams or None",
+                  example="StructuredOutputsParams(json_object=True)", type_error=True)  # fmt: skip
+        if so is not None and self.ignore_eos:
+            _fail(f + "ignore_eos", True, "False with structured_outputs (a finished "
+                  "structure ends at the end-of-sequence token)")  # fmt: skip
 
     @property
     def greedy(self) -> bool:

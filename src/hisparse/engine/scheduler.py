@@ -438,6 +438,10 @@ class Scheduler:
                     req, "sampling failed: this request's logits are not finite numbers"
                 )
                 continue
+            if req.grammar is not None and not req.grammar.accept_token(tok):
+                req.metrics.finished = now
+                self.fail_running(req, f"structured output: token {tok} breaks the grammar")
+                continue
             reason = self.stops.append(req, tok, lp, now)
             if reason is not None:
                 req.metrics.finished = now

@@ -158,6 +158,14 @@ class LoadedModel:
     #: the model's context limit (max_position_embeddings)
     max_len: int
 
+    @property
+    def grammars(self) -> Any:
+        """The structured outputs' grammar compiler and cache for this vocabulary (an
+        `engine.grammar.Grammars`; xgrammar is imported at the first compile)."""
+        from hisparse.engine.grammar import Grammars
+
+        return Grammars(self.tokenizer, self.model, self.eos_token_ids)
+
 
 def is_gguf(path: Path) -> bool:
     return path.suffix == ".gguf"

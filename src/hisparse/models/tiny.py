@@ -156,6 +156,7 @@ def make_tiny(
     dtype: torch.dtype | None = None,
     fp8: bool = False,
     mtp: bool | None = None,
+    tokenizer: bool = False,
     **overrides: Any,
 ) -> Path:
     """Write a random ``arch`` checkpoint (config.json + model.safetensors) to ``out_dir``.
@@ -173,6 +174,8 @@ def make_tiny(
             instead of transformers' own checkpoint; the ``v32-shapes`` preset always goes
             this way (``fp8`` off: bf16 weights).
         mtp: write the multi-token-prediction layer (default: with ``fp8``).
+        tokenizer: also write a byte-level ``tokenizer.json`` (`write_byte_tokenizer`; the
+            ``fp8`` path always does), so that text prompts, chat and structured outputs run.
         overrides: any other config field (e.g. ``num_hidden_layers=6``).
 
     Returns the folder. Needs ``transformers`` (a test dependency of hisparse) unless it goes
@@ -226,6 +229,10 @@ def make_tiny(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
+    if tokenizer:
+        from hisparse.models.checkpoint_writer import write_byte_tokenizer
+
+        write_byte_tokenizer(out, config.vocab_size)
     return out
 
 

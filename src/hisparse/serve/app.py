@@ -9,13 +9,14 @@ a malformed or oversized body gets the same shape.
 
 Each request is bounded before it is queued: its body (``max_body_bytes``), its completions
 (``n`` and ``best_of`` at most ``max_n``), its stop strings and ids and logprobs
-(`SamplingParams`' limits), its prompt (one per request, within ``max_model_len``), and its
+(`SamplingParams`' limits), its prompts (each within ``max_model_len``), and its
 sequences against the queue (`AsyncEngine.admit`). While it waits its client is watched: a
 hang-up aborts it at the next step, streamed or not.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -38,7 +39,7 @@ from hisparse.serve.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from hisparse.serve.responses import Formatter, collect, events, first, sse, usage
+from hisparse.serve.responses import Formatter, collect, events, first, merged, sse, usage
 
 
 class _ApiKey:
@@ -163,9 +164,18 @@ def build_app(
                 "max_tokens",
             )
 
-    def sampling(body, max_tokens: int | None, logprobs: int | None):
+    async def sampling(body, max_tokens: int | None, logprobs: int | None):
         try:
-            return body.sampling_params(max_tokens, logprobs)
+            spec, field = body.structured()
+        except ValueError as e:
+            raise ApiError(400, str(e), str(e).split(":", 1)[0]) from None
+        if spec is not None:  # compiled here (cached), so a bad schema is a 400
+            try:
+                await asyncio.to_thread(llm.grammars.compile, spec)
+            except ValueError as e:
+                raise ApiError(400, f"{field}: {e}", field) from None
+        try:
+            return body.sampling_params(max_tokens, logprobs, spec)
         except (ValueError, TypeError) as e:
             msg = str(e)
             field = msg.split("=", 1)[0].removeprefix("SamplingParams.") if "=" in msg else None
@@ -235,36 +245,44 @@ def build_app(
     async def completions(request: Request):
         body = await parse(request, CompletionRequest)
         prompts = body.prompts()
-        if len(prompts) != 1:
-            raise ApiError(
-                400,
-                "prompt: send one prompt per request (a list of several is not supported)",
-                "prompt",
-            )
-        text = prompts[0] if isinstance(prompts[0], str) else None
-        ids = token_ids(prompts[0], "prompt")
-        check_length(ids, body.max_tokens, "prompt")
-        params = sampling(body, body.max_tokens, body.logprobs)
+        n = body.n
+        if len(prompts) > 1 and len(prompts) * n > engine.max_waiting:
+            raise ApiError(400, f"prompt: {len(prompts)} prompts x n={n} sequences can never "
+                           f"fit the server's queue of {engine.max_waiting} (--max-waiting)",
+                           "prompt", "too_many_sequences")  # fmt: skip
+        texts, all_ids = [], []
+        for k, p in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
+            ids = token_ids(p, param)
+            check_length(ids, body.max_tokens, param)
+            texts.append(p if isinstance(p, str) else None)
+            all_ids.append(ids)
+        params = await sampling(body, body.max_tokens, body.logprobs)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = dict(id=rid, object="text_completion", created=now, model=model_name)
-        echo = (text or "") if body.echo else ""
-        gen = engine.generate(ids, params, prompt=text, disconnected=watch_disconnect(request))
+        # choice k * n + i is prompt k's completion i (OpenAI's numbering)
+        echo = [(t or "") if body.echo else "" for t in texts for _ in range(n)]
+        gen = merged([
+            engine.generate(ids, params, prompt=t, disconnected=watch_disconnect(request))
+            for ids, t in zip(all_ids, texts, strict=True)
+        ], n)  # fmt: skip
+        n_prompt = sum(len(ids) for ids in all_ids)
         if not body.stream:
-            outs = await collect(gen, params.n)
+            outs = await collect(gen, n * len(prompts))
             choices = [
                 dict(
                     index=i,
-                    text=echo + o["text"],
+                    text=echo[i] + o["text"],
                     finish_reason=o["finish_reason"],
-                    logprobs=fmt.completion_logprobs(o["token_ids"], o["logprobs"], len(echo)),
+                    logprobs=fmt.completion_logprobs(o["token_ids"], o["logprobs"], len(echo[i])),
                 )
                 for i, o in enumerate(outs)
             ]
             n_out = sum(len(o["token_ids"]) for o in outs)
-            return {**head, "choices": choices, "usage": usage(len(ids), n_out)}
+            return {**head, "choices": choices, "usage": usage(n_prompt, n_out)}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         item = await first(gen)  # errors before the stream starts are plain JSON errors
-        offsets = [len(echo)] * params.n
+        offsets = [len(e) for e in echo]
 
         def chunk(d) -> dict[str, Any]:
             lp = fmt.completion_logprobs(d.token_ids, d.logprobs or [], offsets[d.index])
@@ -272,14 +290,13 @@ def build_app(
             return dict(index=d.index, text=d.text, logprobs=lp, finish_reason=d.finish_reason)
 
         opening = [
-            sse({**head, "choices": [dict(index=i, text=echo, logprobs=None,
-                                          finish_reason=None)]})
-            for i in range(params.n)
-        ] if echo else []  # fmt: skip
+            sse({**head, "choices": [dict(index=i, text=e, logprobs=None, finish_reason=None)]})
+            for i, e in enumerate(echo) if e
+        ]  # fmt: skip
         stream = events(
-            head, item, gen, params.n, opening=opening, chunk=chunk,
+            head, item, gen, len(echo), opening=opening, chunk=chunk,
             final=lambda i, why: dict(index=i, text="", logprobs=None, finish_reason=why),
-            tail=lambda n_out: [sse({**head, "choices": [], "usage": usage(len(ids), n_out)})]
+            tail=lambda n_out: [sse({**head, "choices": [], "usage": usage(n_prompt, n_out)})]
             if include_usage else [],
         )  # fmt: skip
         return StreamingResponse(stream, media_type="text/event-stream")
@@ -291,7 +308,7 @@ def build_app(
         limit = body.limit()
         check_length(ids, limit, "messages")
         top = body.top_logprobs or 0
-        params = sampling(body, limit, top if body.logprobs else None)
+        params = await sampling(body, limit, top if body.logprobs else None)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = dict(id=rid, object="chat.completion", created=now, model=model_name)
         gen = engine.generate(ids, params, disconnected=watch_disconnect(request))

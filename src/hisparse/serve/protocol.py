@@ -12,10 +12,43 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from hisparse.engine.sampling import SamplingParams
+from hisparse.engine.structured_params import StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = "response"
+    description: str | None = None
+    #: OpenAI's name is ``schema``, which pydantic's BaseModel reserves
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's ``structured_outputs`` extra field (one of its keys)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
 
 
 class _Sampling(BaseModel):
@@ -38,11 +71,60 @@ class _Sampling(BaseModel):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The structured output this body asks for and the field that asked (a
+        `ValueError` naming the field for a bad one or for two at once)."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", dict(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise ValueError(
+                    "response_format: type 'json_schema' needs json_schema.schema, e.g. "
+                    '{"type": "json_schema", "json_schema": {"name": "x", "schema": {...}}}'
+                )
+            asked.append(("response_format", dict(json=rf.json_schema.json_schema)))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            given = dict(json=so.json_, json_object=so.json_object or None, regex=so.regex,
+                         choice=so.choice, grammar=so.grammar)  # fmt: skip
+            kwargs = {k: v for k, v in given.items() if v is not None}
+            kwargs["disable_any_whitespace"] = so.disable_any_whitespace
+            asked.append(("structured_outputs", kwargs))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                asked.append((f"guided_{name}", {name: value}))
+        if not asked:
+            return None, None
+        if len(asked) > 1:
+            names = ", ".join(n for n, _ in asked)
+            raise ValueError(f"{asked[1][0]}: give one structured output, not several ({names})")
+        field, kwargs = asked[0]
+        try:
+            return StructuredOutputsParams(**kwargs), field
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{field}: {e}") from None
+
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         """`SamplingParams` of this body (its checks name the field: a ValueError/TypeError
         becomes a 400 answer)."""
         return SamplingParams(
+            structured_outputs=structured_outputs,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,

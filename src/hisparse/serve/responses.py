@@ -9,6 +9,8 @@ it), then one ``data: {"error": ...}`` event in OpenAI's shape, then ``data: [DO
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -108,6 +110,49 @@ async def collect(gen: AsyncIterator[list[StreamDelta]], n: int) -> list[dict[st
             if d.finish_reason is not None:
                 o["finish_reason"] = d.finish_reason
     return outs
+
+
+async def merged(
+    gens: list[AsyncIterator[list[StreamDelta]]], n: int
+) -> AsyncIterator[list[StreamDelta]]:
+    """Several prompts' deltas as one request's (a list of prompts on ``/v1/completions``):
+    prompt ``k``'s completion ``i`` becomes choice ``k * n + i``, as OpenAI numbers them.
+    Deltas come as the engine steps give them; the first error ends the whole, and closing
+    this closes every prompt's iteration (which aborts them in the engine)."""
+    if len(gens) == 1:
+        try:
+            async for item in gens[0]:
+                yield item
+        finally:
+            await gens[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, gen: AsyncIterator[list[StreamDelta]]) -> None:
+        try:
+            async for deltas in gen:
+                queue.put_nowait([dataclasses.replace(d, index=k * n + d.index) for d in deltas])
+        except Exception as err:
+            queue.put_nowait(err)
+        finally:
+            await gen.aclose()
+            queue.put_nowait(_END)
+
+    tasks = [asyncio.ensure_future(pump(k, g)) for k, g in enumerate(gens)]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is _END:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def first(gen: AsyncIterator[list[StreamDelta]]) -> Any:
