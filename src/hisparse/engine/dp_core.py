@@ -112,6 +112,11 @@ class DataParallelCore(EngineCore):
         return out
 
     def add(self, reqs: list[Request]) -> None:
+        if any(r.grammar is not None for r in reqs):  # another rank would sample it freely
+            raise ValueError(
+                "SamplingParams.structured_outputs is not supported with data_parallel_size > 1 "
+                "yet (only the driver holds the grammar matchers); serve it with one rank"
+            )
         specs = []
         for req, rank in zip(reqs, self.route(reqs), strict=True):
             if rank == 0:
