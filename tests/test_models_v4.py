@@ -259,32 +259,61 @@ def test_make_tiny_cli_writes_what_both_load(tmp_path, capsys):
     assert rel_err(model.prefill_logits([ids])[0], expect) < TOL
 
 
-def test_loader_dequantizes_the_release_formats(ckpt, tmp_path):
-    """fp8 weights with UE8M0 tile scales and 4-bit experts (``.scale`` beside ``.weight``, the
-    release's names) load as their dequantized values."""
+def test_loader_reads_the_release_formats(ckpt, tmp_path):
+    """fp8 weights with UE8M0 tile scales (``.scale`` beside ``.weight``, the release's names)
+    stay e4m3 as `Fp8Linear` layers with the scales as exact fp32 factors (``wo_a``, read as
+    grouped weights, is dequantized), 4-bit experts load dequantized. An `Fp8Linear` computes
+    W8A8 (`fp8.w8a8_linear`); before any window closes (no indexer choice to flip) the logits
+    stay within its activation rounding of the model with every weight dequantized."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
+    from hisparse.models.fp8_linear import Fp8Linear
+    from hisparse.models.v4_quant import ue8m0_to_float
+
     tensors = load_file(ckpt / "model.safetensors")
     g = torch.Generator().manual_seed(2)
-    fp8_name, fp4_name = "layers.1.attn.wq_b.weight", "layers.2.ffn.experts.3.w1.weight"
-    n, k = tensors[fp8_name].shape
-    tensors[fp8_name] = (torch.randn(n, k, generator=g) * 50).to(torch.float8_e4m3fn)
-    tensors[fp8_name[: -len("weight")] + "scale"] = torch.randint(
-        120, 130, (-(-n // 128), -(-k // 128)), generator=g
-    ).to(torch.uint8)
+    fp8_names = ["layers.1.attn.wq_b.weight", "layers.1.attn.wo_a.weight",
+                 "layers.3.ffn.shared_experts.w2.weight"]  # fmt: skip
+    fp4_name = "layers.2.ffn.experts.3.w1.weight"
+    plain = dict(tensors)
+    for name in fp8_names:
+        n, k = tensors[name].shape
+        amax = tensors[name].abs().amax()
+        exp = torch.ceil(torch.log2(amax / 448)).clamp(-20, 20) + 127
+        scale = torch.full((-(-n // 128), -(-k // 128)), float(exp)).to(torch.uint8)
+        tensors[name] = (plain[name] / ue8m0_to_float(scale)[0, 0]).to(torch.float8_e4m3fn)
+        tensors[name[: -len("weight")] + "scale"] = scale
+        plain[name] = dequantize_tensor(tensors[name], scale)
     n, k = tensors[fp4_name].shape
     tensors[fp4_name] = torch.randint(-128, 128, (n, k // 2), generator=g).to(torch.int8)
     tensors[fp4_name[: -len("weight")] + "scale"] = torch.randint(
-        120, 130, (n, k // 32), generator=g
+        120, 124, (n, k // 32), generator=g
     ).to(torch.uint8)
-    for name in ("config.json", "tokenizer.json"):
-        shutil.copy(ckpt / name, tmp_path / name)
-    save_file(tensors, tmp_path / "model.safetensors")
-    model = load_v4_model(tmp_path)
-    state = model.state_dict()
-    for name in (fp8_name, fp4_name):
-        scale = tensors[name[: -len("weight")] + "scale"]
-        torch.testing.assert_close(state[name], dequantize_tensor(tensors[name], scale))
-    assert torch.isfinite(model.prefill_logits([list(range(2, 30))])[0]).all()
+    plain[fp4_name] = dequantize_tensor(tensors[fp4_name], tensors[fp4_name[:-6] + "scale"])
+    for out, ts in ((tmp_path / "q", tensors), (tmp_path / "plain", plain)):
+        out.mkdir()
+        for name in ("config.json", "tokenizer.json"):
+            shutil.copy(ckpt / name, out / name)
+        save_file(ts, out / "model.safetensors")
+    model, ref = load_v4_model(tmp_path / "q"), load_v4_model(tmp_path / "plain")
+    wq_b = model.get_submodule("layers.1.attn.wq_b")
+    assert isinstance(wq_b, Fp8Linear) and wq_b.pow2
+    assert torch.equal(wq_b.weight.view(torch.uint8),
+                       tensors[fp8_names[0]].view(torch.uint8))  # fmt: skip
+    torch.testing.assert_close(
+        wq_b.weight_scale_inv, ue8m0_to_float(tensors[fp8_names[0][:-6] + "scale"])
+    )
+    assert isinstance(model.get_submodule("layers.3.ffn.shared_experts.w2"), Fp8Linear)
+    state, want_state = model.state_dict(), ref.state_dict()
+    for name in (fp8_names[1], fp4_name):  # dequantized at load
+        torch.testing.assert_close(state[name], want_state[name], rtol=0, atol=0)
+    from hisparse.models import fp8
+
+    x = torch.randn(5, wq_b.in_features, generator=g)
+    want_y = fp8.w8a8_linear(x, wq_b.weight, wq_b.weight_scale_inv, pow2=True)
+    torch.testing.assert_close(wq_b(x), want_y, rtol=1e-5, atol=1e-5)
+    ids = list(range(2, 40))
+    got, want = model.prefill_logits([ids])[0], ref.prefill_logits([ids])[0]
+    assert torch.isfinite(got).all() and rel_err(got[:3], want[:3]) < 2e-2

@@ -8,10 +8,12 @@ The release names its tensors ``embed.weight``, ``layers.{i}.attn.wq_a.weight``,
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from hisparse.models.checkpoint import CheckpointError, CheckpointIndex, SliceReader
 from hisparse.models.deepseek_v4 import DeepseekV4ForCausalLM
@@ -22,6 +24,8 @@ _ALIASES = (
     (re.compile(r"^embed_tokens\.weight$"), "embed.weight"),
     (re.compile(r"^hc_head\.hc_(fn|base|scale)$"), r"hc_head_\1"),
 )
+
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
 #: parameters kept in fp32 whatever the model dtype (transformers keeps them so too)
 _FP32 = re.compile(r"(norm\.weight|attn_sink|\.ape|hc_\w+|gate\.bias)$")
@@ -40,11 +44,34 @@ def _is_scale(name: str) -> bool:
     return name.endswith(".scale") or name.endswith("weight_scale_inv")
 
 
+def _keeps_fp8(key: str, ckpt: CheckpointIndex, names: dict[str, str]) -> bool:
+    """Whether weight ``key`` stays e4m3 (an `Fp8Linear`): an fp8 tensor of a layer the model
+    calls as a module (``wo_a`` is read as grouped weights: it is dequantized)."""
+    info = ckpt.get(names[key])
+    return (
+        info is not None
+        and info.dtype == torch.float8_e4m3fn
+        and not key.endswith("attn.wo_a.weight")
+    )
+
+
+def _pow2_activations(path: Path, ckpt: CheckpointIndex, scale_names: list[str]) -> bool:
+    """Power-of-two activation scales where the checkpoint's are UE8M0 (``scale_fmt``, or
+    exponent-byte scale tensors)."""
+    q = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    if "scale_fmt" in q:
+        return q["scale_fmt"] == "ue8m0"
+    return any(ckpt[n].dtype in (torch.uint8, _E8M0) for n in scale_names)
+
+
 def load_v4_model(
     path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> DeepseekV4ForCausalLM:
-    """The model of checkpoint folder ``path`` in ``dtype`` (fp32 parameters stay fp32)."""
-    from hisparse.models.v4_quant import dequantize_tensor
+    """The model of checkpoint folder ``path`` in ``dtype`` (fp32 parameters stay fp32).
+    fp8 weights stay e4m3 as `Fp8Linear` layers (W8A8 GEMMs, their UE8M0 scales as fp32
+    factors: exact); 4-bit experts and ``wo_a`` are dequantized to ``dtype``."""
+    from hisparse.models.fp8_linear import Fp8Linear
+    from hisparse.models.v4_quant import dequantize_tensor, ue8m0_to_float
 
     path = Path(path)
     config = V4Config.from_pretrained(path)
@@ -57,8 +84,18 @@ def load_v4_model(
         for k in ckpt.tensors
         if _is_scale(k)
     }
+    keep = {k for k in scales if k in names and _keeps_fp8(k, ckpt, names)}
+    pow2 = _pow2_activations(path, ckpt, list(scales.values()))
+    for key in keep:
+        module = key[: -len(".weight")]
+        linear = model.get_submodule(module)
+        if isinstance(linear, nn.Linear):
+            model.set_submodule(module, Fp8Linear.like(linear, pow2))
     state = model.state_dict(keep_vars=True)
-    missing = [k for k in state if k not in names and not k.startswith("rotary_")]
+    missing = [
+        k for k in state
+        if k not in names and not k.startswith("rotary_") and not k.endswith("weight_scale_inv")
+    ]  # fmt: skip
     if missing:
         raise CheckpointError(
             f"{path}: the checkpoint lacks {len(missing)} tensors of a deepseek_v4 model of "
@@ -69,17 +106,29 @@ def load_v4_model(
         for key, param in state.items():
             if key.startswith("rotary_"):
                 continue
-            t = reader.read(names[key])
-            if key in scales:
-                t = dequantize_tensor(t, reader.read(scales[key]))
-            want = torch.long if key.endswith("tid2eid") else dtype
-            if _FP32.search(key):
+            if key.endswith("weight_scale_inv"):  # an Fp8Linear's tile factors
+                t = ue8m0_to_float(reader.read(scales[key[: -len("_scale_inv")]]))
                 want = torch.float32
+            else:
+                t = reader.read(names[key])
+                if key in keep:
+                    want = t.dtype
+                elif key in scales:
+                    t = dequantize_tensor(t, reader.read(scales[key]))
+                    want = dtype
+                else:
+                    want = torch.long if key.endswith("tid2eid") else dtype
+                if _FP32.search(key):
+                    want = torch.float32
             if tuple(t.shape) != tuple(param.shape):
-                raise CheckpointError(f"{path}: {names[key]} has shape {tuple(t.shape)}, "
+                raise CheckpointError(f"{path}: {key} has shape {tuple(t.shape)}, "
                                       f"this config.json needs {tuple(param.shape)}")  # fmt: skip
             values[key] = t.to(device=device, dtype=want)
     model.load_state_dict(values, strict=False, assign=True)
     model.rotary_main.to(device)  # built on the CPU inside the meta skeleton
     model.rotary_compress.to(device)
+    if keep:
+        from hisparse.models import fp8_linear
+
+        fp8_linear.prepare(torch.device(device))  # the GEMM, chosen before any graph capture
     return model.eval()
