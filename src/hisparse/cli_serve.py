@@ -36,6 +36,7 @@ FLAGS = {
     "LLM.device": "--device",
     "LLM.model": "--model",
     **PARALLEL_FLAGS,
+    "LLM.enable_prefix_caching": "--enable-prefix-caching",
 }
 
 
@@ -87,6 +88,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-memory-gib", type=float, default=None)
     p.add_argument("--device", default=None)
     add_parallel_args(p)
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the cached pages of earlier requests' shared prefixes (default: on)",
+    )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.set_defaults(handler=run_serve, flags=FLAGS, builds_engine=True)
 
@@ -136,6 +143,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 gpu_memory_gib=args.gpu_memory_gib,
                 device=args.device,
                 **parallel_kwargs(args),
+                enable_prefix_caching=args.enable_prefix_caching,
             )
     except BaseException:
         sock.close()

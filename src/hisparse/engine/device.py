@@ -29,13 +29,17 @@ def default_host_pool_bytes(
     max_num_seqs: int,
     available: int | None = None,
     host_shards: int = 1,
+    indexer_copy: bool = False,
 ) -> int:
     """What ``max_num_seqs`` requests of ``max_model_len`` tokens hold on the host (their
     pages, a copy-on-write tail each, the null block), capped at half the host memory
     ``available`` (default: now), and at least one such request. ``host_shards``: host rows
-    hold that many ranks' slices of the specs' rows (`plan_kv_layout`)."""
+    hold that many ranks' slices of the specs' rows (`plan_kv_layout`); ``indexer_copy``:
+    a host block also holds its page's indexer keys (prefix caching)."""
     bs = config.block_size
     block = sum(s.row_bytes for s in specs if s.kind is CacheKind.SPARSE) * bs * host_shards
+    if indexer_copy:
+        block += sum(s.page_bytes for s in specs if s.kind is CacheKind.INDEXER)
     per_request = cdiv(max_model_len, bs) + 1
     want = (max_num_seqs * per_request + 1) * block
     available = available_host_bytes() if available is None else available

@@ -26,6 +26,26 @@ class GenerationInterrupted(KeyboardInterrupt):
         self.outputs = outputs
 
 
+def render_chat(
+    template: Any, tokenizer: Any, conv: list[dict[str, Any]], add_gen: bool, where: str
+) -> tuple[str, list[int]]:
+    """One checked conversation through the model's chat template: (text, token ids)."""
+    if template is None or tokenizer is None:
+        raise ValueError(
+            "this model has no chat template (a GGUF file's tokenizer.chat_template, or "
+            "chat_template.jinja / tokenizer_config.json's chat_template beside a "
+            "checkpoint); use generate() with the prompt text instead"
+        )
+    import jinja2
+
+    try:
+        text = template.render(conv, add_generation_prompt=add_gen)
+    except jinja2.TemplateError as err:
+        raise ValueError(f"{where}: the model's chat template refused them: {err}") from None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return text, list(getattr(ids, "ids", ids))
+
+
 def outputs_of(groups: list[tuple[str, str | None, list[Request]]]) -> list[RequestOutput]:
     return [
         RequestOutput(

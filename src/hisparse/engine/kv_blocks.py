@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 from hisparse.config import ResolvedHiSparseConfig, cdiv
 from hisparse.engine.offload_policy import OffloadPolicy
+from hisparse.engine.prefix_cache import PrefixCache
 from hisparse.kv.block_pool import BlockPool
 from hisparse.kv.layout import DEFAULT_PREFILL_TOKENS, GroupKind, KVLayout
 from hisparse.kv.planner import plan_kv_layout
@@ -46,6 +47,16 @@ class TableUpdate(NamedTuple):
     slot: int
     pages: Sequence[int]
     ids: list[int]
+
+
+class IndexerCopy(NamedTuple):
+    """Prefix caching under HiSparse: copy the indexer keys of indexer pages ``pages`` to the
+    indexer region of host blocks ``host_blocks`` (``to_host``: a page being cached) or back
+    (a cache hit restoring them into the request's own indexer pages)."""
+
+    to_host: bool
+    pages: list[int]
+    host_blocks: list[int]
 
 
 @dataclass
@@ -71,6 +82,13 @@ class RequestBlocks:
     #: Page count the last `KVBlockManager.grow` completed (0 after resident pages were
     #: released): growing within it again has nothing to add.
     grown_pages: int = 0
+    #: Leading pages taken from the prefix cache at admission (held by reference, never
+    #: written: the request computes from the page after them).
+    shared_pages: int = 0
+    #: Leading pages registered in (or taken from) the prefix cache.
+    cached_pages: int = 0
+    #: HiSparse: shared pages whose indexer keys the next growth restores from the host.
+    restore_pages: int = 0
 
 
 class KVBlockManager:
@@ -90,10 +108,13 @@ class KVBlockManager:
         host_shards: int = 1,
         host_shard: int = 0,
         host_writer: bool = True,
+        prefix_caching: bool = False,
+        cache_key: bytes = b"",
     ) -> None:
         """``host_shards`` / ``host_shard``: rows sharded by KV head over the node's ranks
         (`plan_kv_layout`); ``host_writer`` False on the ranks that only read rows another
-        rank mirrors (docs/design.md §18)."""
+        rank mirrors (docs/design.md §18). ``prefix_caching``: full pages stay cached after
+        their request, named by their tokens and ``cache_key`` (`PrefixCache`)."""
         self.config = config
         self.placement = placement
         self.hisparse = placement == "hisparse"
@@ -113,6 +134,7 @@ class KVBlockManager:
             host_shard=host_shard,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
+            host_indexer_copy=prefix_caching,
         )
         lay = self.layout
         self._need_by_pages: dict[int, int] = {}
@@ -136,6 +158,14 @@ class KVBlockManager:
         #: block-table changes not yet handed to the runner, in the order they were made
         self.table_updates: list[TableUpdate] = []
         self.requests: dict[str, RequestBlocks] = {}
+        #: the pool whose blocks hold cached pages: the host pool under HiSparse (rows and
+        #: indexer keys), the GPU pool on all-GPU placement
+        self.prefix_cache: PrefixCache | None = None
+        if prefix_caching:
+            pool = self.host_blocks if self.host_blocks is not None else self.gpu_blocks
+            self.prefix_cache = PrefixCache(pool, self.block_size, cache_key)
+        #: indexer key copies not yet handed to the runner, in the order they were made
+        self.indexer_copies: list[IndexerCopy] = []
 
     def take_table_updates(self) -> tuple[list[TableUpdate], list[int]]:
         """The table changes and slot resets recorded since the last call (and forget them):
@@ -143,6 +173,11 @@ class KVBlockManager:
         updates, self.table_updates = self.table_updates, []
         resets, self.pending_slot_resets = self.pending_slot_resets, []
         return updates, resets
+
+    def take_indexer_copies(self) -> list[IndexerCopy]:
+        """The indexer key copies recorded since the last call (and forget them)."""
+        copies, self.indexer_copies = self.indexer_copies, []
+        return copies
 
     # --- capacity ------------------------------------------------------------------------
     @property
@@ -202,19 +237,71 @@ class KVBlockManager:
         return len(self.hot_groups) * self.config.hot_blocks_per_request
 
     # --- lifecycle -----------------------------------------------------------------------
-    def admit(self, req_id: str, total_tokens: int) -> RequestBlocks:
-        """Register a request and reserve host blocks for every token it may ever hold."""
+    def admit(self, req_id: str, total_tokens: int, cached: Sequence[int] = ()) -> RequestBlocks:
+        """Register a request and reserve host blocks for every token it may ever hold.
+        ``cached``: the blocks of its first pages found in the prefix cache
+        (`PrefixCache.lookup`), taken by reference."""
         if req_id in self.requests:
             raise ValueError(f"request {req_id} is already admitted")
         blocks = RequestBlocks(resident=[{} for _ in self.resident_groups])
         blocks.hot = [[] for _ in self.hot_groups]
+        k = len(cached)
         if self.hisparse:
             need = self.host_pages_for(total_tokens)
             if need > self.host_available():
                 raise KVCapacityError("host pool full")
-            blocks.host_reserved = need
+            blocks.host_reserved = need - k
+        if k:
+            pool = self.host_blocks if self.host_blocks is not None else self.gpu_blocks
+            pool.incref(cached)
+            if self.hisparse:
+                blocks.host = list(cached)
+                blocks.restore_pages = k
+            else:
+                blocks.resident[0] = dict(enumerate(cached))
+            blocks.shared_pages = blocks.cached_pages = k
         self.requests[req_id] = blocks
         return blocks
+
+    def cache_pages(self, req_id: str, hashes: Sequence[bytes], num_tokens: int) -> list[int]:
+        """Register the full pages of request ``req_id`` among its first ``num_tokens``
+        (computed, accepted) tokens in the prefix cache, ``hashes`` their page hashes; returns
+        the pages newly registered. Under HiSparse their indexer keys are copied to their
+        host blocks (an `IndexerCopy`); a lazy mirror's dirty page must be written back by
+        the caller (`clean_pages`)."""
+        cache, b = self.prefix_cache, self.requests[req_id]
+        if cache is None:
+            return []
+        full = min(num_tokens // self.block_size, len(hashes))
+        if self.hisparse:
+            full = min(full, len(b.host), len(b.indexer))
+        new = []
+        for p in range(b.cached_pages, full):
+            blk = b.host[p] if self.hisparse else b.resident[0].get(p)
+            if blk is not None and cache.register(hashes[p], blk):
+                new.append(p)
+        b.cached_pages = max(b.cached_pages, full)
+        if new and self.hisparse and self.host_writer:
+            self.indexer_copies.append(
+                IndexerCopy(True, [b.indexer[p] for p in new], [b.host[p] for p in new])
+            )
+        return new
+
+    def clean_pages(self, req_id: str, pages: list[int]) -> list[tuple[int, list[int], list[int]]]:
+        """The resident blocks of ``pages`` whose rows a lazy mirror has not copied to the
+        host yet, as ``(group, pages, blocks)``, now counted as clean: the caller writes them
+        back (a `WriteBack`) before anything reads the host blocks."""
+        b = self.requests[req_id]
+        dirty = [p for p in pages if p in b.dirty]
+        if not dirty:
+            return []
+        out = []
+        for gi, res in enumerate(b.resident):
+            held = [p for p in dirty if p in res]
+            if held:
+                out.append((gi, held, [res[p] for p in held]))
+        b.dirty.difference_update(dirty)
+        return out
 
     def needs_growth(self, req_id: str, new_len: int) -> bool:
         """Whether `grow` to ``new_len`` tokens may add anything (False: within the pages the
@@ -252,7 +339,8 @@ class KVBlockManager:
 
         first = self.policy.first_resident_page(
             pages,
-            len(b.indexer),
+            # a cache hit's first step writes from the page after its shared pages on
+            max(len(b.indexer), b.shared_pages + 1 if b.shared_pages else 0),
             lambda f: idx_new + sum(len(w) for w in wanted(f)),
             self.gpu_blocks.num_free - reserve,
             keep_all_resident,
@@ -274,6 +362,9 @@ class KVBlockManager:
         ]
         self._write_span(self.indexer_table_index, b.slot, first_page, new)
         b.indexer.extend(new)
+        if b.restore_pages and len(b.indexer) >= b.restore_pages:
+            k, b.restore_pages = b.restore_pages, 0
+            self.indexer_copies.append(IndexerCopy(False, b.indexer[:k], b.host[:k]))
         for gi, want in enumerate(wanted_resident):
             new = self.gpu_blocks.allocate(len(want))
             for p, blk in zip(want, new, strict=True):

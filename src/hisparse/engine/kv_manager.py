@@ -20,8 +20,15 @@ import torch
 from hisparse import envs
 from hisparse.config import ResolvedHiSparseConfig
 from hisparse.engine.host_copy import host_tensor, to_device
-from hisparse.engine.kv_blocks import KVBlockManager, KVCapacityError, RequestBlocks, TableUpdate
+from hisparse.engine.kv_blocks import (
+    IndexerCopy,
+    KVBlockManager,
+    KVCapacityError,
+    RequestBlocks,
+    TableUpdate,
+)
 from hisparse.kv.host_pool import HostPool
+from hisparse.kv.layout import GroupKind
 from hisparse.kv.specs import LayerCacheSpec
 
 __all__ = ["KVCacheManager", "KVCapacityError", "RequestBlocks", "TableUpdate"]
@@ -129,6 +136,32 @@ class KVCacheManager(KVBlockManager):
                 )
             else:
                 self._write_rows(self.table_stack[u.table], u.slot, list(u.pages), u.ids)
+
+    def copy_indexer_pages(self, copies: Iterable[IndexerCopy]) -> None:
+        """Prefix caching under HiSparse: copy whole indexer pages (every indexer layer's
+        page: one span of the GPU pool) to their host blocks' indexer region, or back, in
+        order. A save reads the GPU on the current stream (its step wrote the keys before)."""
+        copies = list(copies)
+        if not copies or self.host_pool is None or self.gpu_raw is None:
+            return
+        lay = self.layout
+        group = lay.groups(GroupKind.INDEXER)[0]
+        m, page = group.pages_per_block, group.page_bytes
+        stride = page if m > 1 else lay.gpu_bytes_per_block
+        gpu = self.gpu_raw.as_strided((lay.gpu_num_blocks * m, page), (stride, 1))
+        backing = self.host_pool.backing
+        host = backing.as_strided(
+            (lay.host_num_blocks, page),
+            (lay.host_block_bytes, 1),
+            backing.storage_offset() + lay.host_indexer_offset,
+        )
+        for c in copies:
+            pages = torch.tensor(c.pages, dtype=torch.long, device=self.device)
+            blocks = torch.tensor(c.host_blocks, dtype=torch.long)
+            if c.to_host:
+                host[blocks] = gpu[pages].cpu()
+            else:
+                gpu[pages] = host[blocks].to(self.device)
 
     def flush_table_updates(self) -> None:
         """Apply every change recorded so far (for callers outside the engine's step, such

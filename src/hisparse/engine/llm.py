@@ -47,6 +47,7 @@ from hisparse.engine.inputs import (
     completions,
     outputs_of,
     params_per_prompt,
+    render_chat,
     text_inputs,
     token_inputs,
 )
@@ -150,6 +151,8 @@ class LLM:
             routes them); with expert parallelism each keeps ``1/N`` of every MoE layer's
             experts and the MoE runs over every rank's tokens (docs/design.md §21). Not
             combined with ``tensor_parallel_size`` yet.
+        enable_prefix_caching: reuse cached pages of shared prefixes (vLLM's, default on; the
+            same tokens; design §12.10). Off for V4, data parallelism, HiSparse under TP.
     """
 
     def __init__(
@@ -173,6 +176,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
+        enable_prefix_caching: bool = True,
     ) -> None:
         # every rank builds the same engine from the same arguments
         llm_kwargs = dict(
@@ -183,6 +187,7 @@ class LLM:
             step_hooks=step_hooks, cuda_graphs=cuda_graphs, schedule=schedule,
             async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
+            enable_prefix_caching=enable_prefix_caching,
         )  # fmt: skip
         self._closed = False
         self._core: EngineCore | None = None
@@ -212,6 +217,7 @@ class LLM:
                   example=2)  # fmt: skip
         check_int(f + "data_parallel_size", data_parallel_size, minimum=1, maximum=4096, example=2)
         check_bool(f + "enable_expert_parallel", enable_expert_parallel)
+        check_bool(f + "enable_prefix_caching", enable_prefix_caching)
         dp = data_parallel_size > 1
         model_dtype = check_dtype(f + "dtype", dtype)
         self.device = checked_device(device)
@@ -267,6 +273,8 @@ class LLM:
             specs = engine_specs(self.model, row_format, self.config.block_size)
             # GQA rows are sharded by KV head: a host row holds every local rank's slice
             host = host_sharing(shards, gguf)  # data parallelism: a pool per rank
+            # V4 carries state outside its pages; ranks would share the host's indexer copies
+            prefix = enable_prefix_caching and not (v4 or dp or (tp and kv_placement != "gpu"))
             if kv_placement == "hisparse" and self.config.host_pool_bytes is None:
                 size = default_host_pool_bytes(
                     specs,
@@ -274,6 +282,7 @@ class LLM:
                     self.max_model_len,
                     max_num_seqs,
                     host_shards=host["host_shards"],
+                    indexer_copy=prefix,
                 )
                 if tp is not None:
                     size = tp.from_driver(size)  # sized from the driver's view of free memory
@@ -287,6 +296,8 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 device=self.device,
                 max_num_batched_tokens=max_num_batched_tokens,
+                prefix_caching=prefix,
+                cache_key=f"{path}|{row_format}|{indexer}|{torch_dtype}".encode(),
                 **host,
             )
             self.runner = ModelRunner(
@@ -367,7 +378,7 @@ class LLM:
         ``{"prompt_token_ids": ids}``; or ``prompt_token_ids``: a list of token ids (one
         prompt) or a list of such lists. ``sampling_params``: one for all prompts or one per
         prompt; with ``n > 1`` each completion is its own request (the prompt is computed
-        ``n`` times: no prefix sharing yet).
+        ``n`` times, less what the prefix cache holds).
 
         A bad prompt (not text or integer ids, empty, ids outside the vocabulary, no room
         under ``max_model_len``) fails its own output (``finish_reason == "error"``, the
@@ -408,20 +419,7 @@ class LLM:
         self, conv: list[dict[str, Any]], add_generation_prompt: bool, where: str
     ) -> tuple[str, list[int]]:
         """One checked conversation through the chat template: (text, token ids)."""
-        if self.chat_template is None or self.tokenizer is None:
-            raise ValueError(
-                "this model has no chat template (a GGUF file's tokenizer.chat_template, or "
-                "chat_template.jinja / tokenizer_config.json's chat_template beside a "
-                "checkpoint); use generate() with the prompt text instead"
-            )
-        import jinja2
-
-        try:
-            text = self.chat_template.render(conv, add_generation_prompt=add_generation_prompt)
-        except jinja2.TemplateError as err:
-            raise ValueError(f"{where}: the model's chat template refused them: {err}") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return text, list(getattr(ids, "ids", ids))
+        return render_chat(self.chat_template, self.tokenizer, conv, add_generation_prompt, where)
 
     # --- online use: requests added at any time, one step at a time (the server) ---------
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -499,6 +497,10 @@ class LLM:
 
     def has_unfinished_requests(self) -> bool:
         return self._core is not None and self._core.has_unfinished()
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached page no request holds (docs/design.md §12.10); how many."""
+        return self.kv.prefix_cache.clear() if self.kv and self.kv.prefix_cache else 0
 
     def _generate(
         self,

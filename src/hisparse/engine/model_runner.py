@@ -218,11 +218,13 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput) -> None:
         """Before a step's forwards, in the order they were made: the block-table changes,
-        the hot state of newly leased slots reset, the lazy mirror's write-backs."""
+        the hot state of newly leased slots reset, the lazy mirror's write-backs, the prefix
+        cache's indexer key copies (`KVCacheManager.copy_indexer_pages`)."""
         self.kv.apply_table_updates(out.table_updates)
         for slot in out.slot_resets:
             self.reset_slot(slot)
         self.write_back(out.write_backs)
+        self.kv.copy_indexer_pages(out.indexer_copies)
 
     def execute_part(self, step: ScheduledStep) -> ModelOutput:
         """One forward and its sampled tokens (a synthetic prefill gives them directly)."""

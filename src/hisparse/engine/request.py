@@ -38,6 +38,8 @@ class RequestMetrics:
     bytes_swapped: int = 0
     #: decode steps this request took part in
     decode_steps: int = 0
+    #: prompt tokens found in the prefix cache at its first admission (not prefilled)
+    cached_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -77,6 +79,8 @@ class Request:
     grammar: Any = None
     #: incremental decoding state (`hisparse.engine.output_processor.DetokenizerState`)
     detokenizer: object | None = None
+    #: the prefix cache's hashes of its first full pages (`PrefixCache.hashes`)
+    page_hashes: list[bytes] = field(default_factory=list, repr=False)
     #: the seed of this request's random stream (None: greedy, no stream)
     sampling_seed: int | None = field(default=None, init=False)
     _generator: Any = field(default=None, init=False, repr=False)

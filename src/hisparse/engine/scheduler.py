@@ -118,15 +118,54 @@ class Scheduler:
             if need_gpu > kv.gpu_blocks.num_free - promised:
                 break
             try:
-                kv.admit(req.req_id, total)
+                kv.admit(req.req_id, total, self._lookup(req))
                 kv.lease_hot(req.req_id)
             except KVCapacityError:
                 kv.free(req.req_id)
                 break  # a pool is full for now: wait for a request to finish
             self.waiting.popleft()
+            self._start_after_hit(req)
             req.status = Status.PREFILLING
             self.running.append(req)
             promised += self._promise(req)
+
+    def _lookup(self, req: Request) -> list[int]:
+        """The cached blocks of the longest prefix of ``req``'s tokens in the prefix cache,
+        whole pages, short of its last token (its step must compute one token at least to
+        give logits)."""
+        cache = self.kv.prefix_cache
+        if cache is None:
+            return []
+        pages = (req.num_tokens - 1) // self.kv.block_size
+        return cache.lookup(cache.hashes(req.page_hashes, pages, req.token_slice))
+
+    def _start_after_hit(self, req: Request) -> None:
+        """An admitted request computes from the end of the pages the cache gave it; its
+        first admission counts the prompt tokens looked up and found (`PrefixCache`)."""
+        cache = self.kv.prefix_cache
+        if cache is None:
+            return
+        hit = self.kv.requests[req.req_id].shared_pages * self.kv.block_size
+        req.num_computed = hit
+        if req.metrics.preemptions == 0:
+            req.metrics.cached_tokens = hit
+            cache.record_query(len(req.prompt_token_ids), hit)
+
+    def _cache_pages(self, req: Request) -> None:
+        """Register ``req``'s computed full pages in the prefix cache (a lazy mirror writes
+        their decode rows back first: a cached host block must hold every row)."""
+        kv, cache = self.kv, self.kv.prefix_cache
+        if cache is None or req.req_id not in kv.requests:
+            return
+        pages = req.num_computed // kv.block_size
+        if pages <= kv.requests[req.req_id].cached_pages:
+            return
+        hashes = cache.hashes(req.page_hashes, pages, req.token_slice)
+        new = kv.cache_pages(req.req_id, hashes, req.num_computed)
+        if new and kv.hisparse and not kv.config.eager_host_mirror:
+            host = kv.requests[req.req_id].host
+            for gi, pgs, blocks in kv.clean_pages(req.req_id, new):
+                self._write_backs.append(WriteBack(gi, blocks, [host[p] for p in pgs]))
 
     def _total(self, req: Request) -> int:
         """The most tokens ``req`` can reach."""
@@ -184,7 +223,8 @@ class Scheduler:
         resets the accounting recorded, and the pending write-backs."""
         updates, resets = self.kv.take_table_updates()
         write_backs, self._write_backs = self._write_backs, []
-        return SchedulerOutput(parts, updates, resets, write_backs)
+        copies = self.kv.take_indexer_copies()
+        return SchedulerOutput(parts, updates, resets, write_backs, copies)
 
     def _drop_resident(self, req: Request, dropped: list[tuple[int, list[int], list[int]]]) -> None:
         """Free resident pages ``dropped`` (`KVBlockManager.trim_resident`'s) of ``req``; where
@@ -292,7 +332,9 @@ class Scheduler:
         return self.running[-1]
 
     def preempt(self, req: Request) -> None:
-        """Free everything; the request recomputes prompt + generated tokens later."""
+        """Free everything; the request recomputes prompt + generated tokens later (what
+        the prefix cache still holds of them, it takes back)."""
+        self._cache_pages(req)
         self._release(req)
         req.status = Status.WAITING
         req.num_computed = 0
@@ -413,6 +455,7 @@ class Scheduler:
         for req, _ in step.batch:
             if req.finished:
                 continue
+            self._cache_pages(req)
             dropped = self.kv.trim_resident(req.req_id, req.num_computed)
             if dropped:
                 self._drop_resident(req, dropped)
@@ -455,4 +498,5 @@ class Scheduler:
     def finish(self, req: Request, reason: str) -> None:
         req.status = Status.FINISHED
         req.finish_reason = reason
+        self._cache_pages(req)
         self._release(req)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hisparse.engine.kv_blocks import TableUpdate
+from hisparse.engine.kv_blocks import IndexerCopy, TableUpdate
 from hisparse.engine.request import Request
 
 
@@ -43,12 +43,14 @@ class WriteBack:
 class SchedulerOutput:
     """One engine step as plain data: its forwards (decode part first), and what the runner
     does before them, in this order: the block-table changes, hot-state resets of newly
-    leased slots and the lazy mirror's write-backs made since the previous output."""
+    leased slots, the lazy mirror's write-backs and the prefix cache's indexer key copies
+    made since the previous output."""
 
     parts: list[ScheduledStep]
     table_updates: list[TableUpdate] = field(default_factory=list)
     slot_resets: list[int] = field(default_factory=list)
     write_backs: list[WriteBack] = field(default_factory=list)
+    indexer_copies: list[IndexerCopy] = field(default_factory=list)
 
 
 @dataclass

@@ -127,6 +127,10 @@ class KVLayout:
     staging_blocks: int = 0
     #: bytes of one staged row (the widest sparse row)
     staging_row_bytes: int = 0
+    #: HiSparse with prefix caching: where in a host block the copy of its page's indexer
+    #: keys starts (the indexer group's page, `plan_kv_layout`'s ``host_indexer_copy``);
+    #: 0: no copy
+    host_indexer_offset: int = 0
 
     # -- sizes ---------------------------------------------------------------------------------
     @property

@@ -48,6 +48,7 @@ def plan_kv_layout(
     host_shard: int = 0,
     max_num_batched_tokens: int = DEFAULT_PREFILL_TOKENS,
     max_num_seqs: int | None = None,
+    host_indexer_copy: bool = False,
 ) -> KVLayout:
     """Plan host and GPU pools for ``specs``; raises `HiSparseConfigError` on bad settings.
 
@@ -61,6 +62,9 @@ def plan_kv_layout(
     ``max_model_len`` context plus one step's prompt tokens (``max_num_batched_tokens``, at
     most ``max_num_seqs - 1`` other prompts' worth when given), one sparse layer's rows each
     (docs/design.md §4.3, §6.6).
+    ``host_indexer_copy`` (HiSparse, prefix caching): every host block also holds a copy of
+    its page's indexer keys, every indexer layer's page side by side after the rows, so a
+    cached page restores them on a hit (docs/design.md §12.10).
     """
     if not 0 <= host_shard < host_shards:
         raise ValueError(f"host_shard={host_shard} must be in [0, host_shards={host_shards})")
@@ -86,6 +90,14 @@ def plan_kv_layout(
     # Host: index groups one after another, token-major inside each.
     index_groups = _index_groups(sparse, host_shards)
     host_block_bytes = sum(g.token_bytes for g in index_groups) * bs * host_shards
+    host_indexer_offset = host_block_bytes
+    if hisparse and host_indexer_copy:
+        if host_shards > 1:
+            raise HiSparseConfigError(
+                "prefix caching keeps the indexer keys in the host pool, which tensor "
+                "parallelism shards: turn prefix caching off (enable_prefix_caching=False)."
+            )
+        host_block_bytes += sum(s.page_bytes for s in indexers)
     host_num_blocks = config.host_pool_bytes // host_block_bytes if hisparse else 0
     if hisparse:
         _check_host_pool(config, host_block_bytes, host_num_blocks, max_model_len)
@@ -154,6 +166,7 @@ def plan_kv_layout(
         host_views=host_views,
         staging_blocks=staging_blocks,
         staging_row_bytes=staging_row,
+        host_indexer_offset=host_indexer_offset if host_indexer_copy and indexers else 0,
     )
 
 
@@ -190,6 +203,7 @@ def _finish(
     host_views: dict[str, PagedViewSpec],
     staging_blocks: int = 0,
     staging_row_bytes: int = 0,
+    host_indexer_offset: int = 0,
 ) -> KVLayout:
     """Size the GPU pool for ``gpu_groups``, give every layer its view, check capacity."""
     bs = config.block_size
@@ -229,6 +243,7 @@ def _finish(
         gpu_views=MappingProxyType(gpu_views),
         staging_blocks=staging_blocks,
         staging_row_bytes=staging_row_bytes,
+        host_indexer_offset=host_indexer_offset,
     )
     if check_capacity:
         _check_gpu_pool(layout, gpu_budget_bytes)

@@ -39,7 +39,16 @@ from hisparse.serve.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from hisparse.serve.responses import Formatter, collect, events, first, merged, sse, usage
+from hisparse.serve.responses import (
+    Formatter,
+    cached_of,
+    collect,
+    events,
+    first,
+    merged,
+    sse,
+    usage,
+)
 
 
 class _ApiKey:
@@ -279,7 +288,7 @@ def build_app(
                 for i, o in enumerate(outs)
             ]
             n_out = sum(len(o["token_ids"]) for o in outs)
-            return {**head, "choices": choices, "usage": usage(n_prompt, n_out)}
+            return {**head, "choices": choices, "usage": usage(n_prompt, n_out, cached_of(outs))}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         item = await first(gen)  # errors before the stream starts are plain JSON errors
         offsets = [len(e) for e in echo]
@@ -296,7 +305,9 @@ def build_app(
         stream = events(
             head, item, gen, len(echo), opening=opening, chunk=chunk,
             final=lambda i, why: dict(index=i, text="", logprobs=None, finish_reason=why),
-            tail=lambda n_out: [sse({**head, "choices": [], "usage": usage(n_prompt, n_out)})]
+            tail=lambda n_out, cached: [
+                sse({**head, "choices": [], "usage": usage(n_prompt, n_out, cached)})
+            ]
             if include_usage else [],
         )  # fmt: skip
         return StreamingResponse(stream, media_type="text/event-stream")
@@ -324,7 +335,7 @@ def build_app(
                 for i, o in enumerate(outs)
             ]
             n_out = sum(len(o["token_ids"]) for o in outs)
-            return {**head, "choices": choices, "usage": usage(len(ids), n_out)}
+            return {**head, "choices": choices, "usage": usage(len(ids), n_out, cached_of(outs))}
         head["object"] = "chat.completion.chunk"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         item = await first(gen)
@@ -345,7 +356,9 @@ def build_app(
         stream = events(
             head, item, gen, params.n, opening=opening, chunk=chunk,
             final=lambda i, why: dict(index=i, delta={}, logprobs=None, finish_reason=why),
-            tail=lambda n_out: [sse({**head, "choices": [], "usage": usage(len(ids), n_out)})]
+            tail=lambda n_out, cached: [
+                sse({**head, "choices": [], "usage": usage(len(ids), n_out, cached)})
+            ]
             if include_usage else [],
         )  # fmt: skip
         return StreamingResponse(stream, media_type="text/event-stream")

@@ -95,6 +95,8 @@ class StreamDelta:
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None
+    #: with the first completion's finish: the prompt tokens the prefix cache held
+    cached_tokens: int | None = None
 
 
 @dataclass(eq=False)
@@ -456,6 +458,8 @@ class AsyncEngine:
             finish_reason=req.finish_reason if done else None,
             logprobs=lps,
             error=req.error,
+            # a prompt's cached tokens, once: with its first completion's finish
+            cached_tokens=req.metrics.cached_tokens if done and i == 0 else None,
         )
 
     # --- failures ------------------------------------------------------------------------

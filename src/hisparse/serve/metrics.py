@@ -40,6 +40,18 @@ class ServerMetrics:
             label,
             registry=r,
         )
+        self.prefix_queries = Counter(
+            "hisparse:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            label,
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "hisparse:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (not prefilled)",
+            label,
+            registry=r,
+        )
         self.finished = Counter(
             "hisparse:request_success", "Requests finished", [*label, "finished_reason"], registry=r
         )
@@ -90,6 +102,7 @@ class ServerMetrics:
         self._last_flush = time.monotonic()
         self._seen_tokens: dict[int, int] = {}
         self._seen_demotions = 0
+        self._seen_prefix = (0, 0)
 
     def _l(self, metric):
         return metric.labels(model_name=self.model)
@@ -120,6 +133,11 @@ class ServerMetrics:
         # every step, by 0 too: the series is on /metrics from the start
         self._l(self.demotions).inc(sched.demotions - self._seen_demotions)
         self._seen_demotions = sched.demotions
+        cache = llm.kv.prefix_cache
+        seen = (cache.queries, cache.hits) if cache is not None else (0, 0)
+        self._l(self.prefix_queries).inc(seen[0] - self._seen_prefix[0])
+        self._l(self.prefix_hits).inc(seen[1] - self._seen_prefix[1])
+        self._seen_prefix = seen
         any_done = False
         for req in changed:
             key = id(req)

@@ -29,12 +29,20 @@ def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens the prefix cache held."""
     return dict(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=dict(cached_tokens=cached_tokens),
     )
+
+
+def cached_of(outs: list[dict[str, Any]]) -> int:
+    """The prompt tokens the prefix cache held for a request: each prompt's, counted once
+    (its first completion carries them, `AsyncEngine._delta`)."""
+    return sum(o.get("cached_tokens") or 0 for o in outs)
 
 
 class Formatter:
@@ -99,7 +107,9 @@ def _raise_failed(deltas: list[StreamDelta]) -> None:
 async def collect(gen: AsyncIterator[list[StreamDelta]], n: int) -> list[dict[str, Any]]:
     """Every completion's text, token ids, logprobs and finish reason; a completion the
     engine failed raises its `ApiError` (leaving ``gen`` aborts the others)."""
-    outs = [dict(text="", token_ids=[], finish_reason=None, logprobs=[]) for _ in range(n)]
+    outs: list[dict[str, Any]] = [
+        dict(text="", token_ids=[], finish_reason=None, logprobs=[]) for _ in range(n)
+    ]
     async for deltas in gen:
         _raise_failed(deltas)
         for d in deltas:
@@ -109,6 +119,8 @@ async def collect(gen: AsyncIterator[list[StreamDelta]], n: int) -> list[dict[st
             o["logprobs"] += d.logprobs or []
             if d.finish_reason is not None:
                 o["finish_reason"] = d.finish_reason
+            if d.cached_tokens is not None:
+                o["cached_tokens"] = d.cached_tokens
     return outs
 
 
@@ -180,26 +192,28 @@ async def events(
     opening: list[str],
     chunk: Callable[[StreamDelta], dict[str, Any]],
     final: Callable[[int, str], dict[str, Any]],
-    tail: Callable[[int], list[str]],
+    tail: Callable[[int, int], list[str]],
 ) -> AsyncIterator[str]:
     """A stream's server-sent events: ``opening``, one chunk per delta (``chunk``), ``tail``
-    (given the output tokens) and ``[DONE]``; on a failure `final` chunks for the completions
-    still open, the error event and ``[DONE]``. Closing this (a client gone mid-stream)
-    closes ``gen`` at once, which aborts the request in the engine."""
+    (given the output tokens and the cached prompt tokens) and ``[DONE]``; on a failure
+    `final` chunks for the completions still open, the error event and ``[DONE]``. Closing
+    this (a client gone mid-stream) closes ``gen`` at once, which aborts the request in the
+    engine."""
     open_ = set(range(n))
-    n_out = 0
+    n_out = cached = 0
     try:
         for e in opening:
             yield e
         while item is not _END:
             for d in item:
                 n_out += len(d.token_ids)
+                cached += d.cached_tokens or 0
                 if d.finish_reason is not None:
                     open_.discard(d.index)
                 yield sse({**head, "choices": [chunk(d)]})
             _raise_failed(item)
             item = await anext(gen, _END)
-        for e in tail(n_out):
+        for e in tail(n_out, cached):
             yield e
         yield DONE
     except ApiError as err:

@@ -1,0 +1,145 @@
+"""Prefix caching (docs/design.md §12.10): the block pool's LRU of cached blocks, the chained
+page hashes, and end to end on the tiny DSA checkpoints: a request whose prompt starts like an
+earlier one's takes the cached pages and gives the tokens it gives without the cache, in both
+placements and both offload policies, with chunked prompts, prefixes that end mid-page and on
+a page boundary, a second turn over the first one's generated tokens, and a host pool small
+enough that cached pages are evicted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse import HiSparseConfig
+from hisparse.engine.llm import LLM
+from hisparse.engine.prefix_cache import PrefixCache, page_hashes
+from hisparse.engine.sampling import SamplingParams
+from hisparse.kv.block_pool import BlockPool
+
+BS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+# --- the pool and the hashes ---------------------------------------------------------------
+def test_cached_blocks_wait_in_lru_order_and_count_as_free():
+    pool = BlockPool(6)
+    evicted: list[int] = []
+    pool.on_evict = evicted.extend
+    a = pool.allocate(5)
+    for b in a[:3]:
+        pool.mark_cached(b)
+    pool.free([a[1]])
+    pool.free([a[0]])
+    pool.free([a[2]])
+    assert pool.num_free == 3 and pool.num_evictable == 3
+    pool.incref([a[0]])  # a hit takes it back
+    assert pool.num_free == 2 and pool.ref_count(a[0]) == 1
+    assert pool.allocate(1) == [a[1]] and evicted == [a[1]]  # least recently released
+    pool.free(a[3:])  # plain blocks: free, not cached
+    assert pool.allocate(2) == a[3:] and evicted == [a[1]]  # free ones first
+    assert pool.allocate(1) == [a[2]] and evicted == [a[1], a[2]]
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free([a[1], a[1]])
+
+
+def test_evict_all_returns_every_unheld_cached_block():
+    pool = BlockPool(5)
+    a = pool.allocate(4)
+    for b in a:
+        pool.mark_cached(b)
+    pool.free(a[:3])
+    assert sorted(pool.evict_all()) == sorted(a[:3])
+    assert pool.num_evictable == 0 and pool.num_free == 3
+    pool.free(a[3:])
+    assert pool.evict_all() == a[3:] and pool.num_free == 4
+
+
+def test_page_hashes_chain_over_the_whole_prefix():
+    toks = list(range(40))
+    h = page_hashes(toks, BS, b"k")
+    assert len(h) == 2  # full pages only
+    other = page_hashes([1] + toks[1:], BS, b"k")
+    assert h[0] != other[0] and h[1] != other[1]  # page 1 differs by page 0's token
+    assert page_hashes(toks, BS, b"other")[0] != h[0]  # the key (model, format) counts
+    assert page_hashes(toks[BS:], BS, b"k", parent=h[0]) == h[1:]  # extends a chain
+
+
+def test_lookup_is_the_longest_cached_run_and_eviction_forgets():
+    pool = BlockPool(8)
+    cache = PrefixCache(pool, BS, b"k")
+    known: list[bytes] = []
+    toks = list(range(64))
+    hashes = cache.hashes(known, 4, lambda s, n: toks[s : s + n])
+    blocks = pool.allocate(4)
+    for h, b in zip(hashes[:3], blocks[:3], strict=True):
+        assert cache.register(h, b)
+    assert not cache.register(hashes[0], blocks[3])  # cached already, elsewhere
+    assert cache.lookup(hashes) == blocks[:3]
+    pool.free(blocks)
+    pool.allocate(5)  # 4 free blocks, then the least recently released cached one
+    assert cache.lookup(hashes) == [] and len(cache) == 2
+    assert cache.clear() == 2 and len(cache) == 0
+
+
+# --- end to end -----------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
+def checkpoint(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 512, (n,), generator=g).tolist()
+
+
+def _llm(path, placement, caching, *, offload=None, host_gib=0.05, chunk=64):
+    return LLM(
+        path,
+        kv_placement=placement,
+        kv_format="bf16",
+        max_model_len=512,
+        max_num_batched_tokens=chunk,
+        gpu_memory_gib=0.05,
+        max_num_seqs=2,
+        hisparse=HiSparseConfig(host_pool_gib=host_gib, block_size=BS, offload=offload),
+        enable_prefix_caching=caching,
+    )
+
+
+DOC = _prompt(150, 1)
+#: one after another: a prefix ending mid-page (150 = 9 pages + 6), one ending on a page
+#: boundary (144), the same prompt again (all but its last token cached: 9 pages)
+PROMPTS = [DOC + _prompt(20, 2), DOC[:144] + _prompt(30, 3), DOC + _prompt(5, 4), DOC]
+
+
+def _turns(llm: LLM) -> tuple[list[list[int]], list[int]]:
+    """Each prompt of `PROMPTS` alone, then a second turn over the first's answer."""
+    toks, cached = [], []
+    for p in PROMPTS:
+        out = llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0]
+        assert out.ok, out.error
+        toks.append(out.token_ids)
+        cached.append(out.metrics.cached_tokens)
+    second = PROMPTS[0] + toks[0] + _prompt(7, 5)
+    out = llm.generate(prompt_token_ids=[second], sampling_params=GREEDY)[0]
+    toks.append(out.token_ids)
+    cached.append(out.metrics.cached_tokens)
+    return toks, cached
+
+
+@pytest.mark.parametrize(
+    "placement, offload",
+    [("gpu", None), ("hisparse", "under_pressure"), ("hisparse", "always")],
+)
+def test_cached_prefixes_give_the_uncached_tokens(checkpoint, placement, offload):
+    with _llm(checkpoint, placement, False, offload=offload) as llm:
+        want, none = _turns(llm)
+    assert none == [0] * 5
+    with _llm(checkpoint, placement, True, offload=offload) as llm:
+        got, cached = _turns(llm)
+        cache = llm.kv.prefix_cache
+        assert cache is not None and cache.hits == sum(cached)
+    assert got == want
+    # the first prompt's 10 full pages; 144 tokens on a boundary; 9 pages + 6 of the doc;
+    # the doc itself short of its last token; the first turn's 178 computed tokens (11 pages)
+    assert cached == [0, 144, 144, 144, 176]
