@@ -58,7 +58,7 @@ def test_page_hashes_chain_over_the_whole_prefix():
     toks = list(range(40))
     h = page_hashes(toks, BS, b"k")
     assert len(h) == 2  # full pages only
-    other = page_hashes([1] + toks[1:], BS, b"k")
+    other = page_hashes([1, *toks[1:]], BS, b"k")
     assert h[0] != other[0] and h[1] != other[1]  # page 1 differs by page 0's token
     assert page_hashes(toks, BS, b"other")[0] != h[0]  # the key (model, format) counts
     assert page_hashes(toks[BS:], BS, b"k", parent=h[0]) == h[1:]  # extends a chain
