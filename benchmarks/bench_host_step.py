@@ -51,6 +51,7 @@ def measure(args: argparse.Namespace) -> dict:
         max_model_len=args.input_len + args.output_len,
         gpu_memory_gib=args.gpu_memory_gib,
         max_num_batched_tokens=max(2048, args.input_len),
+        enable_prefix_caching=False,  # every run prefills its prompts
     )
     config = json.loads((Path(args.model) / "config.json").read_text())
     vocab = min(1000, config["vocab_size"])

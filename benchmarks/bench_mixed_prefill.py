@@ -43,6 +43,7 @@ def run(args: argparse.Namespace, placement: str, schedule: str) -> dict:
         max_num_batched_tokens=args.max_batched_tokens,
         schedule=schedule,
         device=args.device,
+        enable_prefix_caching=False,  # the warm-up's prompts must not shorten the timed ones
     )
     with llm:
         vocab = llm.model.config.vocab_size

@@ -158,7 +158,8 @@ def make_llm(
     return LLM(str(path), kv_placement=args.placement, hisparse=cfg, max_num_seqs=batch,
                max_model_len=max_model_len, dtype=dtype_name, device=args.device,
                gpu_memory_gib=gpu_gib, cuda_graphs=graphs,
-               async_scheduling=args.async_scheduling == "on")  # fmt: skip
+               async_scheduling=args.async_scheduling == "on",
+               enable_prefix_caching=False)  # fmt: skip  # --ttft repeats its prompts
 
 
 def run_ttft(

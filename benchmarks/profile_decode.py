@@ -144,6 +144,7 @@ def make_llm(args: argparse.Namespace, ckpt: Path, placement: str, max_batch: in
         device=args.device,
         kv_format=args.kv_format,
         max_num_batched_tokens=max_batch * max_len,  # every prompt in one prefill step
+        enable_prefix_caching=False,  # the host pool above is sized for rows only
         step_hooks=None
         if gguf
         else BenchHooks(

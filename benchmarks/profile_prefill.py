@@ -55,6 +55,7 @@ def main() -> None:
             max_num_batched_tokens=args.max_batched_tokens,
             gpu_memory_gib=8,
             hisparse=HiSparseConfig(host_pool_gib=4),
+            enable_prefix_caching=False,  # a profiled prefill computes every token
         ) as llm:
             vocab = llm.model.config.vocab_size
             prompts = [

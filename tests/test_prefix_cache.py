@@ -92,7 +92,7 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 512, (n,), generator=g).tolist()
 
 
-def _llm(path, placement, caching, *, offload=None, host_gib=0.05, chunk=64):
+def _llm(path, placement, caching, *, offload=None, host_gib=0.05, chunk=64, seqs=2):
     return LLM(
         path,
         kv_placement=placement,
@@ -100,7 +100,7 @@ def _llm(path, placement, caching, *, offload=None, host_gib=0.05, chunk=64):
         max_model_len=512,
         max_num_batched_tokens=chunk,
         gpu_memory_gib=0.05,
-        max_num_seqs=2,
+        max_num_seqs=seqs,
         hisparse=HiSparseConfig(host_pool_gib=host_gib, block_size=BS, offload=offload),
         enable_prefix_caching=caching,
     )
@@ -143,3 +143,21 @@ def test_cached_prefixes_give_the_uncached_tokens(checkpoint, placement, offload
     # the first prompt's 10 full pages; 144 tokens on a boundary; 9 pages + 6 of the doc;
     # the doc itself short of its last token; the first turn's 178 computed tokens (11 pages)
     assert cached == [0, 144, 144, 144, 176]
+
+
+def test_n_completions_prefill_their_prompt_once(checkpoint):
+    """``n = 4`` over one prompt: the first completion prefills it, the others wait for its
+    pages and prefill only the last, partial page (seeded sampling: four different answers,
+    the same with the cache as without)."""
+    prompt = _prompt(200, 6)  # 12 full pages + 8
+    params = SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=6, ignore_eos=True)
+    runs = {}
+    for caching in (False, True):
+        with _llm(checkpoint, "hisparse", caching, chunk=512, seqs=4) as llm:
+            out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+            assert out.ok, out.error
+            prefilled = sum(r["tokens"] for r in llm.last_run_stats if not r["decode"])
+            runs[caching] = [o.token_ids for o in out.outputs], prefilled
+    assert runs[True][0] == runs[False][0]
+    assert runs[False][1] == 4 * 200
+    assert runs[True][1] == 200 + 3 * 8

@@ -119,6 +119,9 @@ def _make_llm(args: argparse.Namespace, cfg: dict[str, Any], placement: str) -> 
         ),
         schedule=args.schedule,
         **parallel_kwargs(args),
+        # cold prefills: the warm-up's prompts start like the timed ones, and a synthetic
+        # prefill's rows are no function of the tokens
+        enable_prefix_caching=False,
     )
 
 

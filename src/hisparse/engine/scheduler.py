@@ -110,7 +110,7 @@ class Scheduler:
                     f"{kv.gpu_blocks.num_usable}; raise gpu_memory_gib or shorten the prompt.",
                 )
                 continue
-            if self._must_wait(total, need_gpu, promised):
+            if self._must_wait(total, need_gpu, promised) or self._prefilled_elsewhere(req):
                 break
             # demotions leave `promised` as it is: it counts no reclaimable block
             while need_gpu > kv.gpu_blocks.num_free - promised and self.demote():
@@ -138,6 +138,23 @@ class Scheduler:
             return []
         pages = (req.num_tokens - 1) // self.kv.block_size
         return cache.lookup(cache.hashes(req.page_hashes, pages, req.token_slice))
+
+    def _prefilled_elsewhere(self, req: Request) -> bool:
+        """The first page of ``req`` the prefix cache lacks is being prefilled by a running
+        request (a sibling of ``n > 1``, a prompt of the same batch over one document):
+        ``req`` waits for it to be cached instead of computing it again."""
+        cache = self.kv.prefix_cache
+        if cache is None:
+            return False
+        pages = (req.num_tokens - 1) // self.kv.block_size
+        hashes = cache.hashes(req.page_hashes, pages, req.token_slice)
+        k = len(cache.lookup(hashes))
+        if k >= len(hashes):
+            return False
+        h = hashes[k]
+        return any(
+            r.status is Status.PREFILLING and h in r.page_hashes[k : k + 1] for r in self.running
+        )
 
     def _start_after_hit(self, req: Request) -> None:
         """An admitted request computes from the end of the pages the cache gave it; its
