@@ -84,7 +84,7 @@ def test_fixed_shape_decode_equals_transformers(ckpt):
     [
         (dict(kv_placement="hisparse"), "LLM.kv_placement"),
         (dict(kv_placement="gpu", kv_format="fp8_ds_mla"), "LLM.kv_format"),
-        (dict(kv_placement="gpu", tensor_parallel_size=2), "LLM.tensor_parallel_size"),
+        (dict(kv_placement="gpu", tensor_parallel_size=3), "LLM.tensor_parallel_size"),
         (dict(kv_placement="gpu", data_parallel_size=2), "LLM.data_parallel_size"),
     ],
 )
@@ -92,6 +92,19 @@ def test_what_is_not_built_is_refused(ckpt, kwargs, field):
     with pytest.raises(HiSparseConfigError, match=field) as err:
         LLM(ckpt, device="cpu", **kwargs)
     assert err.value.field == field
+
+
+def test_tensor_parallel_2_equals_transformers(ckpt, monkeypatch):
+    """Two ranks (gloo on the CPU): heads, output groups and expert widths split, one
+    all-reduce after the attention and one after the MoE; rank 0 samples."""
+    monkeypatch.setenv("HISPARSE_TP_TIMEOUT", "60")  # a hang fails in 60 s
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (37, 12)]
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    with LLM(ckpt, kv_placement="gpu", tensor_parallel_size=2, max_num_seqs=2, max_model_len=64,
+             max_num_batched_tokens=16, gpu_memory_gib=0.02) as llm:  # fmt: skip
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == _reference_tokens(ckpt, prompts)
 
 
 def test_generate_cli(ckpt, capsys):

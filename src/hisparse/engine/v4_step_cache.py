@@ -126,8 +126,8 @@ class V4StepCache:
 def check_v4_arguments(args: dict[str, Any]) -> bool:
     """True, or a `HiSparseConfigError` for an `LLM` argument (``args``: all of them by name)
     that a DeepSeek-V4 checkpoint does not run with yet: HiSparse placement of its compressed
-    layers (issue #57), row formats other than the model dtype, synthetic prefill, tensor /
-    data parallelism."""
+    layers (issue #57), row formats other than the model dtype, synthetic prefill, data and
+    expert parallelism."""
     f = "LLM."
     if args["kv_placement"] != "gpu":
         why = "(HiSparse placement of its compressed layers is not built yet)"
@@ -137,8 +137,12 @@ def check_v4_arguments(args: dict[str, Any]) -> bool:
     hooks: StepHooks | None = args["step_hooks"]
     if hooks is not None and hooks.synthetic_prefill:
         _fail(f + "step_hooks", hooks, "no synthetic prefill for DeepSeek-V4 (DSA models only)")
-    for name in ("tensor_parallel_size", "data_parallel_size"):
-        if args.get(name, 1) != 1:
-            _fail(f + name, args[name], "1 for a DeepSeek-V4 checkpoint (its layers are not "
-                  "sharded yet)", example=1)  # fmt: skip
+    if args.get("data_parallel_size", 1) != 1 or args.get("enable_expert_parallel"):
+        name = (
+            "data_parallel_size"
+            if args.get("data_parallel_size", 1) != 1
+            else "enable_expert_parallel"
+        )
+        _fail(f + name, args[name], "unset for a DeepSeek-V4 checkpoint (data and expert "
+              "parallelism of its layers are not built; tensor_parallel_size is)")  # fmt: skip
     return True

@@ -235,14 +235,14 @@ def load_model(
         loaded.row_format = shard_gqa_row_format(loaded.row_format, tp.world_size)
         return loaded
     if is_v4(path):
-        if tp is not None:
-            raise HiSparseConfigError(
-                "LLM.tensor_parallel_size: DeepSeek-V4 runs on one GPU for now "
-                "(tensor parallelism of its layers is not built); pass tensor_parallel_size=1.",
-                field="LLM.tensor_parallel_size",
-                value=tp.world_size,
-            )
-        return _load_v4(path, hs, dtype, device, kv_format)
+        if tp is None:
+            return _load_v4(path, hs, dtype, device, kv_format)
+        from hisparse.parallel.shard_v4 import shard_v4
+
+        # loaded whole on the CPU, this rank's shard kept, then moved (`shard_v4`)
+        loaded = _load_v4(path, hs, dtype, torch.device("cpu"), kv_format)
+        loaded.model = shard_v4(loaded.model, tp).to(device)
+        return loaded
     if is_gguf(path):
         # A GQA model (SmolLM2 by default): training-free indexer, K+V rows.
         from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig

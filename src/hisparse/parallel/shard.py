@@ -57,6 +57,13 @@ def model_dims(path: Path, gguf: bool) -> dict[str, int]:
             "KV heads": int(meta.get("llama.attention.head_count_kv", heads)),
             "MLP width (feed_forward_length)": int(meta["llama.feed_forward_length"]),
         }
+    from hisparse.models.registry import is_v4
+
+    if is_v4(path):
+        from hisparse.models.v4_config import V4Config
+        from hisparse.parallel.shard_v4 import v4_dims
+
+        return v4_dims(V4Config.from_pretrained(path))
     from hisparse.models.dsa_config import DsaConfig
 
     cfg = DsaConfig.from_pretrained(path)
