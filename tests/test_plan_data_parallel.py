@@ -20,6 +20,9 @@ from hisparse.models.dsa_config import DsaConfig
 from hisparse.models.loader import load_dsa_model
 from hisparse.parallel.expert import ExpertParallel
 from hisparse.parallel.plan import WeightFormat, dsa_weight_parts
+from hisparse.sim.data_parallel import simulate_data_parallel
+from hisparse.sim.simulator import SimSettings
+from hisparse.sim.trace import synthetic_trace
 
 DP8 = ["plan", "--data-parallel-size", "8", "--enable-expert-parallel", "--gpu-memory-gib", "141"]
 
@@ -113,3 +116,39 @@ def test_planned_requests_per_rank_are_the_engines_admission(tiny_checkpoint, mo
     assert sum(o.metrics.preemptions for o in outs) == 0
     node = NodePlan("DP 2 + EP 2", 1, 0, budget, planned, planned, request_ranks=2, host_pools=2)
     assert node.per_node(max_len)[0] == sum(llm._core.peak_running) == 4
+    # the simulator's data-parallel ranks: the same routing and admission
+    settings = SimSettings(model=str(path), gpu_memory_gib=budget / 2**30, max_model_len=max_len,
+                           max_num_seqs=16, block_size=block, host_pool_gib=host / 2**30,
+                           kv_format="bf16", target="cpu", offload="always",
+                           schedule="prefill-first", max_num_batched_tokens=2048)  # fmt: skip
+    sim = simulate_data_parallel(settings, synthetic_trace(7, input_len=inp, output_len=out), 2)
+    assert sim["routed"] == [4, 3] and sim["completed"] == 7 and sim["preemptions"] == 0
+    assert [r["peak_running"] for r in sim["per_rank"]] == [2, 2] and sim["peak_running"] == 4
+
+
+def test_simulate_cli_over_data_parallel_ranks(tiny_checkpoint, tmp_path):
+    """`hisparse simulate --data-parallel-size 2`: the trace split over two ranks, each with
+    its own pools, every request done; the node runs more at once than one rank can."""
+    import json
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(
+        json.dumps({"arrival": 0.01 * i, "input_len": 60 + 7 * i, "output_len": 20 + i}) + "\n"
+        for i in range(10)
+    ))  # fmt: skip
+    runs = {}
+    for dp in (1, 2):
+        out = tmp_path / f"sim{dp}.json"
+        argv = ["simulate", "--model", str(tiny_checkpoint("deepseek_v32")), "--trace",
+                str(trace), "--gpu-memory-gib", "0.001", "--block-size", "16",
+                "--max-batched-tokens", "128", "--max-num-seqs", "4", "--target", "cpu",
+                "--kv-placement", "hisparse,gpu", "--json", str(out),
+                "--data-parallel-size", str(dp),
+                "--plot", str(tmp_path / f"sim{dp}.png")]  # fmt: skip
+        assert main(argv) == 0
+        runs[dp] = {r["placement"].split()[0]: r for r in json.loads(out.read_text())["results"]}
+    for placement, r in runs[2].items():
+        assert r["completed"] == r["requests"] == sum(r["routed"]) == 10 and min(r["routed"]) > 2
+        assert r["peak_running"] > runs[1][placement]["peak_running"]
+        assert r["placement"] == f"{placement} DP 2"
+    assert runs[2]["hisparse"]["bytes_swapped"] > 0 == runs[2]["gpu"]["bytes_swapped"]

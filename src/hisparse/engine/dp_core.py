@@ -74,6 +74,12 @@ def expert_parallel(model: Any, group: Any) -> Any:
     return ep
 
 
+def pick_rank(unfinished: list[int], free_blocks: list[int]) -> int:
+    """The routing rule: the rank with the fewest unfinished requests, then the most free GPU
+    KV blocks, then the lowest rank (`hisparse simulate --data-parallel-size` uses it too)."""
+    return min(range(len(unfinished)), key=lambda r: (unfinished[r], -free_blocks[r], r))
+
+
 class DataParallelCore(EngineCore):
     """`EngineCore` of one data-parallel rank (module docstring)."""
 
@@ -105,7 +111,7 @@ class DataParallelCore(EngineCore):
             load[rank] += 1
         out = []
         for _ in reqs:
-            rank = min(range(len(load)), key=lambda r: (load[r], -self.free_blocks[r], r))
+            rank = pick_rank(load, self.free_blocks)
             load[rank] += 1
             self.assigned[rank] += 1
             out.append(rank)

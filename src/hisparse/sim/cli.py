@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hisparse.config import HiSparseConfigError, check_gib, default_offload
+from hisparse.sim.data_parallel import simulate_data_parallel
 from hisparse.sim.pcie import RateTable
 from hisparse.sim.simulator import (
     DEFAULT_DECODE_MS,
@@ -89,6 +90,9 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--block-size", type=int)
     e.add_argument("--max-batched-tokens", type=int, help="default 16384 (the synthetic bench's)")
     e.add_argument("--schedule", choices=("mixed", "prefill-first"))
+    e.add_argument("--data-parallel-size", type=int, default=1,
+                   help="ranks of data-parallel attention, each with its own pools and "
+                   "--max-num-seqs; requests routed as the engine routes them")  # fmt: skip
     e.add_argument("--offload", help="HiSparseConfig.offload: under_pressure (default) or "
                    "always")  # fmt: skip
     e.add_argument("--topk-overlap", help="replayed top-k step overlap (default 0.8)")
@@ -260,6 +264,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     placements = [p.strip() for p in str(args.kv_placement or "hisparse").split(",") if p]
     if not placements or any(p not in ("hisparse", "gpu") for p in placements):
         raise HiSparseConfigError(f"--kv-placement={args.kv_placement!r}: hisparse, gpu or both")
+    if args.data_parallel_size < 1:
+        raise HiSparseConfigError(f"--data-parallel-size {args.data_parallel_size}: must be >= 1")
+    if args.data_parallel_size > 1 and bench is not None:
+        raise HiSparseConfigError("--compare checks one rank's bench: drop --data-parallel-size")
     cells = _cells(args)
     conc = [n for n, _ in cells if n is not None]
     console = Console(width=max(Console().width, 160), highlight=False)
@@ -278,9 +286,12 @@ def run_simulate(args: argparse.Namespace) -> int:
                 s = settings_for(args, placement, n, trace)
                 s.id_offset = off
                 task = progress.add_task(f"{placement} x{n or len(trace)}", total=len(trace))
-                row = simulate(
-                    s, trace, lambda d, _t, task=task: progress.update(task, completed=d)
-                )
+                report = lambda d, _t, task=task: progress.update(task, completed=d)  # noqa: E731
+                if args.data_parallel_size > 1:
+                    row = simulate_data_parallel(s, trace, args.data_parallel_size, report)
+                    row["placement"] = f"{placement} DP {args.data_parallel_size}"
+                else:
+                    row = simulate(s, trace, report)
                 row.update(concurrency=n, max_num_seqs=s.max_num_seqs, id_offset=off)
                 results.append(row)
     console.print(results_table(results))
@@ -382,7 +393,7 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> str:
         line = axes[0].plot(t, [s[cols["running"]] for s in dec], label=f"{label} running")[0]
         axes[0].plot([s[cols["t"]] for s in steps], [s[cols["waiting"]] for s in steps],
                      ls="--", color=line.get_color(), label=f"{label} waiting")  # fmt: skip
-        if r["placement"] == "hisparse":
+        if r["placement"].startswith("hisparse"):
             axes[1].plot(t, [s[cols["bytes_swapped"]] / s[cols["seconds"]] / 1e9 for s in dec],
                          label=label)  # fmt: skip
             rate = [

@@ -298,6 +298,24 @@ class Simulator:
         secs = tokens / self.s.prefill_tok_s + pcie
         return dict(warm_bytes=warm_bytes, pcie=pcie, secs=secs)
 
+    def forward(self, part: ScheduledStep) -> dict[str, float]:
+        """One forward's simulated statistics (``secs``: its time)."""
+        return self._decode(part) if part.decode else self._prefill(part)
+
+    def finish(self, part: ScheduledStep, st: dict[str, float], t0: float) -> list[float]:
+        """The forward's tokens reach the scheduler at ``self.clock``; its `STEP_COLUMNS` row."""
+        sched = self.sched
+        sampled = [r for (r, _), f in zip(part.batch, part.finishing, strict=True)
+                   if part.decode or f]  # fmt: skip
+        n = len(sampled)
+        sched.update_from_output(part, ModelOutput(sampled, [0] * n, [None] * n, self.clock))
+        return [
+            round(t0, 6), float(part.decode), sum(n for _, n in part.batch),
+            len(part.batch) if part.decode else len(sched.running), len(sched.waiting),
+            st.get("hits", 0.0), st.get("misses", 0.0), st.get("bytes", 0.0),
+            st.get("warm_bytes", 0.0), round(st["pcie"], 9), round(st["secs"], 9),
+        ]  # fmt: skip
+
     # --- a whole trace ----------------------------------------------------------------
     def run(
         self, trace: list[TraceRequest], progress: Callable[[int, int], None] | None = None
@@ -336,20 +354,9 @@ class Simulator:
             stalls = 0
             for part in parts:
                 t0 = self.clock
-                st = self._decode(part) if part.decode else self._prefill(part)
+                st = self.forward(part)
                 self.clock += st["secs"]
-                sampled = [r for (r, _), f in zip(part.batch, part.finishing, strict=True)
-                           if part.decode or f]  # fmt: skip
-                n = len(sampled)
-                sched.update_from_output(
-                    part, ModelOutput(sampled, [0] * n, [None] * n, self.clock)
-                )
-                steps.append([
-                    round(t0, 6), float(part.decode), sum(n for _, n in part.batch),
-                    len(part.batch) if part.decode else len(sched.running), len(sched.waiting),
-                    st.get("hits", 0.0), st.get("misses", 0.0), st.get("bytes", 0.0),
-                    st.get("warm_bytes", 0.0), round(st["pcie"], 9), round(st["secs"], 9),
-                ])  # fmt: skip
+                steps.append(self.finish(part, st, t0))
             sched.failed.clear()
             new_done = len(reqs) - len(sched.running) - len(sched.waiting)  # O(1) a step
             if progress is not None and new_done > done:
