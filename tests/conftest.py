@@ -158,7 +158,9 @@ ONE_WORKER_MODULES = frozenset(
         "test_serve_faults",
         "test_serve_limits",
         "test_serve_shutdown",
+        "test_serve_fields",
         "test_serve_soak",
+        "test_structured_outputs",
         "test_tensor_parallel",
     }
 )

@@ -27,9 +27,16 @@ class GenerationInterrupted(KeyboardInterrupt):
 
 
 def render_chat(
-    template: Any, tokenizer: Any, conv: list[dict[str, Any]], add_gen: bool, where: str
+    template: Any,
+    tokenizer: Any,
+    conv: list[dict[str, Any]],
+    add_gen: bool,
+    where: str,
+    **kwargs: Any,
 ) -> tuple[str, list[int]]:
-    """One checked conversation through the model's chat template: (text, token ids)."""
+    """One checked conversation through the model's chat template: (text, token ids).
+    ``kwargs`` (``tools``, a template's own switches such as ``thinking``) go to the
+    template, which may also be a family's own encoder with the same ``render``."""
     if template is None or tokenizer is None:
         raise ValueError(
             "this model has no chat template (a GGUF file's tokenizer.chat_template, or "
@@ -39,7 +46,7 @@ def render_chat(
     import jinja2
 
     try:
-        text = template.render(conv, add_generation_prompt=add_gen)
+        text = template.render(conv, add_generation_prompt=add_gen, **kwargs)
     except jinja2.TemplateError as err:
         raise ValueError(f"{where}: the model's chat template refused them: {err}") from None
     ids = tokenizer.encode(text, add_special_tokens=False)

@@ -416,10 +416,10 @@ class LLM:
         return self._generate(items, sampling_params, progress, None)
 
     def _render_chat(
-        self, conv: list[dict[str, Any]], add_generation_prompt: bool, where: str
+        self, conv: list[dict[str, Any]], add_gen: bool, where: str, **kw: Any
     ) -> tuple[str, list[int]]:
         """One checked conversation through the chat template: (text, token ids)."""
-        return render_chat(self.chat_template, self.tokenizer, conv, add_generation_prompt, where)
+        return render_chat(self.chat_template, self.tokenizer, conv, add_gen, where, **kw)
 
     # --- online use: requests added at any time, one step at a time (the server) ---------
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -429,10 +429,10 @@ class LLM:
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return list(getattr(ids, "ids", ids))
 
-    def chat_token_ids(self, messages: Any) -> list[int]:
-        """One conversation's prompt through the model's chat template, ready to generate."""
+    def chat_token_ids(self, messages: Any, **template_kwargs: Any) -> list[int]:
+        """One conversation's prompt through the chat template (kwargs: tools, switches)."""
         (conv,), _ = check_conversations([messages])
-        return self._render_chat(conv, True, "messages")[1]
+        return self._render_chat(conv, True, "messages", **template_kwargs)[1]
 
     def add_request(
         self,

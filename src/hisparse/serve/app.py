@@ -31,8 +31,10 @@ from pydantic import BaseModel, ValidationError
 
 import hisparse
 from hisparse.engine.sampling_params import MAX_N
+from hisparse.engine.structured_params import StructuredOutputsParams
 from hisparse.serve.async_engine import AsyncEngine
 from hisparse.serve.errors import ApiError, install_error_handlers
+from hisparse.serve.fields import check_extra_fields
 from hisparse.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -49,6 +51,7 @@ from hisparse.serve.responses import (
     sse,
     usage,
 )
+from hisparse.serve.tools import ToolReader, named_schema, parser_for, required_schema
 
 
 class _ApiKey:
@@ -95,6 +98,7 @@ def build_app(
     app = FastAPI(title="hisparse", version=hisparse.__version__)
     created = int(time.time())
     fmt = Formatter(llm.tokenizer)
+    tool_parser = parser_for(llm.model)
     install_error_handlers(app)
     if api_key is not None:
         app.add_middleware(_ApiKey, key=api_key)
@@ -117,6 +121,13 @@ def build_app(
             first_error = e.errors()[0]
             loc = ".".join(str(p) for p in first_error["loc"]) or None
             raise ApiError(400, f"{loc}: {first_error['msg']}", loc) from None
+        refused = getattr(parsed, "refused", None)
+        if refused is not None:
+            field = check_extra_fields(parsed.model_extra or {}, refused)
+            if field is not None:
+                raise ApiError(400, f"{field}={data[field]!r}: this server does not implement "
+                               f"{field}, which would change the output; leave it out",
+                               field, "unsupported_field")  # fmt: skip
         name = getattr(parsed, "model", None)
         if name is not None and name != model_name:
             raise ApiError(
@@ -173,11 +184,16 @@ def build_app(
                 "max_tokens",
             )
 
-    async def sampling(body, max_tokens: int | None, logprobs: int | None):
+    async def sampling(body, max_tokens: int | None, logprobs: int | None, tool_spec=None):
         try:
             spec, field = body.structured()
         except ValueError as e:
             raise ApiError(400, str(e), str(e).split(":", 1)[0]) from None
+        if tool_spec is not None:  # a named or required tool choice
+            if spec is not None:
+                raise ApiError(400, f"{field}: not with tool_choice {body.tool_mode()!r}, "
+                               "which constrains the answer itself", field)  # fmt: skip
+            spec, field = tool_spec, "tools"
         if spec is not None:  # compiled here (cached), so a bad schema is a 400
             try:
                 await asyncio.to_thread(llm.grammars.compile, spec)
@@ -190,12 +206,34 @@ def build_app(
             field = msg.split("=", 1)[0].removeprefix("SamplingParams.") if "=" in msg else None
             raise ApiError(400, msg, field) from None
 
-    def chat_ids(messages) -> list[int]:
+    def chat_ids(messages, **template_kwargs) -> list[int]:
         try:
-            msgs = [{"role": m.role, "content": m.text()} for m in messages]
-            return llm.chat_token_ids(msgs)
+            msgs = [m.for_template() for m in messages]
+            return llm.chat_token_ids(msgs, **template_kwargs)
         except (ValueError, TypeError) as e:
             raise ApiError(400, f"messages: {e}", "messages") from None
+
+    eos = set(llm.eos_token_ids)
+
+    def raw_text(ids: list[int]) -> str:
+        """The answer with its special tokens (a tool-call format may be written in them)."""
+        return llm.tokenizer.decode([t for t in ids if t not in eos], skip_special_tokens=False)
+
+    def tool_reader(body) -> tuple[ToolReader, StructuredOutputsParams | None]:
+        """How ``body``'s answers are read (its tool_choice) and the structured output a
+        named or required choice constrains them to."""
+        try:
+            mode, tools = body.tool_mode(), body.template_tools()
+            name = body.tool_choice.function.name if mode == "named" else None
+            schema = None
+            if mode == "named":
+                schema = named_schema(tools, name)
+            elif mode == "required":
+                schema = required_schema(tools)
+        except ValueError as e:
+            raise ApiError(400, str(e), "tool_choice") from None
+        spec = None if schema is None else StructuredOutputsParams(json=schema)
+        return ToolReader(mode, name, tool_parser, raw_text), spec
 
     # --- routes -------------------------------------------------------------------------
     @app.get("/health")
@@ -315,38 +353,37 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await parse(request, ChatCompletionRequest)
-        ids = chat_ids(body.messages)
+        reader, tool_spec = tool_reader(body)
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.tools:  # rendered even under "none", as vLLM does: the model knows them
+            kwargs["tools"] = body.template_tools()
+        ids = chat_ids(body.messages, **kwargs)
         limit = body.limit()
         check_length(ids, limit, "messages")
         top = body.top_logprobs or 0
-        params = await sampling(body, limit, top if body.logprobs else None)
+        params = await sampling(body, limit, top if body.logprobs else None, tool_spec)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = dict(id=rid, object="chat.completion", created=now, model=model_name)
         gen = engine.generate(ids, params, disconnected=watch_disconnect(request))
         if not body.stream:
             outs = await collect(gen, params.n)
-            choices = [
-                dict(
-                    index=i,
-                    message=dict(role="assistant", content=o["text"]),
-                    finish_reason=o["finish_reason"],
-                    logprobs=fmt.chat_logprobs(o["token_ids"], o["logprobs"], top),
-                )
-                for i, o in enumerate(outs)
-            ]
+            choices = []
+            for i, o in enumerate(outs):
+                message, why = reader.message(o["text"], o["token_ids"], o["finish_reason"])
+                lp = fmt.chat_logprobs(o["token_ids"], o["logprobs"], top)
+                choices.append(dict(index=i, message=message, finish_reason=why, logprobs=lp))
             n_out = sum(len(o["token_ids"]) for o in outs)
             return {**head, "choices": choices, "usage": usage(len(ids), n_out, cached_of(outs))}
         head["object"] = "chat.completion.chunk"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         item = await first(gen)
 
-        def chunk(d) -> dict[str, Any]:
-            return dict(
-                index=d.index,
-                delta={"content": d.text} if d.text else {},
-                finish_reason=d.finish_reason,
-                logprobs=fmt.chat_logprobs(d.token_ids, d.logprobs or [], top),
-            )
+        def chunk(d) -> dict[str, Any] | None:
+            delta, why = reader.delta(d.index, d.text, d.token_ids, d.finish_reason)
+            if delta is None:
+                return None
+            lp = fmt.chat_logprobs(d.token_ids, d.logprobs or [], top)
+            return dict(index=d.index, delta=delta, finish_reason=why, logprobs=lp)
 
         opening = [
             sse({**head, "choices": [dict(index=i, delta=dict(role="assistant", content=""),

@@ -1,18 +1,21 @@
 """The OpenAI request bodies the server accepts (pydantic), mapped onto `SamplingParams`.
 
 Field names and defaults follow OpenAI's API; ``top_k``, ``min_tokens``, ``repetition_penalty``,
-``ignore_eos`` and ``stop_token_ids`` are accepted as extra fields, as vLLM does. Unknown
-fields are ignored (as OpenAI clients send fields a server may not know).
+``ignore_eos`` and ``stop_token_ids`` are accepted as extra fields, as vLLM does. A field these
+models do not define is checked by `hisparse.serve.fields`: refused (400) where it would change
+the output, else accepted and logged once.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from hisparse.engine.sampling import SamplingParams
 from hisparse.engine.structured_params import StructuredOutputsParams
+from hisparse.serve.fields import REFUSED_CHAT, REFUSED_COMPLETIONS
 
 
 class StreamOptions(BaseModel):
@@ -52,7 +55,9 @@ class StructuredOutputsField(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+    #: the fields this route refuses unless neutral (`fields.check_extra_fields`)
+    refused: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     model: str | None = None
     max_tokens: int | None = None
@@ -143,6 +148,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
+    refused = REFUSED_COMPLETIONS
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -160,11 +166,76 @@ class CompletionRequest(_Sampling):
         return list(p)  # type: ignore[arg-type]
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def for_template(self) -> dict[str, Any]:
+        try:
+            args: Any = json.loads(self.function.arguments)
+        except ValueError:
+            args = self.function.arguments
+        fn = {"name": self.function.name, "arguments": args}
+        return {"id": self.id, "type": "function", "function": fn}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    #: an assistant turn's calls (OpenAI's shape; ``function.arguments`` JSON text)
+    tool_calls: list[ToolCallIn] | None = None
+    #: a ``tool`` turn: the call it answers
+    tool_call_id: str | None = None
+    name: str | None = None
+    #: an assistant turn's thinking (vLLM's reasoning parsers' field), for templates that
+    #: show it
+    reasoning_content: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' convention): ``content``
+        text, tool calls with their arguments as a dict where they parse."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.for_template() for c in self.tool_calls]
+        for key in ("tool_call_id", "name", "reasoning_content"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     def text(self) -> str:
         """The message's text (OpenAI's list-of-parts form: its text parts joined)."""
@@ -184,10 +255,30 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
+    refused = REFUSED_CHAT
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    #: keyword arguments of the chat template (vLLM's field): ``{"thinking": true}``, ...
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def tool_mode(self) -> str:
+        """``none``, ``auto``, ``required`` or ``named`` (OpenAI's default: ``auto`` with
+        tools, ``none`` without)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            mode = "named"
+        else:
+            mode = choice or ("auto" if self.tools else "none")
+        if mode in ("named", "required") and not self.tools:
+            raise ValueError(f"tool_choice: {mode!r} needs tools; give the tools to choose from")
+        return mode
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def limit(self) -> int | None:
         return (

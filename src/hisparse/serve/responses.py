@@ -190,7 +190,7 @@ async def events(
     n: int,
     *,
     opening: list[str],
-    chunk: Callable[[StreamDelta], dict[str, Any]],
+    chunk: Callable[[StreamDelta], dict[str, Any] | None],
     final: Callable[[int, str], dict[str, Any]],
     tail: Callable[[int, int], list[str]],
 ) -> AsyncIterator[str]:
@@ -210,7 +210,9 @@ async def events(
                 cached += d.cached_tokens or 0
                 if d.finish_reason is not None:
                     open_.discard(d.index)
-                yield sse({**head, "choices": [chunk(d)]})
+                c = chunk(d)
+                if c is not None:  # None: nothing to show yet (a tool call being read)
+                    yield sse({**head, "choices": [c]})
             _raise_failed(item)
             item = await anext(gen, _END)
         for e in tail(n_out, cached):
