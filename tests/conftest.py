@@ -160,6 +160,7 @@ ONE_WORKER_MODULES = frozenset(
         "test_serve_shutdown",
         "test_serve_fields",
         "test_serve_soak",
+        "test_serve_tools",
         "test_structured_outputs",
         "test_tensor_parallel",
     }
