@@ -262,7 +262,8 @@ def test_make_tiny_cli_writes_what_both_load(tmp_path, capsys):
 def test_loader_reads_the_release_formats(ckpt, tmp_path):
     """fp8 weights with UE8M0 tile scales (``.scale`` beside ``.weight``, the release's names)
     stay e4m3 as `Fp8Linear` layers with the scales as exact fp32 factors (``wo_a``, read as
-    grouped weights, is dequantized), 4-bit experts load dequantized. An `Fp8Linear` computes
+    grouped weights, is dequantized), 4-bit experts stay packed (`Fp4Linear`: the weights
+    transformers' dequantization gives, per call). An `Fp8Linear` computes
     W8A8 (`fp8.w8a8_linear`); before any window closes (no indexer choice to flip) the logits
     stay within its activation rounding of the model with every weight dequantized."""
     import shutil
@@ -270,7 +271,7 @@ def test_loader_reads_the_release_formats(ckpt, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from hisparse.models.fp8_linear import Fp8Linear
-    from hisparse.models.v4_quant import ue8m0_to_float
+    from hisparse.models.v4_quant import Fp4Linear, ue8m0_to_float
 
     tensors = load_file(ckpt / "model.safetensors")
     g = torch.Generator().manual_seed(2)
@@ -307,8 +308,12 @@ def test_loader_reads_the_release_formats(ckpt, tmp_path):
     )
     assert isinstance(model.get_submodule("layers.3.ffn.shared_experts.w2"), Fp8Linear)
     state, want_state = model.state_dict(), ref.state_dict()
-    for name in (fp8_names[1], fp4_name):  # dequantized at load
-        torch.testing.assert_close(state[name], want_state[name], rtol=0, atol=0)
+    torch.testing.assert_close(state[fp8_names[1]], want_state[fp8_names[1]], rtol=0, atol=0)
+    w1 = model.get_submodule(fp4_name[: -len(".weight")])  # 4-bit at rest, dequantized per call
+    assert isinstance(w1, Fp4Linear) and w1.weight.dtype == torch.int8
+    x = torch.randn(3, w1.in_features, generator=g)
+    want_w1 = torch.nn.functional.linear(x, want_state[fp4_name])
+    torch.testing.assert_close(w1(x), want_w1, rtol=0, atol=0)
     from hisparse.models import fp8
 
     x = torch.randn(5, wq_b.in_features, generator=g)

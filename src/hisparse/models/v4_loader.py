@@ -3,7 +3,7 @@
 The release names its tensors ``embed.weight``, ``layers.{i}.attn.wq_a.weight``, ``hc_head_fn``
 ...; transformers' ``save_pretrained`` writes the same names under a ``model.`` prefix, with
 ``model.embed_tokens`` and ``model.hc_head.hc_fn``: both load. Weights the release quantizes
-(fp8 with UE8M0 scales, 4-bit experts: `v4_quant`) are dequantized to the model dtype here.
+(fp8 with UE8M0 scales, 4-bit experts: `v4_quant`) stay quantized (`load_v4_model`).
 """
 
 from __future__ import annotations
@@ -55,6 +55,13 @@ def _keeps_fp8(key: str, ckpt: CheckpointIndex, names: dict[str, str]) -> bool:
     )
 
 
+def _is_fp4(ckpt: CheckpointIndex, name: str) -> bool:
+    """Whether checkpoint tensor ``name`` holds packed e2m1 pairs (int8, the release's 4-bit
+    experts): they stay 4-bit as `Fp4Linear` layers."""
+    info = ckpt.get(name)
+    return info is not None and info.dtype == torch.int8
+
+
 def _pow2_activations(path: Path, ckpt: CheckpointIndex, scale_names: list[str]) -> bool:
     """Power-of-two activation scales where the checkpoint's are UE8M0 (``scale_fmt``, or
     exponent-byte scale tensors)."""
@@ -69,9 +76,10 @@ def load_v4_model(
 ) -> DeepseekV4ForCausalLM:
     """The model of checkpoint folder ``path`` in ``dtype`` (fp32 parameters stay fp32).
     fp8 weights stay e4m3 as `Fp8Linear` layers (W8A8 GEMMs, their UE8M0 scales as fp32
-    factors: exact); 4-bit experts and ``wo_a`` are dequantized to ``dtype``."""
+    factors: exact), 4-bit experts stay packed as `Fp4Linear` layers (dequantized per call);
+    ``wo_a`` is dequantized to ``dtype``."""
     from hisparse.models.fp8_linear import Fp8Linear
-    from hisparse.models.v4_quant import dequantize_tensor, ue8m0_to_float
+    from hisparse.models.v4_quant import Fp4Linear, dequantize_tensor, ue8m0_to_float
 
     path = Path(path)
     config = V4Config.from_pretrained(path)
@@ -85,12 +93,14 @@ def load_v4_model(
         if _is_scale(k)
     }
     keep = {k for k in scales if k in names and _keeps_fp8(k, ckpt, names)}
+    keep4 = {k for k in scales if k in names and _is_fp4(ckpt, names[k])}
     pow2 = _pow2_activations(path, ckpt, list(scales.values()))
-    for key in keep:
+    for key in keep | keep4:
         module = key[: -len(".weight")]
         linear = model.get_submodule(module)
         if isinstance(linear, nn.Linear):
-            model.set_submodule(module, Fp8Linear.like(linear, pow2))
+            swap = Fp8Linear.like(linear, pow2) if key in keep else Fp4Linear.like(linear)
+            model.set_submodule(module, swap)
     state = model.state_dict(keep_vars=True)
     missing = [
         k for k in state
@@ -106,12 +116,16 @@ def load_v4_model(
         for key, param in state.items():
             if key.startswith("rotary_"):
                 continue
-            if key.endswith("weight_scale_inv"):  # an Fp8Linear's tile factors
-                t = ue8m0_to_float(reader.read(scales[key[: -len("_scale_inv")]]))
-                want = torch.float32
+            if key.endswith("weight_scale_inv"):
+                weight = key[: -len("_scale_inv")]
+                t = reader.read(scales[weight])
+                if weight in keep4:  # an Fp4Linear's exponent bytes, as they ship
+                    t, want = t.view(torch.uint8), torch.uint8
+                else:  # an Fp8Linear's tile factors
+                    t, want = ue8m0_to_float(t), torch.float32
             else:
                 t = reader.read(names[key])
-                if key in keep:
+                if key in keep | keep4:
                     want = t.dtype
                 elif key in scales:
                     t = dequantize_tensor(t, reader.read(scales[key]))

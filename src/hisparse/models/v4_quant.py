@@ -83,3 +83,31 @@ def dequantize_tensor(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
         )
     s = s.repeat_interleave(bm, dim=-2)[..., :rows, :].repeat_interleave(bn, dim=-1)[..., :cols]
     return values * s
+
+
+class Fp4Linear(torch.nn.Module):
+    """A bias-free linear layer over packed e2m1 weights ``[out, in / 2]`` (int8) and their
+    UE8M0 scales ``[out, in / 32]``, as the release ships the routed experts: the weight stays
+    4-bit at rest and is dequantized (`dequantize_tensor`) for each call, in the input's dtype
+    (the reference form of a 4-bit GEMM; no fused kernel yet)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = torch.nn.Parameter(
+            torch.empty(out_features, in_features // 2, dtype=torch.int8), requires_grad=False
+        )
+        self.weight_scale_inv = torch.nn.Parameter(
+            torch.empty(out_features, -(-in_features // FP4_BLOCK[1]), dtype=torch.uint8),
+            requires_grad=False,
+        )
+
+    @classmethod
+    def like(cls, linear: torch.nn.Linear) -> Fp4Linear:
+        """An `Fp4Linear` of ``linear``'s shape, on its device (meta, for a loader)."""
+        with torch.device(linear.weight.device):
+            return cls(linear.in_features, linear.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = dequantize_tensor(self.weight, self.weight_scale_inv).to(x.dtype)
+        return torch.nn.functional.linear(x, w)

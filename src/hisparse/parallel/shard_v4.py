@@ -43,10 +43,10 @@ def shard_v4(model: nn.Module, tp: Any) -> nn.Module:
     from hisparse.models.deepseek_v4 import Block
 
     rank, world = tp.rank, tp.world_size
-    if any(type(m).__name__ == "Fp8Linear" for m in model.modules()):
+    if any(type(m).__name__ in ("Fp8Linear", "Fp4Linear") for m in model.modules()):
         raise HiSparseConfigError(
-            "LLM.tensor_parallel_size: DeepSeek-V4's fp8 layers are not sharded yet; run an "
-            "fp8 DeepSeek-V4 checkpoint with tensor_parallel_size=1.",
+            "LLM.tensor_parallel_size: DeepSeek-V4's fp8 and 4-bit layers are not sharded yet; "
+            "run a quantized DeepSeek-V4 checkpoint with tensor_parallel_size=1.",
             field="LLM.tensor_parallel_size",
             value=world,
         )
