@@ -230,3 +230,27 @@ def _served_port(proc: subprocess.Popen) -> int:
             pytest.fail("the server did not start within 180 s")
         if m := re.search(r"serving .* on http://127\.0\.0\.1:(\d+)/v1", line):
             return int(m.group(1))
+
+
+def test_prefix_caching_routes_to_the_rank_that_holds_the_prefix(v32):
+    """Prefix caching on every rank: a request whose prompt starts like an earlier one goes
+    to that one's rank and takes its cached pages; the tokens are one rank's."""
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 512, (24,), generator=g).tolist()  # 6 pages of 4
+    tails = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (9, 5, 7)]
+    others = _prompts((30, 26), seed=4)
+    first = [shared + tails[0]]
+    second = [shared + tails[1], *others, shared + tails[2]]
+    runs = []
+    for dp in (1, 2):
+        with _engine(v32, dp, enable_prefix_caching=True) as llm:
+            outs = llm.generate(prompt_token_ids=first, sampling_params=GREEDY)
+            outs += llm.generate(prompt_token_ids=second, sampling_params=GREEDY)
+            runs.append(outs)
+            if dp == 2:
+                # the prefix's three on rank 0, the others by load (a tie: the lowest rank)
+                assert llm._core.assigned == [4, 1]
+    one, two = runs
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    assert [o.metrics.cached_tokens for o in two] == [o.metrics.cached_tokens for o in one]
+    assert two[1].metrics.cached_tokens == two[4].metrics.cached_tokens == 24

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hisparse.engine.core import EngineCore, StepReport
+from hisparse.engine.prefix_cache import page_hashes
 from hisparse.engine.request import Request, Status
 from hisparse.validation import _fail
 
@@ -74,6 +76,10 @@ def expert_parallel(model: Any, group: Any) -> Any:
     return ep
 
 
+#: page hashes the front remembers per rank for prefix-aware routing (oldest forgotten first)
+PAGES_REMEMBERED = 1 << 20
+
+
 def pick_rank(unfinished: list[int], free_blocks: list[int]) -> int:
     """The routing rule: the rank with the fewest unfinished requests, then the most free GPU
     KV blocks, then the lowest rank (`hisparse simulate --data-parallel-size` uses it too)."""
@@ -98,24 +104,58 @@ class DataParallelCore(EngineCore):
         #: per-rank figure: tests)
         self.assigned = [0] * n
         self.peak_running = [0] * n
+        #: driver: per rank, the page hashes of the prompts sent to it (most recent last)
+        self.pages: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(n)]
         #: worker: per request, how many tokens and text characters the driver has
         self._sent: dict[str, tuple[int, int]] = {}
 
     # --- requests ------------------------------------------------------------------------
     def route(self, reqs: list[Request]) -> list[int]:
-        """The rank of each new request: fewest unfinished requests (counting those routed
-        just before it), then most free GPU KV blocks, then the lowest rank."""
+        """The rank of each new request: with prefix caching, the rank whose cache most
+        likely holds the longest run of its prompt's first pages (`_cached_pages`) unless
+        that rank already runs a full batch more than the least loaded one; otherwise (and
+        among equals) `pick_rank`: fewest unfinished requests (counting those routed just
+        before it), then most free GPU KV blocks, then the lowest rank."""
         load = [len(self.scheduler.running) + len(self.scheduler.waiting), *[0] * (
             self.tp.world_size - 1)]  # fmt: skip
         for rank, _ in self.remote.values():
             load[rank] += 1
         out = []
-        for _ in reqs:
-            rank = pick_rank(load, self.free_blocks)
+        for req in reqs:
+            hashes, cached = self._cached_pages(req)
+            best = max(cached, default=0)
+            ranks = [r for r, n in enumerate(cached) if n == best > 0
+                     and load[r] - min(load) < self.scheduler.max_num_seqs]  # fmt: skip
+            if ranks:
+                rank = ranks[pick_rank([load[r] for r in ranks],
+                                       [self.free_blocks[r] for r in ranks])]  # fmt: skip
+            else:
+                rank = pick_rank(load, self.free_blocks)
+            for h in hashes:  # the pages this rank will cache
+                self.pages[rank][h] = None
+                self.pages[rank].move_to_end(h)
+            while len(self.pages[rank]) > PAGES_REMEMBERED:
+                self.pages[rank].popitem(last=False)
             load[rank] += 1
             self.assigned[rank] += 1
             out.append(rank)
         return out
+
+    def _cached_pages(self, req: Request) -> tuple[list[bytes], list[int]]:
+        """The chained hashes of ``req``'s full prompt pages, and per rank how many of the
+        first ones were sent to it before (an estimate of its prefix cache: it may have
+        evicted some since)."""
+        cache = self.scheduler.kv.prefix_cache
+        if cache is None:
+            return [], []
+        hashes = page_hashes(req.prompt_token_ids, cache.block_size, cache.key)
+        cached = []
+        for pages in self.pages:
+            n = 0
+            while n < len(hashes) and hashes[n] in pages:
+                n += 1
+            cached.append(n)
+        return hashes, cached
 
     def add(self, reqs: list[Request]) -> None:
         if any(r.grammar is not None for r in reqs):  # another rank would sample it freely

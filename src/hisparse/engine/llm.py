@@ -274,7 +274,7 @@ class LLM:
             # GQA rows are sharded by KV head: a host row holds every local rank's slice
             host = host_sharing(shards, gguf)  # data parallelism: a pool per rank
             # V4 carries state outside its pages; ranks would share the host's indexer copies
-            prefix = enable_prefix_caching and not (v4 or dp or (tp and kv_placement != "gpu"))
+            prefix = enable_prefix_caching and not (v4 or (shards and kv_placement != "gpu"))
             if kv_placement == "hisparse" and self.config.host_pool_bytes is None:
                 size = default_host_pool_bytes(
                     specs,
