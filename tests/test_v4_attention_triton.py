@@ -34,19 +34,21 @@ def _case(n, h, d, n_window, n_entries, dtype, seed, blocks=9, bs=4):
 
 
 @pytest.mark.parametrize(
-    ("n", "h", "d", "n_window", "n_entries", "dtype", "tol"),
+    ("n", "h", "d", "n_window", "n_entries", "dtype", "tol", "splits"),
     [
-        (5, 4, 32, 8, 7, torch.float32, 1e-5),
-        (3, 20, 64, 40, 3, torch.float32, 1e-5),
-        (3, 6, 32, 8, 0, torch.bfloat16, 2e-2),
-        (2, 64, 512, 8, 6, torch.float32, 1e-4),
+        (5, 4, 32, 8, 7, torch.float32, 1e-5, None),
+        (3, 20, 64, 40, 90, torch.float32, 1e-5, 3),  # splits of 64 rows, one ends early
+        (3, 20, 64, 40, 3, torch.float32, 1e-5, 1),
+        (3, 6, 32, 8, 0, torch.bfloat16, 2e-2, None),
+        (2, 64, 512, 8, 6, torch.float32, 1e-4, None),
     ],
 )
-def test_kernel_equals_reference(n, h, d, n_window, n_entries, dtype, tol):
+def test_kernel_equals_reference(n, h, d, n_window, n_entries, dtype, tol, splits):
+    """``splits``: flash-decoding over the rows (None: the kernel's own choice)."""
     q, pool, idx, nw, col, sinks, scale = _case(n, h, d, n_window, n_entries, dtype, seed=n + h)
     want = v4_attention_paged_reference(q, pool, idx, nw, col, sinks, scale)
     out = torch.full_like(q, float("nan"))
-    got = v4_attention_triton(q, pool, idx, nw, col, sinks, scale, out=out)
+    got = v4_attention_triton(q, pool, idx, nw, col, sinks, scale, out=out, num_splits=splits)
     assert got.data_ptr() == out.data_ptr() and torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     assert got[0].abs().max() == 0  # only the sink: zero rows
