@@ -322,3 +322,24 @@ def test_loader_reads_the_release_formats(ckpt, tmp_path):
     ids = list(range(2, 40))
     got, want = model.prefill_logits([ids])[0], ref.prefill_logits([ids])[0]
     assert torch.isfinite(got).all() and rel_err(got[:3], want[:3]) < 2e-2
+
+
+def test_a_broken_checkpoint_is_named(ckpt, tmp_path):
+    """A tensor missing or of the wrong shape: a `CheckpointError` naming it and what to check."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hisparse.models.checkpoint import CheckpointError
+
+    tensors = load_file(ckpt / "model.safetensors")
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(ckpt / name, tmp_path / name)
+    missing = {k: v for k, v in tensors.items() if k != "layers.1.attn.indexer.wq_b.weight"}
+    save_file(missing, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"lacks 1 tensors.*indexer\.wq_b"):
+        load_v4_model(tmp_path)
+    tensors["layers.0.attn.wkv.weight"] = tensors["layers.0.attn.wkv.weight"][:, :-1].contiguous()
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.wkv\.weight has shape"):
+        load_v4_model(tmp_path)
