@@ -254,3 +254,29 @@ def test_prefix_caching_routes_to_the_rank_that_holds_the_prefix(v32):
     assert [o.token_ids for o in two] == [o.token_ids for o in one]
     assert [o.metrics.cached_tokens for o in two] == [o.metrics.cached_tokens for o in one]
     assert two[1].metrics.cached_tokens == two[4].metrics.cached_tokens == 24
+
+
+def test_online_abort_reaches_the_rank_that_runs_the_request(v32):
+    """The online API (`add_request` / `step` / `abort_request`, as the server drives it):
+    aborting a request that rank 1 runs ends its mirror with ``"abort"`` and frees its blocks
+    on rank 1; the other request finishes as alone."""
+    with _engine(v32, 1) as one:
+        (ref,) = one.generate(prompt_token_ids=_prompts((40,)), sampling_params=GREEDY)
+    with _engine(v32, 2) as llm:
+        free = None
+        while free is None or not all(free):
+            llm.step()  # idle steps: every rank reports its free GPU blocks
+            free = list(llm._core.free_blocks)
+        (a,) = llm.add_request(_prompts((40,))[0], GREEDY, request_id="a")
+        (b,) = llm.add_request(_prompts((50,), seed=2)[0], GREEDY, request_id="b")
+        assert llm._core.remote["b"][0] == 1
+        for _ in range(3):
+            llm.step()
+        assert len(b.output_token_ids) > 0 and not b.finished
+        assert llm.abort_request("b") and b.finish_reason == "abort"
+        assert not llm.abort_request("nope")
+        while llm.has_unfinished_requests():
+            llm.step()
+        llm.step()
+        assert a.output_token_ids == ref.token_ids and a.finish_reason == "length"
+        assert llm._core.free_blocks == free  # rank 1 freed b's blocks
