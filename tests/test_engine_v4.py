@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hisparse import LLM, SamplingParams  # noqa: E402
+from hisparse import LLM, HiSparseConfig, SamplingParams  # noqa: E402
 from hisparse.config import HiSparseConfigError  # noqa: E402
 
 LENGTHS = (20, 37, 9)
@@ -52,13 +52,13 @@ def test_greedy_tokens_equal_transformers(ckpt, llm, backend, monkeypatch):
         assert out.outputs[0].token_ids == want[0, len(prompt) :].tolist()
 
 
-def _reference_tokens(ckpt, prompts: list[list[int]]) -> list[list[int]]:
+def _reference_tokens(ckpt, prompts: list[list[int]], new: int = NEW) -> list[list[int]]:
     ref = transformers.DeepseekV4ForCausalLM.from_pretrained(ckpt).eval()
     out = []
     for prompt in prompts:
         with torch.no_grad():
-            want = ref.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
-                                min_new_tokens=NEW)  # fmt: skip
+            want = ref.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                                min_new_tokens=new)  # fmt: skip
         out.append(want[0, len(prompt) :].tolist())
     return out
 
@@ -77,6 +77,24 @@ def test_fixed_shape_decode_equals_transformers(ckpt):
     finally:
         engine.close()
     assert [o.outputs[0].token_ids for o in outs] == _reference_tokens(ckpt, prompts)
+
+
+def test_preemption_recomputes_the_carried_state(ckpt):
+    """A pool of 12 usable blocks of 8 tokens for 4 requests of up to 53: one is preempted and
+    recomputed (its slot's compressor state rebuilt from position 0); tokens unchanged."""
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (30, 41, 25, 36)]
+    row_bytes = 1024  # the tiny preset's four layers' rows in fp32 (HCA, CSA, sliding, CSA)
+    engine = LLM(ckpt, kv_placement="gpu", device="cpu", max_num_seqs=4, max_model_len=64,
+                 gpu_memory_gib=13 * 8 * row_bytes / 2**30, max_num_batched_tokens=32,
+                 hisparse=HiSparseConfig(block_size=8))  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+    finally:
+        engine.close()
+    assert sum(o.metrics.preemptions for o in outs) > 0
+    assert [o.outputs[0].token_ids for o in outs] == _reference_tokens(ckpt, prompts, 12)
 
 
 @pytest.mark.parametrize(
