@@ -108,14 +108,18 @@ class Fp8Experts(nn.Module):
             f"row_offset={self.row_offset}, pow2={self.pow2}"
         )
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """``[N, H]``: the routed experts' weighted sum for tokens ``x [N, H]`` choosing
-        ``ids [N, k]`` with ``weights [N, k]``."""
+        ``ids [N, k]`` with ``weights [N, k]``, in ``out_dtype`` (default ``x``'s; expert
+        parallelism keeps its fp32 partial sums)."""
         if moe_backend(x.device) == "reference":
             note_kernel("grouped_reference")
-            return self.forward_reference(x, weights, ids)
+            return self.forward_reference(x, weights, ids, out_dtype)
         note_kernel("grouped_triton")
-        return self.forward_grouped(x, weights, ids)
+        return self.forward_grouped(x, weights, ids, out_dtype)
 
     def _silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         from hisparse.models import fused
@@ -126,8 +130,9 @@ class Fp8Experts(nn.Module):
         return F.silu(gu[:, :i]) * gu[:, i:]
 
     def forward_grouped(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """The Triton path: `moe_align`, then three grouped GEMMs (no host sync)."""
         from hisparse.models import fp8_triton as kt
 
@@ -146,11 +151,12 @@ class Fp8Experts(nn.Module):
         qh, sh = kt.act_quant(self._silu_mul(gu), self.pow2)
         y = torch.empty(p, self.hidden, dtype=x.dtype, device=x.device)
         kt.grouped_gemm(qh, sh, slots, block_expert, bm, self.down_weight, self.down_scale, y)
-        return combine(y, weights, x.dtype)
+        return combine(y, weights, out_dtype or x.dtype)
 
     def forward_reference(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """The same terms per chosen expert with `fp8.w8a8_linear` (reads ``ids`` on the host)."""
         n, k = ids.shape
         flat = ids.reshape(-1)
@@ -164,4 +170,4 @@ class Fp8Experts(nn.Module):
                                 row_offset=self.row_offset)  # fmt: skip
             h = self._silu_mul(torch.cat((g, u), dim=-1))
             y[pairs] = fp8.w8a8_linear(h, self.down_weight[e], self.down_scale[e], pow2=self.pow2)
-        return combine(y, weights, x.dtype)
+        return combine(y, weights, out_dtype or x.dtype)

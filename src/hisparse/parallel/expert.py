@@ -125,8 +125,8 @@ class ExpertParallel:
         valid = (ids >= 0) & (local >= 0) & (local < self.per)
         if moe.fp8_experts is not None:
             # pairs of other ranks' experts run on expert 0 with weight 0: exact zeros
-            y = moe.fp8_experts(x, torch.where(valid, w, 0.0), torch.where(valid, local, 0))
-            return y.float()
+            return moe.fp8_experts(x, torch.where(valid, w, 0.0), torch.where(valid, local, 0),
+                                   out_dtype=torch.float32)  # fmt: skip
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(ids[valid]).tolist():
             tok, slot = torch.where(ids == e)
