@@ -13,7 +13,7 @@ import torch
 
 from hisparse.engine.request import CompletionOutput, Request, RequestOutput
 from hisparse.engine.sampling import SamplingParams
-from hisparse.validation import _fail, is_token_list
+from hisparse.validation import _fail, is_token_list, prompt_token_ids
 
 
 class GenerationInterrupted(KeyboardInterrupt):
@@ -146,3 +146,14 @@ def completions(
         )
         for j in range(params.n)
     ]
+
+
+def prompt_ids(llm: Any, text: str | None, ids: Any) -> list[int] | str:
+    """A prompt's token ids for ``llm`` (``text`` tokenized when no ids are given), or the
+    error that fails its request."""
+    if ids is None and text is not None:
+        if llm.tokenizer is None:
+            return "this checkpoint has no tokenizer.json; pass prompt_token_ids instead"
+        encoded = llm.tokenizer.encode(text)
+        ids = getattr(encoded, "ids", encoded)  # tokenizers.Encoding or a plain list
+    return prompt_token_ids(ids, llm.model.config.vocab_size, llm.max_model_len)

@@ -47,6 +47,7 @@ from hisparse.engine.inputs import (
     completions,
     outputs_of,
     params_per_prompt,
+    prompt_ids,
     render_chat,
     text_inputs,
     token_inputs,
@@ -57,6 +58,7 @@ from hisparse.engine.output_processor import OutputProcessor
 from hisparse.engine.request import Request, RequestOutput, Status
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.scheduler import SCHEDULE_POLICIES, Scheduler
+from hisparse.engine.speculative import SpeculativeConfig
 from hisparse.engine.tp_follower import (
     serve_torchrun_ranks,
     tensor_parallel_state,
@@ -83,7 +85,6 @@ from hisparse.validation import (
     check_conversations,
     check_dtype,
     check_int,
-    prompt_token_ids,
 )
 
 PLACEMENTS = ("hisparse", "gpu")
@@ -153,6 +154,8 @@ class LLM:
             combined with ``tensor_parallel_size`` yet.
         enable_prefix_caching: reuse cached pages of shared prefixes (vLLM's, default on; the
             same tokens; design §12.10). Off for V4, data parallelism, HiSparse under TP.
+        speculative_config: a `SpeculativeConfig` or a dict of its fields (vLLM's shape): drafts
+            verified in one decode step, the same tokens (design §12.11); one rank, sync steps.
     """
 
     def __init__(
@@ -177,6 +180,7 @@ class LLM:
         data_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
         enable_prefix_caching: bool = True,
+        speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
     ) -> None:
         # every rank builds the same engine from the same arguments
         llm_kwargs = dict(
@@ -187,7 +191,7 @@ class LLM:
             step_hooks=step_hooks, cuda_graphs=cuda_graphs, schedule=schedule,
             async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
-            enable_prefix_caching=enable_prefix_caching,
+            enable_prefix_caching=enable_prefix_caching, speculative_config=speculative_config,
         )  # fmt: skip
         self._closed = False
         self._core: EngineCore | None = None
@@ -212,13 +216,15 @@ class LLM:
             _fail(f + "step_hooks", step_hooks, "a StepHooks (or None)", type_error=True)
         check_bool(f + "cuda_graphs", cuda_graphs, optional=True)
         check_bool(f + "async_scheduling", async_scheduling)
-        self.async_scheduling = bool(async_scheduling)
+        # (a speculative step's next drafts need its tokens read first: design §12.11)
+        self.async_scheduling = bool(async_scheduling) and speculative_config is None
         check_int(f + "tensor_parallel_size", tensor_parallel_size, minimum=1, maximum=4096,
                   example=2)  # fmt: skip
         check_int(f + "data_parallel_size", data_parallel_size, minimum=1, maximum=4096, example=2)
         check_bool(f + "enable_expert_parallel", enable_expert_parallel)
         check_bool(f + "enable_prefix_caching", enable_prefix_caching)
         dp = data_parallel_size > 1
+        self.speculative = spec = SpeculativeConfig.for_engine(llm_kwargs)
         model_dtype = check_dtype(f + "dtype", dtype)
         self.device = checked_device(device)
         torch_dtype = model_dtype or (
@@ -247,7 +253,7 @@ class LLM:
                     kind="data-parallel" if dp else "tensor-parallel",
                 )  # fmt: skip
                 self.device = tp.device
-            hs = hisparse or HiSparseConfig()
+            hs = SpeculativeConfig.widen(spec, hisparse or HiSparseConfig())
             shards = None if dp else tp  # data-parallel ranks hold the whole model
             experts = dp_core.expert_share(path, tp) if enable_expert_parallel else None
             loaded = load_model(path, hs, torch_dtype, self.device, indexer, kv_format, shards,
@@ -329,6 +335,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             policy=schedule,
             stops=OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len),
+            speculative=spec,
         )
         # async scheduling chains fixed-shape decodes on one rank (docs/design.md §12.5.1)
         chained = self.async_scheduling and tp is None and self.runner.graphs is not None
@@ -447,7 +454,7 @@ class LLM:
         self._check_open("add_request")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params={params!r} must be a SamplingParams")
-        ids = self._token_ids(prompt if prompt_token_ids is None else None, prompt_token_ids)
+        ids = prompt_ids(self, prompt if prompt_token_ids is None else None, prompt_token_ids)
         if isinstance(ids, str):
             raise ValueError(ids)
         rid = request_id if request_id is not None else str(next(self._ids))
@@ -515,7 +522,7 @@ class LLM:
         groups: list[tuple[str, str | None, list[Request]]] = []
         for (text, ids, error), p in zip(items, params, strict=True):
             rid = str(next(self._ids))
-            ids = self._token_ids(text, ids) if error is None else []
+            ids = prompt_ids(self, text, ids) if error is None else []
             if isinstance(ids, str):
                 error, ids = ids, []
             reqs = completions(rid, ids, p, text, self.grammars)
@@ -542,16 +549,6 @@ class LLM:
                 raise GenerationInterrupted(outputs_of(groups)) from err
             raise
         return outputs_of(groups)
-
-    def _token_ids(self, text: str | None, ids: Any) -> list[int] | str:
-        """A prompt's token ids (``text`` tokenized when no ids are given), or the error that
-        fails its request."""
-        if ids is None and text is not None:
-            if self.tokenizer is None:
-                return "this checkpoint has no tokenizer.json; pass prompt_token_ids instead"
-            encoded = self.tokenizer.encode(text)
-            ids = getattr(encoded, "ids", encoded)  # tokenizers.Encoding or a plain list
-        return prompt_token_ids(ids, self.model.config.vocab_size, self.max_model_len)
 
     # --- resources -----------------------------------------------------------------------
     def close(self) -> None:

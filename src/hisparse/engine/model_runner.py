@@ -34,6 +34,7 @@ from hisparse.engine.host_copy import tensor_to_device
 from hisparse.engine.kv_manager import KVCacheManager
 from hisparse.engine.request import Request
 from hisparse.engine.sampling import sample_rows
+from hisparse.engine.spec_verify import verify
 from hisparse.engine.step_cache import PrefillLayerCache, StepCache
 from hisparse.engine.step_data import ModelOutput, ScheduledStep, SchedulerOutput, WriteBack
 from hisparse.engine.v4_step_cache import V4StepCache
@@ -227,9 +228,19 @@ class ModelRunner:
         self.kv.copy_indexer_pages(out.indexer_copies)
 
     def execute_part(self, step: ScheduledStep) -> ModelOutput:
-        """One forward and its sampled tokens (a synthetic prefill gives them directly)."""
-        result = self.run(step.batch, decode=step.decode, finishing=step.finishing)
+        """One forward and its sampled tokens (a synthetic prefill gives them directly); a
+        speculative step's drafts verified row by row (`spec_verify.verify`)."""
+        result = self.run(
+            step.batch, decode=step.decode, finishing=step.finishing, drafts=step.drafts
+        )
         reqs = result.sample_reqs
+        if step.drafts is not None:
+            if self.share_tokens is not None:
+                raise NotImplementedError("speculative decoding under tensor parallelism")
+            assert result.logits is not None
+            v = verify(result.logits, reqs, step.drafts, self.eos_token_ids)
+            now = time.perf_counter()
+            return ModelOutput(reqs, v.tokens, v.logprobs, now, v.accepted, v.accepted_logprobs)
         logprobs: list[dict[int, float] | None]
         if result.token_ids is not None:
             tokens: list[int | None] = list(result.token_ids)
@@ -255,8 +266,11 @@ class ModelRunner:
         decode: bool,
         finishing: list[bool],
         device_ids: torch.Tensor | None = None,
+        drafts: list[list[int]] | None = None,
     ) -> StepResult:
-        """Forward ``batch`` (request, new tokens); logits for requests that sample now.
+        """Forward ``batch`` (request, new tokens); logits for requests that sample now
+        (a speculative decode, ``drafts`` given: every row's, the request's last token then
+        its drafts).
 
         Per-step inputs travel in one host-to-device copy; block tables are gathered on the
         device from the KV manager's persistent tables. ``device_ids``: a fixed-shape decode's
@@ -280,7 +294,10 @@ class ModelRunner:
         hooks = self.hooks
         synthetic = hooks is not None and hooks.synthetic_prefill and not decode
         ids: list[int] = []
-        if not synthetic:
+        if drafts is not None:
+            for (req, _), d in zip(batch, drafts, strict=True):
+                ids.extend(req.token_slice(req.num_computed, 1) + d)
+        elif not synthetic:
             for req, n in batch:
                 ids.extend(req.token_slice(req.num_computed, n))
         T = sum(counts)
@@ -288,7 +305,7 @@ class ModelRunner:
         packed = packed.to(dev)
         start_d, count_d, slot_d, key_d = packed[: 4 * R].view(4, R)
         seq_lens = start_d + count_d
-        if decode:
+        if decode and T == R:
             rix = torch.arange(R, device=dev)
             pos = start_d
         else:
@@ -299,7 +316,7 @@ class ModelRunner:
         self._max_len = max(s + n for s, n in zip(starts, counts, strict=True))
         step = ForwardStep(positions=pos, req_index=rix, seq_lens=seq_lens, max_len=self._max_len)
 
-        one_cpu = decode and R == 1 and dev.type == "cpu"
+        one_cpu = decode and T == 1 and dev.type == "cpu"
 
         def rows_of(table: torch.Tensor) -> torch.Tensor:
             if one_cpu and table.is_cpu:
@@ -356,7 +373,7 @@ class ModelRunner:
             if decode:
                 logits = self.model.logits(
                     hidden[torch.tensor(last_rows, device=dev) - 1]
-                    if hidden.shape[0] != R
+                    if hidden.shape[0] != R and drafts is None
                     else hidden
                 )
             else:

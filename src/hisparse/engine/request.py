@@ -40,10 +40,25 @@ class RequestMetrics:
     decode_steps: int = 0
     #: prompt tokens found in the prefix cache at its first admission (not prefilled)
     cached_tokens: int = 0
+    #: speculative decoding: draft tokens verified, those accepted, and the steps that
+    #: verified any (the mean accepted length is ``1 + spec_accepted / spec_steps``)
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_steps: int = 0
 
     @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Drafts accepted of those verified (None: nothing was drafted)."""
+        return self.spec_accepted / self.spec_drafted if self.spec_drafted else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verifying step gave on average: its accepted drafts and one more."""
+        return 1 + self.spec_accepted / self.spec_steps if self.spec_steps else None
 
     @property
     def tpot(self) -> float | None:

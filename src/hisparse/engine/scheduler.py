@@ -34,6 +34,7 @@ from collections.abc import Callable
 from hisparse.engine.kv_blocks import KVBlockManager, KVCapacityError
 from hisparse.engine.output_processor import OutputProcessor
 from hisparse.engine.request import Request, Status
+from hisparse.engine.speculative import SpeculativeConfig
 from hisparse.engine.step_data import ModelOutput, ScheduledStep, SchedulerOutput, WriteBack
 
 #: ``mixed``: decodes first, prefill chunks in the budget left; ``prefill-first``: prompt
@@ -50,9 +51,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         policy: str = "mixed",
         stops: OutputProcessor | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """``stops``: the output processor (the token, the text, stops; default: no text and
-        no limit of length)."""
+        no limit of length); ``speculative``: decode steps bring each request's drafts."""
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule={policy!r}: use one of {SCHEDULE_POLICIES}.")
         self.policy = policy
@@ -67,6 +69,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.failed: list[Request] = []
+        self.speculative = speculative
+        self.proposer = speculative.proposer() if speculative is not None else None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -227,7 +231,7 @@ class Scheduler:
             if prefill is not None:
                 return self._output([prefill])
         decode = self._decode_part(reserve)
-        budget = self.max_num_batched_tokens - (len(decode.batch) if decode else 0)
+        budget = self.max_num_batched_tokens - (sum(n for _, n in decode.batch) if decode else 0)
         prefill = self._prefill_part(budget, reserve) if self.policy == "mixed" else None
         parts = [p for p in (decode, prefill) if p is not None]
         if not parts and self.running:
@@ -284,19 +288,33 @@ class Scheduler:
         return ScheduledStep(decode=False, batch=batch, finishing=finishing) if batch else None
 
     def _decode_part(self, reserve: Callable[[], int]) -> ScheduledStep | None:
-        """One token for every decoding request; a request that cannot grow preempts the
-        newest request (itself when it is the newest) until it can."""
+        """One token for every decoding request, and its drafts where speculating (in the
+        token budget the one-token rows leave); a request that cannot grow drops its drafts,
+        then preempts the newest request (itself when it is the newest) until it can."""
         batch: list[tuple[Request, int]] = []
-        for req in [r for r in self.running if r.status is Status.DECODING]:
+        decoding = [r for r in self.running if r.status is Status.DECODING]
+        spare = self.max_num_batched_tokens - len(decoding)  # tokens left for drafts
+        drafts: dict[int, list[int]] = {}
+        for req in decoding:
             if req.status is not Status.DECODING:
                 continue  # preempted below for an earlier request
-            if not self.kv.needs_growth(req.req_id, req.num_computed + 1):
-                batch.append((req, 1))  # within its last page: nothing to allocate
+            d = self._drafts(req, spare)
+            n = 1 + len(d)
+            if not self.kv.needs_growth(req.req_id, req.num_computed + n):
+                batch.append((req, n))  # within its last page: nothing to allocate
+                drafts[id(req)], spare = d, spare - len(d)
                 continue
             while True:
-                if self._grow(req, req.num_computed + 1, reserve()):
-                    batch.append((req, 1))
+                if self._grow(req, req.num_computed + n, reserve()):
+                    batch.append((req, n))
+                    drafts[id(req)], spare = d, spare - len(d)
                     break
+                if n > 1:  # no room for the drafts' rows: the one token alone
+                    d, n = [], 1
+                    if not self.kv.needs_growth(req.req_id, req.num_computed + 1):
+                        batch.append((req, 1))
+                        break
+                    continue
                 if len(self.running) == 1:
                     self.fail_running(req, "the GPU KV pool cannot hold this request alone")
                     break
@@ -307,7 +325,26 @@ class Scheduler:
                     break
         if not batch:
             return None
-        return ScheduledStep(decode=True, batch=batch, finishing=[False] * len(batch))
+        step = ScheduledStep(decode=True, batch=batch, finishing=[False] * len(batch))
+        if any(n > 1 for _, n in batch):
+            step.drafts = [drafts.get(id(r), []) for r, _ in batch]
+        return step
+
+    def _drafts(self, req: Request, spare: int) -> list[int]:
+        """``req``'s draft tokens for this step (speculative decoding): at most k, within
+        ``spare`` tokens of the step's budget, and never past what the request may still
+        produce (``max_tokens``, ``max_model_len``, its host reservation), since every
+        accepted draft and the token after it become output."""
+        spec, proposer = self.speculative, self.proposer
+        if spec is None or proposer is None or spare <= 0 or req.grammar is not None:
+            return []  # (a structured output's rows would need the grammar per row: none)
+        left = min(self._total(req), self.stops.max_model_len) - req.num_tokens
+        if req.params.max_tokens is not None:
+            left = min(left, req.params.max_tokens - len(req.output_token_ids))
+        k = min(spec.num_speculative_tokens, spare, left - 1)
+        if k <= 0:
+            return []
+        return proposer.propose(req.all_token_ids, k)
 
     def _grow(self, req: Request, new_len: int, reserve: int) -> bool:
         """`KVCacheManager.grow`, demoting other requests while that makes room; False: the
@@ -378,7 +415,8 @@ class Scheduler:
         request is admitted a step later than `schedule` would."""
         reqs = [req for req, _ in batch]
         if (
-            not self._admission_blocked()
+            self.speculative is not None  # the next drafts need the pending tokens
+            or not self._admission_blocked()
             or len(reqs) != len(self.running)
             or any(r.status is not Status.DECODING for r in self.running)
             or set(map(id, reqs)) != set(map(id, self.running))
@@ -441,8 +479,8 @@ class Scheduler:
         resident pages it no longer needs are dropped (`trim`); a step `launched` before its
         tokens were read did the first and the last then."""
         if not step.launched:
-            self.advance(step)
-        self.record(step, out.sample_reqs, out.tokens, out.logprobs, out.now)
+            self.advance(step, out)
+        self.record(step, out.sample_reqs, out.tokens, out.logprobs, out.now, out)
         if not step.launched:
             self.trim(step)
 
@@ -454,10 +492,15 @@ class Scheduler:
         self.trim(step)
         step.launched = True
 
-    def advance(self, step: ScheduledStep) -> None:
+    def advance(self, step: ScheduledStep, out: ModelOutput | None = None) -> None:
         """The forward of ``step`` is under way: its tokens count as computed (written rows,
-        positions), before its sampled tokens are known."""
-        for req, n in step.batch:
+        positions), before its sampled tokens are known. A speculative step's request
+        computed its last token and the drafts it took (``out.accepted``): the rows past
+        them are rewritten by its next step."""
+        accepted = out.accepted if out is not None and step.drafts is not None else None
+        for i, (req, n) in enumerate(step.batch):
+            if accepted is not None:
+                n = 1 + len(accepted[i])
             if step.decode:
                 self.kv.mark_written(req.req_id, req.num_computed, n)
             req.num_computed += n
@@ -484,28 +527,43 @@ class Scheduler:
         tokens: list[int | None],
         logprobs: list[dict[int, float] | None],
         now: float,
+        out: ModelOutput | None = None,
     ) -> None:
         """The sampled token of each request in ``sampled`` (``None``: its logits were not
         finite, it fails alone), stops, and prompts that start decoding. Requests that
         finished meanwhile (a stop read from an earlier step, an abort) are passed over:
-        their token was computed and is dropped."""
-        for req, tok, lp in zip(sampled, tokens, logprobs, strict=True):
+        their token was computed and is dropped. A speculative step's accepted drafts come
+        first, token by token: a stop among them drops the rest."""
+        spec = out is not None and out.accepted is not None and step.drafts is not None
+        for i, (req, tok, lp) in enumerate(zip(sampled, tokens, logprobs, strict=True)):
             if req.finished:
                 continue
-            if tok is None:
-                req.metrics.finished = now
-                self.fail_running(
-                    req, "sampling failed: this request's logits are not finite numbers"
-                )
-                continue
-            if req.grammar is not None and not req.grammar.accept_token(tok):
-                req.metrics.finished = now
-                self.fail_running(req, f"structured output: token {tok} breaks the grammar")
-                continue
-            reason = self.stops.append(req, tok, lp, now)
-            if reason is not None:
-                req.metrics.finished = now
-                self.finish(req, reason)
+            seq: list[tuple[int | None, dict[int, float] | None]] = [(tok, lp)]
+            if spec:
+                assert out is not None and out.accepted is not None
+                taken = out.accepted[i]
+                lps = out.accepted_logprobs[i] if out.accepted_logprobs else [None] * len(taken)
+                seq = [*zip(taken, lps, strict=True), (tok, lp)]
+                m = req.metrics
+                m.spec_drafted += len(step.drafts[i])  # type: ignore[index]
+                m.spec_accepted += len(taken)
+                m.spec_steps += bool(step.drafts[i])  # type: ignore[index]
+            for t, p in seq:
+                if t is None:
+                    req.metrics.finished = now
+                    self.fail_running(
+                        req, "sampling failed: this request's logits are not finite numbers"
+                    )
+                    break
+                if req.grammar is not None and not req.grammar.accept_token(t):
+                    req.metrics.finished = now
+                    self.fail_running(req, f"structured output: token {t} breaks the grammar")
+                    break
+                reason = self.stops.append(req, t, p, now)
+                if reason is not None:
+                    req.metrics.finished = now
+                    self.finish(req, reason)
+                    break
         for (req, _), fin in zip(step.batch, step.finishing, strict=True):
             if req.finished:
                 continue

@@ -22,6 +22,9 @@ class ScheduledStep:
     #: its tokens were counted as computed and its tail trimmed when it was launched, before
     #: its sampled tokens were read (async scheduling: `Scheduler.launched`)
     launched: bool = False
+    #: speculative decoding: per batch entry, the draft tokens its rows verify after the
+    #: request's last token (``n = 1 + len(drafts[i])``); ``None``: no drafts this step
+    drafts: list[list[int]] | None = None
 
     @property
     def requests(self) -> list[Request]:
@@ -57,9 +60,13 @@ class SchedulerOutput:
 class ModelOutput:
     """What the runner returns for one forward: the sampled token of each request in
     ``sample_reqs`` (``None``: its logits gave no distribution, so it fails alone), the
-    logprobs dict where asked, and when the tokens were read (``now``, ``perf_counter``)."""
+    logprobs dict where asked, and when the tokens were read (``now``, ``perf_counter``).
+    A speculative step (`ScheduledStep.drafts`) also gives, per request, the drafts it took
+    (``accepted``: they come before ``tokens[i]``) and their logprobs."""
 
     sample_reqs: list[Request]
     tokens: list[int | None]
     logprobs: list[dict[int, float] | None]
     now: float
+    accepted: list[list[int]] | None = None
+    accepted_logprobs: list[list[dict[int, float] | None]] | None = None

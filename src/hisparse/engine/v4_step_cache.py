@@ -127,7 +127,7 @@ def check_v4_arguments(args: dict[str, Any]) -> bool:
     """True, or a `HiSparseConfigError` for an `LLM` argument (``args``: all of them by name)
     that a DeepSeek-V4 checkpoint does not run with yet: HiSparse placement of its compressed
     layers (issue #57), row formats other than the model dtype, synthetic prefill, data and
-    expert parallelism."""
+    expert parallelism, speculative decoding."""
     f = "LLM."
     if args["kv_placement"] != "gpu":
         why = "(HiSparse placement of its compressed layers is not built yet)"
@@ -145,4 +145,7 @@ def check_v4_arguments(args: dict[str, Any]) -> bool:
         )
         _fail(f + name, args[name], "unset for a DeepSeek-V4 checkpoint (data and expert "
               "parallelism of its layers are not built; tensor_parallel_size is)")  # fmt: skip
+    if args.get("speculative_config") is not None:
+        _fail(f + "speculative_config", args["speculative_config"], "None for a DeepSeek-V4 "
+              "checkpoint (its multi-row decode step is not built)")  # fmt: skip
     return True
