@@ -161,6 +161,7 @@ ONE_WORKER_MODULES = frozenset(
         "test_serve_fields",
         "test_serve_soak",
         "test_serve_tools",
+        "test_speculative_smollm2",
         "test_structured_outputs",
         "test_tensor_parallel",
     }

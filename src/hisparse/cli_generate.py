@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from hisparse.config import HiSparseConfig, cdiv
+from hisparse.engine.speculative import SPECULATIVE_HELP, SpeculativeConfig
 
 if TYPE_CHECKING:
     from hisparse.runtime.ops.cpu.compile import CompileClock
@@ -136,6 +137,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--kv-placement", choices=("hisparse", "gpu"), default="hisparse")
     gen.add_argument("--device", default=None)
     add_parallel_args(gen)
+    gen.add_argument("--speculative-config", default=None, help=SPECULATIVE_HELP)
     gen.set_defaults(handler=run_generate, flags=FLAGS, builds_engine=True)
 
 
@@ -157,6 +159,7 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
     )
+    args.speculative_config = SpeculativeConfig.of(args.speculative_config)
     console = Console()
     try:
         return _generate(args, console, config, params, demo)
@@ -184,6 +187,7 @@ def _generate(
             device=args.device,
             max_num_seqs=1,
             **parallel_kwargs(args),
+            speculative_config=args.speculative_config,
         )
     load_s = time.perf_counter() - t0
     with llm:

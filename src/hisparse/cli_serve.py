@@ -17,6 +17,7 @@ from rich.console import Console
 
 from hisparse.cli_generate import PARALLEL_FLAGS, add_parallel_args, parallel_kwargs
 from hisparse.engine.sampling_params import MAX_N
+from hisparse.engine.speculative import SPECULATIVE_HELP, SpeculativeConfig
 
 #: uvicorn's log levels (``hisparse.serve.server.LOG_LEVELS``: uvicorn is imported only
 #: when the server runs)
@@ -95,6 +96,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="reuse the cached pages of earlier requests' shared prefixes (default: on)",
     )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--speculative-config", default=None, help=SPECULATIVE_HELP)
     p.set_defaults(handler=run_serve, flags=FLAGS, builds_engine=True)
 
 
@@ -114,6 +116,7 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes {args.max_body_bytes}: must be >= 1")
+    args.speculative_config = SpeculativeConfig.of(args.speculative_config)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -144,6 +147,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 device=args.device,
                 **parallel_kwargs(args),
                 enable_prefix_caching=args.enable_prefix_caching,
+                speculative_config=args.speculative_config,
             )
     except BaseException:
         sock.close()

@@ -29,6 +29,11 @@ from hisparse.validation import _fail, check_choice, check_int
 SPECULATIVE_METHODS = ("ngram", "mtp")
 #: Most draft tokens a step may bring per request (the hot buffer holds (k + 1) * top_k rows).
 MAX_SPECULATIVE_TOKENS = 16
+#: The CLI's ``--speculative-config`` (generate, bench, serve).
+SPECULATIVE_HELP = (
+    'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+    "(fields: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)"
+)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Names follow vLLM's where one exists (``vllm:`` becomes ``hisparse:``): running and waiting
 requests, preemptions, prompt and generation tokens, time to first token and inter-token
 latency; and HiSparse's own: hot-buffer hits and misses, rows and bytes swapped in from the
-host pool, host and GPU pool blocks in use. The swap counters live on the device; the loop
+host pool, host and GPU pool blocks in use; speculative decoding's drafts verified and
+accepted (vLLM's ``spec_decode_*`` counters). The swap counters live on the device; the loop
 reads them at most every ``flush_every`` seconds or when a request finishes (one copy each).
 """
 
@@ -97,7 +98,19 @@ class ServerMetrics:
         self.gpu_total = Gauge(
             "hisparse:gpu_pool_blocks_total", "GPU pool blocks", label, registry=r
         )
+        #: speculative decoding (vLLM's names): steps that verified drafts, drafts, accepted
+        self.spec = {
+            "spec_steps": Counter("hisparse:spec_decode_num_drafts",
+                                  "Request steps that verified drafts", label, registry=r),
+            "spec_drafted": Counter("hisparse:spec_decode_num_draft_tokens",
+                                    "Draft tokens verified", label, registry=r),
+            "spec_accepted": Counter("hisparse:spec_decode_num_accepted_tokens",
+                                     "Draft tokens accepted", label, registry=r),
+        }  # fmt: skip
+        self._seen_spec: dict[int, tuple[int, int, int]] = {}
         self.model = model_name
+        for counter in self.spec.values():
+            self._l(counter)  # on /metrics at 0 from the start
         self.flush_every = flush_every
         self._last_flush = time.monotonic()
         self._seen_tokens: dict[int, int] = {}
@@ -141,6 +154,16 @@ class ServerMetrics:
         any_done = False
         for req in changed:
             key = id(req)
+            m = req.metrics
+            if m.spec_steps:
+                now_spec = (m.spec_steps, m.spec_drafted, m.spec_accepted)
+                before = self._seen_spec.get(key, (0, 0, 0))
+                for name, a, b in zip(self.spec, now_spec, before, strict=True):
+                    self._l(self.spec[name]).inc(a - b)
+                if req.finished:
+                    self._seen_spec.pop(key, None)
+                else:
+                    self._seen_spec[key] = now_spec
             seen = self._seen_tokens.get(key, 0)
             times = req.metrics.token_times
             new = len(req.output_token_ids) - seen
@@ -163,6 +186,7 @@ class ServerMetrics:
             # aborted requests never come back finished: forget them (and their ids)
             live = {id(r) for r in sched.running} | {id(r) for r in sched.waiting}
             self._seen_tokens = {k: v for k, v in self._seen_tokens.items() if k in live}
+            self._seen_spec = {k: v for k, v in self._seen_spec.items() if k in live}
         now = time.monotonic()
         if any_done or now - self._last_flush >= self.flush_every:
             self._last_flush = now

@@ -1,0 +1,114 @@
+"""Speculative decoding with n-gram drafts on the real SmolLM2 weights (CPU): greedy tokens
+equal those without speculation in both placements (HiSparse reading every older row through
+its hot buffer, which the verifying rows share), with drafts really accepted; and
+``hisparse serve`` with ``--speculative-config`` streams the same greedy text over HTTP
+(the `openai` client), its ``/metrics`` counting the drafts."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pydoc_data.topics import topics
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hisparse import HiSparseConfig, SamplingParams
+from hisparse.engine.llm import LLM
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+smollm2 = pytest.importorskip("hisparse.models.smollm2")
+try:
+    smollm2.smollm2_gguf_path()
+except FileNotFoundError as err:  # pragma: no cover - `make test` installs it
+    pytest.skip(str(err), allow_module_level=True)
+
+from hisparse.serve.server import make_server  # noqa: E402 (needs uvicorn)
+
+TOP_K = 96  # below the ~250-token prompt: selections are scored, rows swapped in
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+#: an input-grounded request: the answer copies the prompt, so prompt lookup finds drafts
+PROMPT = "Repeat this passage exactly:\n\n" + topics["for"][:700]
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+TIMEOUT = 120.0
+
+
+def _llm(placement: str, spec=None) -> LLM:
+    return LLM(
+        "smollm2",
+        kv_placement=placement,
+        hisparse=HiSparseConfig(top_k=TOP_K, host_pool_gib=0.25, offload="always"),
+        max_model_len=1024,
+        max_num_seqs=2,
+        gpu_memory_gib=0.25,
+        device="cpu",
+        speculative_config=spec,
+    )
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """The run without speculation: (prompt token ids, output)."""
+    with _llm("hisparse") as llm:
+        ids = llm.chat_token_ids([{"role": "user", "content": PROMPT}])
+        assert len(ids) > 2 * TOP_K
+        (out,) = llm.generate(prompt_token_ids=[ids], sampling_params=GREEDY)
+    assert out.ok
+    return ids, out
+
+
+def test_ngram_gives_the_plain_tokens_in_both_placements(plain):
+    ids, want = plain
+    for placement in ("gpu", "hisparse"):
+        with _llm(placement, SPEC) as llm:
+            (out,) = llm.generate(prompt_token_ids=[ids], sampling_params=GREEDY)
+            kv = llm.kv
+            assert kv.gpu_blocks.num_free == kv.gpu_blocks.num_usable
+        assert out.token_ids == want.token_ids, placement
+        m = out.metrics
+        assert m.spec_accepted > 0 and m.decode_steps < want.metrics.decode_steps
+        assert m.mean_accepted_length > 1 and 0 < m.acceptance_rate <= 1
+        if placement == "hisparse":
+            assert m.misses > 0  # rows really came through the hot buffer
+
+
+def test_serve_with_speculation_streams_the_plain_text(plain):
+    _, want = plain
+    llm = _llm("hisparse", SPEC)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv, state = make_server(llm, model_name="smollm2", host="127.0.0.1", port=port)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not srv.started:
+            assert time.monotonic() < deadline, "the server did not start within 60 s"
+            time.sleep(0.05)
+        base = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=TIMEOUT,
+                               max_retries=0)  # fmt: skip
+        stream = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=GREEDY.max_tokens, temperature=0, stream=True,
+        )  # fmt: skip
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == want.text and text
+        metrics = httpx.get(f"{base}/metrics", timeout=TIMEOUT).text
+        seen = {
+            s.name: s.value for fam in text_string_to_metric_families(metrics) for s in fam.samples
+        }
+        assert seen["hisparse:spec_decode_num_accepted_tokens_total"] > 0
+        assert (
+            seen["hisparse:spec_decode_num_draft_tokens_total"]
+            >= seen["hisparse:spec_decode_num_accepted_tokens_total"]
+        )
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+        state.engine.shutdown()
+        llm.close()
