@@ -2,18 +2,19 @@
 
     PYTHONPATH=src python benchmarks/bench_speculative.py [--rounds 3] [--out FILE]
 
-Two engines in one process, both the default configuration (HiSparse placement, the default
-top_k and offload policy, greedy, batch 1: the CPU batch-1 fast path serves every step that
-has no drafts): one without speculation, one with ``SPEC`` below. Two fixed tasks, each one
-request: an input-grounded one (repeat a ~1K-token passage of the Python reference with one
-word changed: the output copies the prompt, so prompt lookup finds most drafts) and an
-open-ended chat question (few repeats: speculation must not cost much where it misses).
-``--rounds`` rounds alternate the two engines on each task (load from other jobs hits both
-sides alike); reported per task and engine: the median decode tok/s (tokens after the first
-over the time since it), the median ratio of the rounds (speculative / none), the acceptance
-rate (drafts accepted of those verified), the mean accepted length (tokens per verifying
-step) and whether the greedy tokens agree (they must, unless at a near-tie of the logits:
-the verifying step rounds differently from the one-row fast path). JSON to ``--out``.
+Two engines, one at a time in one process, both the default configuration (HiSparse
+placement, the default top_k and offload policy, greedy, batch 1: the CPU batch-1 fast path
+serves every step that has no drafts): one without speculation, one with ``SPEC`` below. Two
+fixed tasks, each one request: an input-grounded one (repeat a ~1K-token passage of the
+Python reference with one word changed: the output copies the prompt, so prompt lookup finds
+most drafts) and an open-ended chat question (few repeats: speculation must not cost much
+where it misses). ``--rounds`` rounds alternate the two engines (each built afresh and
+warmed up; load from other jobs hits both sides alike); reported per task and engine: the
+median decode tok/s (tokens after the first over the time since it), the median ratio of
+the rounds (speculative / none), the acceptance rate (drafts accepted of those verified),
+the mean accepted length (tokens per verifying step) and whether the greedy tokens agree
+(they must, unless at a near-tie of the logits: the verifying step rounds differently from
+the one-row fast path). JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -79,22 +80,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    engines = {"none": LLM("smollm2", max_num_seqs=1), "ngram": LLM("smollm2", max_num_seqs=1,
-               speculative_config=SPEC)}  # fmt: skip
-    prompts = tasks(engines["none"])
-    for llm in engines.values():  # warm-up: compiled kernels, first-call costs
-        for ids in prompts.values():
-            llm.generate(prompt_token_ids=[ids[:200]], sampling_params=SamplingParams(
-                temperature=0, max_tokens=8))  # fmt: skip
+    configs = {"none": None, "ngram": SPEC}
     results: dict[str, dict[str, list[dict[str, object]]]] = {}
-    for task, ids in prompts.items():
-        results[task] = {name: [] for name in engines}
-        for r in range(args.rounds):
-            for name, llm in engines.items():
-                res = run_once(llm, ids)
-                results[task][name].append(res)
-                print(f"{task} round {r} {name}: {res['decode_tok_s']:.2f} tok/s, "
-                      f"accepted {res['accepted']}/{res['drafted']}", flush=True)  # fmt: skip
+    prompts: dict[str, list[int]] = {}
+    for r in range(args.rounds):
+        # one engine at a time (one host pool per process), built afresh each round
+        for name, spec in configs.items():
+            with LLM("smollm2", max_num_seqs=1, speculative_config=spec) as llm:
+                prompts = prompts or tasks(llm)
+                for ids in prompts.values():  # warm-up: compiled kernels, first-call costs
+                    llm.generate(prompt_token_ids=[ids[:200]], sampling_params=SamplingParams(
+                        temperature=0, max_tokens=8))  # fmt: skip
+                for task, ids in prompts.items():
+                    res = run_once(llm, ids)
+                    results.setdefault(task, {n: [] for n in configs})[name].append(res)
+                    print(f"round {r} {task} {name}: {res['decode_tok_s']:.2f} tok/s, "
+                          f"accepted {res['accepted']}/{res['drafted']}", flush=True)  # fmt: skip
     summary = {}
     for task, runs in results.items():
         none, spec = runs["none"], runs["ngram"]
@@ -128,8 +129,6 @@ def main() -> None:
     if args.out is not None:
         args.out.write_text(json.dumps(dict(spec=SPEC, max_tokens=MAX_TOKENS,
                                             summary=summary, runs=results), indent=1))  # fmt: skip
-    for llm in engines.values():
-        llm.close()
 
 
 if __name__ == "__main__":
