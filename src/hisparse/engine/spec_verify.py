@@ -42,6 +42,9 @@ class _DraftRow:
     def __init__(self, req: Request, taken: Sequence[int]) -> None:
         self.req = req
         self.params, self.generator = req.params, req.generator
+        # a structured output drafts nothing (`Scheduler._drafts`): its one row is depth 0,
+        # where the grammar's state is the request's own
+        self.grammar = req.grammar if not taken else None
         self.prompt_token_ids = req.prompt_token_ids
         self.output_token_ids = (
             req.output_token_ids + list(taken) if taken else req.output_token_ids
@@ -58,7 +61,8 @@ class _DraftRow:
 
 def _plain_greedy(req: Request) -> bool:
     p = req.params
-    return p.greedy and not p.penalized and not p.min_tokens and p.logprobs is None
+    plain = p.greedy and not p.penalized and not p.min_tokens and p.logprobs is None
+    return plain and req.grammar is None
 
 
 def verify(
