@@ -67,7 +67,10 @@ def test_checkpoint_has_release_names(ckpt):
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     assert {"embed.weight", "head.weight", "norm.weight", "hc_head_fn"} <= names
-    assert "layers.1.attn.indexer.compressor.ape" in names
+    assert (
+        "layers.1.attn.indexer.compressor.ape" in names and "layers.1.attn.kv_norm.weight" in names
+    )
+    assert "layers.1.attn.compressor.norm.weight" in names
     assert "layers.0.ffn.gate.tid2eid" in names and "layers.2.ffn.gate.bias" in names
     assert not any(n.startswith("model.") for n in names)
 

@@ -182,7 +182,7 @@ class Attention(nn.Module):
         self.q_norm = V4RMSNorm(config.q_lora_rank, config.rms_norm_eps)
         self.wq_b = nn.Linear(config.q_lora_rank, heads * d, bias=False)
         self.wkv = nn.Linear(h, d, bias=False)
-        self.norm = V4RMSNorm(d, config.rms_norm_eps)
+        self.kv_norm = V4RMSNorm(d, config.rms_norm_eps)
         self.wo_a = nn.Linear(
             heads * d // self.groups, self.groups * config.o_lora_rank, bias=False
         )
@@ -239,7 +239,7 @@ class Attention(nn.Module):
             self.wq_b(q_resid).view(n, self.n_heads, self.head_dim), cfg.rms_norm_eps
         )
         q = rope_tail(q, cos, sin)
-        kv = rope_tail(self.norm(self.wkv(x)), cos, sin)
+        kv = rope_tail(self.kv_norm(self.wkv(x)), cos, sin)
         cache.write(self.layer, "window", req, pos, kv)
         arange_w = torch.arange(cfg.sliding_window, device=x.device)
         win = pos[:, None] - cfg.sliding_window + 1 + arange_w

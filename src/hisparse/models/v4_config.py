@@ -103,10 +103,6 @@ class V4Config:
         kind = self.layer_types[layer]
         return 0 if kind == SLIDING else int(self.compress_rates[kind])
 
-    @property
-    def index_row_dim(self) -> int:
-        return self.index_head_dim
-
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> V4Config:
         """Parse a config.json dict (``model_type`` ``deepseek_v4``)."""

@@ -2,7 +2,8 @@
 
 The release names its tensors ``embed.weight``, ``layers.{i}.attn.wq_a.weight``, ``hc_head_fn``
 ...; transformers' ``save_pretrained`` writes the same names under a ``model.`` prefix, with
-``model.embed_tokens`` and ``model.hc_head.hc_fn``: both load. Weights the release quantizes
+``model.embed_tokens``, ``model.hc_head.hc_fn`` and ``attn.norm`` for ``attn.kv_norm``: both
+load. Weights the release quantizes
 (fp8 with UE8M0 scales, 4-bit experts: `v4_quant`) stay quantized (`load_v4_model`).
 """
 
@@ -23,6 +24,7 @@ from hisparse.models.v4_config import V4Config
 _ALIASES = (
     (re.compile(r"^embed_tokens\.weight$"), "embed.weight"),
     (re.compile(r"^hc_head\.hc_(fn|base|scale)$"), r"hc_head_\1"),
+    (re.compile(r"\.attn\.norm\.weight$"), ".attn.kv_norm.weight"),
 )
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
