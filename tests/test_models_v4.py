@@ -154,6 +154,17 @@ def test_release_config_reads_as_transformers_does():
     assert cfg.rope_compress.rope_type == "yarn" and cfg.rope_main.rope_type == "default"
 
 
+def test_sync_free_moe_equals_the_routed_loop(model):
+    """The MoE form a captured decode step runs (every expert, chosen terms kept) gives the
+    per-expert loop's values, hash-routed and score-routed layers alike."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, model.config.hidden_size, generator=g)
+    ids = torch.randint(2, 512, (6,), generator=g)
+    for layer in (0, 3):  # hash_moe, moe
+        moe = model.layers[layer].ffn
+        torch.testing.assert_close(moe(x, ids, sync_free=True), moe(x, ids), rtol=1e-6, atol=1e-6)
+
+
 def test_indexer_choice_matters(model, prompts, want):
     """With every entry selectable the logits move: the test above checks a real top-k."""
     indexers = [b.attn.indexer for b in model.layers if b.attn.indexer is not None]

@@ -323,6 +323,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             "compress": self.rotary_compress(step.positions, x.dtype),
         }
         where = StepIndex.of(step)
+        # Every expert on every row only where a host read cannot happen (a CUDA graph being
+        # captured): with V4's 256 experts (4-bit ones dequantized per call) the eager forms,
+        # the fixed-shape step run eagerly included, read the chosen experts back instead.
+        sync_free = step.static and x.is_cuda and torch.cuda.is_current_stream_capturing()
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         for block in self.layers:
             assert isinstance(block, Block)
@@ -332,7 +336,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             )
             streams = hc_merge(streams, out, post, comb)
             post, comb, collapsed = block.hc("ffn", streams, cfg)
-            mlp = block.ffn(block.ffn_norm(collapsed), input_ids, sync_free=step.static)
+            mlp = block.ffn(block.ffn_norm(collapsed), input_ids, sync_free=sync_free)
             streams = hc_merge(streams, mlp, post, comb)
         collapsed = hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg)
         return self.norm(collapsed)
