@@ -263,3 +263,21 @@ def test_online_abort_reaches_the_rank_that_runs_the_request(v32):
         llm.step()
         assert a.output_token_ids == ref.token_ids and a.finish_reason == "length"
         assert llm._core.free_blocks == free  # rank 1 freed b's blocks
+
+
+def test_bench_hooks_synthetic_prefill(v32):
+    """`hisparse bench`'s hooks (replayed top-k, synthetic prefill): a synthetic prefill runs
+    no forward on any rank, so no rank waits in the MoE's collectives for it."""
+    from hisparse.bench.hooks import BenchHooks
+
+    hooks = BenchHooks(topk_overlap=0.8, synthetic_prefill=True, seed=0)
+    prompts = _prompts((40, 23, 70))
+    with _engine(v32, 2, step_hooks=hooks) as llm:
+        reqs = [*llm.add_request(prompts[0], GREEDY), *llm.add_request(prompts[1], GREEDY)]
+        for _ in range(3):
+            llm.step()  # both ranks decode
+        reqs += llm.add_request(prompts[2], GREEDY)  # one rank prefills, the other only decodes
+        while llm.has_unfinished_requests():
+            llm.step()
+        assert sorted(llm._core.assigned) == [1, 2]
+    assert all(r.finish_reason == "length" and len(r.output_token_ids) == 24 for r in reqs)

@@ -215,14 +215,18 @@ class DataParallelCore(EngineCore):
         out = sched.schedule()
         self.runner.prepare(out)
         parts = {p.decode: p for p in out.parts}
-        rows = self._agree([sum(n for _, n in parts[d].batch) if d in parts else 0
-                            for d in (True, False)])  # fmt: skip
+        # a synthetic prefill (benchmarks) runs no forward, on any rank: nothing to agree on
+        hooks = self.runner.hooks
+        synthetic = hooks is not None and hooks.synthetic_prefill
+        rows = self._agree([sum(n for _, n in parts[d].batch) if d in parts and not
+                            (synthetic and not d) else 0 for d in (True, False)])  # fmt: skip
         reports: list[StepReport] = []
         for decode, n in zip((True, False), rows, strict=True):
-            if not n:
-                continue
             part = parts.get(decode)
-            with self.ep.forward_rows(n) if self.ep is not None else contextlib.nullcontext():
+            if not n and part is None:
+                continue
+            agreed = self.ep is not None and n > 0
+            with self.ep.forward_rows(n) if agreed else contextlib.nullcontext():
                 if part is None:
                     if self.ep is not None:
                         self.ep.idle_forward()
