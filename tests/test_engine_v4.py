@@ -122,6 +122,22 @@ def test_tensor_parallel_2_equals_transformers(ckpt, monkeypatch):
     assert [o.outputs[0].token_ids for o in outs] == _reference_tokens(ckpt, prompts)
 
 
+def test_what_a_rank_reads():
+    """Each rank reads its part of the split tensors only; the indexer, compressors, KV head
+    and router are read whole (`shard_v4.split_dim`)."""
+    from hisparse.parallel.shard_v4 import split_dim
+
+    split = {"layers.0.attn.wq_b.weight": 0, "layers.0.attn.attn_sink": 0,
+             "layers.0.attn.wo_a.weight": 0, "layers.0.attn.wo_b.weight": 1,
+             "layers.0.ffn.experts.7.w1.weight": 0, "layers.0.ffn.experts.7.w2.weight": 1,
+             "layers.0.ffn.shared_experts.w3.weight": 0}  # fmt: skip
+    whole = ["layers.1.attn.indexer.wq_b.weight", "layers.1.attn.wkv.weight",
+             "layers.1.attn.compressor.wkv.weight", "layers.1.ffn.gate.weight",
+             "layers.1.attn.wq_a.weight", "embed.weight", "head.weight"]  # fmt: skip
+    assert {k: split_dim(k) for k in split} == split
+    assert [split_dim(k) for k in whole] == [None] * len(whole)
+
+
 def test_generate_cli(ckpt, capsys):
     from hisparse.cli import main
 

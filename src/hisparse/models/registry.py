@@ -185,7 +185,12 @@ V4_KV_FORMATS = ("auto", "bf16", "fp32")
 
 
 def _load_v4(
-    path: Path, hs: HiSparseConfig, dtype: torch.dtype, device: torch.device, kv_format: str
+    path: Path,
+    hs: HiSparseConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_format: str,
+    tp: Any = None,
 ) -> LoadedModel:
     """A DeepSeek-V4 checkpoint for the engine: its rows in the model dtype (`v4_cache`)."""
     from hisparse.models.tokenizer import load_chat_template
@@ -199,7 +204,7 @@ def _load_v4(
             field="LLM.kv_format",
             value=kv_format,
         )
-    model = load_v4_model(path, dtype=dtype, device=device)
+    model = load_v4_model(path, dtype=dtype, device=device, tp=tp)
     mcfg = model.config
     config = hs.resolve(model_top_k=mcfg.index_topk)
     if config.top_k != mcfg.index_topk:
@@ -234,15 +239,8 @@ def load_model(
             loaded.model.prepare_fused()
         loaded.row_format = shard_gqa_row_format(loaded.row_format, tp.world_size)
         return loaded
-    if is_v4(path):
-        if tp is None:
-            return _load_v4(path, hs, dtype, device, kv_format)
-        from hisparse.parallel.shard_v4 import shard_v4
-
-        # loaded whole on the CPU, this rank's shard kept, then moved (`shard_v4`)
-        loaded = _load_v4(path, hs, dtype, torch.device("cpu"), kv_format)
-        loaded.model = shard_v4(loaded.model, tp).to(device)
-        return loaded
+    if is_v4(path):  # under tensor parallelism each rank reads its slices (`shard_v4`)
+        return _load_v4(path, hs, dtype, device, kv_format, tp)
     if is_gguf(path):
         # A GQA model (SmolLM2 by default): training-free indexer, K+V rows.
         from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,6 +58,17 @@ def _keeps_fp8(key: str, ckpt: CheckpointIndex, names: dict[str, str]) -> bool:
     )
 
 
+def _rank_slice(key: str, param: torch.Tensor, tp: Any) -> tuple[slice, ...]:
+    """The index of this rank's part of checkpoint tensor ``key`` (``()``: all of it)."""
+    from hisparse.parallel.shard_v4 import split_dim
+
+    dim = None if tp is None else split_dim(key)
+    if dim is None:
+        return ()
+    n = param.shape[dim]
+    return (slice(None),) * dim + (slice(tp.rank * n, (tp.rank + 1) * n),)
+
+
 def _is_fp4(ckpt: CheckpointIndex, name: str) -> bool:
     """Whether checkpoint tensor ``name`` holds packed e2m1 pairs (int8, the release's 4-bit
     experts): they stay 4-bit as `Fp4Linear` layers."""
@@ -74,12 +86,17 @@ def _pow2_activations(path: Path, ckpt: CheckpointIndex, scale_names: list[str])
 
 
 def load_v4_model(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    tp: Any = None,
 ) -> DeepseekV4ForCausalLM:
     """The model of checkpoint folder ``path`` in ``dtype`` (fp32 parameters stay fp32).
     fp8 weights stay e4m3 as `Fp8Linear` layers (W8A8 GEMMs, their UE8M0 scales as fp32
     factors: exact), 4-bit experts stay packed as `Fp4Linear` layers (dequantized per call);
-    ``wo_a`` is dequantized to ``dtype``."""
+    ``wo_a`` is dequantized to ``dtype``. ``tp`` (a `hisparse.parallel.TPGroup`): this rank's
+    shard (`parallel.shard_v4`), read slice by slice from the checkpoint."""
     from hisparse.models.fp8_linear import Fp8Linear
     from hisparse.models.v4_quant import Fp4Linear, dequantize_tensor, ue8m0_to_float
 
@@ -103,6 +120,10 @@ def load_v4_model(
         if isinstance(linear, nn.Linear):
             swap = Fp8Linear.like(linear, pow2) if key in keep else Fp4Linear.like(linear)
             model.set_submodule(module, swap)
+    if tp is not None:
+        from hisparse.parallel.shard_v4 import shard_v4
+
+        shard_v4(model, tp)  # the meta shapes this rank keeps
     state = model.state_dict(keep_vars=True)
     missing = [
         k for k in state
@@ -126,7 +147,7 @@ def load_v4_model(
                 else:  # an Fp8Linear's tile factors
                     t, want = ue8m0_to_float(t), torch.float32
             else:
-                t = reader.read(names[key])
+                t = reader.read(names[key], _rank_slice(key, param, tp))
                 if key in keep | keep4:
                     want = t.dtype
                 elif key in scales:

@@ -10,11 +10,13 @@ their output groups, and its slice of every expert.
 * **Hyper-connections, norms, embedding and head** are whole; ranks other than 0 skip the
   head (rank 0 samples).
 
-The model loads whole on the CPU, is sharded here, then moves to the rank's device.
+The loader shards the meta skeleton here (`shard_v4`), then reads each rank's slices of the
+split tensors straight from the checkpoint (`split_dim`): no rank holds the whole model.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from torch import nn
@@ -28,6 +30,24 @@ from hisparse.parallel.shard import (
 )
 from hisparse.validation import HiSparseConfigError
 
+#: the tensors `shard_v4` splits, and along which dim (the rest is whole on every rank)
+_SPLITS = (
+    (re.compile(r"(^|\.)attn\.(wq_b|wo_a)\.weight$"), 0),
+    (re.compile(r"(^|\.)attn\.attn_sink$"), 0),
+    (re.compile(r"(^|\.)attn\.wo_b\.weight$"), 1),
+    (re.compile(r"(^|\.)(experts\.\d+|shared_experts)\.(w1|w3)\.weight$"), 0),
+    (re.compile(r"(^|\.)(experts\.\d+|shared_experts)\.w2\.weight$"), 1),
+)
+
+
+def split_dim(name: str) -> int | None:
+    """The dim along which rank ``r`` of ``w`` keeps the ``r``-th of ``w`` equal parts of
+    parameter ``name`` (`shard_v4`); None: whole."""
+    for pattern, dim in _SPLITS:
+        if pattern.search(name):
+            return dim
+    return None
+
 
 def v4_dims(config: Any) -> dict[str, int]:
     """The widths `shard_v4` splits (`check_tensor_parallel_size`)."""
@@ -39,7 +59,9 @@ def v4_dims(config: Any) -> dict[str, int]:
 
 
 def shard_v4(model: nn.Module, tp: Any) -> nn.Module:
-    """`DeepseekV4ForCausalLM` (on the CPU, loaded whole) -> this rank's shard, in place."""
+    """`DeepseekV4ForCausalLM` (the loader's meta skeleton, or a loaded model) -> this rank's
+    shard, in place: its parameters narrowed as `split_dim` says, all-reduce hooks on the
+    row-parallel outputs."""
     from hisparse.models.deepseek_v4 import Block
 
     rank, world = tp.rank, tp.world_size
