@@ -76,10 +76,6 @@ def expert_parallel(model: Any, group: Any) -> Any:
     return ep
 
 
-#: page hashes the front remembers per rank for prefix-aware routing (oldest forgotten first)
-PAGES_REMEMBERED = 1 << 20
-
-
 def pick_rank(unfinished: list[int], free_blocks: list[int]) -> int:
     """The routing rule: the rank with the fewest unfinished requests, then the most free GPU
     KV blocks, then the lowest rank (`hisparse simulate --data-parallel-size` uses it too)."""
@@ -104,8 +100,11 @@ class DataParallelCore(EngineCore):
         #: per-rank figure: tests)
         self.assigned = [0] * n
         self.peak_running = [0] * n
-        #: driver: per rank, the page hashes of the prompts sent to it (most recent last)
+        #: driver: per rank, the page hashes of the prompts sent to it (most recent last), as
+        #: many as a rank's cache can hold (its pool's blocks; the oldest forgotten first)
         self.pages: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(n)]
+        lay = scheduler.kv.layout
+        self.pages_kept = max(lay.host_num_blocks, lay.gpu_num_blocks)
         #: worker: per request, how many tokens and text characters the driver has
         self._sent: dict[str, tuple[int, int]] = {}
 
@@ -134,7 +133,7 @@ class DataParallelCore(EngineCore):
             for h in hashes:  # the pages this rank will cache
                 self.pages[rank][h] = None
                 self.pages[rank].move_to_end(h)
-            while len(self.pages[rank]) > PAGES_REMEMBERED:
+            while len(self.pages[rank]) > self.pages_kept:
                 self.pages[rank].popitem(last=False)
             load[rank] += 1
             self.assigned[rank] += 1
@@ -306,6 +305,7 @@ class DataParallelCore(EngineCore):
         req.cumulative_logprob = cum
         req.text = req.text[:nchar] + text
         req.status, req.finish_reason, req.error = Status(status), reason, error
+        metrics.arrival = req.metrics.arrival  # the caller's (the server sets it after adding)
         req.stop_reason, req.num_computed, req.metrics = stop, computed, metrics
         if req.finished:
             del self.remote[rid]
