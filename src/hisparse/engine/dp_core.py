@@ -3,7 +3,8 @@ manager, HiSparse runtime and host pool over its own requests, the MoE's experts
 them (`hisparse.parallel.expert`).
 
 Rank 0 (the user's `LLM`) is the front: it assigns each new request to a rank
-(`DataParallelCore.route`: fewest unfinished requests, then most free GPU KV blocks, then the
+(`DataParallelCore.route`: with prefix caching the rank it sent the longest run of the
+prompt's first pages, else fewest unfinished requests, then most free GPU KV blocks, then the
 lowest rank), keeps a mirror `Request` of every request another rank runs, and merges what
 each step changed into them, so `generate`, `step` and the server read every rank's requests
 as their own. Every step runs on every rank in lockstep: the ranks schedule on their own, then
