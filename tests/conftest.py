@@ -140,12 +140,13 @@ def forbid_reference(monkeypatch):
 # --- pytest-xdist (`make test` runs two workers, --dist loadgroup) ---------------------------
 #: Modules whose module-scoped fixtures or module caches build engines, servers or models
 #: (seconds each): under --dist loadgroup their tests stay on one worker, which builds them
-#: once. Tests of the other modules are dealt out one at a time. The tensor-parallel modules
-#: also stay together: each of their tests spawns its ranks, and one such test at a time is
-#: enough for a 2-core machine.
+#: once. Tests of the other modules are dealt out one at a time. The tensor- and
+#: data-parallel modules also stay together: each of their tests spawns its ranks, and one
+#: such test at a time is enough for a 2-core machine.
 ONE_WORKER_MODULES = frozenset(
     {
         "test_api_outputs",
+        "test_data_parallel",
         "test_engine_smollm2",
         "test_fp8_model",
         "test_fp8_tensor_parallel",
@@ -153,6 +154,7 @@ ONE_WORKER_MODULES = frozenset(
         "test_llama_smollm2",
         "test_models_dsa",
         "test_output_processor",
+        "test_plan_data_parallel",
         "test_scheduler_property",
         "test_serve",
         "test_serve_faults",
