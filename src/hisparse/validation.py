@@ -270,6 +270,16 @@ def is_token_list(value: Any) -> bool:
     )
 
 
+def check_max_model_len(max_model_len: int | None, model_max_len: int) -> None:
+    """``LLM.max_model_len`` within the model's context limit (``max_position_embeddings``)."""
+    if max_model_len is not None and max_model_len > model_max_len:
+        _fail(
+            "LLM.max_model_len", max_model_len,
+            f"at most the model's context limit of {model_max_len} tokens "
+            "(max_position_embeddings)",
+        )  # fmt: skip
+
+
 def check_conversations(messages: Any) -> tuple[list[list[dict[str, Any]]], bool]:
     """``messages`` of `LLM.chat`: one conversation (a list of ``{"role", "content"}``
     dicts) or a list of them. Returns the conversations and whether a single one was given;

@@ -77,7 +77,7 @@ from hisparse.models.registry import (
     resolve_model,
 )
 from hisparse.parallel.group import TPGroup
-from hisparse.parallel.shard import check_tensor_parallel_size
+from hisparse.parallel.shard import check_before_ranks, check_tensor_parallel_size
 from hisparse.validation import (
     _fail,
     check_bool,
@@ -85,6 +85,7 @@ from hisparse.validation import (
     check_conversations,
     check_dtype,
     check_int,
+    check_max_model_len,
 )
 
 PLACEMENTS = ("hisparse", "gpu")
@@ -244,6 +245,8 @@ class LLM:
                                     enable_expert_parallel, gguf, cuda_graphs)  # fmt: skip
         if tensor_parallel_size > 1:
             check_tensor_parallel_size(path, gguf, tensor_parallel_size)
+        if max(tensor_parallel_size, data_parallel_size) > 1:  # a rank's checks, here first
+            check_before_ranks(path, gguf, hisparse or HiSparseConfig(), indexer, max_model_len)
         try:
             tp = None
             if max(tensor_parallel_size, data_parallel_size) > 1:
@@ -264,12 +267,7 @@ class LLM:
             self.tokenizer, self.chat_template = loaded.tokenizer, loaded.chat_template
             self.eos_token_ids, self.grammars = loaded.eos_token_ids, loaded.grammars
             row_format, model_max_len = loaded.row_format, loaded.max_len
-            if max_model_len is not None and max_model_len > model_max_len:
-                _fail(
-                    f + "max_model_len", max_model_len,
-                    f"at most the model's context limit of {model_max_len} tokens "
-                    "(max_position_embeddings)",
-                )  # fmt: skip
+            check_max_model_len(max_model_len, model_max_len)
             self.max_model_len = max_model_len or model_max_len
             if gpu_memory_gib is None:
                 gpu_memory_gib = default_kv_gib(self.device)

@@ -90,6 +90,35 @@ def check_tensor_parallel_size(path: Path, gguf: bool, tp: int) -> None:
             )
 
 
+def check_before_ranks(
+    path: Path, gguf: bool, hs: Any, indexer: str, max_model_len: int | None
+) -> None:
+    """The checks one rank makes while it loads the model, made from the checkpoint's config
+    alone (no weights), so that a parallel engine raises them on the driver before any rank
+    starts, with the error type and text of one rank: the HiSparse settings resolved against
+    the model (`HiSparseConfig.resolve`), a GQA indexer's ``top_k`` against its sink and
+    window, ``max_model_len`` against the model's context limit."""
+    from hisparse.models.registry import DEFAULT_GQA_TOP_K, indexer_method, is_v4
+    from hisparse.validation import check_max_model_len
+
+    if gguf:
+        from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig
+
+        config = hs.resolve(model_top_k=DEFAULT_GQA_TOP_K)
+        GqaIndexerConfig(top_k=config.top_k, method=indexer_method(indexer))
+        meta = read_gguf_scalars(path, ("llama.context_length",))
+        if "llama.context_length" in meta:
+            check_max_model_len(max_model_len, int(meta["llama.context_length"]))
+        return
+    if is_v4(path):
+        return  # its loader resolves its own settings (`_load_v4`)
+    from hisparse.models.dsa_config import DsaConfig
+
+    cfg = DsaConfig.from_pretrained(path)
+    hs.resolve(model_top_k=cfg.index_topk)
+    check_max_model_len(max_model_len, cfg.max_position_embeddings)
+
+
 def read_gguf_scalars(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
     """Scalar metadata ``keys`` of a GGUF file, read from its header without parsing the rest
     (`gguf.GGUFReader` builds every field: seconds for SmolLM2's vocabulary)."""
