@@ -105,7 +105,8 @@ def run_make_tiny(args: argparse.Namespace) -> int:
     _check_out_dir(out, args.force)
     dtype = DTYPES[args.dtype] if args.dtype is not None else None
     try:
-        make_tiny(args.arch, out, args.preset, args.seed, dtype=dtype, fp8=args.fp8, **overrides)
+        make_tiny(args.arch, out, args.preset, args.seed, dtype=dtype, fp8=args.fp8,
+                  tokenizer=True, **overrides)  # fmt: skip
     except RuntimeError as err:  # transformers missing or too old: say how to fix it
         print(f"hisparse make-tiny: error: {err}", file=sys.stderr)
         return EXIT_FAILURE

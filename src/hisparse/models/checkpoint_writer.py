@@ -204,15 +204,18 @@ def write_checkpoint(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    write_byte_tokenizer(out, config.vocab_size)
+    from hisparse.models.deepseek_chat import SPECIAL_TOKENS
+
+    write_byte_tokenizer(out, config.vocab_size, SPECIAL_TOKENS if arch == "deepseek_v32" else ())
     return out
 
 
-def write_byte_tokenizer(out: Path, vocab_size: int) -> bool:
-    """A byte-level tokenizer.json (``<s>`` 0, ``</s>`` 1, the 256 bytes from 2) so that
-    ``hisparse generate`` can encode text for a random checkpoint; False where the vocabulary
-    is too small or ``tokenizers`` is missing."""
-    if vocab_size < 258:
+def write_byte_tokenizer(out: Path, vocab_size: int, special: tuple[str, ...] = ()) -> bool:
+    """A byte-level tokenizer.json (``<s>`` 0, ``</s>`` 1, the 256 bytes from 2, then the
+    ``special`` tokens of the family's chat format from 258) so that ``hisparse generate`` and
+    ``chat`` can encode text for a random checkpoint; False where the vocabulary is too small
+    or ``tokenizers`` is missing."""
+    if vocab_size < 258 + len(special):
         return False
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -223,6 +226,6 @@ def write_byte_tokenizer(out: Path, vocab_size: int) -> bool:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>"])
+    tok.add_special_tokens(["<s>", "</s>", *special])
     tok.save(str(out / "tokenizer.json"))
     return True

@@ -266,7 +266,6 @@ def load_model(
             model.config.row_format(kv_dtype), model.config.max_position_embeddings,
         )  # fmt: skip
     from hisparse.models.loader import load_dsa_model
-    from hisparse.models.tokenizer import load_chat_template
 
     rank, world = (tp.rank, tp.world_size) if tp is not None else (0, 1)
     model = load_dsa_model(
@@ -287,9 +286,22 @@ def load_model(
         # The sparse-attention budget applies to both placements alike.
         set_index_topk(model, config.top_k)
     return LoadedModel(
-        model, config, load_tokenizer(path), load_chat_template(path), eos_ids(path, mcfg),
+        model, config, load_tokenizer(path), chat_template_of(path, mcfg), eos_ids(path, mcfg),
         dsa_row_format(mcfg, kv_format, dtype, device), mcfg.max_position_embeddings,
     )  # fmt: skip
+
+
+def chat_template_of(path: Path, mcfg: Any) -> Any:
+    """The checkpoint's chat template (`load_chat_template`); without one, DeepSeek-V3.2's
+    built-in encoder (its release ships none: `deepseek_chat.DeepSeekV32Encoder`)."""
+    from hisparse.models.tokenizer import load_chat_template
+
+    template = load_chat_template(path)
+    if template is None and getattr(mcfg, "arch", None) == "deepseek_v32":
+        from hisparse.models.deepseek_chat import DeepSeekV32Encoder
+
+        return DeepSeekV32Encoder()
+    return template
 
 
 _ROW_FORMAT_ENUM = {"fp8_ds_mla": RowFormat.FP8_DS_MLA, "bf16": RowFormat.BF16_MLA}

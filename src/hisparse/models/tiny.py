@@ -175,7 +175,9 @@ def make_tiny(
             this way (``fp8`` off: bf16 weights).
         mtp: write the multi-token-prediction layer (default: with ``fp8``).
         tokenizer: also write a byte-level ``tokenizer.json`` (`write_byte_tokenizer`; the
-            ``fp8`` path always does), so that text prompts, chat and structured outputs run.
+            ``fp8`` path always does) holding DeepSeek-V3.2's chat tokens for that arch (its
+            prompts come from the built-in encoder), so text prompts, chat, structured outputs
+            and tools run; ``hisparse make-tiny`` writes it.
         overrides: any other config field (e.g. ``num_hidden_layers=6``).
 
     Returns the folder. Needs ``transformers`` (a test dependency of hisparse) unless it goes
@@ -231,8 +233,10 @@ def make_tiny(
     model.save_pretrained(out)
     if tokenizer:
         from hisparse.models.checkpoint_writer import write_byte_tokenizer
+        from hisparse.models.deepseek_chat import SPECIAL_TOKENS
 
-        write_byte_tokenizer(out, config.vocab_size)
+        special = SPECIAL_TOKENS if arch == "deepseek_v32" else ()
+        write_byte_tokenizer(out, config.vocab_size, special)
     return out
 
 
