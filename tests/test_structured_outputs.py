@@ -82,7 +82,7 @@ def llm(tiny_checkpoint):
     engine = LLM(
         path,
         hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4),
-        max_model_len=512,
+        max_model_len=2048,
         max_num_seqs=4,
         gpu_memory_gib=0.02,
         device="cpu",
@@ -207,3 +207,46 @@ def test_bounded_strings_refuse_raw_control_characters(llm):
     ok, bad = llm.grammars.matcher(spec), llm.grammars.matcher(spec)
     assert ok.accept_string('{"a": "xy"}') and ok.is_completed()
     assert not bad.accept_string('{"a": "\x10')
+
+
+def test_tiny_deepseek_chat_tools_and_thinking(client, llm):
+    """The tiny DeepSeek-V3.2 checkpoint chats through its built-in encoder: a named tool's
+    arguments validate (compact JSON, short strings), and in thinking mode the answer before
+    ``</think>`` is ``reasoning_content`` (a random model never closes it in 6 tokens)."""
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"kind": {"enum": ["cat", "dog"]},
+                                         "n": {"type": "boolean"}},
+        "required": ["kind", "n"], "additionalProperties": False}}}  # fmt: skip
+    msgs = [{"role": "user", "content": "Pick one."}]
+    out = client.chat.completions.create(
+        model="tiny", messages=msgs, tools=[tool], max_tokens=120, temperature=1.0, seed=0,
+        tool_choice={"type": "function", "function": {"name": "pick"}},
+    )  # fmt: skip
+    (call,) = out.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    out = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=6, temperature=0,
+        extra_body={"chat_template_kwargs": {"thinking": True}},
+    )  # fmt: skip
+    message = out.choices[0].message
+    assert message.reasoning_content and not message.content
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=6, temperature=0, stream=True,
+        extra_body={"chat_template_kwargs": {"thinking": True}},
+    ))  # fmt: skip
+    streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or ""
+                       for c in chunks if c.choices)  # fmt: skip
+    assert streamed == message.reasoning_content
+
+
+def test_reasoning_is_split_at_the_end_of_thinking():
+    from hisparse.serve.tools import ToolReader
+
+    def raw(ids):
+        return "".join(f"<{i}>" for i in ids)
+
+    reader = ToolReader("none", None, "deepseek_v32", raw, think_end=9)
+    msg, why = reader.message("ignored", [1, 2, 9, 3], "stop")
+    assert (msg["reasoning_content"], msg["content"], why) == ("<1><2>", "<3>", "stop")
+    deltas = [reader.delta(0, t, [i], None)[0] for t, i in (("a", 1), ("", 9), ("b", 3))]
+    assert deltas == [{"reasoning_content": "a"}, {}, {"content": "b"}]

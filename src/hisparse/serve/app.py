@@ -99,6 +99,10 @@ def build_app(
     created = int(time.time())
     fmt = Formatter(llm.tokenizer)
     tool_parser = parser_for(llm.model)
+    # the token that ends a thinking answer's reasoning, for the families that think
+    think_end = None
+    if tool_parser in ("deepseek_v32", "glm") and llm.tokenizer is not None:
+        think_end = getattr(llm.tokenizer, "token_to_id", lambda t: None)("</think>")
     install_error_handlers(app)
     if api_key is not None:
         app.add_middleware(_ApiKey, key=api_key)
@@ -233,7 +237,10 @@ def build_app(
         except ValueError as e:
             raise ApiError(400, str(e), "tool_choice") from None
         spec = None if schema is None else StructuredOutputsParams(json=schema)
-        return ToolReader(mode, name, tool_parser, raw_text), spec
+        kw = body.chat_template_kwargs or {}
+        thinks = bool(kw.get("thinking") or kw.get("enable_thinking"))
+        end = think_end if thinks else None
+        return ToolReader(mode, name, tool_parser, raw_text, end), spec
 
     # --- routes -------------------------------------------------------------------------
     @app.get("/health")

@@ -166,10 +166,17 @@ class ToolReader:
     """How one chat request's answers are read under its ``tool_choice`` (``mode``): whole
     (`message`) or as stream deltas (`delta`), per choice. ``raw(token_ids)`` decodes with
     the special tokens kept (a family's markup may be special tokens, which the plain text
-    drops) and without the end-of-sequence token."""
+    drops) and without the end-of-sequence token. ``think_end``: the id of the token that ends
+    a thinking answer's reasoning (``</think>``; ``None``: the request does not think): what
+    comes before it is ``reasoning_content`` (vLLM's reasoning parsers' field), streamed as
+    such, the rest the answer."""
 
-    def __init__(self, mode: str, name: str | None, parser: str, raw: Any) -> None:
+    def __init__(
+        self, mode: str, name: str | None, parser: str, raw: Any, think_end: int | None = None
+    ) -> None:
         self.mode, self.name, self.parse, self.raw = mode, name, PARSERS[parser], raw
+        self.think_end = think_end if mode in ("none", "auto") else None
+        self._answering: set[int] = set()  # choices past their reasoning (streams)
         self._ids: dict[int, list[int]] = {}
         self._text: dict[int, str] = {}
         self._named: dict[int, ToolCall] = {}
@@ -177,6 +184,12 @@ class ToolReader:
     def message(self, text: str, token_ids: list[int], finish: str | None):
         """``(message, finish_reason)`` of a whole answer."""
         msg: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.think_end is not None:
+            ids, end = token_ids, self.think_end
+            k = ids.index(end) if end in ids else len(ids)
+            msg["reasoning_content"] = self.raw(ids[:k])
+            token_ids = ids[k + 1 :]
+            msg["content"] = text = self.raw(token_ids)
         calls = self._calls(text, token_ids, finish, msg)
         if calls is None:
             return msg, finish
@@ -207,7 +220,13 @@ class ToolReader:
         ``auto`` answers are read whole when they end (a call cannot be told from text
         before its markup closes)."""
         if self.mode == "none":
-            return ({"content": text} if text else {}), finish
+            key = "content"
+            if self.think_end is not None and index not in self._answering:
+                if self.think_end in token_ids:
+                    self._answering.add(index)  # the answer starts (its text: this delta's)
+                else:
+                    key = "reasoning_content"
+            return ({key: text} if text else {}), finish
         if self.mode == "named":
             call = self._named.get(index)
             if call is None:
@@ -224,6 +243,8 @@ class ToolReader:
             return None, None
         msg, why = self.message(self._text.pop(index), self._ids.pop(index), finish)
         out: dict[str, Any] = {}
+        if msg.get("reasoning_content"):
+            out["reasoning_content"] = msg["reasoning_content"]
         if msg.get("content"):
             out["content"] = msg["content"]
         if msg.get("tool_calls"):
