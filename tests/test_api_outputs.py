@@ -295,11 +295,20 @@ def test_bad_chat_messages_are_clear_errors(llm, messages, error, needle):
         llm.chat(messages)
 
 
-def test_chat_without_a_template_says_so(tmp_path, checkpoint):
+def test_chat_without_a_template_says_so(tmp_path, checkpoint, tiny_checkpoint):
+    """A DeepSeek-V3.2 checkpoint without a template chats through the built-in encoder (its
+    release ships none); another model without one says so."""
     bare = tmp_path / "bare"
     shutil.copytree(checkpoint, bare)
     (bare / "tokenizer_config.json").unlink()
-    with tiny_llm(bare) as llm, pytest.raises(ValueError, match="no chat template"):
+    with tiny_llm(bare) as llm:
+        out = llm.chat([{"role": "user", "content": "t10"}], SamplingParams(max_tokens=1))
+        assert out[0].prompt == "<｜begin▁of▁sentence｜><｜User｜>t10<｜Assistant｜></think>"
+    glm = tmp_path / "glm"
+    shutil.copytree(tiny_checkpoint("glm_moe_dsa"), glm)
+    add_tokenizer(glm)
+    (glm / "tokenizer_config.json").unlink()
+    with tiny_llm(glm) as llm, pytest.raises(ValueError, match="no chat template"):
         llm.chat([{"role": "user", "content": "t10"}])
 
 
