@@ -45,8 +45,11 @@ os.environ.pop("HISPARSE_OFFLOAD", None)
 os.environ.setdefault("HISPARSE_POISON", "1")
 # The CPU suite runs every Triton kernel under Triton's interpreter, which must be on before
 # Triton first defines a kernel: whatever module a test collection imports first (an engine
-# import reaches the fused and fp8 kernels), the kernels are then the interpreter's.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# import reaches the fused and fp8 kernels), the kernels are then the interpreter's. Where a
+# GPU is present (tests/gpu, which shares this file) the kernels compile for it instead: the
+# interpreter there would run every GPU test's kernels on the host.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")
