@@ -26,8 +26,10 @@ summary=$LOGS/summary.md
 
 if has tests; then
   t=$(date +%s)
-  timeout "${TESTS_S:-330}" $PY -m pytest -o addopts="" -q -p no:cacheprovider -n "${TEST_WORKERS:-6}" \
-    --timeout 240 --durations=15 tests/gpu --junitxml="$LOGS/gpu_tests.xml" >"$LOGS/gpu_tests.log" 2>&1
+  # SIGINT at the limit: pytest still prints the failures and the summary
+  timeout -s INT "${TESTS_S:-330}" $PY -m pytest -o addopts="" -q -p no:cacheprovider -p no:benchmark \
+    -n "${TEST_WORKERS:-6}" --tb=short -rf --timeout 240 --durations=15 tests/gpu \
+    --junitxml="$LOGS/gpu_tests.xml" >"$LOGS/gpu_tests.log" 2>&1
   echo "tests/gpu: rc $? in $(( $(date +%s) - t )) s: $(tail -n 1 "$LOGS/gpu_tests.log")" >>"$summary"
   grep -E "^(FAILED|ERROR)" "$LOGS/gpu_tests.log" | head -20 >>"$summary"
 fi
