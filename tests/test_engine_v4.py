@@ -122,20 +122,79 @@ def test_tensor_parallel_2_equals_transformers(ckpt, monkeypatch):
     assert [o.outputs[0].token_ids for o in outs] == _reference_tokens(ckpt, prompts)
 
 
-def test_what_a_rank_reads():
-    """Each rank reads its part of the split tensors only; the indexer, compressors, KV head
-    and router are read whole (`shard_v4.split_dim`)."""
-    from hisparse.parallel.shard_v4 import split_dim
+def _quantized(ckpt, out):
+    """``ckpt`` with ``wq_b`` in fp8 (UE8M0 tiles) and the routed experts' ``w1`` / ``w3`` in
+    4-bit (the release's formats; rows a rank splits mid-tile included)."""
+    import shutil
 
-    split = {"layers.0.attn.wq_b.weight": 0, "layers.0.attn.attn_sink": 0,
-             "layers.0.attn.wo_a.weight": 0, "layers.0.attn.wo_b.weight": 1,
-             "layers.0.ffn.experts.7.w1.weight": 0, "layers.0.ffn.experts.7.w2.weight": 1,
-             "layers.0.ffn.shared_experts.w3.weight": 0}  # fmt: skip
-    whole = ["layers.1.attn.indexer.wq_b.weight", "layers.1.attn.wkv.weight",
-             "layers.1.attn.compressor.wkv.weight", "layers.1.ffn.gate.weight",
-             "layers.1.attn.wq_a.weight", "embed.weight", "head.weight"]  # fmt: skip
-    assert {k: split_dim(k) for k in split} == split
-    assert [split_dim(k) for k in whole] == [None] * len(whole)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(ckpt / "model.safetensors")
+    g = torch.Generator().manual_seed(3)
+    for name in list(tensors):
+        base = name[: -len("weight")]
+        if name.endswith("attn.wq_b.weight") and ".indexer." not in name:
+            n, k = tensors[name].shape
+            tensors[name] = (tensors[name] * 64).to(torch.float8_e4m3fn)
+            tensors[base + "scale"] = torch.full(
+                (-(-n // 128), -(-k // 128)), 121, dtype=torch.uint8
+            )
+        elif ".experts." in name and name.endswith(("w1.weight", "w3.weight")):
+            n, k = tensors[name].shape
+            tensors[name] = torch.randint(-128, 128, (n, k // 2), generator=g).to(torch.int8)
+            tensors[base + "scale"] = torch.randint(118, 122, (n, k // 32), generator=g).to(
+                torch.uint8
+            )
+    out.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(ckpt / name, out / name)
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+def test_tensor_parallel_2_of_quantized_layers(ckpt, tmp_path, monkeypatch):
+    """fp8 and 4-bit layers split with their scales (a rank's fp8 rows starting inside a
+    tile): two ranks give the greedy tokens of the one-process forward."""
+    from hisparse.models.v4_loader import load_v4_model
+
+    monkeypatch.setenv("HISPARSE_TP_TIMEOUT", "60")
+    path = _quantized(ckpt, tmp_path / "q")
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(2, 512, (23,), generator=g).tolist()
+    model, want = load_v4_model(path), []
+    for _ in range(6):
+        want.append(int(model.prefill_logits([prompt + want])[0][-1].argmax()))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM(path, kv_placement="gpu", tensor_parallel_size=2, max_num_seqs=2, max_model_len=64,
+             gpu_memory_gib=0.02) as llm:  # fmt: skip
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    assert out.outputs[0].token_ids == want
+
+
+def test_what_a_rank_reads(ckpt):
+    """Rank 1 of 2 reads its half of the split tensors only; the indexer, compressors, KV head
+    and router are read whole (`shard_v4`'s splits)."""
+    from types import SimpleNamespace
+
+    from hisparse.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from hisparse.models.v4_config import V4Config
+    from hisparse.parallel.shard_v4 import shard_v4
+
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(V4Config.from_pretrained(ckpt))
+    splits = shard_v4(model, SimpleNamespace(rank=1, world_size=2, all_reduce=None))
+    d, r = 32, 16  # head_dim, o_lora_rank: 4 heads in 2 groups, moe width 32
+    assert splits["layers.0.attn.wq_b.weight"] == (0, 2 * d, 2 * d)
+    assert splits["layers.0.attn.attn_sink"] == (0, 2, 2)
+    assert splits["layers.0.attn.wo_a.weight"] == (0, r, r)
+    assert splits["layers.0.attn.wo_b.weight"] == (1, r, r)
+    assert splits["layers.0.ffn.experts.7.w2.weight"] == (1, 16, 16)
+    assert splits["layers.0.ffn.shared_experts.w3.weight"] == (0, 16, 16)
+    for whole in ("layers.1.attn.indexer.wq_b.weight", "layers.1.attn.wkv.weight",
+                  "layers.1.attn.compressor.wkv.weight", "layers.1.ffn.gate.weight",
+                  "layers.1.attn.wq_a.weight", "embed.weight", "head.weight"):  # fmt: skip
+        assert whole not in splits
+    assert model.layers[0].attn.n_heads == 2 and model.layers[0].attn.groups == 1
 
 
 def test_generate_cli(ckpt, capsys):

@@ -58,15 +58,12 @@ def _keeps_fp8(key: str, ckpt: CheckpointIndex, names: dict[str, str]) -> bool:
     )
 
 
-def _rank_slice(key: str, param: torch.Tensor, tp: Any) -> tuple[slice, ...]:
-    """The index of this rank's part of checkpoint tensor ``key`` (``()``: all of it)."""
-    from hisparse.parallel.shard_v4 import split_dim
-
-    dim = None if tp is None else split_dim(key)
-    if dim is None:
+def _index(split: Any) -> tuple[slice, ...]:
+    """The index of a `parallel.shard.Split` ``(dim, start, length)`` (None: all of it)."""
+    if split is None:
         return ()
-    n = param.shape[dim]
-    return (slice(None),) * dim + (slice(tp.rank * n, (tp.rank + 1) * n),)
+    dim, start, length = split
+    return (slice(None),) * dim + (slice(start, start + length),)
 
 
 def _is_fp4(ckpt: CheckpointIndex, name: str) -> bool:
@@ -120,10 +117,11 @@ def load_v4_model(
         if isinstance(linear, nn.Linear):
             swap = Fp8Linear.like(linear, pow2) if key in keep else Fp4Linear.like(linear)
             model.set_submodule(module, swap)
+    splits: dict[str, Any] = {}
     if tp is not None:
         from hisparse.parallel.shard_v4 import shard_v4
 
-        shard_v4(model, tp)  # the meta shapes this rank keeps
+        splits = shard_v4(model, tp)  # the meta shapes this rank keeps, and their slices
     state = model.state_dict(keep_vars=True)
     missing = [
         k for k in state
@@ -139,19 +137,21 @@ def load_v4_model(
         for key, param in state.items():
             if key.startswith("rotary_"):
                 continue
+            part = _index(splits.get(key))
             if key.endswith("weight_scale_inv"):
                 weight = key[: -len("_scale_inv")]
-                t = reader.read(scales[weight])
+                t = reader.read(scales[weight], part)
                 if weight in keep4:  # an Fp4Linear's exponent bytes, as they ship
                     t, want = t.view(torch.uint8), torch.uint8
                 else:  # an Fp8Linear's tile factors
                     t, want = ue8m0_to_float(t), torch.float32
             else:
-                t = reader.read(names[key], _rank_slice(key, param, tp))
+                whole = key in scales and key not in keep | keep4  # dequantized here
+                t = reader.read(names[key], () if whole else part)
                 if key in keep | keep4:
                     want = t.dtype
-                elif key in scales:
-                    t = dequantize_tensor(t, reader.read(scales[key]))
+                elif whole:
+                    t = dequantize_tensor(t, reader.read(scales[key]))[part]
                     want = dtype
                 else:
                     want = torch.long if key.endswith("tid2eid") else dtype

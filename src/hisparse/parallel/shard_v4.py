@@ -9,44 +9,24 @@ their output groups, and its slice of every expert.
   row-parallel; one all-reduce per MoE block. The router (and its hash table) is whole.
 * **Hyper-connections, norms, embedding and head** are whole; ranks other than 0 skip the
   head (rank 0 samples).
+* **Quantized layers** keep the scales of their slice: fp8 (`Fp8Linear`) the 128 x 128 tiles
+  it touches, as `DsaSharder` does for DeepSeek-V3.2; 4-bit experts (`Fp4Linear`) their rows,
+  or their columns in whole 32-value blocks.
 
-The loader shards the meta skeleton here (`shard_v4`), then reads each rank's slices of the
-split tensors straight from the checkpoint (`split_dim`): no rank holds the whole model.
+The loader shards its meta skeleton here (`shard_v4`) and reads each rank's slices (the
+returned splits) straight from the checkpoint: no rank holds the whole model.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from torch import nn
 
-from hisparse.parallel.shard import (
-    _part,
-    _reduce_output,
-    _skip_lm_head,
-    shard_column,
-    shard_row,
-)
-from hisparse.validation import HiSparseConfigError
+from hisparse.parallel.shard import DsaSharder, Split, _reduce_output, _skip_lm_head
 
-#: the tensors `shard_v4` splits, and along which dim (the rest is whole on every rank)
-_SPLITS = (
-    (re.compile(r"(^|\.)attn\.(wq_b|wo_a)\.weight$"), 0),
-    (re.compile(r"(^|\.)attn\.attn_sink$"), 0),
-    (re.compile(r"(^|\.)attn\.wo_b\.weight$"), 1),
-    (re.compile(r"(^|\.)(experts\.\d+|shared_experts)\.(w1|w3)\.weight$"), 0),
-    (re.compile(r"(^|\.)(experts\.\d+|shared_experts)\.w2\.weight$"), 1),
-)
-
-
-def split_dim(name: str) -> int | None:
-    """The dim along which rank ``r`` of ``w`` keeps the ``r``-th of ``w`` equal parts of
-    parameter ``name`` (`shard_v4`); None: whole."""
-    for pattern, dim in _SPLITS:
-        if pattern.search(name):
-            return dim
-    return None
+#: values of a 4-bit expert row per UE8M0 scale
+_FP4_GROUP = 32
 
 
 def v4_dims(config: Any) -> dict[str, int]:
@@ -58,36 +38,55 @@ def v4_dims(config: Any) -> dict[str, int]:
     }
 
 
-def shard_v4(model: nn.Module, tp: Any) -> nn.Module:
-    """`DeepseekV4ForCausalLM` (the loader's meta skeleton, or a loaded model) -> this rank's
-    shard, in place: its parameters narrowed as `split_dim` says, all-reduce hooks on the
-    row-parallel outputs."""
+def _linear(sh: DsaSharder, lin: nn.Module, prefix: str, dim: int) -> None:
+    """Column (``dim`` 0) or row (``dim`` 1) split of a plain, fp8 or 4-bit linear layer."""
+    from hisparse.models.v4_quant import Fp4Linear
+
+    if not isinstance(lin, Fp4Linear):
+        sh.linear(lin, prefix, dim)
+        return
+    size = lin.in_features if dim else lin.out_features
+    start, per = sh._even(size, prefix + "weight")
+    if dim == 0:
+        sh._keep(lin, "weight", prefix, 0, start, per)
+        sh._keep(lin, "weight_scale_inv", prefix, 0, start, per)
+        lin.out_features = per
+        return
+    if start % _FP4_GROUP or per % _FP4_GROUP:
+        raise ValueError(
+            f"{prefix}weight: tensor parallelism over {sh.world} ranks gives each rank "
+            f"{per} input columns of a 4-bit expert; they must be whole groups of "
+            f"{_FP4_GROUP} (one scale each)"
+        )
+    sh._keep(lin, "weight", prefix, 1, start // 2, per // 2)
+    sh._keep(lin, "weight_scale_inv", prefix, 1, start // _FP4_GROUP, per // _FP4_GROUP)
+    lin.in_features = per
+
+
+def shard_v4(model: nn.Module, tp: Any) -> dict[str, Split]:
+    """Shard `DeepseekV4ForCausalLM` (the loader's meta skeleton) to this rank in place: its
+    parameters narrowed, all-reduce hooks on the row-parallel outputs. Returns what each kept
+    parameter is of the checkpoint's tensor (``name -> (dim, start, length)``; absent: whole)."""
     from hisparse.models.deepseek_v4 import Block
 
-    rank, world = tp.rank, tp.world_size
-    if any(type(m).__name__ in ("Fp8Linear", "Fp4Linear") for m in model.modules()):
-        raise HiSparseConfigError(
-            "LLM.tensor_parallel_size: DeepSeek-V4's fp8 and 4-bit layers are not sharded yet; "
-            "run a quantized DeepSeek-V4 checkpoint with tensor_parallel_size=1.",
-            field="LLM.tensor_parallel_size",
-            value=world,
-        )
-    for block in model.layers:
+    sh = DsaSharder(tp.rank, tp.world_size, tp)
+    for i, block in enumerate(model.layers):
         assert isinstance(block, Block)
-        attn = block.attn
-        shard_column(attn.wq_b, rank, world)
-        attn.attn_sink = nn.Parameter(_part(attn.attn_sink.data, 0, rank, world),
-                                      requires_grad=False)  # fmt: skip
-        shard_column(attn.wo_a, rank, world)  # rows grouped by output group
-        shard_row(attn.wo_b, rank, world)
-        attn.n_heads //= world
-        attn.groups //= world
+        attn, pre = block.attn, f"layers.{i}."
+        _linear(sh, attn.wq_b, pre + "attn.wq_b.", 0)
+        start, per = sh._even(attn.n_heads, pre + "attn.attn_sink")
+        sh._keep(attn, "attn_sink", pre + "attn.", 0, start, per)
+        _linear(sh, attn.wo_a, pre + "attn.wo_a.", 0)  # rows grouped by output group
+        _linear(sh, attn.wo_b, pre + "attn.wo_b.", 1)
+        attn.n_heads //= sh.world
+        attn.groups //= sh.world
         _reduce_output(attn.wo_b, tp)
-        for expert in [*block.ffn.experts, block.ffn.shared_experts]:
-            shard_column(expert.w1, rank, world)
-            shard_column(expert.w3, rank, world)
-            shard_row(expert.w2, rank, world)
+        experts = [(f"experts.{e}.", x) for e, x in enumerate(block.ffn.experts)]
+        for name, expert in [*experts, ("shared_experts.", block.ffn.shared_experts)]:
+            _linear(sh, expert.w1, f"{pre}ffn.{name}w1.", 0)
+            _linear(sh, expert.w3, f"{pre}ffn.{name}w3.", 0)
+            _linear(sh, expert.w2, f"{pre}ffn.{name}w2.", 1)
         _reduce_output(block.ffn, tp)
-    if rank != 0:
+    if tp.rank != 0:
         _skip_lm_head(model)
-    return model
+    return sh.splits
