@@ -2,16 +2,16 @@
 
     PYTHONPATH=src python benchmarks/bench_prefix_cache.py [--placement hisparse] [--repeats 3]
 
-Two workloads, each run on an engine with prefix caching and on one without, side by side in
-one process (the same settings otherwise):
+Two workloads, each run on an engine with prefix caching and on one without, one after the
+other in one process (the same settings otherwise):
 
 1. **Second turn of a conversation over a document.** Turn 1: a chat prompt holding a ~3K-token
    document (Python reference text) and a question, answered with exactly 64 tokens. Turn 2:
    turn 1's prompt, its answer and a 32-token question. Reported: turn 2's TTFT (one token
    generated), with the cache and without, and the ratio (median over ``--repeats`` rounds,
-   the two engines interleaved so load from other jobs hits both alike; the cache is emptied
-   before each round's turn 1, `LLM.reset_prefix_cache`), and the prompt tokens turn 2 found
-   cached. The tokens of turn 2 must be the same either way (else exit 1).
+   a fresh engine of each kind per round, in turn, so load from other jobs hits both alike:
+   one process holds one host pool), and the prompt tokens turn 2 found cached. The tokens of
+   both turns must be the same either way (else exit 1).
 2. **``n = 4`` over a 2K-token prompt.** Reported: the prompt tokens prefilled (the prefill
    forwards' tokens, `LLM.last_run_stats`) with the cache and without, and whether the four
    completions agree (seeded sampling).
@@ -70,19 +70,18 @@ def _turns(llm: LLM) -> tuple[list[int], list[int]]:
     return first, question
 
 
-def conversation(engines: dict[bool, LLM], repeats: int) -> dict:
+def conversation(placement: str, repeats: int) -> dict:
     ttft: dict[bool, list[float]] = {True: [], False: []}
     ratios, cached, tokens = [], 0, {}
     answer = SamplingParams(temperature=0, max_tokens=ANSWER_TOKENS, ignore_eos=True)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     for r in range(repeats):
         for caching in (True, False):
-            llm = engines[caching]
-            llm.reset_prefix_cache()
-            first, question = _turns(llm)
-            out1 = llm.generate(prompt_token_ids=[first], sampling_params=answer)[0]
-            second = first + out1.token_ids + question
-            out2 = llm.generate(prompt_token_ids=[second], sampling_params=one)[0]
+            with _engine(caching, placement) as llm:  # one host pool per process: in turn
+                first, question = _turns(llm)
+                out1 = llm.generate(prompt_token_ids=[first], sampling_params=answer)[0]
+                second = first + out1.token_ids + question
+                out2 = llm.generate(prompt_token_ids=[second], sampling_params=one)[0]
             assert out1.ok and out2.ok, (out1.error, out2.error)
             ttft[caching].append(out2.metrics.ttft)
             tokens[caching] = out1.token_ids + out2.token_ids
@@ -103,15 +102,15 @@ def conversation(engines: dict[bool, LLM], repeats: int) -> dict:
     )
 
 
-def n_completions(engines: dict[bool, LLM]) -> dict:
+def n_completions(placement: str) -> dict:
     out = {}
     params = SamplingParams(temperature=0.8, seed=1, n=4, max_tokens=8, ignore_eos=True)
-    for caching, llm in engines.items():
-        llm.reset_prefix_cache()
-        prompt = _text(llm, N_PROMPT_TOKENS)
-        res = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
-        assert res.ok, res.error
-        prefilled = sum(int(s["tokens"]) for s in llm.last_run_stats if not s["decode"])
+    for caching in (True, False):
+        with _engine(caching, placement) as llm:
+            prompt = _text(llm, N_PROMPT_TOKENS)
+            res = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+            assert res.ok, res.error
+            prefilled = sum(int(s["tokens"]) for s in llm.last_run_stats if not s["decode"])
         out[caching] = ([o.token_ids for o in res.outputs], prefilled)
         log(f"n=4 cache {'on ' if caching else 'off'}: {prefilled} prompt tokens prefilled")
     return dict(
@@ -128,13 +127,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    engines = {c: _engine(c, args.placement) for c in (True, False)}
-    try:
-        conv = conversation(engines, args.repeats)
-        nres = n_completions(engines)
-    finally:
-        for llm in engines.values():
-            llm.close()
+    conv = conversation(args.placement, args.repeats)
+    nres = n_completions(args.placement)
     result = dict(placement=args.placement, conversation=conv, n4=nres)
     log(
         f"\nturn 2 ({conv['prompt_tokens']} tokens, {conv['cached_tokens']} cached): TTFT "

@@ -92,14 +92,14 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 512, (n,), generator=g).tolist()
 
 
-def _llm(path, placement, caching, *, offload=None, host_gib=0.05, chunk=64, seqs=2):
+def _llm(path, placement, caching, *, offload=None, host_gib=0.05, chunk=64, seqs=2, **kw):
     return LLM(
         path,
         kv_placement=placement,
         kv_format="bf16",
-        max_model_len=512,
+        max_model_len=kw.get("max_len", 512),
         max_num_batched_tokens=chunk,
-        gpu_memory_gib=0.05,
+        gpu_memory_gib=kw.get("gpu_gib", 0.05),
         max_num_seqs=seqs,
         hisparse=HiSparseConfig(host_pool_gib=host_gib, block_size=BS, offload=offload),
         enable_prefix_caching=caching,
@@ -161,3 +161,74 @@ def test_n_completions_prefill_their_prompt_once(checkpoint):
     assert runs[True][0] == runs[False][0]
     assert runs[False][1] == 4 * 200
     assert runs[True][1] == 200 + 3 * 8
+
+
+def _small(path, placement, caching, *, pool_blocks, seqs=2):
+    """An engine of ``max_model_len`` 128 whose pool (host under HiSparse, GPU on all-GPU)
+    holds ``pool_blocks`` blocks."""
+    with _llm(path, placement, True, max_len=128) as probe:
+        lay = probe.kv.layout
+        block = lay.host_block_bytes if placement == "hisparse" else lay.gpu_bytes_per_block
+        gib = (pool_blocks + 0.5) * block / 2**30
+    if placement == "hisparse":
+        return _llm(path, placement, caching, host_gib=gib, max_len=128, seqs=seqs)
+    return _llm(path, placement, caching, gpu_gib=gib, max_len=128, seqs=seqs)
+
+
+def test_evicted_pages_are_recomputed_with_the_same_tokens(checkpoint):
+    """A host pool of 14 blocks: three documents one after another evict the first one's
+    cached pages (least recently used first), so its second question recomputes them."""
+    docs = [_prompt(100, 10 + i) for i in range(3)]
+    prompts = [d + _prompt(8, 20 + i) for i, d in enumerate(docs)] + [docs[0] + _prompt(9, 30)]
+    runs = {}
+    for caching in (False, True):
+        with _small(checkpoint, "hisparse", caching, pool_blocks=14) as llm:
+            outs = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0]
+                    for p in prompts]  # fmt: skip
+            assert all(o.ok for o in outs), [o.error for o in outs]
+            runs[caching] = [o.token_ids for o in outs]
+            if caching:
+                assert llm.kv.prefix_cache.evictions > 0
+                assert outs[-1].metrics.cached_tokens < 96  # not all of the first document
+    assert runs[True] == runs[False]
+
+
+def test_preemption_with_the_cache_keeps_the_tokens(checkpoint):
+    """All-GPU, a pool of one ``max_model_len`` request: decoding requests outgrow it and
+    the newest is preempted, its registered pages left in the cache for its recompute (which
+    the others' growth evicts first here: the pool is full) with the same tokens."""
+    prompts = [_prompt(20, 40 + i) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    runs = {}
+    for caching in (False, True):
+        with _small(checkpoint, "gpu", caching, pool_blocks=9, seqs=3) as llm:
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+            assert all(o.ok for o in outs), [o.error for o in outs]
+            assert sum(o.metrics.preemptions for o in outs) > 0
+            runs[caching] = [o.token_ids for o in outs]
+    assert runs[True] == runs[False]
+
+
+def test_smollm2_questions_over_one_document_all_gpu():
+    """Real weights and text (the bundled SmolLM2, all-GPU placement: the HiSparse case is
+    `tests/test_serve_prefix_cache.py`'s): two questions over one document, the second
+    prefilled from the first's cached pages, the same answers as without the cache."""
+    smollm2 = pytest.importorskip("hisparse.models.smollm2")
+    smollm2.smollm2_gguf_path()
+    from pydoc_data.topics import topics
+
+    doc = topics["while"][:900]
+    runs = {}
+    for caching in (False, True):
+        with LLM(
+            "smollm2", kv_placement="gpu", max_model_len=512, gpu_memory_gib=0.1,
+            max_num_seqs=1, hisparse=HiSparseConfig(block_size=BS, top_k=96),
+            enable_prefix_caching=caching,
+        ) as llm:  # fmt: skip
+            outs = llm.chat(
+                [[{"role": "user", "content": f"{doc}\n\n{q}"}] for q in ("What is it?", "Why?")],
+                SamplingParams(temperature=0, max_tokens=6),
+            )
+            runs[caching] = [o.token_ids for o in outs], [o.metrics.cached_tokens for o in outs]
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1][0] == 0 and runs[True][1][1] >= 160

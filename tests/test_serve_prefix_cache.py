@@ -57,7 +57,7 @@ def test_a_shared_2k_document_is_prefilled_once_over_http():
         assert len(doc) == DOC_TOKENS
         first = doc + plain.encode(" Summarize the for statement.", add_special_tokens=False)
         second = doc + plain.encode(" What does try do?", add_special_tokens=False)
-        greedy = SamplingParams(temperature=0, max_tokens=8)
+        greedy = SamplingParams(temperature=0, max_tokens=4)
         want = plain.generate(prompt_token_ids=[second], sampling_params=greedy)[0]
         assert want.ok and want.metrics.cached_tokens == 0
     llm = _llm(True)
@@ -73,7 +73,7 @@ def test_a_shared_2k_document_is_prefilled_once_over_http():
         base = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="-", timeout=300, max_retries=0)
         outs = [
-            client.completions.create(model="smollm2", prompt=p, max_tokens=8, temperature=0)
+            client.completions.create(model="smollm2", prompt=p, max_tokens=4, temperature=0)
             for p in (first, second)
         ]
         assert outs[0].usage.prompt_tokens_details.cached_tokens == 0

@@ -53,6 +53,8 @@ class PrefixCache:
         #: prompt tokens looked up, and of them the tokens found cached (`/metrics`)
         self.queries = 0
         self.hits = 0
+        #: cached pages evicted to make room
+        self.evictions = 0
 
     def __len__(self) -> int:
         return len(self._block_of)
@@ -96,6 +98,7 @@ class PrefixCache:
             h = self._hash_of.pop(b, None)
             if h is not None:
                 del self._block_of[h]
+                self.evictions += 1
 
     def clear(self) -> int:
         """Evict every cached block no request holds (held ones stay cached until freed);
