@@ -317,3 +317,21 @@ def test_prompts_at_a_page_boundary_run_the_plan_without_preemption(
     run = sim.run(synthetic_trace(plan + 3, input_len=inp, output_len=out))
     assert run["peak_running"] == plan
     assert run["preemptions"] == 0
+
+
+def test_a_shared_document_is_prefilled_once(tiny: str) -> None:
+    """``shared_prefix`` (questions over one document): the engine's scheduler with prefix
+    caching prefills the document once; every other request starts after its cached pages."""
+    import dataclasses
+
+    from hisparse.sim.simulator import SimSettings, simulate
+    from hisparse.sim.trace import synthetic_trace
+
+    s = SimSettings(model=tiny, gpu_memory_gib=0.004, max_model_len=INPUT + OUTPUT,
+                    max_num_seqs=N, block_size=BLOCK, max_num_batched_tokens=BATCHED,
+                    target="cpu", shared_prefix=96)  # fmt: skip
+    trace = synthetic_trace(2 * N, input_len=INPUT, output_len=20)
+    shared, cold = simulate(s, trace), simulate(dataclasses.replace(s, shared_prefix=0), trace)
+    assert cold["cached_tokens"] == 0 and cold["prefill_tokens"] == 2 * N * INPUT
+    assert shared["cached_tokens"] == (2 * N - 1) * 96
+    assert shared["prefill_tokens"] == cold["prefill_tokens"] - shared["cached_tokens"]

@@ -119,9 +119,8 @@ def _make_llm(args: argparse.Namespace, cfg: dict[str, Any], placement: str) -> 
         ),
         schedule=args.schedule,
         **parallel_kwargs(args),
-        # cold prefills: the warm-up's prompts start like the timed ones, and a synthetic
-        # prefill's rows are no function of the tokens
-        enable_prefix_caching=False,
+        # off unless the prompts share a document (--shared-prefix): cold prefills otherwise
+        enable_prefix_caching=bool(getattr(args, "shared_prefix", 0)),
     )
 
 
@@ -154,11 +153,22 @@ def warmup_batches(llm: Any, n: int) -> list[int]:
     return [b for b in graphs.sizes if b < top] + [n]
 
 
-def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+#: the seed of the document every prompt starts with (``--shared-prefix``)
+DOC_SEED = 0x5EED
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int, shared: int = 0) -> list[list[int]]:
+    """``n`` random prompts; their first ``shared`` tokens one document (the same in every
+    cell and warm-up: a seed of its own)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+    shared = min(shared, length)
+    doc = torch.randint(0, vocab, (shared,), generator=torch.Generator().manual_seed(DOC_SEED))
+    return [
+        doc.tolist() + torch.randint(0, vocab, (length - shared,), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 def run_cell(
@@ -172,7 +182,9 @@ def run_cell(
     from hisparse.engine.sampling import SamplingParams
 
     llm.set_max_num_seqs(n)
-    prompts = _prompts(n, args.input_len, llm.model.config.vocab_size, seed)
+    shared = getattr(args, "shared_prefix", 0) or 0
+    prompts = _prompts(n, args.input_len, llm.model.config.vocab_size, seed, shared)
+    llm.reset_prefix_cache()  # every cell prefills the document once (not the warm-up)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     demoted = llm.scheduler.demotions
     t0 = time.perf_counter()
@@ -182,6 +194,7 @@ def run_cell(
     row["token_ids"] = [o.token_ids for o in outs]
     # the first request id of the cell: the top-k replay is keyed by it (`hisparse simulate`)
     row["first_request_id"] = min(int(o.request_id) for o in outs) if outs else None
+    row["cached_tokens"] = sum(c.metrics.cached_tokens for o in outs for c in o.outputs)
     # the host pool the engine sized (its default depends on this machine's memory): what a
     # replay of this run (`hisparse simulate --compare`) must plan with
     pool = llm.kv.layout.host_pool_bytes if llm.kv.hisparse else 0

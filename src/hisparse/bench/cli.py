@@ -55,6 +55,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--input-len", type=int, required=True, help="prompt tokens per request")
     bench.add_argument("--output-len", type=int, required=True, help="new tokens per request")
     bench.add_argument("--concurrency", default="1,8", help="requests per run, e.g. 1,8,64,256")
+    bench.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="every prompt starts with the same N tokens (questions over one document): "
+        "prefix caching on, each cell prefilling the document once (default 0: unrelated "
+        "prompts, prefix caching off)",
+    )
     bench.add_argument("--kv-placement", default="hisparse,gpu", help="hisparse,gpu or one")
     bench.add_argument(
         "--topk-overlap",

@@ -46,6 +46,7 @@ _FROM_BENCH = {
     "hot_buffer": "hot_buffer", "top_k": "top_k", "kv_format": "kv_format",
     "block_size": "block_size", "max_batched_tokens": "max_batched_tokens",
     "schedule": "schedule", "seed": "seed", "offload": "offload",
+    "shared_prefix": "shared_prefix",
 }  # fmt: skip
 
 #: what `--compare` sets side by side: (bench / simulate key, label, relative tolerance)
@@ -79,6 +80,12 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--input-sigma", type=float, default=0.0, help="lognormal sigma (0: fixed)")
     t.add_argument("--output-sigma", type=float, default=0.0, help="lognormal sigma (0: fixed)")
     t.add_argument("--max-num-seqs", type=int, help="most running (trace default 256)")
+    t.add_argument(
+        "--shared-prefix",
+        type=int,
+        help="every prompt starts with the same N "
+        "tokens (one document; prefix caching on, as the engine's default)",
+    )
     e = p.add_argument_group("engine (as hisparse bench)")
     e.add_argument("--kv-placement", help="hisparse,gpu or one (default hisparse)")
     e.add_argument("--gpu-memory-gib", type=float, help="GPU KV cache budget, GiB")
@@ -224,6 +231,7 @@ def settings_for(
         decode_ms_per_request=args.decode_ms_per_request,
         prefill_tok_s=args.prefill_tok_s,
         target=args.target,
+        shared_prefix=args.shared_prefix or 0,
     )
 
 

@@ -87,6 +87,9 @@ class SimSettings:
     decode_ms: float = DEFAULT_DECODE_MS
     decode_ms_per_request: float = DEFAULT_DECODE_MS_PER_REQUEST
     prefill_tok_s: float = DEFAULT_PREFILL_TOK_S
+    #: every prompt's first tokens are one document (questions over it, the turns of a
+    #: conversation): prefix caching on, as the engine's default; 0: unrelated prompts
+    shared_prefix: int = 0
 
 
 def engine_cache_specs(
@@ -125,8 +128,11 @@ class Simulator:
             block_size=s.block_size,
             offload=s.offload,
         ).resolve(index_topk)
+        caching = s.shared_prefix > 0
         if s.placement == "hisparse" and config.host_pool_bytes is None:
-            size = default_host_pool_bytes(self.specs, config, s.max_model_len, s.max_num_seqs)
+            size = default_host_pool_bytes(
+                self.specs, config, s.max_model_len, s.max_num_seqs, indexer_copy=caching
+            )
             config = dataclasses.replace(config, host_pool_bytes=size)
         self.config = config
         self.kv = KVBlockManager(
@@ -137,6 +143,7 @@ class Simulator:
             max_model_len=s.max_model_len,
             max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens,
+            prefix_caching=caching,
         )
         self.sched = Scheduler(
             self.kv,
@@ -316,6 +323,15 @@ class Simulator:
             st.get("warm_bytes", 0.0), round(st["pcie"], 9), round(st["secs"], 9),
         ]  # fmt: skip
 
+    def _prompt(self, i: int, n: int) -> list[int]:
+        """Request ``i``'s ``n`` prompt tokens: the shared document's first, then its own
+        (a range stands for unrelated prompts: only its length is read, no cache to hit)."""
+        shared = min(self.s.shared_prefix, n)
+        if not shared:
+            return range(n)  # type: ignore[return-value]
+        own = (1 << 40) + i * self.s.max_model_len
+        return list(range(shared)) + list(range(own, own + n - shared))
+
     # --- a whole trace ----------------------------------------------------------------
     def run(
         self, trace: list[TraceRequest], progress: Callable[[int, int], None] | None = None
@@ -334,7 +350,7 @@ class Simulator:
                 t = trace[i]
                 req = Request(
                     req_id=str(self.s.id_offset + i),
-                    prompt_token_ids=range(t.input_len),  # type: ignore[arg-type]  # only len()
+                    prompt_token_ids=self._prompt(i, t.input_len),
                     params=SamplingParams(temperature=0, max_tokens=t.output_len, ignore_eos=True),
                 )
                 req.metrics.arrival = t.arrival
@@ -389,6 +405,8 @@ class Simulator:
             decode_steps=len(dec),
             decode_seconds=dec_s,
             decode_tok_s=sum(s[2] for s in dec) / dec_s if dec_s > 0 else 0.0,
+            prefill_tokens=sum(s[2] for s in steps if not s[1]),
+            cached_tokens=sum(r.metrics.cached_tokens for r in reqs),
             hits=hits,
             misses=misses,
             hit_rate=hits / (hits + misses) if hits + misses else None,
