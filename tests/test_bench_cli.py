@@ -375,3 +375,14 @@ def test_keep_step_state_rewinds_the_replayed_selection():
     assert torch.equal(again, first) and torch.equal(hooks.replay.prev, after)
     assert len(hooks.replay.log) == 4  # two steps of two requests, the repeat not doubled
     assert not torch.equal(hooks.decode_topk(0, topk, reqs), first)  # it moves on
+
+
+def test_bench_shared_prefix_prefills_the_document_once_per_cell(checkpoint, tmp_path, capsys):
+    """``--shared-prefix 64``: the three prompts of a cell start with one document; with
+    prefix caching the first request prefills it and the other two start after it."""
+    argv = _bench_argv(checkpoint, tmp_path, "--shared-prefix", "64", "--kv-placement", "hisparse")
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    rows = {r["concurrency"]: r for r in doc["results"]}
+    assert rows[1]["cached_tokens"] == 0 and rows[1]["prefill_tokens"] == 70
+    assert rows[3]["cached_tokens"] == 2 * 64 and rows[3]["prefill_tokens"] == 3 * 70 - 2 * 64
