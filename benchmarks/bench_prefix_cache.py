@@ -16,7 +16,8 @@ other in one process (the same settings otherwise):
    forwards' tokens, `LLM.last_run_stats`) with the cache and without, and whether the four
    completions agree (seeded sampling).
 
-JSON to ``$OUT/bench_prefix_cache.json`` (or ``--out``) when set. On a shared CPU compare only
+``--threads`` (default 1) sets torch's CPU threads. JSON to ``$OUT/bench_prefix_cache.json``
+(or ``--out``) when set. On a shared CPU compare only
 the ratios of one run.
 """
 
@@ -29,6 +30,8 @@ import statistics
 import sys
 from pathlib import Path
 from pydoc_data.topics import topics
+
+import torch
 
 from hisparse.config import HiSparseConfig
 from hisparse.engine.llm import LLM
@@ -126,10 +129,15 @@ def main() -> int:
     ap.add_argument("--placement", choices=("hisparse", "gpu"), default="hisparse")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        # one thread: on a shared CPU the small ops of a short prefill otherwise wait on
+        # descheduled pool threads at every barrier, which a long prefill amortizes
+        torch.set_num_threads(args.threads)
     conv = conversation(args.placement, args.repeats)
     nres = n_completions(args.placement)
-    result = dict(placement=args.placement, conversation=conv, n4=nres)
+    result = dict(placement=args.placement, threads=args.threads, conversation=conv, n4=nres)
     log(
         f"\nturn 2 ({conv['prompt_tokens']} tokens, {conv['cached_tokens']} cached): TTFT "
         f"{conv['ttft_cached_s']:.3f} s cached vs {conv['ttft_uncached_s']:.3f} s, "
