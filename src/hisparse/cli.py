@@ -35,6 +35,7 @@ from hisparse.kv.cache_shapes import (
 from hisparse.kv.layer_names import summarize_index_groups
 from hisparse.kv.layout import DEFAULT_PREFILL_TOKENS, KVLayout, format_gib
 from hisparse.kv.planner import plan_kv_layout
+from hisparse.kv.v4_plan import V4_PRESETS, v4_config_of
 from hisparse.parallel.plan import DEFAULT_GPU_MEMORY_UTILIZATION
 from hisparse.sim.cli import add_simulate_parser
 
@@ -115,7 +116,8 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument(
         "--model",
         required=True,
-        help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face config.json / model folder",
+        help=f"a preset ({', '.join([*PRESETS, *V4_PRESETS])}) or a Hugging Face config.json / "
+        "model folder",
     )
     plan.add_argument(
         "--gpu-memory-gib",
@@ -197,6 +199,11 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    v4 = v4_config_of(args.model)
+    if v4 is not None:  # DeepSeek-V4: its own groups (`hisparse.cli_plan_v4`)
+        from hisparse.cli_plan_v4 import run_v4_plan
+
+        return run_v4_plan(args, v4)
     if args.tensor_parallel_size is not None or args.data_parallel_size is not None:
         return _run_plan_node(args)
     for flag, value in (("--host-pool-gib", args.host_pool_gib),
