@@ -94,6 +94,8 @@ def test_dp2_ep2_equals_one_rank(checkpoint):
     with _engine(checkpoint, 2) as llm:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
         states = llm._tensor_parallel_state()
+        # rank 0's statistics rows are the node's forwards: 4 requests decode at the peak
+        assert max(r["running"] for r in llm.last_run_stats if r["decode"]) == 4
         assert _local_experts(llm) == [n // 2 for n in experts]
         assert llm._core.assigned == [2, 2]
         runs.append([o for b in _prefix_batches() for o in llm.generate(

@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hisparse.engine.core import EngineCore, StepReport
 from hisparse.engine.prefix_cache import page_hashes
 from hisparse.engine.request import Request, Status
+from hisparse.parallel.expert import all_gather_single
 from hisparse.validation import _fail
 
 
@@ -218,10 +218,12 @@ class DataParallelCore(EngineCore):
         # a synthetic prefill (benchmarks) runs no forward, on any rank: nothing to agree on
         hooks = self.runner.hooks
         synthetic = hooks is not None and hooks.synthetic_prefill
-        rows = self._agree([sum(n for _, n in parts[d].batch) if d in parts and not
-                            (synthetic and not d) else 0 for d in (True, False)])  # fmt: skip
+        counts = self._agree([sum(n for _, n in parts[d].batch) if d in parts and not
+                              (synthetic and not d) else 0 for d in (True, False)])  # fmt: skip
         reports: list[StepReport] = []
-        for decode, n in zip((True, False), rows, strict=True):
+        for i, decode in enumerate((True, False)):
+            n = max(c[i] for c in counts)  # the forward's padded rows
+            node = sum(c[i] for c in counts)  # its tokens over the node
             part = parts.get(decode)
             if not n and part is None:
                 continue
@@ -230,29 +232,47 @@ class DataParallelCore(EngineCore):
                 if part is None:
                     if self.ep is not None:
                         self.ep.idle_forward()
+                    if tp.is_driver:  # the node's forward, which rank 0 sat out
+                        now = time.perf_counter()
+                        start, self._last_end = max(t0, self._last_end), now
+                        running = node if decode else len(sched.running)
+                        row = dict(decode=float(decode), tokens=node, seconds=now - start,
+                                   running=running, end=now)  # fmt: skip
+                        reports.append(([], row))
+                        t0 = now
                     continue
                 result = self.runner.execute_part(part)
             sched.update_from_output(part, result)
             row = self.stats_row(part, t0, result.now)
-            row["dp_rows"] = float(n)
+            row.update(dp_rows=float(n), tokens=node)  # statistics of the node's forward
+            if decode:
+                row["running"] = node  # one row per decoding request
             reports.append((part.requests, row))
             t0 = result.now
         return self._exchange(reports)
 
-    def _agree(self, mine: list[int]) -> list[int]:
-        """Each forward's rows: the most any rank runs in it (one small all-reduce)."""
+    def _agree(self, mine: list[int]) -> list[list[int]]:
+        """Every rank's rows of each forward (one small all-gather): a forward runs padded to
+        the most any rank has; the sums are the node's statistics."""
         tp = self.tp
         dev = tp.device if tp.backend == "nccl" else torch.device("cpu")
         buf = torch.tensor(mine, dtype=torch.int64, device=dev)
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=tp.group)
-        return buf.tolist()
+        out = torch.empty(tp.world_size * len(mine), dtype=torch.int64, device=dev)
+        all_gather_single(out, buf, group=tp.group)
+        return out.view(tp.world_size, len(mine)).tolist()
 
     def _exchange(self, reports: list[StepReport]) -> list[StepReport]:
         """Every rank's changed requests and load to the driver, which updates its mirrors;
         the driver's reports gain the other ranks' changed requests."""
         tp, sched = self.tp, self.scheduler
         load = (sched.kv.gpu_blocks.num_free, len(sched.running))
+        # the swap counters into each request's metrics now (a worker's before its deltas;
+        # the driver's onto its own decode rows: the rows of forwards it sat out have none)
+        counters = iter(self.runner.flush_metrics())
         if tp.is_driver:
+            for reqs, row in reports:
+                if row["decode"] and reqs:
+                    row.update(next(counters, {}))
             gathered = tp.gather((load, []))
             assert gathered is not None
             changed = []
@@ -271,7 +291,6 @@ class DataParallelCore(EngineCore):
                     row = dict(decode=0.0, tokens=0, running=0, seconds=0.0, end=now)
                     reports.append((changed, row))
             return reports
-        self.runner.flush_metrics()  # the swap counters into each request's metrics
         mine: dict[int, Request] = {id(r): r for reqs, _ in reports for r in reqs}
         mine.update((id(r), r) for r in sched.failed)
         sched.failed.clear()

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 # torch >= 2.13 names the fixed-shape collectives ``*_single`` (the old names warn)
-_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
@@ -137,7 +137,7 @@ class ExpertParallel:
     # --- collectives ----------------------------------------------------------------------
     def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
         out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))
-        _ALL_GATHER(out, t.contiguous(), group=self.group)
+        all_gather_single(out, t.contiguous(), group=self.group)
         return out
 
     def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
