@@ -79,6 +79,12 @@ def run_v4_plan(args: argparse.Namespace, config: V4Config) -> int:
         f"  rows in bf16 (the engine's V4 row dtype); hot buffer {buffer} entries per request "
         "and compressed sparse layer"
     )
+    console.print(
+        "  all-GPU, engine today: what LLM(kv_placement='gpu') allocates (a row per token and "
+        "layer: window row and entry columns);\n  all-GPU, compact: a window ring and entry "
+        "pools (vLLM's and SGLang's layout; not built here);\n  HiSparse (design): docs/"
+        "design.md §20.1; the engine still refuses kv_placement='hisparse' for DeepSeek-V4"
+    )
     plans = {n: _groups(config, n, args.block_size, buffer) for n in lengths}
     for n, by_p in plans.items():
         console.print(_bytes_table(n, by_p))
@@ -90,8 +96,8 @@ def run_v4_plan(args: argparse.Namespace, config: V4Config) -> int:
             f"[bold]Node[/bold]: {tp} GPU(s) of {args.gpu_memory_gib:g} GiB x "
             f"{args.gpu_memory_utilization:g}; weights {params / 1e9:,.1f}B parameters, "
             f"{format_gib(weights)} on the widest rank (estimate: routed experts 4-bit, other "
-            "linears fp8, as the engine holds the release at TP 1; the engine's TP does not "
-            "shard quantized V4 layers yet)\n"
+            "linears fp8, as the engine holds the release; which of the release's smaller "
+            "linears ship fp8 is assumed)\n"
             f"  KV budget per GPU: {format_gib(max(budget, 0))}; every rank holds every "
             "request's rows whole (heads are split, rows are not)"
         )

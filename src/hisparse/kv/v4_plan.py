@@ -179,7 +179,7 @@ def _fp8(out_dim: int, in_dim: int) -> int:
 
 def weight_bytes_per_rank(config: V4Config, tp: int = 1) -> tuple[int, int]:
     """(parameters of the whole model, bytes on the widest rank of ``tp``): an estimate in the
-    release's formats as the engine holds them at TP 1 — routed experts 4-bit (e2m1 plus one
+    release's formats as the engine holds them — routed experts 4-bit (e2m1 plus one
     UE8M0 byte per 32 values), the other linear weights e4m3 with fp32 tile factors, ``wo_a``
     dequantized to bf16, embedding, LM head and norms bf16, router and hyper-connection mixers
     fp32. Sharded as `hisparse.parallel.shard_v4` shards (``wq_b``, ``wo_a`` by output group,
