@@ -59,6 +59,27 @@ def test_unpack_bitmask_matches_xgrammar_on_random_bits():
     assert torch.equal(got, want)
 
 
+def test_grammar_masks_match_the_torch_reference(llm):
+    """`apply_grammar_masks` (xgrammar's kernel, rows 1 and 3 of 4) against `unpack_bitmask`
+    applied in torch, on fresh random logits; the other rows are not touched."""
+    from hisparse.engine.grammar import apply_grammar_masks
+
+    g = torch.Generator().manual_seed(1)
+    V = llm.model.config.vocab_size
+    logits = torch.randn(4, V, generator=g)
+    specs = [StructuredOutputsParams(regex="[a-c]+x"), StructuredOutputsParams(choice=["yes"])]
+    got = logits.clone()
+    apply_grammar_masks(got, [1, 3], [llm.grammars.matcher(s) for s in specs])
+    want = logits.clone()
+    for row, spec in zip([1, 3], specs, strict=True):
+        bits = xgr.allocate_token_bitmask(1, V)
+        llm.grammars.matcher(spec).fill_next_token_bitmask(bits, 0)
+        want[row] = want[row].masked_fill(~unpack_bitmask(bits, V)[0], float("-inf"))
+    assert torch.equal(got, want)
+    assert torch.isfinite(got[1]).sum() == 3  # a, b, c
+    assert torch.equal(got[[0, 2]], logits[[0, 2]])
+
+
 def test_params_name_what_is_wrong():
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams(regex="a+", choice=["a"])

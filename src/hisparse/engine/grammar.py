@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from hisparse.engine.host_copy import tensor_to_device, to_device
+from hisparse.engine.host_copy import tensor_to_device
 from hisparse.engine.output_processor import _decoder_config, _decoder_types
 from hisparse.engine.structured_params import StructuredOutputsParams
 
@@ -149,17 +149,15 @@ def json_string_fix(ebnf: str) -> str:
 
 def apply_grammar_masks(x: torch.Tensor, rows: Sequence[int], matchers: Sequence[Any]) -> None:
     """Set to ``-inf``, in place, the logits of ``x [B, V]`` (fp32) that each grammar row
-    ``rows[j]`` may not take next, from ``matchers[j]``'s bitmask: one bitmask for the rows,
-    filled on the host, one copy to the device, unpacked there in one batched op."""
+    ``rows[j]`` may not take next, from ``matchers[j]``'s bitmask: the rows' bitmasks filled
+    on the host, one copy to the device, one batched xgrammar kernel there (its CPU, CUDA or
+    Triton kernel; `unpack_bitmask` is the torch reference)."""
     xgr = _xgrammar()
     V = x.shape[-1]
-    bitmask = xgr.allocate_token_bitmask(len(rows), V)
-    for j, m in enumerate(matchers):
-        m.fill_next_token_bitmask(bitmask, j)
-    bits = tensor_to_device(bitmask, x.device)
-    allowed = unpack_bitmask(bits, V)
-    where = to_device(list(rows), torch.long, x.device)
-    x[where] = x[where].masked_fill(~allowed, float("-inf"))
+    bitmask = xgr.allocate_token_bitmask(x.shape[0], V)
+    for i, m in zip(rows, matchers, strict=True):
+        m.fill_next_token_bitmask(bitmask, i)
+    xgr.apply_token_bitmask_inplace(x, tensor_to_device(bitmask, x.device), indices=list(rows))
 
 
 def unpack_bitmask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
