@@ -171,3 +171,14 @@ def test_plan_parameter_formula_counts_the_model(arch):
         model = DsaForCausalLM(cfg)
     own = sum(p.numel() for p in model.parameters())
     assert sum(p.params for p in dsa_weight_parts(cfg, 1)) == own
+
+
+def test_plan_counts_the_speculative_rows_hot_buffers(capsys):
+    """Two draft tokens a step: three rows per request, so the hot buffer defaults to
+    (2 + 2) * top_k rows and fewer requests fit beside them."""
+    assert main([*DEEPSEEK, "--num-speculative-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "device_buffer_size 8192 (128 blocks per hot group)" in out
+    assert "HiSparse 46, all-GPU 10" in out
+    assert main([*DEEPSEEK, "--num-speculative-tokens", "-1"]) == 2
+    assert "--num-speculative-tokens -1: must be >= 0" in capsys.readouterr().err

@@ -176,6 +176,13 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     )
     plan.add_argument("--block-size", type=int, default=64, help="tokens per block (default: 64)")
     plan.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="draft tokens verified per step (speculative decoding): max_query_len = K + 1, "
+        "so the hot buffer defaults to (K + 2) * top_k rows (default: 0)",
+    )
+    plan.add_argument(
         "--context-len",
         type=int,
         help="request length for the capacity figures (default: --max-model-len)",
@@ -194,8 +201,17 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
             "HiSparseConfig.device_buffer_size": "--device-buffer-size",
             "HiSparseConfig.host_pool_gib": "--host-pool-gib",
             "HiSparseConfig.block_size": "--block-size",
+            "HiSparseConfig.max_query_len": "--num-speculative-tokens",
         },
     )
+
+
+def _query_len(args: argparse.Namespace) -> int:
+    """Rows one request brings to a decode step: its token and its drafts."""
+    k = args.num_speculative_tokens
+    if k < 0:
+        raise HiSparseConfigError(f"--num-speculative-tokens {k}: must be >= 0, e.g. 4.")
+    return 1 + k
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -227,6 +243,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         device_buffer_size=args.device_buffer_size,
         host_pool_gib=args.host_pool_gib,
         block_size=args.block_size,
+        max_query_len=_query_len(args),
     ).resolve(model.index_topk)
     budget = int(args.gpu_memory_gib * 2**30)
     if args.max_batched_tokens < 1:
@@ -345,7 +362,8 @@ def _run_plan_node(args: argparse.Namespace) -> int:
     if indivisible:
         raise HiSparseConfigError(f"--tensor-parallel-size {tp}: {indivisible}")
     node, parts = node_plan(args, model, cfg, fmt, ranks=tp, data_parallel=False,
-                            max_query_len=1, max_len=max_len, context_len=context_len)  # fmt: skip
+                            max_query_len=_query_len(args), max_len=max_len,
+                            context_len=context_len)  # fmt: skip
     weights, budget, hisparse, all_gpu = node.weights, node.budget, node.hisparse, node.all_gpu
 
     console = Console(width=max(Console().width, 100), highlight=False)
