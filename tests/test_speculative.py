@@ -264,3 +264,18 @@ def test_hot_buffer_grows_with_the_drafts(checkpoint):
              speculative_config=SPEC) as llm:  # fmt: skip
         assert llm.config.max_query_len == 4
         assert llm.config.device_buffer_size == 5 * llm.config.top_k
+
+
+def test_refused_drafts_pause_the_lookup():
+    """All of a step's drafts refused: the request drafts nothing for 1, 2, 4, ... (at most 8)
+    steps; a taken draft ends the pause."""
+    from hisparse.engine.scheduler import MAX_DRAFT_PAUSE, pause_drafts
+
+    req = _req(0, temperature=0)
+    pauses = []
+    for _ in range(6):
+        pause_drafts(req, accepted=False)
+        pauses.append(req.draft_pause)
+    assert pauses == [1, 2, 4, 8, 8, 8] and MAX_DRAFT_PAUSE == 8
+    pause_drafts(req, accepted=True)
+    assert (req.draft_pause, req.draft_backoff) == (0, 1)

@@ -99,6 +99,10 @@ class Request:
     #: the seed of this request's random stream (None: greedy, no stream)
     sampling_seed: int | None = field(default=None, init=False)
     _generator: Any = field(default=None, init=False, repr=False)
+    #: speculative decoding: decode steps to run without drafts after drafts were all
+    #: refused, and the next such pause (doubling while they keep being refused)
+    draft_pause: int = field(default=0, init=False, repr=False)
+    draft_backoff: int = field(default=1, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

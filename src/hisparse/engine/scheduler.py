@@ -344,6 +344,9 @@ class Scheduler:
         k = min(spec.num_speculative_tokens, spare, left - 1)
         if k <= 0:
             return []
+        if req.draft_pause > 0:
+            req.draft_pause -= 1
+            return []
         return proposer.propose(req.all_token_ids, k)
 
     def _grow(self, req: Request, new_len: int, reserve: int) -> bool:
@@ -548,6 +551,8 @@ class Scheduler:
                 m.spec_drafted += len(step.drafts[i])  # type: ignore[index]
                 m.spec_accepted += len(taken)
                 m.spec_steps += bool(step.drafts[i])  # type: ignore[index]
+                if step.drafts[i]:  # type: ignore[index]
+                    pause_drafts(req, bool(taken))
             for t, p in seq:
                 if t is None:
                     req.metrics.finished = now
@@ -575,3 +580,21 @@ class Scheduler:
         req.finish_reason = reason
         self._cache_pages(req)
         self._release(req)
+
+
+#: Most decode steps a request runs without drafts after its drafts kept being refused.
+MAX_DRAFT_PAUSE = 8
+
+
+def pause_drafts(req: Request, accepted: bool) -> None:
+    """After a step that verified drafts of ``req``: where none was taken, its next
+    ``draft_backoff`` decode steps draft nothing (1, 2, 4, ... up to `MAX_DRAFT_PAUSE` while
+    refusals go on); a taken draft resets it. A verifying step costs more than a one-row
+    step (the CPU's batch-1 step most of all), so where lookups keep missing (open-ended
+    text) speculation stops paying for rows nobody takes, and it drafts again soon enough
+    when the request starts copying. The tokens do not depend on it."""
+    if accepted:
+        req.draft_pause, req.draft_backoff = 0, 1
+        return
+    req.draft_pause = req.draft_backoff
+    req.draft_backoff = min(2 * req.draft_backoff, MAX_DRAFT_PAUSE)
