@@ -273,8 +273,8 @@ def test_chat_uses_the_checkpoints_template(llm, checkpoint):
     assert same.token_ids == out.token_ids
     two = llm.chat([conv, [{"role": "user", "content": "t12"}]], GREEDY)
     assert len(two) == 2 and two[0].token_ids == out.token_ids
-    with pytest.raises(ValueError, match="template refused them: unknown role robot"):
-        llm.chat([{"role": "robot", "content": "t1"}])
+    with pytest.raises(ValueError, match="template refused them: unknown role tool"):
+        llm.chat([{"role": "tool", "content": "t1"}])
 
 
 @pytest.mark.parametrize(
@@ -285,7 +285,12 @@ def test_chat_uses_the_checkpoints_template(llm, checkpoint):
         ([{"role": "user"}], ValueError, r"messages\[0\]=.* must be a dict with a 'content' key"),
         ([{"content": "x"}], ValueError, "'role' key"),
         ([{"role": "user", "content": 5}], TypeError, r"messages\[0\]\['content'\]=5 must be"),
-        ([{"role": "", "content": "x"}], ValueError, "non-empty string such as 'user'"),
+        ([{"role": "", "content": "x"}], ValueError, "must be one of 'system', 'user'"),
+        (
+            [{"role": "wizard", "content": "x"}],
+            ValueError,
+            r"messages\[0\]\['role'\]='wizard' must be one of .*'developer', e.g. ",
+        ),
         ([[{"role": "user", "content": "x"}], "no"], TypeError, r"messages\[1\]='no'"),
         ([["user", "x"]], TypeError, r"messages\[0\]\[0\]='user' must be a dict"),
     ],

@@ -9,6 +9,7 @@ CLI flags go through the same checks and the messages name the flag."""
 from __future__ import annotations
 
 import os
+import re
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -232,7 +233,9 @@ BAD_PROMPT = st.sampled_from(
 )  # fmt: skip
 
 
-def test_a_batch_with_bad_requests_finishes_the_others(checkpoint):
+def test_a_batch_with_a_prompt_that_can_never_run_raises_before_anything_runs(checkpoint):
+    """vLLM's behaviour: a prompt the engine can never run (bad ids, empty, no room under
+    max_model_len) is a `ValueError` naming it, and nothing of the call is queued."""
     with tiny_llm(checkpoint) as llm:
 
         @settings(max_examples=25, deadline=None)
@@ -248,16 +251,17 @@ def test_a_batch_with_bad_requests_finishes_the_others(checkpoint):
                 SamplingParams(temperature=0.7, seed=i, max_tokens=m, ignore_eos=True, n=n)
                 for i, m in zip(range(len(ids)), lengths, strict=False)
             ]
-            outs = llm.generate(prompt_token_ids=ids, sampling_params=params)
-            assert len(outs) == len(ids)
-            for (ok, _, _), p, out in zip(batch, params, outs, strict=True):
-                assert len(out.outputs) == n
-                if ok:
-                    assert out.ok, out.error
+            bad = [i for i, (ok, _, _) in enumerate(batch) if not ok]
+            if bad:
+                where = f"prompt {bad[0]} (of {len(ids)}): " if len(ids) > 1 else ""
+                with pytest.raises(ValueError, match=re.escape(where) or None) as err:
+                    llm.generate(prompt_token_ids=ids, sampling_params=params)
+                assert "nothing was run" in str(err.value)
+            else:
+                outs = llm.generate(prompt_token_ids=ids, sampling_params=params)
+                for p, out in zip(params, outs, strict=True):
+                    assert len(out.outputs) == n and out.ok, out.error
                     assert all(len(c.token_ids) == p.max_tokens for c in out.outputs)
-                else:
-                    assert not out.ok and all(c.finish_reason == "error" for c in out.outputs)
-                    assert all(c.token_ids == [] for c in out.outputs)
             kv = llm.kv
             assert not llm.scheduler.waiting and not llm.scheduler.running and not kv.requests
             assert kv.host_blocks.num_free == kv.host_blocks.num_usable
@@ -277,12 +281,12 @@ def test_bad_calls_fail_before_anything_runs(checkpoint):
             llm.generate(prompt_token_ids=[[1], [2]], sampling_params=[SamplingParams()])
         with pytest.raises(ValueError, match="exactly one of prompts or prompt_token_ids"):
             llm.generate()
-        # text without a tokenizer fails that request only
-        outs = llm.generate(
-            ["hello", {"prompt_token_ids": [3, 4]}, 7], SamplingParams(max_tokens=2)
-        )
-        assert "no tokenizer.json" in outs[0].error and outs[1].ok
-        assert "a prompt must be a string" in outs[2].error
+        # text without a tokenizer, or a prompt of no known shape, can never run
+        with pytest.raises(ValueError, match=r"prompt 0 \(of 3\): this checkpoint has no "):
+            llm.generate(["hello", {"prompt_token_ids": [3, 4]}, 7], SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match=r"prompt 1 \(of 2\): a prompt must be a string"):
+            llm.generate([{"prompt_token_ids": [3, 4]}, 7], SamplingParams(max_tokens=2))
+        assert not llm.scheduler.waiting and not llm.kv.requests
         assert llm.generate([]) == []
 
 

@@ -289,7 +289,7 @@ def test_generate_notes_that_seed_is_unused_when_greedy(tmp_path, capsys, extra,
     """A note, not an error: the run goes on (here to the missing model's error)."""
     assert main(["generate", "--model", str(tmp_path / "none"), *extra]) == 2
     err = capsys.readouterr().err
-    assert "no config.json there" in err
+    assert "no such file or folder" in err
     note = "note: --seed has no effect with --temperature 0 (greedy decoding)"
     assert (note in err) is noted, err
 
@@ -311,7 +311,7 @@ def test_missing_model(tmp_path, capsys):
         )
         == 2
     )
-    assert "no config.json" in capsys.readouterr().err
+    assert "no such file or folder" in capsys.readouterr().err
 
 
 def test_same_tokens_compared_only_under_the_same_schedule():

@@ -77,9 +77,12 @@ def test_plan_from_config_json(tmp_path, capsys):
     [
         (["--host-pool-gib", "2"], "Set host_pool_gib >= 4.89 GiB"),
         (["--gpu-memory-gib", "1"], "Give the KV cache >= 1.23 GiB"),
-        (["--device-buffer-size", "1024"], "Set device_buffer_size >= 2048"),
+        (
+            ["--device-buffer-size", "1024"],
+            "--device-buffer-size 1024: must be between max_query_len * top_k = 1 * 2048 = 2048",
+        ),
         (["--context-len", "200000"], "--context-len=200000 must be between 1 and"),
-        (["--model", "no-such-model"], "neither a preset"),
+        (["--model", "no-such-model"], "no such file or folder, and not a preset name"),
     ],
 )
 def test_plan_errors_exit_2_without_traceback(capsys, override, needle):
@@ -132,7 +135,7 @@ def test_plan_tensor_parallel_node(capsys):
     them: tests/test_fp8_plan.py), the KV budget left, requests of 128K with HiSparse and
     all-GPU, and one host copy for the node."""
     args = ["plan", "--model", "deepseek-v3.2", "--tensor-parallel-size", "8",
-            "--gpu-memory-gib", "141"]  # fmt: skip
+            "--gpu-total-gib", "141", "--max-model-len", "131072"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "685.4B parameters" in out and "82.48 GiB" in out
@@ -140,7 +143,7 @@ def test_plan_tensor_parallel_node(capsys):
     assert "HiSparse 38, all-GPU 7" in out
     assert "185.71 GiB for the node, one copy shared by its 8 ranks" in out
     assert main(["plan", "--model", "glm-5", "--tensor-parallel-size", "8",
-                 "--gpu-memory-gib", "141"]) == 0  # fmt: skip
+                 "--gpu-total-gib", "141"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "755.2B parameters" in out and "indexer (21 layers, whole)" in out
     # 3 does not divide 128 heads; 2 GPUs cannot hold the weights
@@ -150,9 +153,12 @@ def test_plan_tensor_parallel_node(capsys):
     assert "weights per rank exceed" in capsys.readouterr().err
 
 
-def test_plan_without_tensor_parallel_needs_the_pool_flags(capsys):
-    assert main(["plan", "--model", "deepseek-v3.2", "--gpu-memory-gib", "60"]) == 2
-    assert "--host-pool-gib is required" in capsys.readouterr().err
+def test_plan_defaults_the_pool_flags_from_the_model(capsys):
+    """--max-model-len defaults to the model's context (as the engine's), the host pool to
+    what the requests that fit the GPU need (as with --gpu-total-gib)."""
+    assert main(["plan", "--model", "DeepSeek-V3.2", "--gpu-memory-gib", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "max_model_len 163,840" in out and "Requests of 163,840 tokens" in out
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])

@@ -33,7 +33,16 @@ def test_hot_buffer_above_int16_lru_limit():
     with pytest.raises(HiSparseConfigError) as e:
         HiSparseConfig(top_k=2048, device_buffer_size=40000).resolve()
     msg = str(e.value)
-    assert "device_buffer_size=40000" in msg and "between 2048 and 32768" in msg
+    assert "device_buffer_size=40000" in msg and "= 2048 (one step" in msg and "and 32768" in msg
+    assert "Set device_buffer_size <= 32768" in msg
+
+
+def test_a_top_k_no_hot_buffer_can_hold_names_top_k_and_a_range_that_exists():
+    """Not "set device_buffer_size between 99999 and 32768": top_k is what to change."""
+    with pytest.raises(HiSparseConfigError) as e:
+        HiSparseConfig(top_k=99999).resolve()
+    assert e.value.field == "HiSparseConfig.top_k" and e.value.example == 2048
+    assert "top_k=99999 must be at most 32768" in str(e.value) and "between" not in str(e.value)
 
 
 def test_missing_top_k_says_how_to_set_it():

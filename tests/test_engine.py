@@ -166,8 +166,10 @@ def test_lossless_under_preemption_and_a_tiny_host_pool(checkpoint):
     assert _tokens(small) == _tokens(one_at_a_time)
 
 
-def test_bad_requests_fail_alone(checkpoint):
-    prompts = [[], _prompts((30,))[0], list(range(200)), [7, 600]]
+def test_prompts_that_can_never_run_raise_before_anything_runs(checkpoint):
+    """vLLM's behaviour: empty, too long for max_model_len, or ids outside the vocabulary
+    is a `ValueError` naming the prompt and the fix; the good prompt then runs."""
+    good = _prompts((30,))[0]
     with LLM(
         checkpoint,
         hisparse=HiSparseConfig(host_pool_gib=0.01, block_size=4),
@@ -175,11 +177,17 @@ def test_bad_requests_fail_alone(checkpoint):
         max_model_len=128,
         gpu_memory_gib=0.02,
     ) as llm:
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    assert "empty" in outs[0].error
-    assert outs[1].ok and len(outs[1].token_ids) == GREEDY.max_tokens
-    assert "max_model_len=128" in outs[2].error and "Shorten the prompt" in outs[2].error
-    assert "outside the vocabulary" in outs[3].error
+        for i, (bad, needle) in enumerate([([], "empty"), (list(range(200)), "max_model_len=128"),
+                                           ([7, 600], "outside the vocabulary")]):  # fmt: skip
+            prompts = [good, good, good]
+            prompts[i] = bad
+            with pytest.raises(ValueError, match=f"prompt {i} \\(of 3\\): .*{needle}"):
+                llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+        with pytest.raises(ValueError, match="room for at most 127 and one of output: shorten"):
+            llm.generate(prompt_token_ids=list(range(200)), sampling_params=GREEDY)
+        assert not llm.scheduler.waiting and not llm.kv.requests
+        (out,) = llm.generate(prompt_token_ids=[good], sampling_params=GREEDY)
+    assert out.ok and len(out.token_ids) == GREEDY.max_tokens
 
 
 def test_host_pool_too_small_for_one_request_fails_at_start(checkpoint):

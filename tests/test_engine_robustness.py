@@ -101,14 +101,15 @@ def test_a_failed_run_leaves_the_engine_usable(checkpoint, monkeypatch):
         assert _idle(llm)
 
 
-def test_a_bad_prompt_fails_alone_and_leaves_nothing_queued(checkpoint):
+def test_a_bad_prompt_raises_and_leaves_nothing_queued(checkpoint):
     prompts = _prompts((20, 22))
     params = SamplingParams(temperature=0, max_tokens=4)
     with _llm(checkpoint) as llm:
-        outs = llm.generate(prompt_token_ids=[prompts[0], [5, None]], sampling_params=params)
-        assert outs[0].ok and len(outs[0].token_ids) == 4
-        assert not outs[1].ok and "integers" in outs[1].error
-        assert _idle(llm)
+        with pytest.raises(ValueError, match=r"prompt 1 \(of 2\): .*integers"):
+            llm.generate(prompt_token_ids=[prompts[0], [5, None]], sampling_params=params)
+        assert _idle(llm) and not llm.step_stats
+        (out,) = llm.generate(prompt_token_ids=[prompts[0]], sampling_params=params)
+        assert out.ok and len(out.token_ids) == 4
         steps = len(llm.step_stats)
         llm.generate(prompt_token_ids=[prompts[1]], sampling_params=params)
         assert len(llm.step_stats) - steps == 4  # one prefill and three decode steps: no orphans

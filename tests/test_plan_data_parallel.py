@@ -24,7 +24,8 @@ from hisparse.sim.data_parallel import simulate_data_parallel
 from hisparse.sim.simulator import SimSettings
 from hisparse.sim.trace import synthetic_trace
 
-DP8 = ["plan", "--data-parallel-size", "8", "--enable-expert-parallel", "--gpu-memory-gib", "141"]
+DP8 = ["plan", "--data-parallel-size", "8", "--enable-expert-parallel", "--gpu-total-gib", "141",
+       "--max-model-len", "131072"]  # fmt: skip
 
 
 def test_plan_data_parallel_node_beside_tensor_parallel(capsys):
@@ -53,7 +54,7 @@ def test_plan_data_parallel_node_beside_tensor_parallel(capsys):
     ],
 )
 def test_plan_data_parallel_errors(capsys, args, needle):
-    assert main(["plan", "--model", "deepseek-v3.2", "--gpu-memory-gib", "141", *args]) == 2
+    assert main(["plan", "--model", "deepseek-v3.2", "--gpu-total-gib", "141", *args]) == 2
     assert needle in capsys.readouterr().err
 
 

@@ -89,18 +89,18 @@ def test_cli_prints_one_gpu_and_a_node(capsys):
     for text in ("128K-token", "512K-token", "1M-token", "HiSparse (design)", "One GPU",
                  "all-GPU, engine today", "CSA hot buffer"):  # fmt: skip
         assert text in out, text
-    assert main(["plan", "--model", "deepseek-v4-pro", "--gpu-memory-gib", "141",
+    assert main(["plan", "--model", "deepseek-v4-pro", "--gpu-total-gib", "141",
                  "--tensor-parallel-size", "8"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "Node" in out and "1M-token" in out and "weights 1,573.0B parameters" in out
 
 
 def test_cli_bad_input_says_what_to_change(capsys):
-    rc = main(["plan", "--model", "deepseek-v4-flash", "--gpu-memory-gib", "60",
+    rc = main(["plan", "--model", "deepseek-v4-flash", "--gpu-total-gib", "60",
                "--tensor-parallel-size", "3"])  # fmt: skip
     assert rc == 2
     assert "does not divide" in capsys.readouterr().err
-    rc = main(["plan", "--model", "deepseek-v4-pro", "--gpu-memory-gib", "80",
+    rc = main(["plan", "--model", "deepseek-v4-pro", "--gpu-total-gib", "80",
                "--tensor-parallel-size", "1"])  # fmt: skip
     assert rc == 2
     assert "more GPUs" in capsys.readouterr().err

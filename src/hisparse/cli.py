@@ -9,16 +9,27 @@ the host pool; see `hisparse.cli_generate`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from hisparse.bench.cli import add_bench_parser
+from hisparse.cli_chat import add_chat_parser
 from hisparse.cli_generate import add_generate_parser
 from hisparse.cli_make_tiny import add_make_tiny_parser
+from hisparse.cli_options import (
+    add_model_option,
+    add_option,
+    add_options,
+    add_version,
+    flag_for_field,
+    typed_flag,
+)
 from hisparse.cli_serve import add_serve_parser
 from hisparse.config import (
     ROW_ALIGNMENT_BYTES,
@@ -26,17 +37,17 @@ from hisparse.config import (
     HiSparseConfigError,
     check_gib,
 )
+from hisparse.defaults import DEFAULT_GPU_MEMORY_UTILIZATION
 from hisparse.kv.cache_shapes import (
-    PRESETS,
     SUPPORTED_KV_FORMATS,
     ModelCacheShape,
     load_model_cache_shape,
 )
 from hisparse.kv.layer_names import summarize_index_groups
-from hisparse.kv.layout import DEFAULT_PREFILL_TOKENS, KVLayout, format_gib
+from hisparse.kv.layout import KVLayout, format_gib
 from hisparse.kv.planner import plan_kv_layout
 from hisparse.kv.v4_plan import V4_PRESETS, v4_config_of
-from hisparse.parallel.plan import DEFAULT_GPU_MEMORY_UTILIZATION
+from hisparse.models.source import model_context, require_dsa, resolve_model_source
 from hisparse.sim.cli import add_simulate_parser
 
 #: Exit status for bad arguments or configuration (argparse uses the same).
@@ -49,11 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Hierarchical sparse attention: KV cache in pinned host memory, "
         "a small LRU hot buffer per request on the GPU.",
     )
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_plan_parser(sub)
     add_generate_parser(sub)
     add_bench_parser(sub)
     add_serve_parser(sub)
+    add_chat_parser(sub)
     add_make_tiny_parser(sub)
     add_simulate_parser(sub)
     return parser
@@ -92,10 +105,9 @@ def _serve_rank_if_torchrun_worker(args: argparse.Namespace) -> None:
 
 def flag_message(err: Exception, args: argparse.Namespace) -> str:
     """The error in the flag's terms where it is about a value a flag gave (the API checks
-    name the field: ``SamplingParams.max_tokens``; the subcommand maps fields to flags in
-    its ``flags`` default)."""
-    field = getattr(err, "field", None)
-    flag = getattr(args, "flags", {}).get(field)
+    name the field: ``SamplingParams.max_tokens``; `hisparse.cli_options` maps fields to
+    flags, as the user typed them)."""
+    flag = flag_for_field(args, getattr(err, "field", None))
     if flag is None or getattr(err, "requirement", None) is None:
         return str(err)
     text = f"{flag} {err.value}: must be {err.requirement}"  # type: ignore[attr-defined]
@@ -111,43 +123,48 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "plan",
         help="show the KV layout and how many requests fit",
         description="Plan host and GPU KV pools for a model and compare request capacity "
-        "with HiSparse against keeping every KV row on the GPU.",
+        "with HiSparse against keeping every KV row on the GPU. Give the KV budget "
+        "(--gpu-memory-gib, as generate and serve take it) or each GPU's whole memory "
+        "(--gpu-total-gib: the weights per rank are planned and taken off it).",
     )
-    plan.add_argument(
-        "--model",
-        required=True,
-        help=f"a preset ({', '.join([*PRESETS, *V4_PRESETS])}) or a Hugging Face config.json / "
-        "model folder",
-    )
-    plan.add_argument(
-        "--gpu-memory-gib",
+    add_model_option(plan, what=f"; DSA models only, and the DeepSeek-V4 presets "
+                     f"{', '.join(V4_PRESETS)}")  # fmt: skip
+    budget = plan.add_mutually_exclusive_group(required=True)
+    add_option(
+        budget, "--gpu-memory-gib", help="GPU memory for the KV cache, GiB, per GPU (required: "
+        "this or --gpu-total-gib)",
+    )  # fmt: skip
+    budget.add_argument(
+        "--gpu-total-gib",
         type=float,
-        required=True,
-        help="GPU memory for the KV cache (what is left after weights), GiB; with "
-        "--tensor-parallel-size: each GPU's whole memory",
+        default=None,
+        help="each GPU's whole memory, GiB: plans the weights per rank (fp8 block-scaled) and "
+        "gives the KV cache what --gpu-memory-utilization of it leaves (required: this or "
+        "--gpu-memory-gib)",
     )
-    plan.add_argument(
-        "--host-pool-gib",
-        type=float,
-        help="pinned host pool size, GiB (with --tensor-parallel-size: default what the "
-        "requests that fit the GPUs need)",
-    )
-    plan.add_argument(
-        "--max-model-len",
-        type=int,
-        help=f"longest request, tokens (with --tensor-parallel-size: default {TP_PLAN_LEN:,})",
-    )
+    add_option(
+        plan, "--gpu-memory-utilization", help="with --gpu-total-gib: the fraction of each "
+        f"GPU's memory weights and KV may take (default: {DEFAULT_GPU_MEMORY_UTILIZATION}; the "
+        "rest for activations, CUDA and NCCL)",
+    )  # fmt: skip
+    add_option(
+        plan, "--host-pool-gib", help="pinned host pool size, GiB (default: what the requests "
+        "that fit the GPUs need)",
+    )  # fmt: skip
+    add_option(plan, "--max-model-len")
     plan.add_argument(
         "--tensor-parallel-size",
         type=int,
-        help="plan one node of this many GPUs: weights per rank (fp8 block-scaled), the KV "
-        "budget left per GPU, requests that fit, host RAM for one shared copy",
+        help="plan one node of this many GPUs of --gpu-total-gib: weights per rank (fp8 "
+        "block-scaled), the KV budget left per GPU, requests that fit, host RAM for one shared "
+        "copy (default: none: one GPU's KV budget, --gpu-memory-gib)",
     )
     plan.add_argument(
         "--data-parallel-size",
         type=int,
-        help="plan one node of this many GPUs with data-parallel attention (each rank its own "
-        "requests, KV and host pool) beside tensor parallelism over them, for max_query_len 1-4",
+        help="plan one node of this many GPUs of --gpu-total-gib with data-parallel attention "
+        "(each rank its own requests, KV and host pool) beside tensor parallelism over them, "
+        "for max_query_len 1-4 (default: none)",
     )
     plan.add_argument(
         "--enable-expert-parallel",
@@ -156,25 +173,12 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "experts each)",
     )
     plan.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=DEFAULT_GPU_MEMORY_UTILIZATION,
-        help="with --tensor-parallel-size: the fraction of each GPU's memory weights and KV "
-        "may take (default: %(default)s; the rest for activations, CUDA and NCCL)",
-    )
-    plan.add_argument(
         "--kv-format",
         choices=SUPPORTED_KV_FORMATS,
         default=SUPPORTED_KV_FORMATS[0],
         help="row format of sparse MLA layers (default: %(default)s)",
     )
-    plan.add_argument("--top-k", type=int, help="rows per query token (default: model index_topk)")
-    plan.add_argument(
-        "--device-buffer-size",
-        type=int,
-        help="hot rows per request and layer (default: (max_query_len + 1) * top_k)",
-    )
-    plan.add_argument("--block-size", type=int, default=64, help="tokens per block (default: 64)")
+    add_options(plan, "--sparse-top-k", "--hot-buffer-rows", "--block-size")
     plan.add_argument(
         "--num-speculative-tokens",
         type=int,
@@ -187,22 +191,9 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="request length for the capacity figures (default: --max-model-len)",
     )
-    plan.add_argument(
-        "--max-batched-tokens",
-        type=int,
-        default=DEFAULT_PREFILL_TOKENS,
-        help="prompt tokens per engine step; sizes the HiSparse prefill staging area "
-        "(default: %(default)s, the engine's default)",
-    )
+    add_option(plan, "--max-num-batched-tokens")
     plan.set_defaults(
-        handler=_run_plan,
-        flags={
-            "HiSparseConfig.top_k": "--top-k",
-            "HiSparseConfig.device_buffer_size": "--device-buffer-size",
-            "HiSparseConfig.host_pool_gib": "--host-pool-gib",
-            "HiSparseConfig.block_size": "--block-size",
-            "HiSparseConfig.max_query_len": "--num-speculative-tokens",
-        },
+        handler=_run_plan, flags={"HiSparseConfig.max_query_len": "--num-speculative-tokens"}
     )
 
 
@@ -214,51 +205,205 @@ def _query_len(args: argparse.Namespace) -> int:
     return 1 + k
 
 
+@dataclasses.dataclass
+class _PlanInputs:
+    """``hisparse plan``'s flags, checked together (every missing or bad one at once)."""
+
+    model: ModelCacheShape
+    #: what the plan modules take for the model: a canonical preset name or a config.json
+    ref: str
+    max_len: int
+    context_len: int
+    tp: int
+    utilization: float
+
+
+def _plan_inputs(args: argparse.Namespace) -> _PlanInputs:
+    src = resolve_model_source(args.model, name="--model")
+    require_dsa(src, "plan")
+    problems = []
+    context = model_context(src)
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        problems.append(f"--tensor-parallel-size {tp}: must be a positive integer, e.g. 8")
+    if args.gpu_memory_gib is not None and tp > 1:
+        problems.append(
+            "--gpu-memory-gib is the KV budget (as in generate and serve); with "
+            "--tensor-parallel-size give each GPU's whole memory instead, e.g. --gpu-total-gib "
+            "141, and the weights per rank are planned"
+        )
+    utilization = args.gpu_memory_utilization
+    if utilization is not None and args.gpu_total_gib is None:
+        problems.append(
+            f"--gpu-memory-utilization {utilization}: applies to --gpu-total-gib (a GPU's whole "
+            "memory); --gpu-memory-gib is already the KV budget"
+        )
+    utilization = DEFAULT_GPU_MEMORY_UTILIZATION if utilization is None else utilization
+    if not 0 < utilization <= 1:
+        problems.append(f"--gpu-memory-utilization {utilization}: must be in (0, 1], e.g. 0.9")
+    max_len = args.max_model_len if args.max_model_len is not None else context
+    flag = typed_flag(args, "--max-model-len")
+    if max_len is None:
+        problems.append(f"{args.model}: its config.json has no max_position_embeddings; give "
+                        f"{flag}, e.g. {flag} 131072")  # fmt: skip
+    elif max_len < 2:
+        problems.append(f"{flag} {max_len}: must be at least 2, e.g. {flag} 131072")
+    elif context is not None and max_len > context:
+        problems.append(
+            f"{flag} {max_len:,}: the model's context is {context:,} tokens "
+            f"(max_position_embeddings); give at most {flag} {context}"
+        )
+    context_len = args.context_len if args.context_len is not None else max_len
+    if max_len is not None and context_len is not None and not 0 < context_len <= max_len:
+        problems.append(
+            f"--context-len={context_len} must be between 1 and --max-model-len={max_len}"
+        )
+    batched = args.max_num_batched_tokens
+    if batched < 1:
+        problems.append(
+            f"{typed_flag(args, '--max-num-batched-tokens')} {batched}: must be >= 1, e.g. 2048"
+        )
+    for name, gib in (("--gpu-memory-gib", args.gpu_memory_gib),
+                      ("--gpu-total-gib", args.gpu_total_gib),
+                      ("--host-pool-gib", args.host_pool_gib)):  # fmt: skip
+        if gib is not None:
+            try:
+                check_gib(name, gib)
+            except HiSparseConfigError as err:
+                problems.append(str(err).rstrip("."))
+    if problems:
+        raise HiSparseConfigError("; ".join(problems) + ".")
+    model = load_model_cache_shape(
+        str(src.config_json or src.name), block_size=args.block_size, kv_format=args.kv_format
+    )
+    _check_row_alignment(model, args)
+    ref = str(src.config_json or src.name)
+    return _PlanInputs(model, ref, max_len, context_len, tp, utilization)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass
+class _PlanInputs:
+    """``hisparse plan``'s flags, checked together (every missing or bad one at once)."""
+
+    model: ModelCacheShape
+    #: what the plan modules take for the model: a canonical preset name or a config.json
+    ref: str
+    max_len: int
+    context_len: int
+    utilization: float
+    #: a node plan (`--gpu-total-gib`, `--tensor-parallel-size`, `--data-parallel-size`)
+    node: bool
+
+
+def _plan_inputs(args: argparse.Namespace) -> _PlanInputs:
+    src = resolve_model_source(args.model, name="--model")
+    require_dsa(src, "plan")
+    problems = []
+    context = model_context(src)
+    given = (("--tensor-parallel-size", args.tensor_parallel_size),
+             ("--data-parallel-size", args.data_parallel_size))  # fmt: skip
+    sizes = [(f, n) for f, n in given if n is not None]
+    node = bool(sizes) or args.gpu_total_gib is not None
+    if sizes and args.gpu_memory_gib is not None:
+        problems.append(
+            f"--gpu-memory-gib is the KV budget (as in generate and serve); with {sizes[0][0]} "
+            "give each GPU's whole memory instead, e.g. --gpu-total-gib 141, and the weights per "
+            "rank are planned"
+        )
+    utilization = args.gpu_memory_utilization
+    if utilization is not None and args.gpu_total_gib is None:
+        problems.append(
+            f"--gpu-memory-utilization {utilization}: applies to --gpu-total-gib (a GPU's whole "
+            "memory); --gpu-memory-gib is already the KV budget"
+        )
+    utilization = DEFAULT_GPU_MEMORY_UTILIZATION if utilization is None else utilization
+    if not 0 < utilization <= 1:
+        problems.append(f"--gpu-memory-utilization {utilization}: must be in (0, 1], e.g. 0.9")
+    max_len = args.max_model_len if args.max_model_len is not None else context
+    flag = typed_flag(args, "--max-model-len")
+    if max_len is None:
+        problems.append(f"{args.model}: its config.json has no max_position_embeddings; give "
+                        f"{flag}, e.g. {flag} 131072")  # fmt: skip
+    elif max_len < 2:
+        problems.append(f"{flag} {max_len}: must be at least 2, e.g. {flag} 131072")
+    elif context is not None and max_len > context:
+        problems.append(
+            f"{flag} {max_len:,}: the model's context is {context:,} tokens "
+            f"(max_position_embeddings); give at most {flag} {context}"
+        )
+    context_len = args.context_len if args.context_len is not None else max_len
+    if max_len is not None and context_len is not None and not 0 < context_len <= max_len:
+        problems.append(
+            f"--context-len={context_len} must be between 1 and --max-model-len={max_len}"
+        )
+    batched = args.max_num_batched_tokens
+    if batched < 1:
+        problems.append(
+            f"{typed_flag(args, '--max-num-batched-tokens')} {batched}: must be >= 1, e.g. 2048"
+        )
+    for name, gib in (("--gpu-memory-gib", args.gpu_memory_gib),
+                      ("--gpu-total-gib", args.gpu_total_gib),
+                      ("--host-pool-gib", args.host_pool_gib)):  # fmt: skip
+        if gib is not None:
+            try:
+                check_gib(name, gib)
+            except HiSparseConfigError as err:
+                problems.append(str(err).rstrip("."))
+    if problems:
+        raise HiSparseConfigError("; ".join(problems) + ".")
+    model = load_model_cache_shape(
+        str(src.config_json or src.name), block_size=args.block_size, kv_format=args.kv_format
+    )
+    _check_row_alignment(model, args)
+    ref = str(src.config_json or src.name)
+    return _PlanInputs(model, ref, max_len, context_len, utilization, node)  # type: ignore[arg-type]
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     v4 = v4_config_of(args.model)
     if v4 is not None:  # DeepSeek-V4: its own groups (`hisparse.cli_plan_v4`)
         from hisparse.cli_plan_v4 import run_v4_plan
 
-        return run_v4_plan(args, v4)
-    if args.tensor_parallel_size is not None or args.data_parallel_size is not None:
-        return _run_plan_node(args)
-    for flag, value in (("--host-pool-gib", args.host_pool_gib),
-                        ("--max-model-len", args.max_model_len)):  # fmt: skip
-        if value is None:
+        args.top_k, args.device_buffer_size = args.sparse_top_k, args.hot_buffer_rows
+        if args.gpu_total_gib is not None:  # the V4 plan reads a node's GPUs from here
+            args.gpu_memory_gib = args.gpu_total_gib
+            args.tensor_parallel_size = args.tensor_parallel_size or 1
+        elif args.tensor_parallel_size is not None:
             raise HiSparseConfigError(
-                f"{flag} is required (or pass --tensor-parallel-size to plan a node from its "
-                "GPUs' memory)"
+                "--gpu-memory-gib is the KV budget; with --tensor-parallel-size give each GPU's "
+                "whole memory instead, e.g. --gpu-total-gib 141"
             )
-    context_len = args.context_len if args.context_len is not None else args.max_model_len
-    if not 0 < context_len <= args.max_model_len:
-        raise HiSparseConfigError(
-            f"--context-len={context_len} must be between 1 and --max-model-len="
-            f"{args.max_model_len}."
-        )
-    check_gib("--gpu-memory-gib", args.gpu_memory_gib)
-    model = load_model_cache_shape(args.model, block_size=args.block_size, kv_format=args.kv_format)
-    _check_row_alignment(model, args)
+        if args.gpu_memory_utilization is None:
+            args.gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION
+        return run_v4_plan(args, v4)
+    inputs = _plan_inputs(args)
+    if inputs.node:
+        # the node plans (`hisparse.cli_plan_node`) read the checked values from ``args``
+        args.model, args.max_model_len = inputs.ref, inputs.max_len
+        args.gpu_memory_gib, args.gpu_memory_utilization = args.gpu_total_gib, inputs.utilization
+        if args.tensor_parallel_size is None and args.data_parallel_size is None:
+            args.tensor_parallel_size = 1
+        return _run_plan_node(args)
+    model, max_len, context_len = inputs.model, inputs.max_len, inputs.context_len
     config = HiSparseConfig(
-        top_k=args.top_k,
-        device_buffer_size=args.device_buffer_size,
+        top_k=args.sparse_top_k,
+        device_buffer_size=args.hot_buffer_rows,
         host_pool_gib=args.host_pool_gib,
         block_size=args.block_size,
         max_query_len=_query_len(args),
     ).resolve(model.index_topk)
     budget = int(args.gpu_memory_gib * 2**30)
-    if args.max_batched_tokens < 1:
-        raise HiSparseConfigError(f"--max-batched-tokens={args.max_batched_tokens} must be >= 1.")
+    if config.host_pool_bytes is None:
+        config = _host_pool_for_fits(model, config, budget, max_len, context_len, args)
     hisparse = plan_kv_layout(
         model.specs,
         config,
         budget,
-        args.max_model_len,
+        max_len,
         "hisparse",
-        max_num_batched_tokens=args.max_batched_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    all_gpu = plan_kv_layout(
-        model.specs, config, budget, args.max_model_len, "gpu", check_capacity=False
-    )
+    all_gpu = plan_kv_layout(model.specs, config, budget, max_len, "gpu", check_capacity=False)
 
     console = Console(width=max(Console().width, 100), highlight=False)
     sparse, indexers = model.sparse_specs, model.indexer_specs
@@ -270,7 +415,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     console.print(
         f"HiSparse: top_k {config.top_k}, device_buffer_size {config.device_buffer_size} "
         f"({config.hot_blocks_per_request} blocks per hot group)\n"
-        f"  block_size {config.block_size}, max_model_len {args.max_model_len:,}"
+        f"  block_size {config.block_size}, max_model_len {max_len:,}"
     )
     console.print(
         f"[bold]Host pool[/bold] (pinned): {hisparse.host_num_blocks:,} blocks x "
@@ -311,12 +456,31 @@ def byte_bound(hisparse: KVLayout, all_gpu: KVLayout, context_len: int) -> float
     )
 
 
-#: ``hisparse plan --tensor-parallel-size``: requests of this length unless --max-model-len.
-TP_PLAN_LEN = 131072
+def _host_pool_for_fits(
+    model: ModelCacheShape,
+    config: Any,
+    budget: int,
+    max_len: int,
+    context_len: int,
+    args: argparse.Namespace,
+) -> Any:
+    """``config`` with a host pool that holds the requests of ``context_len`` the GPU side
+    fits (the GPU side planned first with a host pool of one request)."""
+    block = sum(s.row_bytes for s in model.sparse_specs) * args.block_size
+    probe = dataclasses.replace(config, host_pool_bytes=config.min_host_blocks(max_len) * block)
+    gpu_side = plan_kv_layout(
+        model.specs, probe, budget, max_len, "hisparse",
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )  # fmt: skip
+    fits = gpu_side.max_requests_gpu(context_len)
+    host_blocks = fits * gpu_side.host_blocks_per_request(context_len) + 1
+    return dataclasses.replace(
+        config, host_pool_bytes=max(host_blocks * block, probe.host_pool_bytes or 0)
+    )
 
 
 def _run_plan_node(args: argparse.Namespace) -> int:
-    """One node of ``--tensor-parallel-size`` GPUs of ``--gpu-memory-gib`` each: weights per
+    """One node of ``--tensor-parallel-size`` GPUs of ``--gpu-total-gib`` each: weights per
     rank, the KV budget left per GPU, the requests that fit with HiSparse and all-GPU, and
     the host RAM that holds them once (`hisparse.parallel.plan`); with
     ``--data-parallel-size`` the data-parallel node beside it (`hisparse.cli_plan_node`)."""
@@ -334,12 +498,10 @@ def _run_plan_node(args: argparse.Namespace) -> int:
     flag = "--tensor-parallel-size" if args.data_parallel_size is None else "--data-parallel-size"
     if tp < 1:
         raise HiSparseConfigError(f"{flag} {tp}: must be a positive integer")
-    check_gib("--gpu-memory-gib", args.gpu_memory_gib)
-    if not 0 < args.gpu_memory_utilization <= 1:
-        raise HiSparseConfigError(
-            f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]"
-        )
-    max_len = args.max_model_len if args.max_model_len is not None else TP_PLAN_LEN
+    if args.gpu_memory_gib is None:  # (`_run_plan` put --gpu-total-gib here)
+        raise HiSparseConfigError(f"{flag} plans whole GPUs: give their memory, e.g. "
+                                  "--gpu-total-gib 141")  # fmt: skip
+    max_len = args.max_model_len
     context_len = args.context_len if args.context_len is not None else max_len
     if not 0 < context_len <= max_len:
         raise HiSparseConfigError(

@@ -19,13 +19,18 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from hisparse.cli_options import add_model_option, add_option, add_options
 from hisparse.config import HiSparseConfig, cdiv
+from hisparse.defaults import DEFAULT_MODEL
 from hisparse.engine.speculative import SPECULATIVE_HELP, SpeculativeConfig
+from hisparse.models.source import require_weights, resolve_model_source
 
 if TYPE_CHECKING:
     from hisparse.runtime.ops.cpu.compile import CompileClock
@@ -41,40 +46,12 @@ PARALLEL_FLAGS = {
     "LLM.data_parallel_size": "--data-parallel-size",
     "LLM.enable_expert_parallel": "--enable-expert-parallel",
 }
-#: The API field each flag sets, for error messages in the flag's terms.
-FLAGS = {
-    "SamplingParams.max_tokens": "--max-tokens",
-    "SamplingParams.temperature": "--temperature",
-    "SamplingParams.seed": "--seed",
-    "HiSparseConfig.top_k": "--top-k",
-    "HiSparseConfig.device_buffer_size": "--device-buffer-size",
-    "HiSparseConfig.host_pool_gib": "--host-pool-gib",
-    "HiSparseConfig.offload": "--offload",
-    "LLM.gpu_memory_gib": "--gpu-memory-gib",
-    "LLM.max_model_len": "--max-model-len",
-    "LLM.kv_placement": "--kv-placement",
-    "LLM.device": "--device",
-    "LLM.model": "--model",
-    **PARALLEL_FLAGS,
-}
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     """``--tensor-parallel-size``, ``--data-parallel-size``, ``--enable-expert-parallel``
     (vLLM's names) on a command that builds an engine; `parallel_kwargs` reads them."""
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="ranks to shard the model over, one GPU each (default 1); see the README for torchrun",
-    )
-    p.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        help="data-parallel attention: ranks that each run their own requests with their own KV "
-        "cache and host pool, one GPU each (default 1); not with --tensor-parallel-size",
-    )
+    add_options(p, "--tensor-parallel-size", "--data-parallel-size")
     p.add_argument(
         "--enable-expert-parallel",
         action="store_true",
@@ -102,43 +79,42 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
         help="generate text (default: the built-in SmolLM2 demo)",
         description="Generate with the KV cache in host memory and a small GPU hot buffer.",
     )
-    gen.add_argument(
-        "--model",
-        default="smollm2",
-        help="'smollm2' (bundled), a Llama .gguf file, or a DSA checkpoint folder",
+    add_model_option(gen, default=DEFAULT_MODEL)
+    source = gen.add_mutually_exclusive_group()
+    source.add_argument("--prompt", default=None, help="the user message (default: the demo)")
+    source.add_argument(
+        "--prompt-file",
+        metavar="PATH",
+        default=None,
+        help="read the user message from a file, or '-' for stdin (no argument-length limit; "
+        "default: --prompt)",
     )
-    gen.add_argument("--prompt", default=None, help="the user message (default: the demo)")
     gen.add_argument(
         "--no-chat", action="store_true", help="send the prompt without the model's chat template"
     )
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
     gen.add_argument(
-        "--top-k", type=int, default=None, help=f"rows each token attends to (demo: {DEMO_TOP_K})"
+        "--max-tokens", type=int, default=64, help="most new tokens (default: %(default)s)"
     )
     gen.add_argument(
-        "--device-buffer-size",
-        type=int,
-        default=None,
-        help="hot rows per request and layer (default (max_query_len+1)*top_k)",
+        "--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)"
     )
-    gen.add_argument(
-        "--host-pool-gib", type=float, default=None, help="default: what the request needs"
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, random)")
+    add_option(
+        gen,
+        "--sparse-top-k",
+        help="HiSparse: KV rows each query token attends to, chosen by the indexer (not "
+        f"sampling's top-k) (default: the model's index_topk; the demo: {DEMO_TOP_K})",
     )
-    gen.add_argument(
-        "--offload",
-        default=None,
-        help="under_pressure (default): pages stay on the GPU while there is room; "
-        "always: only tail pages on the GPU",
-    )
-    gen.add_argument("--gpu-memory-gib", type=float, default=None)
-    gen.add_argument("--max-model-len", type=int, default=4096)
-    gen.add_argument("--kv-placement", choices=("hisparse", "gpu"), default="hisparse")
-    gen.add_argument("--device", default=None)
+    add_options(
+        gen, "--hot-buffer-rows", "--host-pool-gib", "--offload", "--gpu-memory-gib",
+        "--gpu-memory-utilization", "--max-model-len", "--max-num-seqs",
+        "--max-num-batched-tokens", "--kv-placement", "--dtype", "--device",
+    )  # fmt: skip
     add_parallel_args(gen)
-    gen.add_argument("--speculative-config", default=None, help=SPECULATIVE_HELP)
-    gen.set_defaults(handler=run_generate, flags=FLAGS, builds_engine=True)
+    gen.add_argument(
+        "--speculative-config", default=None, help=SPECULATIVE_HELP + " (default: none)"
+    )
+    gen.set_defaults(handler=run_generate, builds_engine=True)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -147,22 +123,26 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.seed is not None and args.temperature == 0:
         # greedy decoding draws no random numbers (SamplingParams.greedy)
         print("note: --seed has no effect with --temperature 0 (greedy decoding)", file=sys.stderr)
-    demo = args.prompt is None
-    top_k = args.top_k if args.top_k is not None else (DEMO_TOP_K if demo else None)
+    text = read_prompt(args)
+    demo = text is None
+    top_k = args.sparse_top_k if args.sparse_top_k is not None else (DEMO_TOP_K if demo else None)
     # every flag checked before the model loads
     config = HiSparseConfig(
         top_k=top_k,
-        device_buffer_size=args.device_buffer_size,
+        device_buffer_size=args.hot_buffer_rows,
         host_pool_gib=args.host_pool_gib,
         offload=args.offload,
     )
+    if config.top_k is not None:
+        config.resolve()  # a budget no hot buffer can hold, named before the model loads
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
     )
     args.speculative_config = SpeculativeConfig.of(args.speculative_config)
+    require_weights(resolve_model_source(args.model, name="--model"), "generate", "--model")
     console = Console()
     try:
-        return _generate(args, console, config, params, demo)
+        return _generate(args, console, config, params, text)
     except KeyboardInterrupt as err:
         partial = getattr(err, "outputs", None)  # `GenerationInterrupted` from generate()
         if partial:
@@ -171,11 +151,42 @@ def run_generate(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
 
 
+def read_prompt(args: argparse.Namespace) -> str | None:
+    """The user message: ``--prompt``, or ``--prompt-file`` (a file, or ``-``: stdin, read to
+    its end), or ``None`` for the demo. An empty message is refused, naming its source."""
+    if args.prompt_file is None:
+        text, where = args.prompt, "--prompt"
+        if text is None:
+            return None
+    elif args.prompt_file == "-":
+        text, where = sys.stdin.read(), "--prompt-file - (stdin)"
+    else:
+        path = Path(args.prompt_file).expanduser()
+        where = f"--prompt-file {args.prompt_file}"
+        if path.is_dir():
+            raise ValueError(f"{where}: is a folder; give a text file, or - for stdin")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ValueError(f"{where}: no such file; give a text file, or - for stdin") from None
+        except UnicodeDecodeError as err:
+            why = f"{err.reason} at byte {err.start}"
+            raise ValueError(f"{where}: not UTF-8 text ({why})") from None
+    if not text.strip():
+        raise ValueError(f"{where}: the prompt is empty; give the text to answer")
+    return text
+
+
 def _generate(
-    args: argparse.Namespace, console: Console, config: HiSparseConfig, params: object, demo: bool
+    args: argparse.Namespace,
+    console: Console,
+    config: HiSparseConfig,
+    params: object,
+    text: str | None,
 ) -> int:
     from hisparse.engine.llm import LLM
 
+    demo = text is None
     t0 = time.perf_counter()
     with loading_display(console, args.model):
         llm = LLM(
@@ -184,36 +195,64 @@ def _generate(
             hisparse=config,
             max_model_len=args.max_model_len,
             gpu_memory_gib=args.gpu_memory_gib,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             device=args.device,
-            max_num_seqs=1,
+            dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             **parallel_kwargs(args),
             speculative_config=args.speculative_config,
         )
     load_s = time.perf_counter() - t0
     with llm:
-        text = demo_prompt() if demo else args.prompt
+        text = demo_prompt() if demo else text
         if llm.tokenizer is None:
             raise ValueError("this model has no tokenizer; use the Python API with token ids")
         if args.no_chat or llm.chat_template is None:
-            ids = llm.tokenizer.encode(text)
-            ids = list(getattr(ids, "ids", ids))
+            ids = llm.encode(text)
         else:
-            chat = llm.chat_template.render([{"role": "user", "content": text}])
-            ids = llm.tokenizer.encode(chat, add_special_tokens=False)
-            ids = list(getattr(ids, "ids", ids))
+            ids = llm.chat_token_ids([{"role": "user", "content": text}])
         if demo:
             console.print(
                 f"[bold]Prompt[/] ({len(ids)} tokens): a passage of the Python "
                 f"reference (pydoc_data 'for'), then: {DEMO_QUESTION}"
             )
         clock = kernel_clock(llm)
-        with console.status("generating"), clock or nullcontext():
-            (out,) = llm.generate(prompt_token_ids=ids, sampling_params=params)
+        with prefill_progress(console, len(ids), args) as on_step, clock or nullcontext():
+            (out,) = llm.generate(
+                prompt_token_ids=ids, sampling_params=params, use_tqdm=False, on_step=on_step
+            )
         if out.error:
             raise ValueError(out.error)
         console.print(f"[bold]Answer:[/] {out.text.strip()}")
         console.print(summary_line(llm, out, load_s, clock) + fp8_report(llm))
     return 0
+
+
+@contextmanager
+def prefill_progress(console: Console, prompt_len: int, args: argparse.Namespace) -> Iterator[Any]:
+    """A progress bar of prompt tokens prefilled for a prompt of more than one engine step
+    (``--max-num-batched-tokens``), then a spinner while it decodes; a spinner only for a
+    short prompt. Yields the ``on_step`` callback for `LLM.generate`."""
+    if prompt_len <= args.max_num_batched_tokens:
+        with console.status("generating"):
+            yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress(
+        "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=console, transient=True,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("prefill (prompt tokens)", total=prompt_len)
+
+        def on_step(requests: list[Any]) -> None:
+            done = min(max((r.num_computed for r in requests), default=0), prompt_len)
+            bar.update(task, completed=done)
+            if done >= prompt_len:
+                bar.update(task, description="decoding")
+
+        yield on_step
 
 
 def kernel_clock(llm: object) -> CompileClock | None:

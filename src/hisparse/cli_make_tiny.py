@@ -62,7 +62,9 @@ def add_make_tiny_parser(sub: argparse._SubParsersAction) -> None:
         "DeepSeek-V3.2's real layer shapes, 16 experts, 3 layers + MTP; 'v4-attention' "
         "(deepseek_v4): V4-Flash's attention, 2 layers, small FFN (default: %(default)s)",
     )
-    p.add_argument("--layers", type=int, default=None, help="num_hidden_layers override")
+    p.add_argument(
+        "--layers", type=int, default=None, help="num_hidden_layers (default: the preset's)"
+    )
     p.add_argument(
         "--dtype",
         choices=tuple(DTYPES),

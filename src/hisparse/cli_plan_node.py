@@ -104,10 +104,10 @@ def node_plan(
             f"{model.name} ({name}): {format_gib(weights)} of weights per rank exceed "
             f"{args.gpu_memory_utilization:.0%} of {args.gpu_memory_gib} GiB; "
             + ("pass --enable-expert-parallel, " if data_parallel and ep == 1 else "")
-            + "use more GPUs or --gpu-memory-gib."
+            + "use more GPUs or --gpu-total-gib."
         )
     config = HiSparseConfig(
-        top_k=args.top_k, device_buffer_size=args.device_buffer_size,
+        top_k=args.sparse_top_k, device_buffer_size=args.hot_buffer_rows,
         block_size=args.block_size, max_query_len=max_query_len,
     ).resolve(model.index_topk)  # fmt: skip
     pool = int(args.host_pool_gib * 2**30) if args.host_pool_gib is not None else None

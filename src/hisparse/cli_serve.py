@@ -15,30 +15,16 @@ import math
 
 from rich.console import Console
 
-from hisparse.cli_generate import PARALLEL_FLAGS, add_parallel_args, parallel_kwargs
+from hisparse.cli_generate import add_parallel_args, parallel_kwargs
+from hisparse.cli_options import add_model_option, add_options, model_of
+from hisparse.defaults import DEFAULT_MODEL
 from hisparse.engine.sampling_params import MAX_N
 from hisparse.engine.speculative import SPECULATIVE_HELP, SpeculativeConfig
+from hisparse.models.source import require_weights, resolve_model_source
 
 #: uvicorn's log levels (``hisparse.serve.server.LOG_LEVELS``: uvicorn is imported only
 #: when the server runs)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-
-#: The API field each flag sets, for error messages in the flag's terms.
-FLAGS = {
-    "HiSparseConfig.top_k": "--top-k",
-    "HiSparseConfig.device_buffer_size": "--device-buffer-size",
-    "HiSparseConfig.host_pool_gib": "--host-pool-gib",
-    "HiSparseConfig.offload": "--offload",
-    "LLM.gpu_memory_gib": "--gpu-memory-gib",
-    "LLM.max_model_len": "--max-model-len",
-    "LLM.max_num_seqs": "--max-num-seqs",
-    "LLM.max_num_batched_tokens": "--max-batched-tokens",
-    "LLM.kv_placement": "--kv-placement",
-    "LLM.device": "--device",
-    "LLM.model": "--model",
-    **PARALLEL_FLAGS,
-    "LLM.enable_prefix_caching": "--enable-prefix-caching",
-}
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,47 +33,47 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
     )
-    p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or a DSA folder")
-    p.add_argument("--served-model-name", default=None, help="the name clients use (--model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback)")
-    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    p.add_argument("--kv-placement", choices=("hisparse", "gpu"), default="hisparse")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
-    p.add_argument("--max-batched-tokens", type=int, default=2048, help="tokens per step")
+    add_model_option(p, default=DEFAULT_MODEL, positional=True)
+    p.add_argument(
+        "--served-model-name", default=None, help="the name clients use (default: the model)"
+    )
+    add_options(p, "--host", "--port")
+    p.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
+        "(default: none, open)",
+    )  # fmt: skip
+    add_options(
+        p, "--kv-placement", "--max-num-seqs", "--max-model-len", "--max-num-batched-tokens"
+    )
     p.add_argument(
         "--max-waiting",
         type=int,
         default=256,
         help="sequences queued, not yet running, before 503 (a request adds its n); "
-        "a request with more gets 400",
+        "a request with more gets 400 (default: %(default)s)",
     )
     p.add_argument(
         "--max-n",
         type=int,
         default=MAX_N,
-        help=f"completions per request (n, best_of), at most {MAX_N} (default)",
+        help=f"completions per request (n, best_of), at most {MAX_N} (default: %(default)s)",
     )
     p.add_argument(
         "--request-timeout",
         type=float,
         default=0,
         help="seconds from arrival to the last token before a request is aborted "
-        "(504); 0: no deadline (default: max_tokens and max_model_len bound every request)",
+        "(504); 0: no deadline, max_tokens and max_model_len bound every request "
+        "(default: %(default)s)",
     )
-    p.add_argument("--max-body-bytes", type=int, default=8 << 20)
-    p.add_argument("--top-k", type=int, default=None, help="rows each token attends to")
-    p.add_argument("--device-buffer-size", type=int, default=None, help="hot rows per layer")
-    p.add_argument("--host-pool-gib", type=float, default=None)
     p.add_argument(
-        "--offload",
-        default=None,
-        help="under_pressure (default): pages stay on the GPU while there is room; "
-        "always: only tail pages on the GPU",
-    )
-    p.add_argument("--gpu-memory-gib", type=float, default=None)
-    p.add_argument("--device", default=None)
+        "--max-body-bytes", type=int, default=8 << 20,
+        help="largest request body accepted (default: %(default)s)",
+    )  # fmt: skip
+    add_options(
+        p, "--sparse-top-k", "--hot-buffer-rows", "--host-pool-gib", "--offload",
+        "--gpu-memory-gib", "--gpu-memory-utilization", "--dtype", "--device",
+    )  # fmt: skip
     add_parallel_args(p)
     p.add_argument(
         "--enable-prefix-caching",
@@ -95,9 +81,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=True,
         help="reuse the cached pages of earlier requests' shared prefixes (default: on)",
     )
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
-    p.add_argument("--speculative-config", default=None, help=SPECULATIVE_HELP)
-    p.set_defaults(handler=run_serve, flags=FLAGS, builds_engine=True)
+    p.add_argument(
+        "--log-level", default="info", choices=LOG_LEVELS,
+        help="server log level (default: %(default)s)",
+    )  # fmt: skip
+    p.add_argument("--speculative-config", default=None, help=SPECULATIVE_HELP + " (default: none)")
+    p.set_defaults(handler=run_serve, builds_engine=True)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -126,15 +115,19 @@ def run_serve(args: argparse.Namespace) -> int:
 
     check_args(args)
     config = HiSparseConfig(
-        top_k=args.top_k, device_buffer_size=args.device_buffer_size,
+        top_k=args.sparse_top_k, device_buffer_size=args.hot_buffer_rows,
         host_pool_gib=args.host_pool_gib, offload=args.offload,
     )  # fmt: skip
+    if config.top_k is not None:
+        config.resolve()  # a budget no hot buffer can hold, named before the model loads
+    args.model = model_of(args)
     sock = bind(args.host, args.port)  # a port in use fails now, not after the load
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("hisparse").setLevel(args.log_level.upper().replace("TRACE", "DEBUG"))
     port = sock.getsockname()[1]
     console = Console()
     try:
+        require_weights(resolve_model_source(args.model, name="--model"), "serve", "--model")
         with console.status("loading the model"):
             llm = LLM(
                 args.model,
@@ -142,8 +135,10 @@ def run_serve(args: argparse.Namespace) -> int:
                 hisparse=config,
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len,
-                max_num_batched_tokens=args.max_batched_tokens,
+                max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_gib=args.gpu_memory_gib,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                dtype=args.dtype,
                 device=args.device,
                 **parallel_kwargs(args),
                 enable_prefix_caching=args.enable_prefix_caching,

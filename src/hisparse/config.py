@@ -99,29 +99,31 @@ class HiSparseConfig:
             )
         check_int("HiSparseConfig.top_k", top_k, minimum=1, example=2048)
         minimum = self.max_query_len * top_k
+        f, most = "HiSparseConfig.", MAX_DEVICE_BUFFER_SIZE
+        if minimum > most:
+            # no hot buffer can hold one step's rows: top_k itself is what to change
+            largest = most // self.max_query_len
+            need = f"at most {largest}: one decode step may read max_query_len * top_k rows "
+            need += f"and a hot buffer holds at most {most} (int16 LRU slots)"
+            raise HiSparseConfigError(
+                f"HiSparseConfig.top_k={top_k} must be {need}; set top_k <= {largest}.",
+                field=f + "top_k", value=top_k, requirement=need, example=min(2048, largest),
+            )  # fmt: skip
         if self.device_buffer_size is None:
-            buffer = (self.max_query_len + 1) * top_k
-            if buffer > MAX_DEVICE_BUFFER_SIZE:
-                buffer = max(minimum, MAX_DEVICE_BUFFER_SIZE)
+            buffer = min((self.max_query_len + 1) * top_k, most)
         else:
             buffer = self.device_buffer_size
-        if buffer < minimum:
+        if not minimum <= buffer <= most:
+            need = f"between max_query_len * top_k = {self.max_query_len} * {top_k} = "
+            need += f"{minimum} (one step can want that many distinct rows) and {most} (the "
+            need += "most hot slots the int16 LRU state can order)"
             raise HiSparseConfigError(
-                f"HiSparseConfig.device_buffer_size={buffer} is smaller than "
-                f"max_query_len * top_k = {self.max_query_len} * {top_k} = {minimum}: one step "
-                f"can want that many distinct rows. Set device_buffer_size >= {minimum}."
-            )
-        if buffer > MAX_DEVICE_BUFFER_SIZE:
-            raise HiSparseConfigError(
-                f"HiSparseConfig.device_buffer_size={buffer} exceeds {MAX_DEVICE_BUFFER_SIZE}, "
-                "the most hot slots the int16 LRU state can order. Set device_buffer_size "
-                f"between {minimum} and {MAX_DEVICE_BUFFER_SIZE}"
-                + (
-                    "."
-                    if minimum <= MAX_DEVICE_BUFFER_SIZE
-                    else f" (which also needs max_query_len * top_k <= {MAX_DEVICE_BUFFER_SIZE})."
-                )
-            )
+                f"HiSparseConfig.device_buffer_size={buffer} must be {need}. Set "
+                f"device_buffer_size {'>=' if buffer < minimum else '<='} "
+                f"{minimum if buffer < minimum else most}.",
+                field=f + "device_buffer_size", value=buffer, requirement=need,
+                example=min(2 * minimum, most),
+            )  # fmt: skip
         return ResolvedHiSparseConfig(
             top_k=top_k,
             device_buffer_size=buffer,

@@ -252,8 +252,9 @@ def prompt_token_ids(ids: Any, vocab_size: int, max_model_len: int) -> list[int]
         return f"the prompt has token ids outside the vocabulary [0, {vocab_size}) (e.g. {bad})"
     if len(out) >= max_model_len:
         return (
-            f"the prompt has {len(out)} tokens; max_model_len={max_model_len} leaves no room "
-            "for output. Shorten the prompt or raise max_model_len."
+            f"the prompt has {len(out)} tokens, but max_model_len={max_model_len} (the "
+            f"--max-model-len flag) leaves room for at most {max_model_len - 1} and one of "
+            "output: shorten the prompt, or raise max_model_len where the model's context allows"
         )
     return out
 
@@ -278,6 +279,11 @@ def check_max_model_len(max_model_len: int | None, model_max_len: int) -> None:
             f"at most the model's context limit of {model_max_len} tokens "
             "(max_position_embeddings)",
         )  # fmt: skip
+
+
+#: The roles a chat message may have: the OpenAI API's, as the server's request model takes
+#: them (`hisparse.serve.protocol`); `LLM.chat` checks the same.
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def check_conversations(messages: Any) -> tuple[list[list[dict[str, Any]]], bool]:
@@ -308,8 +314,9 @@ def check_conversations(messages: Any) -> tuple[list[list[dict[str, Any]]], bool
                     _fail(at, dict(msg), f"a dict with a {key!r} key (and a string value)")
                 if not isinstance(msg[key], str):
                     _fail(f"{at}[{key!r}]", msg[key], "a string", type_error=True)
-            if not msg["role"]:
-                _fail(f"{at}['role']", msg["role"], "a non-empty string such as 'user'")
+            if msg["role"] not in CHAT_ROLES:
+                roles = ", ".join(repr(r) for r in CHAT_ROLES)
+                _fail(f"{at}['role']", msg["role"], f"one of {roles}", example="user")
             checked.append(dict(msg))
         out.append(checked)
     return out, single

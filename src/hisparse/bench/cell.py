@@ -94,8 +94,8 @@ def _make_llm(args: argparse.Namespace, cfg: dict[str, Any], placement: str) -> 
     from hisparse.engine.llm import LLM
 
     hs = HiSparseConfig(
-        top_k=args.top_k,
-        device_buffer_size=args.hot_buffer,
+        top_k=args.sparse_top_k,
+        device_buffer_size=args.hot_buffer_rows,
         host_pool_gib=args.host_pool_gib,  # None: the engine's default, sized to the run
         block_size=args.block_size,
         offload=args.offload,

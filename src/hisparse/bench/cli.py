@@ -27,7 +27,10 @@ from hisparse.bench.report import (
     write_plot,
 )
 from hisparse.cli_generate import PARALLEL_FLAGS, add_parallel_args
+from hisparse.cli_options import add_model_option, add_option, add_options
 from hisparse.config import HiSparseConfigError, check_gib, default_offload
+from hisparse.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from hisparse.models.source import require_dsa, resolve_model_source
 
 
 def positive_int_or_default(text: str) -> int:
@@ -51,10 +54,18 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("--model", required=True, help="a DSA checkpoint folder (config.json)")
+    add_model_option(bench, what="; DSA models only (the replayed top-k and the synthetic "
+                     "prefill write MLA rows)")  # fmt: skip
     bench.add_argument("--input-len", type=int, required=True, help="prompt tokens per request")
     bench.add_argument("--output-len", type=int, required=True, help="new tokens per request")
-    bench.add_argument("--concurrency", default="1,8", help="requests per run, e.g. 1,8,64,256")
+    bench.add_argument(
+        "--concurrency", default="1,8", help="requests per run, e.g. 1,8,64,256 (default: "
+        "%(default)s)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--kv-placement", default="hisparse,gpu", help="placements to compare: hisparse, gpu "
+        "or both, comma-separated (default: %(default)s)",
+    )  # fmt: skip
     bench.add_argument(
         "--shared-prefix",
         type=int,
@@ -63,7 +74,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "prefix caching on, each cell prefilling the document once (default 0: unrelated "
         "prompts, prefix caching off)",
     )
-    bench.add_argument("--kv-placement", default="hisparse,gpu", help="hisparse,gpu or one")
     bench.add_argument(
         "--topk-overlap",
         default="0.8",
@@ -78,43 +88,27 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--topk-overlap off the hot buffers start cold: no prefill selection warms them); "
         "model: run the real prefill (default: %(default)s)",
     )
+    add_option(bench, "--gpu-memory-gib", required=True,
+               help="GPU memory for the KV cache, GiB (required)")  # fmt: skip
+    add_option(
+        bench, "--host-pool-gib", help="HiSparse host pool (default: enough for the largest "
+        "concurrency at --max-model-len, at most half the host memory available)",
+    )  # fmt: skip
+    add_option(
+        bench, "--max-model-len", type=positive_int_or_default,
+        help="most tokens of one request (default: input + output length)",
+    )  # fmt: skip
+    add_options(bench, "--hot-buffer-rows", "--sparse-top-k", "--offload")
     bench.add_argument(
-        "--gpu-memory-gib", type=float, required=True, help="GPU KV cache budget, GiB"
-    )
-    bench.add_argument(
-        "--host-pool-gib",
-        type=float,
-        default=None,
-        help="HiSparse host pool (default: enough for the largest concurrency at "
-        "--max-model-len, at most half the host memory available)",
-    )
-    bench.add_argument(
-        "--max-model-len",
-        type=positive_int_or_default,
-        default=None,
-        help="default: input + output length",
-    )
-    bench.add_argument(
-        "--hot-buffer",
-        type=int,
-        default=None,
-        help="hot rows per request and layer (default (max_query_len+1)*top_k)",
-    )
-    bench.add_argument("--top-k", type=int, default=None, help="default: the model's index_topk")
-    bench.add_argument(
-        "--offload",
-        default=None,
-        help="under_pressure (default): pages stay on the GPU while there is room; "
-        "always: only tail pages on the GPU",
-    )
-    bench.add_argument("--kv-format", default="auto", help="fp8_ds_mla (auto), bf16, fp32")
-    bench.add_argument("--block-size", type=int, default=64)
-    bench.add_argument(
-        "--max-batched-tokens",
-        type=positive_int_or_default,
-        default=None,
-        help="prefill tokens per step (default: 16384 synthetic, 2048 model)",
-    )
+        "--kv-format", default="auto", help="KV row format: auto, fp8_ds_mla, bf16 or fp32 "
+        "(default: %(default)s: fp8_ds_mla where its rows align)",
+    )  # fmt: skip
+    add_option(bench, "--block-size")
+    add_option(
+        bench, "--max-num-batched-tokens", type=positive_int_or_default, default=None,
+        help="prompt tokens per engine step (default: 16384 with --prefill synthetic, "
+        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} with --prefill model)",
+    )  # fmt: skip
     bench.add_argument(
         "--schedule",
         choices=("mixed", "prefill-first"),
@@ -122,10 +116,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="mixed: decodes first, prompt chunks in the budget left; prefill-first: prompt "
         "chunks alone while any prompt is unfinished (default: %(default)s)",
     )
-    bench.add_argument("--device", default=None)
+    add_options(bench, "--device", "--dtype")
     add_parallel_args(bench)
-    bench.add_argument("--dtype", default="auto")
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument(
+        "--seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)"
+    )
     bench.add_argument(
         "--timing",
         action="store_true",
@@ -136,23 +131,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="skip the short warm-up run per placement (kernel compilation)",
     )
-    bench.add_argument("--json", type=Path, default=None, help="write results here")
-    bench.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
+    bench.add_argument("--json", type=Path, default=None, help="write results here (default: none)")
+    bench.add_argument(
+        "--plot", type=Path, default=None, help="write a PNG plot here (default: none)"
+    )
     bench.set_defaults(
         handler=run_bench,
         builds_engine=True,
         flags={
-            "HiSparseConfig.top_k": "--top-k",
-            "HiSparseConfig.device_buffer_size": "--hot-buffer",
-            "HiSparseConfig.host_pool_gib": "--host-pool-gib",
-            "HiSparseConfig.offload": "--offload",
-            "HiSparseConfig.block_size": "--block-size",
-            "LLM.kv_format": "--kv-format",
-            "LLM.dtype": "--dtype",
-            "LLM.device": "--device",
-            "LLM.gpu_memory_gib": "--gpu-memory-gib",
-            "LLM.max_model_len": "--max-model-len",
-            "LLM.max_num_batched_tokens": "--max-batched-tokens",
             "LLM.max_num_seqs": "--concurrency",
             **PARALLEL_FLAGS,
             "BenchHooks.seed": "--seed",
@@ -215,15 +201,10 @@ def parse_args_checked(args: argparse.Namespace) -> dict[str, Any]:
             f"--max-model-len={max_len} is below input + output = "
             f"{args.input_len + args.output_len}"
         )
-    model = Path(args.model)
-    if not (model / "config.json").is_file():
-        raise HiSparseConfigError(
-            f"--model={args.model!r}: no config.json there; pass a DSA checkpoint folder "
-            "(e.g. one written by hisparse.models.tiny.make_tiny)"
-        )
-    batched = args.max_batched_tokens
+    require_dsa(resolve_model_source(args.model, name="--model"), "bench")
+    batched = args.max_num_batched_tokens
     if batched is None:
-        batched = 16384 if args.prefill == "synthetic" else 2048
+        batched = 16384 if args.prefill == "synthetic" else DEFAULT_MAX_NUM_BATCHED_TOKENS
     return dict(
         concurrency=conc, placements=placements, overlap=overlap, max_len=max_len, batched=batched
     )

@@ -120,10 +120,14 @@ class EngineCore:
         )
 
     def run(
-        self, requests: list[Request], on_progress: Callable[[int], None] | None = None
+        self,
+        requests: list[Request],
+        on_progress: Callable[[int], None] | None = None,
+        on_step: Callable[[list[Request]], None] | None = None,
     ) -> None:
         """Step until no request is left (those of ``requests`` and any others queued);
-        ``on_progress(done)`` whenever more of ``requests`` have finished. The per-request
+        ``on_progress(done)`` whenever more of ``requests`` have finished, ``on_step(requests)``
+        after every step that ran (progress of long prompts). The per-request
         and per-step swap counters are read from the device once, at the end."""
         sched = self.scheduler
         done = sum(r.finished for r in requests)
@@ -142,6 +146,8 @@ class EngineCore:
                         raise RuntimeError("scheduler stalled: nothing fits and nothing runs")
                     continue
                 stalls = 0
+                if on_step is not None:
+                    on_step(requests)
                 new_done = sum(r.finished for r in requests)
                 if on_progress is not None and new_done > done:
                     on_progress(new_done)
@@ -186,9 +192,14 @@ class EngineCore:
 
 
 def run_with_progress(
-    core: EngineCore, requests: list[Request], progress: bool, on_finish: Any = None
+    core: EngineCore,
+    requests: list[Request],
+    progress: bool,
+    on_finish: Any = None,
+    on_step: Any = None,
 ) -> None:
-    """`EngineCore.run` with a progress bar (``progress``) and ``on_finish(done, total)``."""
+    """`EngineCore.run` with a progress bar (``progress``), ``on_finish(done, total)`` and
+    ``on_step(requests)`` after every step."""
     from tqdm import tqdm
 
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
@@ -201,7 +212,7 @@ def run_with_progress(
         done[0] = new_done
 
     try:
-        core.run(requests, on_progress)
+        core.run(requests, on_progress, on_step)
     finally:
         bar.close()
 

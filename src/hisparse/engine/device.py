@@ -14,6 +14,7 @@ import torch
 
 from hisparse import envs
 from hisparse.config import HiSparseConfigError, cdiv
+from hisparse.defaults import DEFAULT_FREE_MEMORY_FRACTION
 from hisparse.kv.host_pool import MAX_AVAILABLE_FRACTION, available_host_bytes
 from hisparse.kv.specs import CacheKind
 from hisparse.validation import _fail
@@ -142,11 +143,30 @@ def checked_device(device: Any) -> torch.device:
     return dev
 
 
-def default_kv_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return 0.85 * free / 2**30
-    return 1.0
+def default_kv_gib(device: torch.device, utilization: float | None = None) -> float:
+    """The KV budget when ``gpu_memory_gib`` is not given. With ``utilization`` (vLLM's
+    ``gpu_memory_utilization``): that fraction of the GPU's whole memory less what is already
+    in use (this engine's weights, other processes), refused when nothing is left; on a CPU
+    run that fraction of the host memory available. Without: `DEFAULT_FREE_MEMORY_FRACTION`
+    of the GPU memory free now (1 GiB on the CPU)."""
+    if utilization is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return DEFAULT_FREE_MEMORY_FRACTION * free / 2**30
+        return 1.0
+    if device.type != "cuda":
+        return utilization * available_host_bytes() / 2**30
+    free, total = torch.cuda.mem_get_info(device)
+    budget = utilization * total - (total - free)
+    if budget <= 0:
+        used = (total - free) / total
+        _fail(
+            "LLM.gpu_memory_utilization", utilization,
+            f"above the {used:.2f} of {device}'s {total / 2**30:.1f} GiB already in use "
+            "(weights, other processes), so that some is left for the KV cache",
+            example=round(min(used + 0.1, 0.95), 2),
+        )  # fmt: skip
+    return budget / 2**30
 
 
 def host_sharing(tp: Any, gguf: bool) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """What `LLM.generate` accepts as prompts and parameters, and the outputs it builds.
 
-Prompts are read into ``(text, token ids, error)`` triples before anything runs, so a bad
-prompt fails its own output and a bad call fails before any request is queued.
+Prompts are read into ``(text, token ids, error)`` triples before anything runs: a prompt
+that can never run fails the call (`never_runs`, vLLM's `ValueError`) before any request is
+queued.
 """
 
 from __future__ import annotations
@@ -53,18 +54,28 @@ def render_chat(
     return text, list(getattr(ids, "ids", ids))
 
 
-def outputs_of(groups: list[tuple[str, str | None, list[Request]]]) -> list[RequestOutput]:
+def outputs_of(
+    groups: list[tuple[str, str | None, list[Request]]], tokenizer: Any = None
+) -> list[RequestOutput]:
+    """One `RequestOutput` per prompt; ``tokenizer`` decodes the logprobs' tokens."""
     return [
         RequestOutput(
             request_id=rid,
             prompt=text,
             prompt_token_ids=list(reqs[0].prompt_token_ids),
-            outputs=[CompletionOutput.of(r) for r in reqs],
+            outputs=[CompletionOutput.of(r, tokenizer) for r in reqs],
             finished=all(r.finished for r in reqs),
             metrics=reqs[0].metrics,
         )
         for rid, text, reqs in groups
     ]
+
+
+def never_runs(error: str, index: int, count: int) -> ValueError:
+    """The `ValueError` of a prompt the engine can never run (vLLM raises too), naming it
+    among ``count`` prompts."""
+    where = "" if count == 1 else f"prompt {index} (of {count}): "
+    return ValueError(f"{where}{error}; nothing was run")
 
 
 def text_inputs(prompts: Any) -> list[tuple[str | None, Any, str | None]]:

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from hisparse.config import HiSparseConfig, check_gib
+from hisparse.config import HiSparseConfig
+from hisparse.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from hisparse.engine import dp_core
 from hisparse.engine.async_core import AsyncEngineCore
 from hisparse.engine.core import (
@@ -45,6 +46,7 @@ from hisparse.engine.hooks import StepHooks
 from hisparse.engine.inputs import (
     GenerationInterrupted,
     completions,
+    never_runs,
     outputs_of,
     params_per_prompt,
     prompt_ids,
@@ -53,11 +55,12 @@ from hisparse.engine.inputs import (
     token_inputs,
 )
 from hisparse.engine.kv_manager import KVCacheManager
+from hisparse.engine.llm_args import check_llm_args
 from hisparse.engine.model_runner import ModelRunner
 from hisparse.engine.output_processor import OutputProcessor
-from hisparse.engine.request import Request, RequestOutput, Status
+from hisparse.engine.request import Request, RequestOutput
 from hisparse.engine.sampling_params import SamplingParams
-from hisparse.engine.scheduler import SCHEDULE_POLICIES, Scheduler
+from hisparse.engine.scheduler import Scheduler
 from hisparse.engine.speculative import SpeculativeConfig
 from hisparse.engine.tp_follower import (
     serve_torchrun_ranks,
@@ -68,8 +71,6 @@ from hisparse.engine.v4_step_cache import check_v4_arguments
 from hisparse.models.registry import (
     DSA_INDEXERS,
     GQA_KV_FORMATS,
-    INDEXERS,
-    KV_FORMATS,
     engine_specs,
     is_gguf,
     is_v4,
@@ -83,14 +84,10 @@ from hisparse.validation import (
     check_bool,
     check_choice,
     check_conversations,
-    check_dtype,
     check_int,
     check_max_model_len,
 )
 
-PLACEMENTS = ("hisparse", "gpu")
-#: Most requests running at once (the engine keeps per-slot state for every one).
-MAX_NUM_SEQS = 4096
 __all__ = ["LLM", "STEP_STATS_KEPT", "GenerationInterrupted"]
 
 
@@ -104,11 +101,16 @@ class LLM:
         hisparse: HiSparse settings; ``top_k`` defaults to the model's ``index_topk``.
             ``host_pool_gib`` defaults to what ``max_num_seqs`` requests of ``max_model_len``
             tokens of this model need, capped at half the host memory available.
-        max_num_seqs: most requests running at once (1 to 4096).
+        max_num_seqs: most requests running at once (1 to 4096; default
+            `hisparse.defaults.DEFAULT_MAX_NUM_SEQS`, as ``hisparse serve`` and ``generate``).
         max_model_len: most tokens of one request (prompt + output); default and most: the
             model's context limit.
         gpu_memory_gib: GPU (or, on a CPU run, device) memory for the KV cache; default
-            85% of the free GPU memory (1 GiB on the CPU).
+            85% of the GPU memory free once the weights are loaded (1 GiB on the CPU).
+        gpu_memory_utilization: instead of ``gpu_memory_gib``, vLLM's way: the fraction of
+            the GPU's whole memory this engine may take; the KV cache gets what is left of it
+            after what is in use (the weights, other processes). On a CPU run: that
+            fraction of the host memory available.
         dtype: ``"auto"`` (bf16 on CUDA, fp32 on the CPU), ``"float32"``, ``"bfloat16"``,
             ``"float16"`` (or ``fp32``, ``bf16``, ``fp16``, ``half``, ``float``), or a
             ``torch.dtype`` of those.
@@ -165,14 +167,15 @@ class LLM:
         *,
         kv_placement: str = "hisparse",
         hisparse: HiSparseConfig | None = None,
-        max_num_seqs: int = 8,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_model_len: int | None = None,
         gpu_memory_gib: float | None = None,
+        gpu_memory_utilization: float | None = None,
         dtype: str | torch.dtype = "auto",
         device: str | torch.device | None = None,
         kv_format: str = "auto",
         indexer: str = "fp8",
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         step_hooks: StepHooks | None = None,
         cuda_graphs: bool | None = None,
         schedule: str = "mixed",
@@ -187,7 +190,8 @@ class LLM:
         llm_kwargs = dict(
             model=model, kv_placement=kv_placement, hisparse=hisparse,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            gpu_memory_gib=gpu_memory_gib, dtype=dtype, device=device, kv_format=kv_format,
+            gpu_memory_gib=gpu_memory_gib, gpu_memory_utilization=gpu_memory_utilization,
+            dtype=dtype, device=device, kv_format=kv_format,
             indexer=indexer, max_num_batched_tokens=max_num_batched_tokens,
             step_hooks=step_hooks, cuda_graphs=cuda_graphs, schedule=schedule,
             async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
@@ -202,31 +206,11 @@ class LLM:
         self._tp: TPGroup | None = None
         f = "LLM."
         # Every argument's type and range first: nothing is loaded for a bad one.
-        check_choice(f + "schedule", schedule, SCHEDULE_POLICIES)
-        check_choice(f + "kv_placement", kv_placement, PLACEMENTS)
-        if hisparse is not None and not isinstance(hisparse, HiSparseConfig):
-            _fail(f + "hisparse", hisparse, "a HiSparseConfig or None", type_error=True)
-        check_int(f + "max_num_seqs", max_num_seqs, minimum=1, maximum=MAX_NUM_SEQS, example=8)
-        check_int(f + "max_model_len", max_model_len, minimum=2, example=4096, optional=True)
-        if gpu_memory_gib is not None:
-            check_gib(f + "gpu_memory_gib", gpu_memory_gib)
-        check_choice(f + "kv_format", kv_format, KV_FORMATS)
-        check_choice(f + "indexer", indexer, INDEXERS)
-        check_int(f + "max_num_batched_tokens", max_num_batched_tokens, minimum=1, example=2048)
-        if step_hooks is not None and not isinstance(step_hooks, StepHooks):
-            _fail(f + "step_hooks", step_hooks, "a StepHooks (or None)", type_error=True)
-        check_bool(f + "cuda_graphs", cuda_graphs, optional=True)
-        check_bool(f + "async_scheduling", async_scheduling)
+        model_dtype = check_llm_args(llm_kwargs)
         # (a speculative step's next drafts need its tokens read first: design §12.11)
         self.async_scheduling = bool(async_scheduling) and speculative_config is None
-        check_int(f + "tensor_parallel_size", tensor_parallel_size, minimum=1, maximum=4096,
-                  example=2)  # fmt: skip
-        check_int(f + "data_parallel_size", data_parallel_size, minimum=1, maximum=4096, example=2)
-        check_bool(f + "enable_expert_parallel", enable_expert_parallel)
-        check_bool(f + "enable_prefix_caching", enable_prefix_caching)
         dp = data_parallel_size > 1
         self.speculative = spec = SpeculativeConfig.for_engine(llm_kwargs)
-        model_dtype = check_dtype(f + "dtype", dtype)
         self.device = checked_device(device)
         torch_dtype = model_dtype or (
             torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -270,7 +254,7 @@ class LLM:
             check_max_model_len(max_model_len, model_max_len)
             self.max_model_len = max_model_len or model_max_len
             if gpu_memory_gib is None:
-                gpu_memory_gib = default_kv_gib(self.device)
+                gpu_memory_gib = default_kv_gib(self.device, gpu_memory_utilization)
                 if tp is not None:  # the same pools on every rank: what the tightest GPU gives
                     gpu_memory_gib = tp.agree_min(gpu_memory_gib)
             check_device_memory(self.device, gpu_memory_gib)
@@ -374,8 +358,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         prompt_token_ids: Any = None,
+        use_tqdm: bool = False,
         progress: bool = False,
         on_finish: Callable[[int, int], None] | None = None,
+        on_step: Callable[[list[Request]], None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; one `RequestOutput` per prompt, in input order.
 
@@ -385,16 +371,20 @@ class LLM:
         prompt; with ``n > 1`` each completion is its own request (the prompt is computed
         ``n`` times, less what the prefix cache holds).
 
-        A bad prompt (not text or integer ids, empty, ids outside the vocabulary, no room
-        under ``max_model_len``) fails its own output (``finish_reason == "error"``, the
-        message in ``error``); the others run as usual. Ctrl-C raises `GenerationInterrupted`
-        with what was generated so far. ``on_finish(done, total)`` is called whenever
-        completions finish (progress displays)."""
+        A prompt the engine can never run (not text or integer ids, empty, ids outside the
+        vocabulary, no room for output under ``max_model_len``) raises `ValueError` (or
+        `TypeError`) naming it before anything runs, as vLLM does; a request that fails at run
+        time fails its own output (``finish_reason == "error"``) while the others run on.
+        Ctrl-C raises `GenerationInterrupted` with what was generated so far. ``use_tqdm``
+        (or ``progress``): a progress bar of finished requests; ``on_finish(done, total)``
+        whenever completions finish and ``on_step(requests)`` after every engine step
+        (progress displays: a request's ``num_computed`` counts its prefilled tokens)."""
         self._check_open("generate")
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("pass exactly one of prompts or prompt_token_ids")
         items = text_inputs(prompts) if prompts is not None else token_inputs(prompt_token_ids)
-        return self._generate(items, sampling_params, progress, on_finish)
+        check_bool("LLM.generate.use_tqdm", use_tqdm)
+        return self._generate(items, sampling_params, progress or use_tqdm, on_finish, on_step)
 
     def chat(
         self,
@@ -402,6 +392,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
         progress: bool = False,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a
@@ -418,7 +409,8 @@ class LLM:
             where = "messages" if len(convs) == 1 else f"messages[{i}]"
             text, ids = self._render_chat(conv, add_generation_prompt, where)
             items.append((text, ids, None))
-        return self._generate(items, sampling_params, progress, None)
+        check_bool("LLM.chat.use_tqdm", use_tqdm)
+        return self._generate(items, sampling_params, progress or use_tqdm, None)
 
     def _render_chat(
         self, conv: list[dict[str, Any]], add_gen: bool, where: str, **kw: Any
@@ -427,6 +419,13 @@ class LLM:
         return render_chat(self.chat_template, self.tokenizer, conv, add_gen, where, **kw)
 
     # --- online use: requests added at any time, one step at a time (the server) ---------
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (vLLM's ``get_tokenizer``): ``encode(text)`` -> ids,
+        ``decode(ids)``, ``apply_chat_template(messages)`` -> text."""
+        from hisparse.models.tokenizer import api_tokenizer
+
+        return api_tokenizer(self.tokenizer, self.chat_template)
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """``text``'s token ids (no chat template)."""
         if self.tokenizer is None:
@@ -513,29 +512,27 @@ class LLM:
         sampling_params: Any,
         progress: bool,
         on_finish: Callable[[int, int], None] | None,
+        on_step: Callable[[list[Request]], None] | None = None,
     ) -> list[RequestOutput]:
-        """``items``: per prompt (text, token ids, error); text without ids is tokenized."""
+        """``items``: per prompt (text, token ids, error); text without ids is tokenized.
+        Every prompt is read and checked before any is queued: one that can never run
+        raises, naming it (`never_runs`)."""
         params = params_per_prompt(sampling_params, len(items))
         check_bool("progress", progress)
         groups: list[tuple[str, str | None, list[Request]]] = []
-        for (text, ids, error), p in zip(items, params, strict=True):
-            rid = str(next(self._ids))
-            ids = prompt_ids(self, text, ids) if error is None else []
+        for i, ((text, ids, error), p) in enumerate(zip(items, params, strict=True)):
+            ids = prompt_ids(self, text, ids) if error is None else error
             if isinstance(ids, str):
-                error, ids = ids, []
-            reqs = completions(rid, ids, p, text, self.grammars)
-            if error is not None:
-                for req in reqs:
-                    req.status, req.finish_reason, req.error = Status.FINISHED, "error", error
-                    req.metrics.finished = req.metrics.arrival
-            groups.append((rid, text, reqs))
+                raise never_runs(ids, i, len(items))
+            rid = str(next(self._ids))
+            groups.append((rid, text, completions(rid, ids, p, text, self.grammars)))
         requests = [r for _, _, reqs in groups for r in reqs]
         # Queued only once every prompt was read: nothing of this call is left behind if
         # reading one fails.
         self._core.add([req for req in requests if not req.finished])
         try:
             with young_objects_only(self.device):
-                run_with_progress(self._core, requests, progress, on_finish)
+                run_with_progress(self._core, requests, progress, on_finish, on_step)
         except BaseException as err:
             # Whatever stopped the run (an error, Ctrl-C), the engine stays usable: this
             # call's unfinished requests leave the scheduler and give their blocks back.
@@ -544,9 +541,9 @@ class LLM:
                 self._core.abort([req for req in requests if not req.finished])
                 self._core.settle()
             if isinstance(err, KeyboardInterrupt) and not isinstance(err, GenerationInterrupted):
-                raise GenerationInterrupted(outputs_of(groups)) from err
+                raise GenerationInterrupted(outputs_of(groups, self.tokenizer)) from err
             raise
-        return outputs_of(groups)
+        return outputs_of(groups, self.tokenizer)
 
     # --- resources -----------------------------------------------------------------------
     def close(self) -> None:

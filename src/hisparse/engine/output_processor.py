@@ -49,8 +49,8 @@ class DetokenizerState:
 class OutputProcessor:
     """Appends a sampled token to its request and decides whether the request ends: a stop
     token id, an end-of-sequence token (unless ``ignore_eos``), a stop string in the text
-    (cut before it), ``max_tokens`` or ``max_model_len``; nothing stops before
-    ``min_tokens``. Keeps ``req.text`` equal to
+    (cut before it, or after it with ``include_stop_str_in_output``), ``max_tokens`` or
+    ``max_model_len``; nothing stops before ``min_tokens``. Keeps ``req.text`` equal to
     ``tokenizer.decode(req.output_token_ids, skip_special_tokens=True)`` (``""`` without a
     tokenizer). (It replaced a checker that decoded the whole output every token.)
 
@@ -142,7 +142,8 @@ class OutputProcessor:
                 hits = [(i, s) for s in p.stop if (i := text.find(s, start)) >= 0]
                 if hits:
                     cut, req.stop_reason = min(hits)
-                    req.text = text[:cut]
+                    keep = len(req.stop_reason) if p.include_stop_str_in_output else 0
+                    req.text = text[: cut + keep]
                     return "stop"
         if (p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens) or (
             req.num_tokens >= self.max_model_len

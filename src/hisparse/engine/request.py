@@ -16,6 +16,35 @@ if TYPE_CHECKING:
     from hisparse.engine.sampling import PenaltyState
 
 
+class Logprob(float):
+    """One token's log-probability as vLLM's ``Logprob`` reads it (``.logprob``, ``.rank``:
+    1 for the most likely token, ``.decoded_token``), and still the float itself, so code
+    that adds, compares or serializes logprobs as numbers works unchanged."""
+
+    __slots__ = ("decoded_token", "rank")
+
+    def __new__(
+        cls, logprob: float, rank: int | None = None, decoded_token: str | None = None
+    ) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank = rank
+        self.decoded_token = decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
+            f"decoded_token={self.decoded_token!r})"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles (tensor-parallel ranks) keep the fields
+        return (Logprob, (float(self), self.rank, self.decoded_token))
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
@@ -82,8 +111,8 @@ class Request:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     #: which of the prompt's ``n`` completions this is
     index: int = 0
-    #: per output token ``{token_id: logprob}`` (``params.logprobs`` set), else None
-    logprobs: list[dict[int, float]] | None = None
+    #: per output token ``{token_id: Logprob}`` (``params.logprobs`` set), else None
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     #: the stop string or stop token id that ended the request (None: EOS, length, error)
     stop_reason: str | int | None = None
@@ -178,8 +207,9 @@ class CompletionOutput:
     token_ids: list[int]
     #: ``"stop"`` (EOS, a stop string or stop token), ``"length"``, ``"error"``, ``"abort"``
     finish_reason: str | None
-    #: per token ``{token_id: logprob}`` when ``SamplingParams.logprobs`` was set
-    logprobs: list[dict[int, float]] | None = None
+    #: per token ``{token_id: Logprob}`` when ``SamplingParams.logprobs`` was set (vLLM's
+    #: shape: ``.logprob``, ``.rank``, ``.decoded_token``; each is also the float)
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None
     #: why this completion failed (``finish_reason == "error"``)
@@ -187,13 +217,22 @@ class CompletionOutput:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     @classmethod
-    def of(cls, req: Request) -> CompletionOutput:
+    def of(cls, req: Request, tokenizer: Any = None) -> CompletionOutput:
+        """``req``'s completion; with a ``tokenizer`` each logprob gets its
+        ``decoded_token``."""
+        lps = req.logprobs
+        if lps is not None and tokenizer is not None:
+            lps = [
+                {t: Logprob(v, getattr(v, "rank", None), tokenizer.decode([t]))
+                 for t, v in lp.items()}
+                for lp in lps
+            ]  # fmt: skip
         return cls(
             index=req.index,
             text=req.text,
             token_ids=list(req.output_token_ids),
             finish_reason=req.finish_reason,
-            logprobs=req.logprobs,
+            logprobs=lps,
             cumulative_logprob=req.cumulative_logprob,
             stop_reason=req.stop_reason,
             error=req.error,

@@ -12,6 +12,7 @@ three small reads for all the rows that want them together.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 
 from hisparse.attention.dispatch import env_backend
 from hisparse.engine.host_copy import to_device
+from hisparse.engine.request import Logprob
 from hisparse.engine.sampling_params import SamplingParams as SamplingParams  # re-exported
 
 # -- the sampler -------------------------------------------------------------------------------
@@ -192,10 +194,16 @@ def process_logits(
 
 
 def _probabilities(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, softmax and top-p, batched over the sampled rows ``x``."""
+    """Temperature, then min-p, top-k, softmax and top-p (vLLM's order), batched over the
+    sampled rows ``x``."""
     dev, V = x.device, x.shape[-1]
     temps = to_device([p.temperature for p in params], torch.float32, dev)
     x = (x - x.max(dim=-1, keepdim=True).values) / temps[:, None]
+    if any(p.min_p > 0 for p in params):
+        # p_i >= min_p * p_max  <=>  x_i >= log(min_p), the row's largest x being 0
+        floor = to_device([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params],
+                          torch.float32, dev)[:, None]  # fmt: skip
+        x = torch.where(x < floor, float("-inf"), x)
     ks = [min(p.top_k, V) for p in params]
     if any(ks):
         top = torch.topk(x, max(ks), dim=-1).values
@@ -274,6 +282,8 @@ class LogprobRows:
     chosen: torch.Tensor
     top_values: torch.Tensor
     top_ids: torch.Tensor
+    #: the sampled token's rank in its row (1: the most likely)
+    chosen_rank: torch.Tensor
 
     def to_host(self) -> LogprobRows:
         """The same values in host memory, the copies queued on the current stream (pinned
@@ -285,23 +295,28 @@ class LogprobRows:
             out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             return out.copy_(t, non_blocking=True)
 
-        return LogprobRows(self.rows, host(self.chosen), host(self.top_values), host(self.top_ids))
+        return LogprobRows(
+            self.rows, host(self.chosen), host(self.top_values), host(self.top_ids),
+            host(self.chosen_rank),
+        )  # fmt: skip
 
     def dicts(
         self, params: list[SamplingParams], tokens: list[int | None]
-    ) -> list[dict[int, float] | None]:
-        """``{token: logprob}`` per row: the sampled token's first, then up to ``logprobs``
-        most likely ones; ``None`` for rows that did not ask or took no token."""
-        out: list[dict[int, float] | None] = [None] * len(params)
-        chosen = self.chosen.tolist()
+    ) -> list[dict[int, Logprob] | None]:
+        """``{token: Logprob}`` per row (each with its rank): the sampled token's first, then
+        up to ``logprobs`` most likely ones; ``None`` for rows that did not ask or took no
+        token."""
+        out: list[dict[int, Logprob] | None] = [None] * len(params)
+        chosen, ranks = self.chosen.tolist(), self.chosen_rank.tolist()
         top_v, top_i = self.top_values.tolist(), self.top_ids.tolist()
         for j, i in enumerate(self.rows):
             token = tokens[i]
             if token is None:
                 continue
-            d = {int(token): float(chosen[j])}
-            for t, v in zip(top_i[j][: params[i].logprobs], top_v[j], strict=False):
-                d.setdefault(int(t), float(v))
+            d = {int(token): Logprob(float(chosen[j]), int(ranks[j]))}
+            for r, (t, v) in enumerate(zip(top_i[j][: params[i].logprobs], top_v[j],
+                                           strict=False)):  # fmt: skip
+                d.setdefault(int(t), Logprob(float(v), r + 1))
             out[i] = d
         return out
 
@@ -323,7 +338,8 @@ def logprob_rows(
     chosen = lp.gather(1, picked[:, None].long())[:, 0]
     k = min(max(params[i].logprobs or 0 for i in want), V)
     top_v, top_i = _top_logprobs(lp, k) if k else (lp[:, :0], lp[:, :0].long())
-    return LogprobRows(want, chosen, top_v, top_i)
+    rank = (lp > chosen[:, None]).sum(dim=-1) + 1
+    return LogprobRows(want, chosen, top_v, top_i, rank)
 
 
 def _top_logprobs(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,9 +33,12 @@ class SamplingParams:
         top_p: keep the smallest set of most likely tokens whose probability reaches it
             (``1`` = off), in ``(0, 1]``.
         top_k: keep the ``top_k`` most likely tokens (``0`` or ``-1`` = off).
+        min_p: keep only the tokens at least ``min_p`` times as likely as the most likely
+            one (after temperature; ``0`` = off), in ``[0, 1]``.
         max_tokens: most new tokens (``None``: up to ``max_model_len``).
         stop: strings that end the generation; the text is cut before the stop string. At
             most `MAX_STOP_STRINGS` of at most `MAX_STOP_CHARS` characters.
+        include_stop_str_in_output: keep the stop string that ended the text in it.
         stop_token_ids: token ids that end the generation (the token stays in ``token_ids``),
             at most `MAX_STOP_TOKEN_IDS`.
         seed: makes this request's random draws reproducible whatever runs beside it; with
@@ -62,6 +65,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     max_tokens: int | None = 16
     stop: str | Sequence[str] | None = ()
     stop_token_ids: Sequence[int] | None = ()
@@ -74,6 +78,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     structured_outputs: StructuredOutputsParams | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         f = "SamplingParams."
@@ -84,6 +89,7 @@ class SamplingParams:
             ),
             top_p=check_float(f + "top_p", self.top_p, minimum=0, open_min=True, maximum=1),
             top_k=max(top_k or 0, 0),
+            min_p=check_float(f + "min_p", self.min_p, minimum=0, maximum=1, example=0.05),
             max_tokens=check_int(
                 f + "max_tokens", self.max_tokens, minimum=1, example=16, optional=True
             ),
@@ -107,6 +113,9 @@ class SamplingParams:
             ),
             frequency_penalty=check_float(
                 f + "frequency_penalty", self.frequency_penalty, minimum=-2, maximum=2
+            ),
+            include_stop_str_in_output=check_bool(
+                f + "include_stop_str_in_output", self.include_stop_str_in_output
             ),
         )
         for name, value in checked.items():

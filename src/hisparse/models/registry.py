@@ -11,7 +11,6 @@ planner (`hisparse plan`) reads the same shapes without loading weights
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +27,8 @@ from hisparse.kv.row_formats import MLA_TILE, mla_row_bytes
 from hisparse.kv.specs import CacheKind, LayerCacheSpec, RowFormat
 from hisparse.models.deepseek_v4 import DeepseekV4ForCausalLM
 from hisparse.models.deepseek_v32 import DsaForCausalLM
+from hisparse.models.source import require_weights, resolve_model_source
 from hisparse.models.v4_cache import row_values
-from hisparse.validation import _fail
 
 #: ``kv_format`` values: ``auto`` picks per checkpoint and device (`LLM`)
 KV_FORMATS = ("auto", "fp8_ds_mla", "bf16", "fp32")
@@ -56,22 +55,10 @@ def indexer_method(indexer: str) -> str:
 
 
 def resolve_model(model: str | Path) -> Path:
-    """A checkpoint directory (config.json), a ``.gguf`` file, or ``smollm2``."""
-    if not isinstance(model, str | os.PathLike):
-        _fail("LLM.model", model, "a checkpoint folder, a .gguf file or 'smollm2'", type_error=True)
-    text = os.fspath(model)
-    if text.lower() in ("smollm2", "smollm2-135m-instruct") or text.endswith(".gguf"):
-        from hisparse.models.smollm2 import resolve_model_path
-
-        return resolve_model_path(model)
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model {text!r}: no config.json there. Pass a checkpoint directory "
-            "(config.json + *.safetensors) of a deepseek_v32 / glm_moe_dsa model, a .gguf "
-            "file of a Llama model, or 'smollm2' (the bundled SmolLM2-135M-Instruct)."
-        )
-    return path
+    """The weights `LLM` loads: a checkpoint folder or a ``.gguf`` file
+    (`hisparse.models.source`: the resolver every subcommand shares)."""
+    src = resolve_model_source(model, name="LLM.model")
+    return require_weights(src, "LLM", name="LLM.model")
 
 
 def dsa_row_format(mcfg: Any, kv_format: str, dtype: torch.dtype, device: torch.device) -> str:

@@ -279,3 +279,42 @@ def load_chat_template(folder: str | Path) -> ChatTemplate | None:
 
 def _opt_int(v: Any) -> int | None:
     return None if v is None else int(v)
+
+
+class CheckpointTokenizer:
+    """A checkpoint folder's ``tokenizer.json`` (a ``tokenizers.Tokenizer``) with the
+    methods vLLM code calls on ``llm.get_tokenizer()``, as `GgufTokenizer` has them:
+    ``encode`` gives a list of ids, ``decode`` text, ``apply_chat_template`` the prompt."""
+
+    def __init__(self, backend: Any, template: ChatTemplate | None) -> None:
+        self.backend = backend
+        self.template = template
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size()
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:  # fmt: skip
+        """The prompt text for ``messages`` through the checkpoint's chat template."""
+        if self.template is None:
+            raise ValueError("this checkpoint has no chat template")
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+def api_tokenizer(tokenizer: Any, template: ChatTemplate | None) -> Any:
+    """What `LLM.get_tokenizer` returns: a GGUF model's tokenizer as it is, a checkpoint's
+    wrapped (`CheckpointTokenizer`); none is a `ValueError`."""
+    if tokenizer is None:
+        raise ValueError("this checkpoint has no tokenizer.json; send token ids instead")
+    if hasattr(tokenizer, "apply_chat_template"):
+        return tokenizer
+    return CheckpointTokenizer(tokenizer, template)

@@ -25,7 +25,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from hisparse.cli_options import add_option
 from hisparse.config import HiSparseConfigError, check_gib, default_offload
+from hisparse.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from hisparse.models.source import require_dsa, resolve_model_source
 from hisparse.sim.data_parallel import simulate_data_parallel
 from hisparse.sim.pcie import RateTable
 from hisparse.sim.simulator import (
@@ -43,8 +46,9 @@ _FROM_BENCH = {
     "concurrency": "concurrency", "kv_placement": "kv_placement",
     "topk_overlap": "topk_overlap", "gpu_memory_gib": "gpu_memory_gib",
     "host_pool_gib": "host_pool_gib", "max_model_len": "max_model_len",
-    "hot_buffer": "hot_buffer", "top_k": "top_k", "kv_format": "kv_format",
-    "block_size": "block_size", "max_batched_tokens": "max_batched_tokens",
+    "hot_buffer_rows": "hot_buffer_rows", "sparse_top_k": "sparse_top_k",
+    "kv_format": "kv_format", "block_size": "block_size",
+    "max_num_batched_tokens": "max_num_batched_tokens",
     "schedule": "schedule", "seed": "seed", "offload": "offload",
     "shared_prefix": "shared_prefix",
 }  # fmt: skip
@@ -66,44 +70,66 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", help="a DSA checkpoint folder (config.json) or a preset "
-                   "(deepseek-v3.2, glm-5)")  # fmt: skip
+    p.add_argument("--model", help="a preset (deepseek-v3.2, glm-5), a DSA checkpoint folder "
+                   "or its config.json (required unless --compare gives it)")  # fmt: skip
     t = p.add_argument_group("traffic")
     t.add_argument("--concurrency", help="the bench's shape: N requests at t=0, at most N "
-                   "running; a list (1,8) runs each")  # fmt: skip
-    t.add_argument("--trace", type=Path, help="JSONL trace (arrival, input_len, output_len)")
-    t.add_argument("--num-requests", type=int, help="synthetic trace of this many requests")
+                   "running; a list (1,8) runs each (default: none, give this, "
+                   "--num-requests or --trace)")  # fmt: skip
+    t.add_argument("--trace", type=Path, help="JSONL trace (arrival, input_len, output_len) "
+                   "(default: none)")  # fmt: skip
+    t.add_argument("--num-requests", type=int, help="synthetic trace of this many requests "
+                   "(default: none)")  # fmt: skip
     t.add_argument("--arrival-rate", type=float, default=0.0,
-                   help="synthetic: Poisson arrivals per second (0: all at t=0)")  # fmt: skip
-    t.add_argument("--input-len", type=int, help="prompt tokens (synthetic: the median)")
-    t.add_argument("--output-len", type=int, help="new tokens (synthetic: the median)")
-    t.add_argument("--input-sigma", type=float, default=0.0, help="lognormal sigma (0: fixed)")
-    t.add_argument("--output-sigma", type=float, default=0.0, help="lognormal sigma (0: fixed)")
-    t.add_argument("--max-num-seqs", type=int, help="most running (trace default 256)")
+                   help="synthetic: Poisson arrivals per second, 0: all at t=0 "
+                   "(default: %(default)s)")  # fmt: skip
+    t.add_argument("--input-len", type=int, help="prompt tokens (synthetic: the median) "
+                   "(default: the bench's with --compare)")  # fmt: skip
+    t.add_argument("--output-len", type=int, help="new tokens (synthetic: the median) "
+                   "(default: the bench's with --compare)")  # fmt: skip
+    t.add_argument("--input-sigma", type=float, default=0.0,
+                   help="lognormal sigma, 0: fixed (default: %(default)s)")  # fmt: skip
+    t.add_argument("--output-sigma", type=float, default=0.0,
+                   help="lognormal sigma, 0: fixed (default: %(default)s)")  # fmt: skip
+    add_option(t, "--max-num-seqs", default=None,
+               help="most requests running at once (default: 256 for a trace, N for "
+               "--concurrency N)")  # fmt: skip
     t.add_argument(
         "--shared-prefix",
         type=int,
-        help="every prompt starts with the same N "
-        "tokens (one document; prefix caching on, as the engine's default)",
+        help="every prompt starts with the same N tokens (one document; prefix caching on, as "
+        "the engine's default) (default: none)",
     )
     e = p.add_argument_group("engine (as hisparse bench)")
-    e.add_argument("--kv-placement", help="hisparse,gpu or one (default hisparse)")
-    e.add_argument("--gpu-memory-gib", type=float, help="GPU KV cache budget, GiB")
-    e.add_argument("--host-pool-gib", type=float)
-    e.add_argument("--max-model-len", type=int, help="default: longest input + output")
-    e.add_argument("--hot-buffer", type=int)
-    e.add_argument("--top-k", type=int)
-    e.add_argument("--kv-format", help="auto (default), fp8_ds_mla, bf16, fp32")
-    e.add_argument("--block-size", type=int)
-    e.add_argument("--max-batched-tokens", type=int, help="default 16384 (the synthetic bench's)")
-    e.add_argument("--schedule", choices=("mixed", "prefill-first"))
+    e.add_argument("--kv-placement", help="placements: hisparse, gpu or both, comma-separated "
+                   "(default: hisparse)")  # fmt: skip
+    add_option(e, "--gpu-memory-gib", help="GPU memory for the KV cache, GiB (required unless "
+               "--compare gives it)")  # fmt: skip
+    add_option(e, "--host-pool-gib", help="pinned host pool, GiB (default: the engine's rule, "
+               "or the bench's with --compare)")  # fmt: skip
+    add_option(e, "--max-model-len", help="most tokens of one request (default: the longest "
+               "input + output)")  # fmt: skip
+    add_option(e, "--hot-buffer-rows")
+    add_option(e, "--sparse-top-k")
+    e.add_argument("--kv-format", help="KV row format: auto, fp8_ds_mla, bf16 or fp32 "
+                   "(default: auto)")  # fmt: skip
+    add_option(e, "--block-size", default=None, help="tokens per KV block (default: 64)")
+    add_option(
+        e,
+        "--max-num-batched-tokens",
+        default=None,
+        help="prompt tokens per engine step (default: 16384, the synthetic bench's)",
+    )
+    e.add_argument("--schedule", choices=("mixed", "prefill-first"),
+                   help="as hisparse bench (default: mixed)")  # fmt: skip
     e.add_argument("--data-parallel-size", type=int, default=1,
                    help="ranks of data-parallel attention, each with its own pools and "
-                   "--max-num-seqs; requests routed as the engine routes them")  # fmt: skip
-    e.add_argument("--offload", help="HiSparseConfig.offload: under_pressure (default) or "
-                   "always")  # fmt: skip
-    e.add_argument("--topk-overlap", help="replayed top-k step overlap (default 0.8)")
-    e.add_argument("--seed", type=int)
+                   "--max-num-seqs; requests routed as the engine routes them "
+                   "(default: %(default)s)")  # fmt: skip
+    add_option(e, "--offload")
+    e.add_argument("--topk-overlap", help="replayed top-k step overlap (default: 0.8)")
+    e.add_argument("--seed", type=int, help="seed of the synthetic trace and replay "
+                   "(default: 0)")  # fmt: skip
     e.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
                    help="the engine's device: its default dtype picks the row format "
                    "(default %(default)s)")  # fmt: skip
@@ -124,21 +150,34 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--id-offset", type=int, help="first request id (default: what the bench "
                    "numbers after its warm-up with --compare, else 0)")  # fmt: skip
     o = p.add_argument_group("output")
-    o.add_argument("--json", type=Path, help="write results (and every step) here")
-    o.add_argument("--plot", type=Path, help="PNG: running requests and H2D GB/s over time")
+    o.add_argument("--json", type=Path, help="write results (and every step) here "
+                   "(default: none)")  # fmt: skip
+    o.add_argument("--plot", type=Path, help="PNG: running requests and H2D GB/s over time "
+                   "(default: none)")  # fmt: skip
     o.add_argument("--compare", type=Path, help="a hisparse bench --json file: its settings "
-                   "fill the options not given; prints predicted vs measured")  # fmt: skip
+                   "fill the options not given; prints predicted vs measured "
+                   "(default: none)")  # fmt: skip
     p.set_defaults(handler=run_simulate)
 
 
 # -- settings ---------------------------------------------------------------------------------
 
 
+#: a bench JSON's settings of before the flags' renaming (hisparse.cli_options.ALIASES)
+_OLD_BENCH_KEYS = {
+    "hot_buffer": "hot_buffer_rows", "top_k": "sparse_top_k",
+    "max_batched_tokens": "max_num_batched_tokens",
+}  # fmt: skip
+
+
 def _fill_from_bench(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.compare is None:
         return None
     doc = json.loads(args.compare.read_text())
-    bench = doc.get("settings", {})
+    bench = dict(doc.get("settings", {}))
+    for old, new in _OLD_BENCH_KEYS.items():
+        if old in bench and new not in bench:
+            bench[new] = bench[old]
     for ours, theirs in _FROM_BENCH.items():
         if getattr(args, ours) is None and bench.get(theirs) is not None:
             setattr(args, ours, bench[theirs])
@@ -148,8 +187,8 @@ def _fill_from_bench(args: argparse.Namespace) -> dict[str, Any] | None:
             args.host_pool_gib = max(pools)
     if args.offload is None and "offload" not in bench:
         args.offload = "always"  # a bench JSON from before the policy existed
-    if args.max_batched_tokens is None and bench.get("prefill") == "model":
-        args.max_batched_tokens = 2048  # the bench's default for the real prefill
+    if args.max_num_batched_tokens is None and bench.get("prefill") == "model":
+        args.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS  # the bench's, real prefill
     return doc
 
 
@@ -214,10 +253,10 @@ def settings_for(
         gpu_memory_gib=float(args.gpu_memory_gib),
         max_model_len=args.max_model_len or longest,
         max_num_seqs=n if n is not None else (args.max_num_seqs or 256),
-        max_num_batched_tokens=args.max_batched_tokens or 16384,
+        max_num_batched_tokens=args.max_num_batched_tokens or 16384,
         block_size=args.block_size or 64,
-        top_k=args.top_k,
-        hot_buffer=args.hot_buffer,
+        top_k=args.sparse_top_k,
+        hot_buffer=args.hot_buffer_rows,
         host_pool_gib=args.host_pool_gib,
         kv_format=args.kv_format or "auto",
         topk_overlap=overlap,
@@ -266,6 +305,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     bench = _fill_from_bench(args)
     if args.model is None or args.gpu_memory_gib is None:
         raise HiSparseConfigError("give --model and --gpu-memory-gib (or --compare BENCH_JSON)")
+    src = resolve_model_source(args.model, name="--model")
+    require_dsa(src, "simulate")
+    args.model = str(src.path) if src.kind == "checkpoint" else src.name
     check_gib("--gpu-memory-gib", args.gpu_memory_gib)
     if args.offload is None:  # the JSON's settings name the policy simulated
         args.offload = default_offload()
