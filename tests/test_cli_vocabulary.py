@@ -227,3 +227,102 @@ def test_prompt_file_errors_name_the_file(tmp_path, capsys, setup, needle):
         path.write_bytes(b"\xff\xfe\x00 text")
     assert main(["generate", "--prompt-file", str(path)]) == 2
     assert needle.format(p=path) in capsys.readouterr().err
+
+
+# --- serve MODEL and hisparse chat, as a vLLM user runs them ---------------------------------
+
+
+def test_serve_smollm2_positionally_with_vllm_flags_and_chat_with_it(capsys):
+    """``hisparse serve smollm2 --max-num-batched-tokens 1024`` (a real server process), then
+    ``hisparse chat --quick`` and the openai client with logprobs against it."""
+    import queue
+    import re
+    import subprocess
+    import sys
+    import threading
+
+    openai = pytest.importorskip("openai")
+    smollm2 = pytest.importorskip("hisparse.models.smollm2")
+    smollm2.smollm2_gguf_path()
+    cmd = [sys.executable, "-m", "hisparse", "serve", "smollm2", "--max-num-batched-tokens",
+           "1024", "--port", "0", "--device", "cpu", "--max-model-len", "512", "--max-num-seqs",
+           "2", "--gpu-memory-gib", "0.25", "--host-pool-gib", "0.25",
+           "--log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+        port = None
+        while port is None:
+            assert proc.poll() is None, proc.stderr.read()
+            m = re.search(r"serving smollm2 on http://127\.0\.0\.1:(\d+)/v1 .*up to 2 running",
+                          lines.get(timeout=240))  # fmt: skip
+            port = m and int(m.group(1))
+        url = f"http://127.0.0.1:{port}/v1"
+        ask = ["chat", "--url", url, "--quick", "What is the capital of France?",
+               "--max-tokens", "8", "--temperature", "0"]  # fmt: skip
+        assert main(ask) == 0
+        assert "Paris" in capsys.readouterr().out
+        client = openai.OpenAI(base_url=url, api_key="EMPTY", max_retries=0, timeout=120)
+        r = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+            temperature=0, logprobs=True, top_logprobs=2,
+        )  # fmt: skip
+        first = r.choices[0].logprobs.content[0]
+        assert isinstance(first.logprob, float) and len(first.top_logprobs) == 2
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    bad = ["chat", "--url", f"http://127.0.0.1:{port}/v1", "--quick", "hi"]
+    assert main(bad) == 1
+    assert "no server at --url" in capsys.readouterr().err
+
+
+# --- the Python API as vLLM code uses it ------------------------------------------------------
+
+
+def test_vllm_style_api_usage(short_context):
+    from hisparse import LLM, HiSparseConfig, SamplingParams
+
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0\.5 must be None when"):
+        LLM(short_context, gpu_memory_gib=1, gpu_memory_utilization=0.5)
+    with pytest.raises(ValueError, match=r"SamplingParams.min_p=1.5 must be a finite number in"):
+        SamplingParams(min_p=1.5)
+    small = HiSparseConfig(host_pool_gib=0.01, block_size=4)
+    llm = LLM(short_context, gpu_memory_utilization=0.001, max_model_len=256, max_num_seqs=2,
+              hisparse=small, device="cpu")  # fmt: skip
+    with llm:
+        tok = llm.get_tokenizer()
+        ids = tok.encode("t10 t11 t12", add_special_tokens=False)
+        assert ids == [10, 11, 12] and tok.decode(ids) == "t10 t11 t12"
+        assert tok.apply_chat_template([{"role": "user", "content": "t9"}]).endswith("t2 t5 ")
+        prompt = "t10 t11 t12 t13"
+        greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        (base,) = llm.generate([prompt], greedy, use_tqdm=False)
+        # min_p=1 keeps only the most likely token: sampling then picks the greedy one
+        minp = SamplingParams(temperature=1.0, min_p=1.0, seed=3, max_tokens=6, ignore_eos=True)
+        assert llm.generate(prompt, minp, use_tqdm=False)[0].token_ids == base.token_ids
+        # logprobs are vLLM's Logprob objects (and still numbers)
+        lp = SamplingParams(temperature=0, max_tokens=3, logprobs=2, ignore_eos=True)
+        (out,) = llm.generate(prompt, lp)
+        total = 0.0
+        for token, step in zip(out.token_ids, out.outputs[0].logprobs, strict=True):
+            chosen = step[token]
+            assert chosen.rank == 1 and chosen.logprob <= 0 and chosen == chosen.logprob
+            assert chosen.decoded_token == tok.decode([token])
+            assert sorted(v.rank for v in step.values()) == [1, 2]
+            total += chosen.logprob
+        assert out.outputs[0].cumulative_logprob == pytest.approx(total)
+        # a stop string cut before it, or kept with include_stop_str_in_output
+        word = base.text.split()[2]
+        at = base.text.find(word)
+        for keep in (False, True):
+            p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=[word],
+                               include_stop_str_in_output=keep)  # fmt: skip
+            (cut,) = llm.generate(prompt, p)
+            assert cut.text == base.text[: at + len(word) * keep] and cut.finish_reason == "stop"
+        # a prompt the engine can never run raises, as vLLM's does; roles as the server's
+        with pytest.raises(ValueError, match="max_model_len=256"):
+            llm.generate(prompt_token_ids=[10] * 300)
+        with pytest.raises(ValueError, match=r"\['role'\]='wizard' must be one of"):
+            llm.chat([{"role": "wizard", "content": "t9"}])
