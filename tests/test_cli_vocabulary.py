@@ -58,7 +58,10 @@ def test_help_walker_one_name_per_flag_defaults_shown_choices_listed():
             assert action.required or told, f"{where}: no default shown"
             for choice in action.choices or ():
                 assert str(choice) in shown, f"{where}: choice {choice} not listed"
-            for flag in action.option_strings:
+            names = action.option_strings
+            if isinstance(action, argparse.BooleanOptionalAction):
+                names = names[:1]  # --x / --no-x: one flag
+            for flag in names:
                 assert flag not in cli_options.ALIASES, f"{where}: an old name shown"
                 for value in ENUMERATED.get(flag, ()):
                     assert value in shown, f"{where}: {value} not listed"

@@ -204,8 +204,10 @@ def test_host_pool_too_small_for_one_request_fails_at_start(checkpoint):
 
 
 def test_unknown_model_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+    with pytest.raises(ValueError, match=r"LLM.model '.*nope': no such file or folder"):
         LLM(tmp_path / "nope")
+    with pytest.raises(ValueError, match=r"this folder has no config\.json"):
+        LLM(tmp_path)
 
 
 def test_seeded_sampling_is_reproducible(checkpoint):
