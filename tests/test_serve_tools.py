@@ -139,6 +139,11 @@ def test_tool_turns_and_bad_choices(client):
     out = client.chat.completions.create(model="smollm2", messages=history, max_tokens=4,
                                          temperature=0, tools=[WEATHER])  # fmt: skip
     assert out.choices[0].message.role == "assistant"
+    # tool_choice "auto" (the default with tools), streamed: the same text as it comes
+    kw = dict(model="smollm2", messages=history, max_tokens=4, temperature=0, tools=[WEATHER])
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == out.choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="not in tools"):
         client.chat.completions.create(
             model="smollm2", messages=ASK, max_tokens=4, tools=[WEATHER],
@@ -178,3 +183,22 @@ def test_parsers_read_each_family_format():
     assert content is None
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris", "days": 3})]  # fmt: skip
+
+
+def test_auto_streams_text_until_the_call_markup():
+    from hisparse.serve.tools import ToolReader
+
+    pieces = ["Sure", " <", "tool_call>", '{"name": "f", "arguments": {"a": 1}}', "</tool_call>"]
+
+    def raw(ids):
+        return "".join(pieces[i] for i in ids)
+
+    reader = ToolReader("auto", None, "hermes", raw)
+    got = [reader.delta(0, "", [i], None)[0] for i in range(len(pieces) - 1)]
+    assert got == [{"content": "Sure"}, {"content": " "}, None, None]  # "<" waits, then stops
+    delta, why = reader.delta(0, "", [len(pieces) - 1], "stop")
+    assert why == "tool_calls" and delta["tool_calls"][0]["index"] == 0
+    assert json.loads(delta["tool_calls"][0]["function"]["arguments"]) == {"a": 1}
+    plain = ToolReader("auto", None, "hermes", raw)
+    assert plain.delta(1, "", [0], None)[0] == {"content": "Sure"}
+    assert plain.delta(1, "", [1], "stop") == ({"content": " <"}, "stop")  # no call: all text

@@ -145,6 +145,8 @@ def parse_glm(text: str) -> tuple[str | None, list[ToolCall]]:
 
 DSML = "｜DSML｜"
 PARSERS = {"hermes": parse_hermes, "deepseek_v32": parse_deepseek_dsml, "glm": parse_glm}
+#: where each family's calls start: an ``auto`` stream shows the text before it as it comes
+MARKERS = {"hermes": "<tool_call>", "deepseek_v32": f"<{DSML}function_calls>", "glm": "<tool_call>"}
 
 
 def parser_for(model: Any) -> str:
@@ -176,6 +178,8 @@ class ToolReader:
     ) -> None:
         self.mode, self.name, self.parse, self.raw = mode, name, PARSERS[parser], raw
         self.think_end = think_end if mode in ("none", "auto") else None
+        self.marker = MARKERS[parser]
+        self._shown: dict[int, int] = {}  # raw characters an auto stream has shown
         self._answering: set[int] = set()  # choices past their reasoning (streams)
         self._ids: dict[int, list[int]] = {}
         self._text: dict[int, str] = {}
@@ -216,9 +220,10 @@ class ToolReader:
 
     def delta(self, index: int, text: str, token_ids: list[int], finish: str | None):
         """``(delta, finish_reason)`` of one stream step of choice ``index`` (``None``: emit
-        nothing yet). Named calls stream their arguments as they come; ``required`` and
-        ``auto`` answers are read whole when they end (a call cannot be told from text
-        before its markup closes)."""
+        nothing yet). Named calls stream their arguments as they come; an ``auto`` answer
+        streams its text up to where the family's call markup starts (text that could be the
+        start of it waits), its calls when it ends; ``required`` answers, and ``auto`` ones of
+        a thinking request, are read whole when they end."""
         if self.mode == "none":
             key = "content"
             if self.think_end is not None and index not in self._answering:
@@ -238,6 +243,8 @@ class ToolReader:
             return ({"tool_calls": [part]} if text or finish is None else {}), finish
         ids = self._ids.setdefault(index, [])
         ids += token_ids
+        if self.mode == "auto" and self.think_end is None:
+            return self._auto_delta(index, ids, finish)
         self._text[index] = self._text.get(index, "") + text
         if finish is None:
             return None, None
@@ -250,3 +257,28 @@ class ToolReader:
         if msg.get("tool_calls"):
             out["tool_calls"] = [{"index": i, **c} for i, c in enumerate(msg["tool_calls"])]
         return out, why
+
+    def _auto_delta(self, index: int, ids: list[int], finish: str | None):
+        raw = self.raw(ids)
+        shown = self._shown.get(index, 0)
+        if finish is None:
+            at = raw.find(self.marker)
+            upto = at if at >= 0 else len(raw) - _partial_suffix(raw, self.marker)
+            if upto <= shown:
+                return None, None
+            self._shown[index] = upto
+            return {"content": raw[shown:upto]}, None
+        del self._ids[index]
+        self._shown.pop(index, None)
+        _, calls = self.parse(raw)
+        if not calls:
+            return ({"content": raw[shown:]} if raw[shown:] else {}), finish
+        return {"tool_calls": [c.openai(i) for i, c in enumerate(calls)]}, "tool_calls"
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that starts ``marker`` (and is shorter)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
