@@ -113,3 +113,12 @@ def test_a_short_request(placement):
     groups = {g.name: g for g in request_bytes(cfg, 3, placement, block_size=64)}
     assert groups["HCA entries"].gpu == (20 * 64 * 512 * 2 if placement == "engine" else 0)
     assert groups["CSA hot buffer"].gpu == 0
+
+
+def test_simulate_refuses_v4_and_names_the_plan(capsys):
+    rc = main(["simulate", "--model", "deepseek-v4-flash", "--gpu-memory-gib", "60",
+               "--max-model-len", "131072", "--input-len", "1000", "--output-len", "4",
+               "--num-requests", "1"])  # fmt: skip
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "DeepSeek-V4" in err and "hisparse plan --model deepseek-v4-flash" in err
