@@ -305,6 +305,14 @@ def run_simulate(args: argparse.Namespace) -> int:
     bench = _fill_from_bench(args)
     if args.model is None or args.gpu_memory_gib is None:
         raise HiSparseConfigError("give --model and --gpu-memory-gib (or --compare BENCH_JSON)")
+    from hisparse.kv.v4_plan import v4_config_of
+
+    if v4_config_of(args.model) is not None:
+        raise HiSparseConfigError(
+            f"--model {args.model!r} is a DeepSeek-V4 model, which the simulator does not run "
+            "yet (the engine has no HiSparse placement for it); `hisparse plan --model "
+            "deepseek-v4-flash` gives its bytes per request and the requests that fit."
+        )
     src = resolve_model_source(args.model, name="--model")
     require_dsa(src, "simulate")
     args.model = str(src.path) if src.kind == "checkpoint" else src.name

@@ -34,7 +34,6 @@ from hisparse.engine.scheduler import Scheduler
 from hisparse.engine.step_data import ModelOutput, ScheduledStep
 from hisparse.kv.cache_shapes import PRESETS, load_model_cache_shape
 from hisparse.kv.specs import CacheKind, LayerCacheSpec
-from hisparse.kv.v4_plan import v4_config_of
 from hisparse.models.registry import dsa_row_format, engine_specs, resolve_model
 from hisparse.sim.hotbuf import HotBuffers
 from hisparse.sim.pcie import RateTable
@@ -99,12 +98,6 @@ def engine_cache_specs(
     """The cache specs and top-k the engine would use: a checkpoint folder is built on the
     meta device and asked (`engine_specs`, the row format `LLM` picks for ``target``'s
     default dtype: bf16 on CUDA, fp32 on the CPU); a preset name is `hisparse plan`'s shape."""
-    if v4_config_of(model) is not None:
-        raise HiSparseConfigError(
-            f"model {model!r} is a DeepSeek-V4 model, which the simulator does not run yet (the "
-            "engine has no HiSparse placement for it); `hisparse plan --model "
-            "deepseek-v4-flash` gives its bytes per request and the requests that fit."
-        )
     if model in PRESETS:
         fmt = "fp8_ds_mla" if kv_format == "auto" else kv_format
         shape = load_model_cache_shape(model, block_size=block_size, kv_format=fmt)
