@@ -81,11 +81,18 @@ class GqaIndexerConfig:
             raise ValueError(f"indexer method {self.method!r}: expected one of {INDEXER_METHODS}")
         if self.sink_tokens < 0 or self.recent_window < 1:
             raise ValueError("sink_tokens must be >= 0 and recent_window >= 1 (the token itself)")
-        if self.top_k is not None and self.top_k < self.sink_tokens + self.recent_window:
-            raise ValueError(
-                f"top_k={self.top_k} is smaller than sink_tokens + recent_window = "
-                f"{self.sink_tokens + self.recent_window}; raise top_k or shrink the window"
-            )
+        floor = self.sink_tokens + self.recent_window
+        if self.top_k is not None and self.top_k < floor:
+            from hisparse.validation import HiSparseConfigError
+
+            # field and example: the CLI names its flag (--sparse-top-k) and a value that works
+            need = f">= sink_tokens + recent_window = {floor} (the rows a GQA indexer always keeps)"
+            raise HiSparseConfigError(
+                f"top_k={self.top_k} is smaller than sink_tokens + recent_window = {floor}; "
+                f"raise top_k (e.g. top_k={max(256, floor)}) or shrink the window",
+                field="HiSparseConfig.top_k", value=self.top_k, requirement=need,
+                example=max(256, floor),
+            )  # fmt: skip
         if self.method == "quest" and self.recent_window < self.quest_chunk:
             raise ValueError(
                 f"quest needs recent_window >= quest_chunk ({self.quest_chunk}) so a query's own, "
