@@ -87,6 +87,12 @@ def checkpoint(request, tiny_checkpoint):
     return tiny_checkpoint(request.param)
 
 
+@pytest.fixture(scope="module")
+def deepseek(tiny_checkpoint):
+    """One architecture for the scheduling cases (the lossless cases above run both)."""
+    return tiny_checkpoint("deepseek_v32")
+
+
 def _prompt(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 512, (n,), generator=g).tolist()
@@ -145,7 +151,7 @@ def test_cached_prefixes_give_the_uncached_tokens(checkpoint, placement, offload
     assert cached == [0, 144, 144, 144, 176]
 
 
-def test_n_completions_prefill_their_prompt_once(checkpoint):
+def test_n_completions_prefill_their_prompt_once(deepseek):
     """``n = 4`` over one prompt: the first completion prefills it, the others wait for its
     pages and prefill only the last, partial page (seeded sampling: four different answers,
     the same with the cache as without)."""
@@ -153,7 +159,7 @@ def test_n_completions_prefill_their_prompt_once(checkpoint):
     params = SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=6, ignore_eos=True)
     runs = {}
     for caching in (False, True):
-        with _llm(checkpoint, "hisparse", caching, chunk=512, seqs=4) as llm:
+        with _llm(deepseek, "hisparse", caching, chunk=512, seqs=4) as llm:
             out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
             assert out.ok, out.error
             prefilled = sum(r["tokens"] for r in llm.last_run_stats if not r["decode"])
@@ -175,14 +181,14 @@ def _small(path, placement, caching, *, pool_blocks, seqs=2):
     return _llm(path, placement, caching, gpu_gib=gib, max_len=128, seqs=seqs)
 
 
-def test_evicted_pages_are_recomputed_with_the_same_tokens(checkpoint):
+def test_evicted_pages_are_recomputed_with_the_same_tokens(deepseek):
     """A host pool of 14 blocks: three documents one after another evict the first one's
     cached pages (least recently used first), so its second question recomputes them."""
     docs = [_prompt(100, 10 + i) for i in range(3)]
     prompts = [d + _prompt(8, 20 + i) for i, d in enumerate(docs)] + [docs[0] + _prompt(9, 30)]
     runs = {}
     for caching in (False, True):
-        with _small(checkpoint, "hisparse", caching, pool_blocks=14) as llm:
+        with _small(deepseek, "hisparse", caching, pool_blocks=14) as llm:
             outs = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0]
                     for p in prompts]  # fmt: skip
             assert all(o.ok for o in outs), [o.error for o in outs]
@@ -193,7 +199,7 @@ def test_evicted_pages_are_recomputed_with_the_same_tokens(checkpoint):
     assert runs[True] == runs[False]
 
 
-def test_preemption_with_the_cache_keeps_the_tokens(checkpoint):
+def test_preemption_with_the_cache_keeps_the_tokens(deepseek):
     """All-GPU, a pool of one ``max_model_len`` request: decoding requests outgrow it and
     the newest is preempted, its registered pages left in the cache for its recompute (which
     the others' growth evicts first here: the pool is full) with the same tokens."""
@@ -201,7 +207,7 @@ def test_preemption_with_the_cache_keeps_the_tokens(checkpoint):
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     runs = {}
     for caching in (False, True):
-        with _small(checkpoint, "gpu", caching, pool_blocks=9, seqs=3) as llm:
+        with _small(deepseek, "gpu", caching, pool_blocks=9, seqs=3) as llm:
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
             assert all(o.ok for o in outs), [o.error for o in outs]
             assert sum(o.metrics.preemptions for o in outs) > 0
