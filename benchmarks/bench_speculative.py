@@ -5,7 +5,7 @@
 Two engines, one at a time in one process, both the default configuration (HiSparse
 placement, the default top_k and offload policy, greedy, batch 1: the CPU batch-1 fast path
 serves every step that has no drafts): one without speculation, one with ``SPEC`` below. Two
-fixed tasks, each one request: an input-grounded one (repeat a ~1K-token passage of the
+fixed tasks, each one request: an input-grounded one (repeat a passage (at most 950 tokens) of the
 Python reference with one word changed: the output copies the prompt, so prompt lookup finds
 most drafts) and an open-ended chat question (few repeats: speculation must not cost much
 where it misses). ``--rounds`` rounds alternate the two engines (each built afresh and
