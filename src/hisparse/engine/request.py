@@ -168,7 +168,8 @@ class Request:
             return self.output_token_ids[start - p : start - p + n]
         if start + n <= p:
             return self.prompt_token_ids[start : start + n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: start + n - p]
+        # (a simulated prompt may be a range: no list of its ids is ever built)
+        return [*self.prompt_token_ids[start:], *self.output_token_ids[: start + n - p]]
 
     @property
     def num_tokens(self) -> int:

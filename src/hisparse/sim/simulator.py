@@ -88,8 +88,11 @@ class SimSettings:
     decode_ms_per_request: float = DEFAULT_DECODE_MS_PER_REQUEST
     prefill_tok_s: float = DEFAULT_PREFILL_TOK_S
     #: every prompt's first tokens are one document (questions over it, the turns of a
-    #: conversation): prefix caching on, as the engine's default; 0: unrelated prompts
+    #: conversation); 0: unrelated prompts
     shared_prefix: int = 0
+    #: the engine's prefix cache (its default: on): a preempted request's recompute hits its
+    #: own cached pages, and a shared document is prefilled once
+    enable_prefix_caching: bool = True
 
 
 def engine_cache_specs(
@@ -128,7 +131,7 @@ class Simulator:
             block_size=s.block_size,
             offload=s.offload,
         ).resolve(index_topk)
-        caching = s.shared_prefix > 0
+        caching = s.enable_prefix_caching
         if s.placement == "hisparse" and config.host_pool_bytes is None:
             size = default_host_pool_bytes(
                 self.specs, config, s.max_model_len, s.max_num_seqs, indexer_copy=caching
@@ -325,11 +328,13 @@ class Simulator:
 
     def _prompt(self, i: int, n: int) -> list[int]:
         """Request ``i``'s ``n`` prompt tokens: the shared document's first, then its own
-        (a range stands for unrelated prompts: only its length is read, no cache to hit)."""
+        (without the cache a range stands for them: only its length is read)."""
         shared = min(self.s.shared_prefix, n)
-        if not shared:
+        if not self.s.enable_prefix_caching:
             return range(n)  # type: ignore[return-value]
         own = (1 << 40) + i * self.s.max_model_len
+        if not shared:  # a range: 128K-token prompts of a large trace need no lists
+            return range(own, own + n)  # type: ignore[return-value]
         return list(range(shared)) + list(range(own, own + n - shared))
 
     # --- a whole trace ----------------------------------------------------------------
