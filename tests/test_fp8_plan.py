@@ -80,7 +80,7 @@ def test_release_plans() -> None:
 
 def test_plan_cli_reports_the_format(capsys) -> None:
     args = ["plan", "--model", "deepseek-v3.2", "--tensor-parallel-size", "8",
-            "--gpu-memory-gib", "141"]  # fmt: skip
+            "--gpu-total-gib", "141"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "685.4B parameters" in out and "82.48 GiB" in out
