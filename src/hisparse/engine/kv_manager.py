@@ -140,7 +140,9 @@ class KVCacheManager(KVBlockManager):
     def copy_indexer_pages(self, copies: Iterable[IndexerCopy]) -> None:
         """Prefix caching under HiSparse: copy whole indexer pages (every indexer layer's
         page: one span of the GPU pool) to their host blocks' indexer region, or back, in
-        order. A save reads the GPU on the current stream (its step wrote the keys before)."""
+        order. One asynchronous copy a page on the current stream, no host sync: a save runs
+        after the step that wrote the keys, a restore after the save that wrote the host
+        copy, and nothing on the host reads the pinned region in between."""
         copies = list(copies)
         if not copies or self.host_pool is None or self.gpu_raw is None:
             return
@@ -156,12 +158,11 @@ class KVCacheManager(KVBlockManager):
             backing.storage_offset() + lay.host_indexer_offset,
         )
         for c in copies:
-            pages = torch.tensor(c.pages, dtype=torch.long, device=self.device)
-            blocks = torch.tensor(c.host_blocks, dtype=torch.long)
-            if c.to_host:
-                host[blocks] = gpu[pages].cpu()
-            else:
-                gpu[pages] = host[blocks].to(self.device)
+            for page_row, block in zip(c.pages, c.host_blocks, strict=True):
+                if c.to_host:
+                    host[block].copy_(gpu[page_row], non_blocking=True)
+                else:
+                    gpu[page_row].copy_(host[block], non_blocking=True)
 
     def flush_table_updates(self) -> None:
         """Apply every change recorded so far (for callers outside the engine's step, such
