@@ -17,7 +17,7 @@ DEEPSEEK = [
 def test_plan_deepseek_prints_layout_and_capacities(capsys):
     assert main(DEEPSEEK) == 0
     out = capsys.readouterr().out
-    assert "429,324 blocks x 2,561,024 B" in out  # host pool
+    assert "357,407 blocks x 3,076,352 B" in out  # host pool: rows + the indexer copy
     assert "24,969 blocks x 2,576,640 B" in out  # GPU pool: blocks of 5 indexer pages
     assert "prefill staging (outside the pool): 2,080 pages" in out
     assert "layers.0-60.attn" in out  # every layer in one pack
@@ -75,7 +75,7 @@ def test_plan_from_config_json(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("override", "needle"),
     [
-        (["--host-pool-gib", "2"], "Set host_pool_gib >= 4.89 GiB"),
+        (["--host-pool-gib", "2"], "Set host_pool_gib >= 5.88 GiB"),
         (["--gpu-memory-gib", "1"], "Give the KV cache >= 1.23 GiB"),
         (
             ["--device-buffer-size", "1024"],

@@ -36,7 +36,7 @@ def test_plan_data_parallel_node_beside_tensor_parallel(capsys):
     out = " ".join(capsys.readouterr().out.split())  # lines as the terminal's width wraps them
     assert "routed experts (58 layers x 256, 32 a rank)" in out and "101.15 GiB" in out
     assert "HiSparse 176 (22 a rank), all-GPU 32 (4 a rank); TP 8: HiSparse 38, all-GPU 7" in out
-    assert "8 x 107.52 GiB = 860.16 GiB for the node" in out
+    assert "8 x 129.15 GiB = 1,033.24 GiB for the node" in out
     for q in (1, 2, 3, 4):
         assert f"│ DP 8 + EP 8 │ {q} │" in out and f"│ TP 8 │ {q} │" in out
     assert main([*DP8, "--model", "glm-5"]) == 0

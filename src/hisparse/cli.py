@@ -187,6 +187,14 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "so the hot buffer defaults to (K + 2) * top_k rows (default: 0)",
     )
     plan.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each host block also keeps its page's indexer keys for the prefix cache, as "
+        "the engine does on one GPU and per data-parallel rank (off under tensor "
+        "parallelism) (default: on)",
+    )
+    plan.add_argument(
         "--context-len",
         type=int,
         help="request length for the capacity figures (default: --max-model-len)",
@@ -326,6 +334,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         max_len,
         "hisparse",
         max_num_batched_tokens=args.max_num_batched_tokens,
+        host_indexer_copy=args.enable_prefix_caching,
     )
     all_gpu = plan_kv_layout(model.specs, config, budget, max_len, "gpu", check_capacity=False)
 
@@ -390,11 +399,14 @@ def _host_pool_for_fits(
 ) -> Any:
     """``config`` with a host pool that holds the requests of ``context_len`` the GPU side
     fits (the GPU side planned first with a host pool of one request)."""
-    block = sum(s.row_bytes for s in model.sparse_specs) * args.block_size
+    from hisparse.cli_plan_node import host_block_bytes
+
+    block = host_block_bytes(model, args.block_size, args.enable_prefix_caching)
     probe = dataclasses.replace(config, host_pool_bytes=config.min_host_blocks(max_len) * block)
     gpu_side = plan_kv_layout(
         model.specs, probe, budget, max_len, "hisparse",
         max_num_batched_tokens=args.max_num_batched_tokens,
+        host_indexer_copy=args.enable_prefix_caching,
     )  # fmt: skip
     fits = gpu_side.max_requests_gpu(context_len)
     host_blocks = fits * gpu_side.host_blocks_per_request(context_len) + 1

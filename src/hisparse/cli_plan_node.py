@@ -60,16 +60,29 @@ class NodePlan:
         return self.hisparse.host_pool_bytes * self.host_pools
 
 
+def host_block_bytes(model: Any, block_size: int, indexer_copy: bool) -> int:
+    """One host block: a page of every sparse layer's rows, and with ``indexer_copy`` the
+    page's indexer keys of every indexer layer (`plan_kv_layout`'s ``host_indexer_copy``)."""
+    block = sum(s.row_bytes for s in model.sparse_specs) * block_size
+    if indexer_copy:
+        block += sum(s.row_bytes for s in model.indexer_specs) * block_size
+    return block
+
+
 def rank_layouts(
     model: Any, config: HiSparseConfig, budget: int, max_len: int, context_len: int,
     host_pool_bytes: int | None, max_num_seqs: int | None = None,
+    host_indexer_copy: bool = False,
 ) -> tuple[KVLayout, KVLayout]:  # fmt: skip
     """(HiSparse, all-GPU) layouts of one GPU with ``budget`` KV bytes; the host pool is
     ``host_pool_bytes`` or sized for the requests of ``context_len`` the GPU side fits.
-    ``max_num_seqs``: the engine's (it bounds the prefill staging area; default: none)."""
-    block = sum(s.row_bytes for s in model.sparse_specs) * config.block_size
+    ``max_num_seqs``: the engine's (it bounds the prefill staging area; default: none).
+    ``host_indexer_copy``: each host block also holds its page's indexer keys (prefix
+    caching under HiSparse, the engine's default on one rank and per data-parallel rank)."""
+    block = host_block_bytes(model, config.block_size, host_indexer_copy)
     probe = dataclasses.replace(config, host_pool_bytes=config.min_host_blocks(max_len) * block)
-    seqs = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    seqs: dict[str, Any] = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    seqs["host_indexer_copy"] = host_indexer_copy
     if host_pool_bytes is None:
         gpu_side = plan_kv_layout(model.specs, probe, budget, max_len, "hisparse", **seqs)
         fits = gpu_side.max_requests_gpu(context_len)
@@ -111,7 +124,11 @@ def node_plan(
         block_size=args.block_size, max_query_len=max_query_len,
     ).resolve(model.index_topk)  # fmt: skip
     pool = int(args.host_pool_gib * 2**30) if args.host_pool_gib is not None else None
-    hisparse, all_gpu = rank_layouts(model, config, budget, max_len, context_len, pool)
+    # prefix caching's indexer copy: per data-parallel rank (tensor parallelism turns the
+    # cache off under HiSparse: its host rows are sharded)
+    copy = data_parallel and args.enable_prefix_caching
+    hisparse, all_gpu = rank_layouts(model, config, budget, max_len, context_len, pool,
+                                     host_indexer_copy=copy)  # fmt: skip
     n = ranks if data_parallel else 1
     plan = NodePlan(name, max_query_len, weights, budget, hisparse, all_gpu, n, n)
     return plan, parts
