@@ -140,22 +140,7 @@ class DenseBlockTables:
 
     def begin_step(self, reqs: Sequence[int], num_new: Sequence[int]) -> ForwardStep:
         """Append ``num_new[i]`` tokens to request ``reqs[i]``; metadata for the forward."""
-        if len(reqs) != len(num_new) or len(set(reqs)) != len(reqs):
-            raise ValueError("reqs must be distinct and match num_new")
-        positions, req_index, seq_lens = [], [], []
-        for row, (r, n) in enumerate(zip(reqs, num_new, strict=True)):
-            start = self.lens[r]
-            if start + n > self.max_len:
-                raise ValueError(f"request {r} would hold {start + n} > max_len={self.max_len}")
-            positions.append(torch.arange(start, start + n))
-            req_index.append(torch.full((n,), row))
-            seq_lens.append(start + n)
-            self.lens[r] = start + n
-        step = ForwardStep(
-            positions=torch.cat(positions).to(self.device),
-            req_index=torch.cat(req_index).to(self.device),
-            seq_lens=torch.tensor(seq_lens, device=self.device),
-        )
+        step = append_tokens(self.lens, self.max_len, reqs, num_new, self.device)
         self._tables = self.block_table[torch.tensor(list(reqs), device=self.device)]
         self._slots = self._physical(step.req_index, step.positions)
         self._req_of_token = step.req_index
@@ -258,3 +243,33 @@ class _DenseIndexerLayer:
     def read_source(self) -> tuple[torch.Tensor, torch.Tensor]:
         _, tables, _ = self.cache._step_state()
         return self.cache.index_pages[self.layer], tables
+
+
+def append_tokens(
+    lens: list[int],
+    max_len: int,
+    reqs: Sequence[int],
+    num_new: Sequence[int],
+    device: torch.device,
+    with_max_len: bool = False,
+) -> ForwardStep:
+    """Append ``num_new[i]`` tokens to request slot ``reqs[i]`` of ``lens`` (each at most
+    ``max_len``): the step's metadata, as the dense test caches' ``begin_step`` build it
+    (``with_max_len``: the step's host bound on keys set too)."""
+    if len(reqs) != len(num_new) or len(set(reqs)) != len(reqs):
+        raise ValueError("reqs must be distinct and match num_new")
+    positions, req_index, seq_lens = [], [], []
+    for row, (r, n) in enumerate(zip(reqs, num_new, strict=True)):
+        start = lens[r]
+        if start + n > max_len:
+            raise ValueError(f"request {r} would hold {start + n} > max_len={max_len}")
+        positions.append(torch.arange(start, start + n))
+        req_index.append(torch.full((n,), row))
+        seq_lens.append(start + n)
+        lens[r] = start + n
+    return ForwardStep(
+        positions=torch.cat(positions).to(device),
+        req_index=torch.cat(req_index).to(device),
+        seq_lens=torch.tensor(seq_lens, device=device),
+        max_len=max(seq_lens) if with_max_len else None,
+    )

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from hisparse.models.kv_access import ForwardStep
+from hisparse.models.kv_access import ForwardStep, append_tokens
 from hisparse.models.v4_config import CSA, V4Config
 
 
@@ -97,24 +97,9 @@ class DenseV4Cache:
 
     def begin_step(self, reqs: Sequence[int], num_new: Sequence[int]) -> ForwardStep:
         """Append ``num_new[i]`` tokens to request slot ``reqs[i]``; the step's metadata."""
-        if len(reqs) != len(num_new) or len(set(reqs)) != len(reqs):
-            raise ValueError("reqs must be distinct and match num_new")
-        positions, req_index, seq_lens = [], [], []
-        for row, (r, n) in enumerate(zip(reqs, num_new, strict=True)):
-            start = self.lens[r]
-            if start + n > self.max_len:
-                raise ValueError(f"request {r} would hold {start + n} > max_len={self.max_len}")
-            positions.append(torch.arange(start, start + n))
-            req_index.append(torch.full((n,), row))
-            seq_lens.append(start + n)
-            self.lens[r] = start + n
+        step = append_tokens(self.lens, self.max_len, reqs, num_new, self.device, True)
         self._slots = torch.tensor(list(reqs), device=self.device)
-        return ForwardStep(
-            positions=torch.cat(positions).to(self.device),
-            req_index=torch.cat(req_index).to(self.device),
-            seq_lens=torch.tensor(seq_lens, device=self.device),
-            max_len=max(seq_lens),
-        )
+        return step
 
     def _slot(self, req_row: torch.Tensor) -> torch.Tensor:
         if self._slots is None:
