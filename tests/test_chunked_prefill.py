@@ -92,13 +92,13 @@ def test_a_long_prefill_holds_at_most_the_plans_blocks_at_every_step(checkpoint)
         with _llm(checkpoint, placement, chunk=512, offload="always") as llm:
             kv, run, seen = llm.kv, llm.runner.run, []
 
-            def recording(batch, *, decode, finishing, kv=kv, run=run, seen=seen):
+            def recording(batch, *, decode, finishing, kv=kv, run=run, seen=seen, **more):
                 for req, n in batch:
                     b = kv.requests[req.req_id]
                     need = kv.layout.gpu_blocks_per_request(req.num_computed + n)
                     seen.append((decode, kv.gpu_held(req.req_id), need,
                                  max(len(r) for r in b.resident)))  # fmt: skip
-                return run(batch, decode=decode, finishing=finishing)
+                return run(batch, decode=decode, finishing=finishing, **more)
 
             llm.runner.run = recording
             (out,) = llm.generate(prompt_token_ids=prompt, sampling_params=params)
