@@ -420,8 +420,8 @@ def _run_plan_node(args: argparse.Namespace) -> int:
     rank, the KV budget left per GPU, the requests that fit with HiSparse and all-GPU, and
     the host RAM that holds them once (`hisparse.parallel.plan`); with
     ``--data-parallel-size`` the data-parallel node beside it (`hisparse.cli_plan_node`)."""
-    from hisparse.cli_plan_node import node_plan, run_plan_data_parallel
-    from hisparse.parallel.plan import dsa_config_of, format_count, weight_format_of
+    from hisparse.cli_plan_node import node_plan, run_plan_data_parallel, weights_table
+    from hisparse.parallel.plan import dsa_config_of, weight_format_of
 
     if args.tensor_parallel_size is not None and args.data_parallel_size is not None:
         raise HiSparseConfigError(
@@ -470,13 +470,7 @@ def _run_plan_node(args: argparse.Namespace) -> int:
         f"[bold]{model.name}[/bold] on {tp} GPUs of {args.gpu_memory_gib:g} GiB: "
         f"{params / 1e9:,.1f}B parameters, {fmt.describe()}"
     )
-    table = Table(title=f"Weights per rank (tensor parallel {tp})", title_justify="left")
-    for column in ("weights", "parameters", "per rank"):
-        table.add_column(column, justify="left" if column == "weights" else "right")
-    for p in parts:
-        table.add_row(p.name, format_count(p.params), format_gib(p.bytes_per_rank))
-    table.add_row("[bold]total[/bold]", format_count(params), f"[bold]{format_gib(weights)}[/]")
-    console.print(table)
+    console.print(weights_table(parts, f"tensor parallel {tp}", weights))
     console.print(
         f"KV budget per GPU: {args.gpu_memory_utilization:.0%} of {args.gpu_memory_gib:g} GiB "
         f"- {format_gib(weights)} weights = [bold]{format_gib(budget)}[/bold]; every rank holds "

@@ -134,6 +134,20 @@ def node_plan(
     return plan, parts
 
 
+def weights_table(parts: list[Any], topology: str, weights: int) -> Table:
+    """The weights one rank holds, part by part, under ``topology`` (e.g. "TP 8")."""
+    from hisparse.parallel.plan import format_count
+
+    table = Table(title=f"Weights per rank ({topology})", title_justify="left")
+    for column in ("weights", "parameters", "per rank"):
+        table.add_column(column, justify="left" if column == "weights" else "right")
+    for p in parts:
+        table.add_row(p.name, format_count(p.params), format_gib(p.bytes_per_rank))
+    total = sum(p.params for p in parts)
+    table.add_row("[bold]total[/bold]", format_count(total), f"[bold]{format_gib(weights)}[/]")
+    return table
+
+
 def run_plan_data_parallel(
     args: argparse.Namespace, model: Any, cfg: Any, fmt: Any, max_len: int, context_len: int,
     tp_error: str | None,
@@ -141,7 +155,6 @@ def run_plan_data_parallel(
     """``--data-parallel-size N``: weights per rank, then per ``max_query_len`` the KV budget,
     the requests a rank and the node hold with each placement and the node's host RAM, for
     data-parallel attention and for tensor parallelism over the same GPUs."""
-    from hisparse.parallel.plan import format_count
 
     dp = args.data_parallel_size
     if cfg.n_routed_experts % dp and args.enable_expert_parallel:
@@ -169,14 +182,7 @@ def run_plan_data_parallel(
         f"[bold]{model.name}[/bold] on {dp} GPUs of {args.gpu_memory_gib:g} GiB: "
         f"{params / 1e9:,.1f}B parameters, {fmt.describe()}"
     )
-    table = Table(title=f"Weights per rank ({plans[0].name})", title_justify="left")
-    for column in ("weights", "parameters", "per rank"):
-        table.add_column(column, justify="left" if column == "weights" else "right")
-    for p in parts:
-        table.add_row(p.name, format_count(p.params), format_gib(p.bytes_per_rank))
-    table.add_row("[bold]total[/bold]", format_count(params),
-                  f"[bold]{format_gib(plans[0].weights)}[/]")  # fmt: skip
-    console.print(table)
+    console.print(weights_table(parts, plans[0].name, plans[0].weights))
     console.print(capacity_table(plans, context_len))
     dp1 = plans[0]
     h_rank, g_rank = dp1.per_rank(context_len)
