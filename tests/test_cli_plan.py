@@ -138,14 +138,14 @@ def test_plan_tensor_parallel_node(capsys):
             "--gpu-total-gib", "141", "--max-model-len", "131072"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "685.4B parameters" in out and "82.48 GiB" in out
-    assert "= 44.42 GiB" in out  # 90% of 141 GiB less the weights
-    assert "HiSparse 38, all-GPU 7" in out
-    assert "185.71 GiB for the node, one copy shared by its 8 ranks" in out
+    assert "683.5B parameters" in out and "82.05 GiB" in out
+    assert "= 44.85 GiB" in out  # 90% of 141 GiB less the weights
+    assert "HiSparse 39, all-GPU 7" in out
+    assert "190.60 GiB for the node, one copy shared by its 8 ranks" in out
     assert main(["plan", "--model", "glm-5", "--tensor-parallel-size", "8",
                  "--gpu-total-gib", "141"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert "755.2B parameters" in out and "indexer (21 layers, whole)" in out
+    assert "753.3B parameters" in out and "indexer (21 layers, whole)" in out
     # 3 does not divide 128 heads; 2 GPUs cannot hold the weights
     assert main([*args[:4], "3", *args[5:]]) == 2
     assert "does not divide the model's 128 attention heads" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from hisparse.models.checkpoint_writer import (
     write_checkpoint,
 )
 from hisparse.models.dsa_config import DsaConfig
-from hisparse.models.loader import load_dsa_model, shard_weight_bytes
+from hisparse.models.loader import build_dsa_model, load_dsa_model, shard_weight_bytes
 from hisparse.models.tiny import make_tiny, tiny_config_kwargs
 from hisparse.parallel.plan import (
     WeightFormat,
@@ -26,15 +26,13 @@ from hisparse.parallel.plan import (
     weight_format_of,
     widest_rank_parts,
 )
+from hisparse.parallel.shard import shard_dsa
+from weight_helpers import kept_weight_bytes, mtp_copy_bytes
 
 
 def _planned(cfg: DsaConfig, tp: int, rank: int, fp8: bool) -> int:
     parts = dsa_weight_parts(cfg, tp, rank=rank, fmt=WeightFormat(fp8=fp8, dtype_bytes=2))
     return sum(p.bytes_per_rank for p in parts)
-
-
-def _allocated(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
@@ -52,7 +50,7 @@ def test_plan_counts_what_each_rank_allocates(arch, fp8, tmp_path) -> None:
     assert cfg.num_nextn_predict_layers == 1
     for tp, rank in ((1, 0), (2, 0), (2, 1)):
         model = load_dsa_model(path, dtype=torch.bfloat16, rank=rank, world=tp)
-        assert _allocated(model) == _planned(cfg, tp, rank, fp8), (tp, rank)
+        assert kept_weight_bytes(model) == _planned(cfg, tp, rank, fp8), (tp, rank)
 
 
 def test_plan_counts_deepseek_v32_layer_shapes_at_8_ranks() -> None:
@@ -64,16 +62,20 @@ def test_plan_counts_deepseek_v32_layer_shapes_at_8_ranks() -> None:
     index = CheckpointIndex.of_tensors("v32-shapes", release_tensors(cfg, UE8M0, 1, torch.bfloat16))
     for rank in (0, 7):
         got = shard_weight_bytes(cfg, index, rank=rank, world=8, fp8_format=UE8M0)
-        assert got == _planned(cfg, 8, rank, True)
+        skeleton = build_dsa_model(cfg, index, fp8_format=UE8M0)
+        shard_dsa(skeleton, rank, 8)
+        copies = mtp_copy_bytes(skeleton) // skeleton.lm_head.weight.element_size() * 2  # in bf16
+        assert got - copies == _planned(cfg, 8, rank, True)
 
 
 def test_release_plans() -> None:
-    """DeepSeek-V3.2 with its MTP layer is the release's 685B parameters; at 8 ranks a rank
-    holds 82.48 GiB (fp8 experts, bf16 kv_b, vocabulary-parallel embedding and head)."""
+    """DeepSeek-V3.2 with its MTP layer is the release's 685B parameters less the MTP layer's
+    copies of the embedding and LM head (1.85B, shared with the model); at 8 ranks a rank
+    holds 82.05 GiB (fp8 experts, bf16 kv_b, vocabulary-parallel embedding and head)."""
     cfg = dsa_config_of("deepseek-v3.2")
     parts = widest_rank_parts(cfg, 8)
-    assert round(sum(p.params for p in parts) / 1e9, 1) == 685.4
-    assert round(sum(p.bytes_per_rank for p in parts) / 2**30, 2) == 82.48
+    assert round(sum(p.params for p in parts) / 1e9, 1) == 683.5
+    assert round(sum(p.bytes_per_rank for p in parts) / 2**30, 2) == 82.05
     bf16 = widest_rank_parts(cfg, 8, fmt=WeightFormat(fp8=False))
     assert sum(p.bytes_per_rank for p in bf16) / 2**30 > 141  # does not fit a node of H200s
 
@@ -83,5 +85,8 @@ def test_plan_cli_reports_the_format(capsys) -> None:
             "--gpu-total-gib", "141"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "685.4B parameters" in out and "82.48 GiB" in out
-    assert "multi-token prediction (1 layer)" in out and "as the engine holds them" in out
+    assert "683.5B parameters" in out and "82.05 GiB" in out
+    assert (
+        "multi-token prediction (1 layer; embedding, LM head shared)" in out
+        and "as the engine holds them" in out
+    )

@@ -23,6 +23,7 @@ from hisparse.parallel.plan import WeightFormat, dsa_weight_parts
 from hisparse.sim.data_parallel import simulate_data_parallel
 from hisparse.sim.simulator import SimSettings
 from hisparse.sim.trace import synthetic_trace
+from weight_helpers import kept_weight_bytes
 
 DP8 = ["plan", "--data-parallel-size", "8", "--enable-expert-parallel", "--gpu-total-gib", "141",
        "--max-model-len", "131072"]  # fmt: skip
@@ -34,14 +35,16 @@ def test_plan_data_parallel_node_beside_tensor_parallel(capsys):
     TP 8's beside them, and the node's host RAM (one pool per rank)."""
     assert main([*DP8, "--model", "deepseek-v3.2"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # lines as the terminal's width wraps them
-    assert "routed experts (58 layers x 256, 32 a rank)" in out and "101.15 GiB" in out
-    assert "HiSparse 176 (22 a rank), all-GPU 32 (4 a rank); TP 8: HiSparse 38, all-GPU 7" in out
-    assert "8 x 129.15 GiB = 1,033.24 GiB for the node" in out
+    assert "routed experts (58 layers x 256, 32 a rank)" in out and "97.69 GiB" in out
+    # the MTP layer's embedding and LM head are the model's, counted once
+    assert "multi-token prediction (1 layer; embedding, LM head shared) │ 11.62B │ 1.76 GiB" in out
+    assert "HiSparse 200 (25 a rank), all-GPU 32 (4 a rank); TP 8: HiSparse 39, all-GPU 7" in out
+    assert "8 x 146.77 GiB = 1,174.13 GiB for the node" in out
     for q in (1, 2, 3, 4):
         assert f"│ DP 8 + EP 8 │ {q} │" in out and f"│ TP 8 │ {q} │" in out
     assert main([*DP8, "--model", "glm-5"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "HiSparse 240 (30 a rank), all-GPU 16 (2 a rank); TP 8: HiSparse 66, all-GPU 5" in out
+    assert "HiSparse 296 (37 a rank), all-GPU 24 (3 a rank); TP 8: HiSparse 67, all-GPU 5" in out
 
 
 @pytest.mark.parametrize(
@@ -74,7 +77,7 @@ def test_plan_counts_what_a_data_parallel_rank_keeps(tiny_checkpoint, fp8):
         assert model.load_stats["bytes_read"] < whole.load_stats["bytes_read"]
         group = SimpleNamespace(rank=rank, world_size=2, group=None, backend="gloo")
         ExpertParallel(group, cfg.n_routed_experts, torch.bfloat16).install(model)
-        kept = sum(p.numel() * p.element_size() for p in model.parameters())
+        kept = kept_weight_bytes(model)
         planned = sum(p.bytes_per_rank for p in dsa_weight_parts(cfg, 1, fmt=fmt, ep=2))
         assert kept == planned, rank
         moes = [m for m in model.modules() if isinstance(m, MoE)]

@@ -26,8 +26,10 @@ Per layer, with hidden ``h``, heads ``H``, ``q_lora``, latent ``c``, RoPE ``r``,
 * whole: two norms ``2h`` per layer, final norm ``h``;
 * the multi-token-prediction layer(s) the release ships (``num_nextn_predict_layers``): a MoE
   layer with its indexer as above, ``enorm`` and ``hnorm`` (``2h``), ``eh_proj`` (``2h x h``,
-  compute dtype), ``shared_head`` (norm ``h``, a vocabulary-parallel head) and a
-  vocabulary-parallel embedding.
+  compute dtype) and ``shared_head``'s norm ``h``. The checkpoint also stores the layer's own
+  ``embed_tokens`` and ``shared_head.head``, but DeepSeek-V3's MTP shares the embedding and
+  output head with the main model (the checkpoint's are copies), so they are counted once,
+  in the model's embedding + LM head.
 
 Every rank holds every request's MLA latent rows and indexer keys (one latent head, the same
 on every rank), so the per-GPU KV layout, and the requests it fits, are those of one GPU with
@@ -188,12 +190,14 @@ def dsa_weight_parts(
         WeightPart("layer norms (whole)", (2 * L + 1) * h, b * (2 * L + 1) * h, False),
     ]
     if mtp:
-        # a MoE layer with its indexer, its norms, eh_proj, shared head and embedding
-        extra_p = 2 * h + 2 * h * h + h + 2 * V * h
-        extra = b * (2 * h + 2 * h * h + h) + 2 * R.vocab(V, h)
+        # a MoE layer with its indexer, its norms, eh_proj and shared head's norm; the
+        # embedding and LM head are the model's (counted above)
+        extra_p = 2 * h + 2 * h * h + h
+        extra = b * extra_p
         layer_p = by_head_p + whole_p + indexer_p + experts_p + shared_p + router_p + 2 * h
         layer = by_head + whole + indexer + experts + shared + router + b * 2 * h
-        name = f"multi-token prediction ({mtp} layer{'s' * (mtp > 1)})"
+        name = (f"multi-token prediction ({mtp} layer{'s' * (mtp > 1)}; embedding, LM head "
+                "shared)")  # fmt: skip
         parts.append(WeightPart(name, mtp * (layer_p + extra_p), mtp * (layer + extra), True))
     return parts
 
