@@ -14,8 +14,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from hisparse import HiSparseConfig
 from hisparse.config import HiSparseConfigError
@@ -184,7 +186,8 @@ def test_bad_parallel_arguments_fail_before_any_rank_starts(v32, kw, match):
 def test_serve_data_parallel_streams(tiny_checkpoint):
     """`hisparse serve --data-parallel-size 2 --enable-expert-parallel` (the CLI, a real
     server): four concurrent streams through the `openai` client, spread over both ranks,
-    give one rank's text; SIGTERM ends the server and its ranks cleanly."""
+    give one rank's text; `/metrics` shows the node (both ranks' pools, every token counted
+    once); SIGTERM ends the server and its ranks cleanly."""
     openai = pytest.importorskip("openai")
     path = tiny_checkpoint("deepseek_v32", fp8=True)  # with a byte-level tokenizer
     prompts = [f"{i}: the quick brown fox jumps over the lazy dog {i}" for i in range(4)]
@@ -192,6 +195,7 @@ def test_serve_data_parallel_streams(tiny_checkpoint):
     with LLM(path, hisparse=HiSparseConfig(host_pool_gib=0.05, offload="always"),
              max_model_len=256, max_num_seqs=4, gpu_memory_gib=0.05) as one:  # fmt: skip
         ref = [o.text for o in one.generate(prompts, params)]
+        pools = one.engine_gauges()
     cmd = [sys.executable, "-m", "hisparse", "serve", "--model", str(path), "--device", "cpu",
            "--host", "127.0.0.1", "--port", "0", "--max-model-len", "256", "--max-num-seqs",
            "4", "--gpu-memory-gib", "0.05", "--host-pool-gib", "0.05", "--offload", "always",
@@ -212,6 +216,12 @@ def test_serve_data_parallel_streams(tiny_checkpoint):
         with ThreadPoolExecutor(4) as pool:
             texts = list(pool.map(stream, prompts))
         assert texts == ref
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert got["hisparse:gpu_pool_blocks_total"] == 2 * pools.gpu_total
+        assert got["hisparse:host_pool_blocks_total"] == 2 * pools.host_total
+        assert got["hisparse:generation_tokens_total"] == 4 * 12  # rank 1's counted once
+        assert got["hisparse:num_requests_running"] == got["hisparse:gpu_pool_blocks_used"] == 0
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
         stderr = proc.stderr.read()

@@ -17,6 +17,7 @@ import gc
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import astuple, dataclass
 from typing import Any
 
 from hisparse.engine.model_runner import ModelRunner
@@ -30,6 +31,38 @@ STEP_STATS_KEPT = 10_000
 
 #: per forward whose tokens a step read: the requests it changed and its statistics row
 StepReport = tuple[list[Request], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class EngineGauges:
+    """What the server's gauges and counters read from the engine: requests running and
+    waiting, pool blocks, demotions and prefix-cache lookups (counters since start). Under
+    data parallelism the node's: every rank's summed (`DataParallelCore.gauges`)."""
+
+    running: int = 0
+    waiting: int = 0
+    gpu_total: int = 0
+    gpu_used: int = 0
+    host_total: int = 0
+    host_used: int = 0
+    demotions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+    @classmethod
+    def of(cls, sched: Scheduler) -> EngineGauges:
+        kv, cache = sched.kv, sched.kv.prefix_cache
+        host = kv.host_blocks
+        return cls(
+            len(sched.running), len(sched.waiting), kv.gpu_blocks.num_usable,
+            kv.gpu_blocks.num_usable - kv.gpu_blocks.num_free,
+            host.num_usable if host is not None else 0,
+            host.num_usable - host.num_free if host is not None else 0, sched.demotions,
+            cache.queries if cache is not None else 0, cache.hits if cache is not None else 0,
+        )  # fmt: skip
+
+    def __add__(self, other: EngineGauges) -> EngineGauges:
+        return EngineGauges(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 class EngineCore:
@@ -90,6 +123,10 @@ class EngineCore:
     def unfinished(self) -> list[Request]:
         """Every queued or running request (under data parallelism, every rank's)."""
         return [*self.scheduler.running, *self.scheduler.waiting]
+
+    def gauges(self) -> EngineGauges:
+        """The engine's gauges for the server's ``/metrics``."""
+        return EngineGauges.of(self.scheduler)
 
     # --- steps ---------------------------------------------------------------------------
     def step(self) -> list[StepReport]:

@@ -17,6 +17,7 @@ for its requests (new tokens, text, status, metrics) and its load.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hisparse.engine.core import EngineCore, StepReport
+from hisparse.engine.core import EngineCore, EngineGauges, StepReport
 from hisparse.engine.prefix_cache import page_hashes
 from hisparse.engine.request import Request, Status
 from hisparse.parallel.expert import all_gather_single
@@ -101,6 +102,8 @@ class DataParallelCore(EngineCore):
         #: per-rank figure: tests)
         self.assigned = [0] * n
         self.peak_running = [0] * n
+        #: driver: the other ranks' gauges after their last step (`gauges`)
+        self.rank_gauges = [EngineGauges()] * n
         #: driver: per rank, the page hashes of the prompts sent to it (most recent last), as
         #: many as a rank's cache can hold (its pool's blocks; the oldest forgotten first)
         self.pages: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(n)]
@@ -203,6 +206,20 @@ class DataParallelCore(EngineCore):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or bool(self.remote)
 
+    def gauges(self) -> EngineGauges:
+        """The node's gauges (the server's ``/metrics`` show the node, as vLLM's summed over
+        its engines): this rank's now plus every other rank's after its last step, whose
+        running and waiting counts are capped by the requests it still has here (an abort
+        between steps leaves them at once; its blocks come back with the next step)."""
+        mine = [0] * self.tp.world_size
+        for rank, _ in self.remote.values():
+            mine[rank] += 1
+        total = EngineGauges.of(self.scheduler)
+        for g, n in zip(self.rank_gauges[1:], mine[1:], strict=True):
+            waiting = min(g.waiting, n)
+            total += dataclasses.replace(g, waiting=waiting, running=min(g.running, n - waiting))
+        return total
+
     def unfinished(self) -> list[Request]:
         return [*super().unfinished(), *(req for _, req in self.remote.values())]
 
@@ -265,7 +282,7 @@ class DataParallelCore(EngineCore):
         """Every rank's changed requests and load to the driver, which updates its mirrors;
         the driver's reports gain the other ranks' changed requests."""
         tp, sched = self.tp, self.scheduler
-        load = (sched.kv.gpu_blocks.num_free, len(sched.running))
+        load = (sched.kv.gpu_blocks.num_free, len(sched.running), EngineGauges.of(sched))
         # the swap counters into each request's metrics now (a worker's before its deltas;
         # the driver's onto its own decode rows: the rows of forwards it sat out have none)
         counters = iter(self.runner.flush_metrics())
@@ -276,8 +293,8 @@ class DataParallelCore(EngineCore):
             gathered = tp.gather((load, []))
             assert gathered is not None
             changed = []
-            for rank, ((rank_free, running), deltas) in enumerate(gathered):
-                self.free_blocks[rank] = rank_free
+            for rank, ((rank_free, running, gauges), deltas) in enumerate(gathered):
+                self.free_blocks[rank], self.rank_gauges[rank] = rank_free, gauges
                 self.peak_running[rank] = max(self.peak_running[rank], running)
                 for delta in deltas:
                     req = self._apply(delta)

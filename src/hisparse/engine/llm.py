@@ -331,6 +331,11 @@ class LLM:
         assert self._core is not None, "this LLM was closed"
         return self._core.scheduler
 
+    def engine_gauges(self) -> Any:
+        """Requests, pool blocks and cache counters (`EngineGauges`; every rank's summed)."""
+        assert self._core is not None, "this LLM was closed"
+        return self._core.gauges()
+
     @property
     def step_stats(self) -> Any:
         """The last `STEP_STATS_KEPT` engine steps' statistics rows (all calls)."""

@@ -378,7 +378,7 @@ class AsyncEngine:
             s.reqs[i] = req
             self._owner[id(req)] = (s, i)
             room -= 1
-        self._sched_waiting = len(sched.waiting)
+        self._sched_waiting = self.llm.engine_gauges().waiting
 
     def _drop(self, s: Stream) -> None:
         """Forget stream ``s`` and abort its unfinished sequences (their blocks are freed
@@ -395,7 +395,7 @@ class AsyncEngine:
             if not req.finished:
                 self.llm.abort_request(req.req_id)
                 self._aborted += 1
-        self._sched_waiting = len(self.llm.scheduler.waiting)
+        self._sched_waiting = self.llm.engine_gauges().waiting
 
     def _end(self, s: Stream, err: ApiError) -> None:
         """Abort stream ``s`` and tell its handler why."""
@@ -486,7 +486,7 @@ class AsyncEngine:
         for req in victims:  # (none should be left: every request belongs to a stream)
             if not req.finished:
                 self.llm.abort_request(req.req_id)
-        self._sched_waiting = len(sched.waiting)
+        self._sched_waiting = self.llm.engine_gauges().waiting
         self._update_gauges()
 
     def _die(self, err: BaseException) -> None:

@@ -11,6 +11,7 @@ reads them at most every ``flush_every`` seconds or when a request finishes (one
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -114,40 +115,41 @@ class ServerMetrics:
         self.flush_every = flush_every
         self._last_flush = time.monotonic()
         self._seen_tokens: dict[int, int] = {}
+        #: the requests behind those ids (an aborted one never comes back changed)
+        self._tracked: dict[int, Request] = {}
         self._seen_demotions = 0
         self._seen_prefix = (0, 0)
 
     def _l(self, metric):
         return metric.labels(model_name=self.model)
 
-    def gauges(self, llm, waiting: int | None = None, aborted: int = 0) -> None:
+    def gauges(self, llm, waiting: int | None = None, aborted: int = 0) -> Any:
         """Running and waiting requests, pool blocks in use, aborts: what an abort changes
         between steps (engine thread; called after aborts too, so that a request whose
         client left no longer shows as running while the engine idles). ``waiting``: the
         sequences queued (the server counts those it still holds); default the
         scheduler's."""
-        sched, kv = llm.scheduler, llm.kv
-        self._l(self.running).set(len(sched.running))
-        self._l(self.waiting).set(len(sched.waiting) if waiting is None else waiting)
+        g = llm.engine_gauges()  # the node's under data parallelism: every rank summed
+        self._l(self.running).set(g.running)
+        self._l(self.waiting).set(g.waiting if waiting is None else waiting)
         if aborted:
             self._l(self.aborted).inc(aborted)
-        self._l(self.gpu_total).set(kv.gpu_blocks.num_usable)
-        self._l(self.gpu_used).set(kv.gpu_blocks.num_usable - kv.gpu_blocks.num_free)
-        if kv.host_blocks is not None:
-            self._l(self.host_total).set(kv.host_blocks.num_usable)
-            self._l(self.host_used).set(kv.host_blocks.num_usable - kv.host_blocks.num_free)
+        self._l(self.gpu_total).set(g.gpu_total)
+        self._l(self.gpu_used).set(g.gpu_used)
+        if g.host_total:
+            self._l(self.host_total).set(g.host_total)
+            self._l(self.host_used).set(g.host_used)
+        return g
 
     def after_step(
         self, llm, changed: list[Request], aborted: int = 0, waiting: int | None = None
     ) -> None:
         """Update everything from the engine's state after one step (engine thread)."""
-        sched = llm.scheduler
-        self.gauges(llm, waiting, aborted)
+        g = self.gauges(llm, waiting, aborted)
         # every step, by 0 too: the series is on /metrics from the start
-        self._l(self.demotions).inc(sched.demotions - self._seen_demotions)
-        self._seen_demotions = sched.demotions
-        cache = llm.kv.prefix_cache
-        seen = (cache.queries, cache.hits) if cache is not None else (0, 0)
+        self._l(self.demotions).inc(g.demotions - self._seen_demotions)
+        self._seen_demotions = g.demotions
+        seen = (g.prefix_queries, g.prefix_hits)
         self._l(self.prefix_queries).inc(seen[0] - self._seen_prefix[0])
         self._l(self.prefix_hits).inc(seen[1] - self._seen_prefix[1])
         self._seen_prefix = seen
@@ -176,15 +178,19 @@ class ServerMetrics:
             if req.finished:
                 any_done = True
                 self._seen_tokens.pop(key, None)
+                self._tracked.pop(key, None)
                 self.finished.labels(self.model, req.finish_reason or "unknown").inc()
                 self._l(self.prompt_tokens).inc(len(req.prompt_token_ids))
                 if req.metrics.preemptions:
                     self._l(self.preemptions).inc(req.metrics.preemptions)
             else:
                 self._seen_tokens[key] = len(req.output_token_ids)
-        if len(self._seen_tokens) > len(sched.running) + len(sched.waiting):
-            # aborted requests never come back finished: forget them (and their ids)
-            live = {id(r) for r in sched.running} | {id(r) for r in sched.waiting}
+                self._tracked[key] = req
+        if len(self._seen_tokens) > g.running + g.waiting:
+            # aborted requests never come back finished: forget them (and their ids); every
+            # rank's requests count (a data-parallel rank's are mirrors on this one)
+            live = {k for k, r in self._tracked.items() if not r.finished}
+            self._tracked = {k: r for k, r in self._tracked.items() if k in live}
             self._seen_tokens = {k: v for k, v in self._seen_tokens.items() if k in live}
             self._seen_spec = {k: v for k, v in self._seen_spec.items() if k in live}
         now = time.monotonic()
