@@ -217,7 +217,7 @@ class LLM:
         )
         path = resolve_model(model)
         gguf = is_gguf(path)
-        v4 = is_v4(path) and check_v4_arguments(llm_kwargs)  # all-GPU, one GPU (design §20)
+        v4 = is_v4(path) and check_v4_arguments(llm_kwargs)  # design §20
         if gguf:
             check_choice(f + "kv_format", kv_format, GQA_KV_FORMATS)
             if step_hooks is not None and step_hooks.synthetic_prefill:
@@ -258,7 +258,7 @@ class LLM:
                 if tp is not None:  # the same pools on every rank: what the tightest GPU gives
                     gpu_memory_gib = tp.agree_min(gpu_memory_gib)
             check_device_memory(self.device, gpu_memory_gib)
-            specs = engine_specs(self.model, row_format, self.config.block_size)
+            specs = engine_specs(self.model, row_format, self.config.block_size, kv_placement)
             # GQA rows are sharded by KV head: a host row holds every local rank's slice
             host = host_sharing(shards, gguf)  # data parallelism: a pool per rank
             # V4 carries state outside its pages; ranks would share the host's indexer copies

@@ -353,7 +353,9 @@ class ModelRunner:
                 kv.staging_raw, host_bt, starts, counts, rix, pos, bs, gather_earlier=not synthetic
             )
         cache = StepCache(self, decode, rows_of(idx_table), idx_table, staging)
-        model_cache = cache if self.v4_state is None else V4StepCache(self, self.v4_state)
+        model_cache = (
+            cache if self.v4_state is None else V4StepCache(self, self.v4_state, cache, step)
+        )
         if synthetic:
             assert hooks is not None
             self._prefill_cache = cache
@@ -475,7 +477,9 @@ class ModelRunner:
             positions=pos, req_index=rix, seq_lens=seq_lens, max_len=self._max_len, static=True
         )
         cache = StepCache(self, True, idx_rows, idx_table)
-        model_cache = cache if self.v4_state is None else V4StepCache(self, self.v4_state)
+        model_cache = (
+            cache if self.v4_state is None else V4StepCache(self, self.v4_state, cache, step)
+        )
         logits = self.model.logits(self.model(ids, step, model_cache))
         counts = self._step_counts(b) if kv.hisparse and not all_resident else self._zero_counts[:b]
         return logits, counts
@@ -548,7 +552,8 @@ class ModelRunner:
             dst = (torch.tensor(wb.host_blocks)[:, None] * bs + offs).flatten()
             src, dst = (tensor_to_device(t.to(torch.int32), self.device) for t in (src, dst))
             mask = torch.ones_like(src)
+            by_name = {rt.name: rt for rt in self.runtimes}
             for name in kv.resident_groups[wb.group].layers:
-                rt = self.runtimes[int(name.split(".")[1])]
-                if name.endswith(".attn"):
+                rt = by_name.get(name)  # the sparse layers' (not every layer is one: V4)
+                if rt is not None:
                     rt.group.ops.gather_plan(rt.device_view, rt.host_view, src, dst, mask)

@@ -1,10 +1,13 @@
-"""The `V4Cache` a DeepSeek-V4 model sees during one engine step (all-GPU placement).
+"""The `V4Cache` a DeepSeek-V4 model sees during one engine step (docs/design.md §20, §20.2).
 
-Each layer's rows live in its sparse cache's pool as `v4_cache.row_layout` rows (window row,
-and the entries at the row of their window's last token), found through the step's resident
-block tables like every other model's rows; the compressors' carried state lives per request
-slot (`v4_cache.SlotState`). HiSparse placement of these layers is not built (issue #57):
-`LLM` refuses it for DeepSeek-V4.
+All-GPU placement: each layer's rows live in its sparse cache's pool as `v4_cache.row_layout`
+rows (window row, and the entries at the row of their window's last token), found through the
+step's resident block tables like every other model's rows. HiSparse placement: a compressed
+sparse layer's entries are a sparse cache of their own, driven through the runtime's per-layer
+protocol (`write_target`, `finish_kv_update`, `swap_in`: host mirror, resolve against the hot
+buffer, gathers, prefill staging, warm start); every other store sits in a GPU-resident
+``indexer``-kind cache (`v4_cache.hisparse_row_layout`). The compressors' carried state lives
+per request slot (`v4_cache.SlotState`) in both.
 """
 
 from __future__ import annotations
@@ -15,47 +18,89 @@ import torch
 
 from hisparse.attention.dispatch import v4_attention
 from hisparse.engine.hooks import StepHooks
+from hisparse.models.deepseek_v4 import StepIndex
+from hisparse.models.kv_access import ForwardStep
 from hisparse.models.registry import V4_KV_FORMATS
-from hisparse.models.v4_cache import SlotState, row_layout, row_values
+from hisparse.models.v4_cache import (
+    HOST_STORE,
+    SlotState,
+    hisparse_row_layout,
+    row_layout,
+)
 from hisparse.validation import _fail, check_choice
 
 if TYPE_CHECKING:
     from hisparse.engine.model_runner import ModelRunner
+    from hisparse.engine.step_cache import StepCache
+
+
+class _EntryStep:
+    """One compressed sparse layer's entry cache in this step (HiSparse): its step view (the
+    runtime handle, or a prefill's staged view), where the step's rows go, whether mirrored."""
+
+    def __init__(self, view: Any) -> None:
+        self.view = view
+        self.target, self.rows = view.write_target()
+        self.finished = False
+
+    def finish(self) -> None:
+        """The host mirror and the hot slots' invalidation, once, before any swap-in."""
+        if not self.finished:
+            self.view.finish_kv_update()
+            self.finished = True
 
 
 class V4StepCache:
     """Row-addressed reads and writes of one step over the runner's pools (module docstring)."""
 
-    def __init__(self, runner: ModelRunner, state: SlotState) -> None:
-        self.runner, self.state = runner, state
+    def __init__(
+        self, runner: ModelRunner, state: SlotState, step_cache: StepCache, step: ForwardStep
+    ) -> None:
+        self.runner, self.state, self.step_cache = runner, state, step_cache
         self.config = runner.model.config
+        self.dtype = runner.model.head.weight.dtype
         self.block_size = runner.config.block_size
         self.slots = runner.step_requests().slots  # engine slot of each request row
+        #: the all-GPU pool and the HiSparse resident cache alike: one table (design §4)
+        self.table = step_cache.idx_table
+        self.hisparse = runner.kv.hisparse
+        self.where = StepIndex.of(step)
+        #: HiSparse: handle index of each compressed sparse layer's entry cache
+        self._sparse = {int(h.runtime.name.split(".")[1]): k for k, h in enumerate(runner.handles)}
+        self._entries: dict[int, _EntryStep] = {}
         self._rows: dict[int, torch.Tensor] = {}
 
+    def _layout(self, layer: int) -> dict[str, tuple[int, int]]:
+        if self.hisparse:
+            return hisparse_row_layout(self.config, layer)
+        return row_layout(self.config, layer)
+
     def _pool(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s pages as ``[blocks, block_size, row values]`` of the model dtype
-        (a view: the pool may interleave layers, so it is indexed, never reshaped)."""
+        """Layer ``layer``'s GPU-resident pages as ``[blocks, block_size, row values]`` of the
+        model dtype (a view: the pool may interleave layers, so it is indexed, never
+        reshaped)."""
         rows = self._rows.get(layer)
         if rows is None:
-            view = self.runner.handles[layer].runtime.device_view
+            if self.hisparse:
+                view = self.runner.kv.gpu_view(f"layers.{layer}.indexer")
+            else:
+                view = self.runner.handles[layer].runtime.device_view
             assert view is not None, "device view not bound"
-            rows = view.view(self.runner.model.head.weight.dtype)
-            assert rows.shape[-1] == row_values(self.config, layer)
+            rows = view.view(self.dtype)
+            assert rows.shape[-1] == sum(w for _, w in self._layout(layer).values())
             self._rows[layer] = rows
         return rows
 
     def _physical(
-        self, layer: int, req_row: torch.Tensor, pos: torch.Tensor
+        self, req_row: torch.Tensor, pos: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset in the block) of each request row's position ``pos``; padding rows
         (``req_row < 0``) and ``pos < 0`` (a write to skip) land in the null block 0, which
         no valid read names."""
-        _, tables = self.runner.handles[layer]._step()
         bs = self.block_size
         p = pos.clamp(min=0).long()
         r = req_row.long().expand(p.shape)
-        blk = tables.resident_block_table[r.clamp(min=0), p // bs].long()
+        blk = self.table[r.clamp(min=0), p // bs].long()
         blk = torch.where((r >= 0) & (pos >= 0), blk, 0)
         return blk, torch.where(pos >= 0, p % bs, 0)
 
@@ -71,6 +116,38 @@ class V4StepCache:
         rate = self.config.compress_rate(layer)
         return torch.where(pos >= 0, pos * rate + rate - 1, pos)
 
+    def _on_host(self, layer: int, store: str) -> bool:
+        return self.hisparse and store == HOST_STORE and layer in self._sparse
+
+    def _entry_step(self, layer: int) -> _EntryStep:
+        step = self._entries.get(layer)
+        if step is None:
+            step = _EntryStep(self.step_cache.attention(self._sparse[layer]))
+            self._entries[layer] = step
+        return step
+
+    def _write_entries(
+        self, layer: int, req_row: torch.Tensor, w: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """HiSparse: the entries of the windows this step closes into their sparse cache, at
+        the row of the closing token (a token of this step, so on a resident tail page or in
+        the prefill's staged rows); mirrored to the host by `_EntryStep.finish`."""
+        es = self._entry_step(layer)
+        r = req_row.long().clamp(min=0)
+        p = self._logical(layer, HOST_STORE, w)
+        token = (self.where.first_token[r] + p - self.where.start_pos[r]).clamp(min=0)
+        keep = (w >= 0) & (req_row >= 0)
+        rows = torch.where(keep, es.rows[token].long(), -1)
+        target = es.target.view(self.dtype)
+        bs = target.shape[1]
+        if getattr(es.view, "staging", None) is not None:  # a prefill: never the null block
+            pick = rows >= 0
+            rows, values = rows[pick], values[pick]
+        # a skipped row (w < 0: a fixed-shape step's window that does not close) writes the
+        # null block, which no valid read names
+        safe = rows.clamp(min=0)
+        target[safe // bs, safe % bs] = values.to(target.dtype)
+
     def write(
         self, layer: int, store: str, req_row: torch.Tensor, pos: torch.Tensor, values: torch.Tensor
     ) -> None:
@@ -78,8 +155,11 @@ class V4StepCache:
             t = self.state.stores[(layer, store)]
             t[self._slot(req_row), pos.long()] = values.to(t.dtype)
             return
-        first, width = row_layout(self.config, layer)[store]
-        blk, off = self._physical(layer, req_row, self._logical(layer, store, pos))
+        if self._on_host(layer, store):
+            self._write_entries(layer, req_row, pos, values)
+            return
+        first, width = self._layout(layer)[store]
+        blk, off = self._physical(req_row, self._logical(layer, store, pos))
         pool = self._pool(layer)
         pool[blk, off, first : first + width] = values.to(pool.dtype)
 
@@ -95,19 +175,63 @@ class V4StepCache:
     ) -> torch.Tensor:
         """V4 attention of ``q [N, H, D]`` over its window rows ``window [N, W]`` and entries
         ``entries [N, E]`` (positions; ``-1`` none), read where they sit in the pool
-        (`attention.dispatch.v4_attention`: the Triton kernel on CUDA)."""
+        (`attention.dispatch.v4_attention`: the Triton kernel on CUDA). Under HiSparse a
+        compressed sparse layer's entries are resolved against the hot buffer first."""
         bs = self.block_size
 
         def rows(store: str, pos: torch.Tensor) -> torch.Tensor:
-            blk, off = self._physical(layer, req[:, None], self._logical(layer, store, pos))
+            blk, off = self._physical(req[:, None], self._logical(layer, store, pos))
             return torch.where(pos >= 0, blk * bs + off, -1)
 
+        pool = self._pool(layer)
         idx = rows("window", window)
+        if self.hisparse and layer in self._sparse:
+            return self._attend_hisparse(layer, q, pool, idx, entries, sinks, scale)
         if entries is not None:
             idx = torch.cat((idx, rows("entries.compressor", entries)), dim=1)
-        entry_col, _ = row_layout(self.config, layer).get("entries.compressor", (0, 0))
-        pool = self._pool(layer)
+        entry_col, _ = self._layout(layer).get("entries.compressor", (0, 0))
         return v4_attention(q, pool, idx, window.shape[1], entry_col, sinks, scale)
+
+    def _attend_hisparse(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        pool: torch.Tensor,
+        window_rows: torch.Tensor,
+        entries: torch.Tensor | None,
+        sinks: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """A compressed sparse layer under HiSparse: mirror the step's entries, resolve the
+        indexer's choice (as token rows) to physical rows of the entry cache (resident tail,
+        hot buffer, or a prefill's staged rows), then attend the window rows and those
+        entries, gathered side by side, with the same kernel as the all-GPU placement."""
+        es = self._entry_step(layer)
+        es.finish()
+        d, n, w = q.shape[-1], q.shape[0], window_rows.shape[1]
+
+        def take(view: torch.Tensor, phys: torch.Tensor) -> torch.Tensor:
+            safe = phys.clamp(min=0).long()
+            return view[safe // view.shape[1], safe % view.shape[1], :d]
+
+        parts, valid = [take(pool, window_rows)], [window_rows >= 0]
+        if entries is not None:
+            logical = self._logical(layer, HOST_STORE, entries).to(torch.int32)
+            phys = es.view.swap_in(logical)
+            staged = getattr(es.view, "staged", None)
+            if staged is None:  # decode: resident and hot rows share the pool's address space
+                staged = self.runner.handles[self._sparse[layer]].runtime.device_view
+            source = staged
+            if q.device.type == "cpu" and bool(((entries >= 0) & (phys < 0)).any()):
+                raise RuntimeError(f"layer {layer}: a selected entry has no physical row")
+            parts.append(take(source.view(self.dtype), phys))
+            valid.append(entries >= 0)
+        rows = torch.cat(parts, dim=1).contiguous()  # [N, W + E, D]
+        ok = torch.cat(valid, dim=1)
+        k = rows.shape[1]
+        idx = torch.arange(n * k, device=q.device, dtype=torch.int64).view(n, k)
+        idx = torch.where(ok, idx, -1)
+        return v4_attention(q, rows.view(n * k, 1, d), idx, w, 0, sinks, scale)
 
     def read(
         self, layer: int, store: str, req_row: torch.Tensor, pos: torch.Tensor
@@ -116,22 +240,24 @@ class V4StepCache:
             t = self.state.stores[(layer, store)]
             slot = self._slot(req_row).expand(pos.shape)
             out = t[slot, pos.clamp(min=0).long()]
+        elif self._on_host(layer, store):
+            raise RuntimeError(f"layer {layer}: its entries are read through attend (HiSparse)")
         else:
-            first, width = row_layout(self.config, layer)[store]
-            blk, off = self._physical(layer, req_row, self._logical(layer, store, pos))
+            first, width = self._layout(layer)[store]
+            blk, off = self._physical(req_row, self._logical(layer, store, pos))
             out = self._pool(layer)[blk, off, first : first + width]
         return out.masked_fill((pos < 0).unsqueeze(-1), 0)
 
 
 def check_v4_arguments(args: dict[str, Any]) -> bool:
     """True, or a `HiSparseConfigError` for an `LLM` argument (``args``: all of them by name)
-    that a DeepSeek-V4 checkpoint does not run with yet: HiSparse placement of its compressed
-    layers (issue #57), row formats other than the model dtype, synthetic prefill, data and
-    expert parallelism, speculative decoding."""
+    that a DeepSeek-V4 checkpoint does not run with yet: HiSparse placement under tensor
+    parallelism, row formats other than the model dtype, synthetic prefill, data and expert
+    parallelism, speculative decoding."""
     f = "LLM."
-    if args["kv_placement"] != "gpu":
-        why = "(HiSparse placement of its compressed layers is not built yet)"
-        _fail(f + "kv_placement", args["kv_placement"], f"'gpu' for a DeepSeek-V4 checkpoint {why}",
+    if args["kv_placement"] == "hisparse" and args.get("tensor_parallel_size", 1) != 1:
+        _fail(f + "kv_placement", args["kv_placement"], "'gpu' for a DeepSeek-V4 checkpoint "
+              "under tensor parallelism (its HiSparse placement runs on one GPU)",
               example="gpu")  # fmt: skip
     check_choice(f + "kv_format", args["kv_format"], V4_KV_FORMATS)
     hooks: StepHooks | None = args["step_hooks"]

@@ -28,7 +28,8 @@ from hisparse.kv.specs import CacheKind, LayerCacheSpec, RowFormat
 from hisparse.models.deepseek_v4 import DeepseekV4ForCausalLM
 from hisparse.models.deepseek_v32 import DsaForCausalLM
 from hisparse.models.source import require_weights, resolve_model_source
-from hisparse.models.v4_cache import row_values
+from hisparse.models.v4_cache import hisparse_row_layout, row_values
+from hisparse.models.v4_config import CSA
 
 #: ``kv_format`` values: ``auto`` picks per checkpoint and device (`LLM`)
 KV_FORMATS = ("auto", "fp8_ds_mla", "bf16", "fp32")
@@ -295,24 +296,17 @@ _ROW_FORMAT_ENUM = {"fp8_ds_mla": RowFormat.FP8_DS_MLA, "bf16": RowFormat.BF16_M
 
 
 def engine_specs(
-    model: torch.nn.Module, row_format: object, block_size: int
+    model: torch.nn.Module, row_format: object, block_size: int, placement: str = "gpu"
 ) -> list[LayerCacheSpec]:
     """Cache specs of ``model`` with the row sizes it really writes.
 
     DSA models: MLA rows (any row format, fp32 included) and an indexer cache on every full
     indexer layer; IndexShare followers name their leader. GQA models (Llama): K+V rows and
-    a compact key cache on every layer (index groups of one).
+    a compact key cache on every layer (index groups of one). DeepSeek-V4: `v4_specs`.
     """
     specs: list[LayerCacheSpec] = []
     if isinstance(model, DeepseekV4ForCausalLM):
-        # one row per token and layer: window row and entries (`v4_cache.row_layout`)
-        size = model.head.weight.element_size()
-        return [
-            LayerCacheSpec(
-                f"layers.{i}.attn", CacheKind.SPARSE, row_values(model.config, i) * size, block_size
-            )
-            for i in range(model.config.num_hidden_layers)
-        ]
+        return v4_specs(model, block_size, placement)
     idx_row = model.indexer_format.row_bytes  # type: ignore[union-attr]
     if isinstance(model, DsaForCausalLM):
         cfg = model.config
@@ -332,4 +326,36 @@ def engine_specs(
             specs.append(
                 LayerCacheSpec(f"layers.{i}.indexer", CacheKind.INDEXER, idx_row, block_size)
             )
+    return specs
+
+
+def v4_specs(model: DeepseekV4ForCausalLM, block_size: int, placement: str) -> list[LayerCacheSpec]:
+    """DeepSeek-V4's caches (docs/design.md §20.2). All-GPU: one sparse cache per layer, a row
+    per token holding its window row and entry columns (`v4_cache.row_layout`). HiSparse: a
+    compressed sparse layer's entries are a sparse cache of their own (host pool, hot buffer;
+    its own index group), and every layer's other stores a GPU-resident cache of the
+    ``indexer`` kind (`v4_cache.hisparse_row_layout`), which every step reads whole."""
+    cfg, size = model.config, model.head.weight.element_size()
+    if placement != "hisparse":
+        return [
+            LayerCacheSpec(
+                f"layers.{i}.attn", CacheKind.SPARSE, row_values(cfg, i) * size, block_size
+            )
+            for i in range(cfg.num_hidden_layers)
+        ]
+    # the sparse caches first (the planner lays out from the first sparse group)
+    specs = [
+        LayerCacheSpec(
+            f"layers.{i}.attn",
+            CacheKind.SPARSE,
+            cfg.head_dim * size,
+            block_size,
+            index_leader=f"layers.{i}.attn",
+        )
+        for i, kind in enumerate(cfg.layer_types)
+        if kind == CSA
+    ]
+    for i in range(cfg.num_hidden_layers):
+        gpu = sum(w for _, w in hisparse_row_layout(cfg, i).values()) * size
+        specs.append(LayerCacheSpec(f"layers.{i}.indexer", CacheKind.INDEXER, gpu, block_size))
     return specs

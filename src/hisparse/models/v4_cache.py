@@ -141,6 +141,20 @@ def row_values(config: V4Config, layer: int) -> int:
     return sum(width for _, width in row_layout(config, layer).values())
 
 
+#: the store HiSparse places in the host pool: a compressed sparse layer's entries
+HOST_STORE = "entries.compressor"
+
+
+def hisparse_row_layout(config: V4Config, layer: int) -> dict[str, tuple[int, int]]:
+    """`row_layout` of the row that stays on the GPU under HiSparse placement: a compressed
+    sparse layer's entries (`HOST_STORE`) leave it for their own sparse cache (one entry row
+    per token row, at the row of its window's last token); every other store stays."""
+    if config.layer_types[layer] != CSA:
+        return row_layout(config, layer)
+    d = config.head_dim
+    return {"window": (0, d), "entries.indexer": (d, config.index_head_dim)}
+
+
 class SlotState:
     """The compressors' carried state of every engine request slot: ``[slots, ring, width]``
     per ``(layer, store)`` (the ``state.*`` stores of `store_shapes`). A request only reads
