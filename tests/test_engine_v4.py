@@ -1,7 +1,8 @@
 """DeepSeek-V4 through the engine (all-GPU placement, on the CPU): `hisparse.LLM` with chunked
 prefill mixed with decodes gives transformers' greedy tokens; `hisparse generate` and the
 server (`make_server`, what `hisparse serve` runs) answer real text through the `openai`
-client; what is not built yet (HiSparse placement, CUDA-graph decode) is refused clearly."""
+client; what is not built yet (HiSparse placement under tensor parallelism, data parallelism)
+is refused clearly. HiSparse placement: `test_engine_v4_hisparse.py`."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def test_preemption_recomputes_the_carried_state(ckpt):
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        (dict(kv_placement="hisparse"), "LLM.kv_placement"),
+        (dict(kv_placement="hisparse", tensor_parallel_size=2), "LLM.kv_placement"),
         (dict(kv_placement="gpu", kv_format="fp8_ds_mla"), "LLM.kv_format"),
         (dict(kv_placement="gpu", tensor_parallel_size=3), "LLM.tensor_parallel_size"),
         (dict(kv_placement="gpu", data_parallel_size=2), "LLM.data_parallel_size"),

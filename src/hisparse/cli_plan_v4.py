@@ -2,9 +2,10 @@
 128K, 512K and 1M tokens in each layout, and the requests that fit one GPU's KV budget or, with
 ``--tensor-parallel-size``, each GPU of a node after its weights.
 
-The HiSparse column is the design's layout (docs/design.md §21): the engine still refuses
-``kv_placement="hisparse"`` for V4, and its all-GPU placement allocates the ``engine`` layout
-(a row per token and layer), not the compact one. Both are labelled so in the output.
+The HiSparse column is the design's layout (docs/design.md §20.1), on the compact rows: the
+engine's HiSparse placement (§20.2) keeps the engine's per-token rows, and its all-GPU
+placement allocates the ``engine`` layout (a row per token and layer), not the compact one.
+Both are labelled so in the output.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def run_v4_plan(args: argparse.Namespace, config: V4Config) -> int:
         "  all-GPU, engine today: what LLM(kv_placement='gpu') allocates (a row per token and "
         "layer: window row and entry columns);\n  all-GPU, compact: a window ring and entry "
         "pools (vLLM's and SGLang's layout; not built here);\n  HiSparse (design): docs/"
-        "design.md §20.1; the engine still refuses kv_placement='hisparse' for DeepSeek-V4"
+        "design.md §20.1, on the compact rows (the engine's kv_placement='hisparse' moves the CSA "
+        "entries to the host but keeps its per-token rows: §20.2)"
     )
     plans = {n: _groups(config, n, args.block_size, buffer) for n in lengths}
     for n, by_p in plans.items():

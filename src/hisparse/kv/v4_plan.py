@@ -10,7 +10,7 @@ indexer's keys, the heavily compressed (HCA) layers' entries, and the compressor
   (`v4_cache.row_layout`), plus the carried state per request slot;
 * ``gpu``: the compact all-GPU layout (a window ring of ``sliding_window`` rows, entry pools of
   ``len / rate`` rows), what vLLM and SGLang keep;
-* ``hisparse``: the design's HiSparse layout (docs/design.md §21): the CSA entries in the pinned
+* ``hisparse``: the design's HiSparse layout (docs/design.md §20.1): the CSA entries in the pinned
   host pool and a hot buffer of ``device_buffer_size`` entries per request and CSA layer on the
   GPU; window, carried state, HCA entries and indexer keys on the GPU (the indexer scores every
   entry each step, as DSA's indexer keys stay on the GPU).

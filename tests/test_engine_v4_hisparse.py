@@ -1,0 +1,121 @@
+"""DeepSeek-V4 under HiSparse placement (docs/design.md §20.2), on the CPU: the compressed
+sparse layers' entries live in the host pool and are read through each request's hot buffer;
+greedy tokens equal the all-GPU placement's and transformers' ``generate`` with prompts whose
+entries far exceed the hot buffer, chunked prefill beside decodes, both offload policies, the
+lazy host mirror, the fixed-shape decode step and preemption; every block is back in both
+pools after."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hisparse import LLM, HiSparseConfig, SamplingParams  # noqa: E402
+from hisparse.models.v4_config import CSA  # noqa: E402
+
+#: 70 tokens: 17 CSA entries a layer against a hot buffer of 8 rows (top-k 3, pages of 8)
+LENGTHS = (70, 37, 9)
+NEW = 10
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint("deepseek_v4")
+
+
+def _prompts(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def _reference(ckpt, prompts, new):
+    ref = transformers.DeepseekV4ForCausalLM.from_pretrained(ckpt).eval()
+    out = []
+    for prompt in prompts:
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                                min_new_tokens=new)  # fmt: skip
+        out.append(want[0, len(prompt) :].tolist())
+    return out
+
+
+def _generate(ckpt, placement, prompts, new, *, blocks=None, **kw):
+    """Greedy tokens and outputs of one engine; ``blocks(layout)``: a GPU pool of that many
+    blocks (beside the staging area). Checks every block is back in both pools after."""
+    hs = HiSparseConfig(block_size=BLOCK, **kw.pop("hs", {}))
+    args = dict(kv_placement=placement, device="cpu", max_num_seqs=4, max_model_len=128,
+                max_num_batched_tokens=16, hisparse=hs, **kw)  # fmt: skip
+    gib = 0.02
+    if blocks is not None:
+        with LLM(ckpt, gpu_memory_gib=gib, **args) as probe:
+            lay = probe.kv.layout
+            gib = (blocks(lay) * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    with LLM(ckpt, gpu_memory_gib=gib, **args) as llm:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        kv = llm.kv
+        assert not kv.requests and kv.gpu_blocks.num_free == kv.gpu_blocks.num_usable
+        assert kv.host_blocks is None or kv.host_blocks.num_free == kv.host_blocks.num_usable
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    return [o.outputs[0].token_ids for o in outs], outs
+
+
+@pytest.fixture(scope="module")
+def want(ckpt):
+    prompts = _prompts(LENGTHS, 5)
+    gpu, _ = _generate(ckpt, "gpu", prompts, NEW)
+    assert gpu == _reference(ckpt, prompts, NEW)
+    return prompts, gpu
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(hs=dict(offload="always")),
+        dict(hs=dict(offload="under_pressure")),
+        dict(hs=dict(offload="always", eager_host_mirror=False)),
+        dict(hs=dict(offload="always"), cuda_graphs=True),
+    ],
+    ids=["always", "under_pressure", "lazy-mirror", "fixed-shape"],
+)
+def test_hisparse_equals_all_gpu_and_transformers(ckpt, want, kw):
+    prompts, gpu = want
+    tokens, outs = _generate(ckpt, "hisparse", prompts, NEW, **kw)
+    assert tokens == gpu
+    if kw["hs"]["offload"] == "always":
+        # the entries came through the hot buffers: misses swapped in, hits served
+        assert sum(o.metrics.misses for o in outs) > 0 and sum(o.metrics.hits for o in outs) > 0
+
+
+def test_preemption_under_hisparse(ckpt):
+    """A GPU pool of 1.5 requests at their peak: decodes outgrow it, the newest request is
+    preempted and recomputed (its entries mirrored again, its hot buffer reset); tokens equal
+    the all-GPU run's and transformers'. Under ``under_pressure`` demotions come first."""
+    prompts = _prompts((20, 23, 30, 33), 9)
+    new = 40
+    gpu, _ = _generate(ckpt, "gpu", prompts, new)
+    assert gpu == _reference(ckpt, prompts, new)
+    pool = lambda lay: 1 + int(1.5 * lay.gpu_blocks_per_request(lay.max_model_len))  # noqa: E731
+    for offload in ("always", "under_pressure"):
+        tokens, outs = _generate(ckpt, "hisparse", prompts, new, blocks=pool,
+                                 hs=dict(offload=offload))  # fmt: skip
+        assert sum(o.metrics.preemptions for o in outs) > 0, offload
+        assert tokens == gpu, offload
+
+
+def test_the_entries_are_the_only_rows_on_the_host(ckpt):
+    """HiSparse specs: one sparse cache per compressed sparse layer, a head_dim row (its
+    entries); every layer's window rows (and indexer / HCA entries) in GPU-resident caches."""
+    with LLM(ckpt, kv_placement="hisparse", device="cpu", max_model_len=64,
+             hisparse=HiSparseConfig(block_size=BLOCK)) as llm:  # fmt: skip
+        cfg = llm.model.config
+        sparse = [h.runtime.name for h in llm.runner.handles]
+        assert sparse == [f"layers.{i}.attn" for i, t in enumerate(cfg.layer_types) if t == CSA]
+        assert all(h.runtime.row_bytes == cfg.head_dim * 4 for h in llm.runner.handles)
+        lay = llm.kv.layout
+        assert set(lay.host_views) == set(sparse)
+        resident = {f"layers.{i}.indexer" for i in range(cfg.num_hidden_layers)}
+        assert resident <= set(lay.gpu_views)
