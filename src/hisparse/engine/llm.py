@@ -333,8 +333,7 @@ class LLM:
 
     def engine_gauges(self) -> Any:
         """Requests, pool blocks and cache counters (`EngineGauges`; every rank's summed)."""
-        assert self._core is not None, "this LLM was closed"
-        return self._core.gauges()
+        return self._core.gauges()  # type: ignore[union-attr]
 
     @property
     def step_stats(self) -> Any:
@@ -399,20 +398,24 @@ class LLM:
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
         progress: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a
         list of them, through the model's chat template (a GGUF file's
         ``tokenizer.chat_template``; a checkpoint folder's ``chat_template.jinja`` or
         ``tokenizer_config.json``). One `RequestOutput` per conversation, its ``prompt`` the
-        rendered text. A malformed message, or one the template refuses, is a `ValueError`
-        (`TypeError` for a wrong type) naming it; nothing runs then."""
+        rendered text. ``tools`` and ``chat_template_kwargs`` (vLLM's: e.g. ``{"enable_thinking":
+        False}``) go to the template. A malformed message, or one the template refuses, is a
+        `ValueError` (`TypeError` for a wrong type) naming it; nothing runs then."""
         self._check_open("chat")
         convs, _ = check_conversations(messages)
         check_bool("LLM.chat.add_generation_prompt", add_generation_prompt)
+        kw = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         items = []
         for i, conv in enumerate(convs):
             where = "messages" if len(convs) == 1 else f"messages[{i}]"
-            text, ids = self._render_chat(conv, add_generation_prompt, where)
+            text, ids = self._render_chat(conv, add_generation_prompt, where, **kw)
             items.append((text, ids, None))
         check_bool("LLM.chat.use_tqdm", use_tqdm)
         return self._generate(items, sampling_params, progress or use_tqdm, None)

@@ -204,10 +204,25 @@ def write_checkpoint(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_chat_tokenizer(out, arch, config.vocab_size)
+    return out
+
+
+def write_chat_tokenizer(out: Path, arch: str, vocab_size: int) -> bool:
+    """`write_byte_tokenizer` with the family's chat tokens; for GLM-5 (``glm_moe_dsa``) also
+    its chat template (`glm_chat.TEMPLATE`) in tokenizer_config.json, as its release ships
+    one (DeepSeek-V3.2's ships none: its prompts come from the built-in encoder)."""
+    if arch == "glm_moe_dsa":
+        from hisparse.models import glm_chat
+
+        if not write_byte_tokenizer(out, vocab_size, glm_chat.SPECIAL_TOKENS):
+            return False
+        config = {"chat_template": glm_chat.TEMPLATE, "eos_token": "<|endoftext|>"}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return True
     from hisparse.models.deepseek_chat import SPECIAL_TOKENS
 
-    write_byte_tokenizer(out, config.vocab_size, SPECIAL_TOKENS if arch == "deepseek_v32" else ())
-    return out
+    return write_byte_tokenizer(out, vocab_size, SPECIAL_TOKENS if arch == "deepseek_v32" else ())
 
 
 def write_byte_tokenizer(out: Path, vocab_size: int, special: tuple[str, ...] = ()) -> bool:

@@ -174,10 +174,11 @@ def make_tiny(
             instead of transformers' own checkpoint; the ``v32-shapes`` preset always goes
             this way (``fp8`` off: bf16 weights).
         mtp: write the multi-token-prediction layer (default: with ``fp8``).
-        tokenizer: also write a byte-level ``tokenizer.json`` (`write_byte_tokenizer`; the
-            ``fp8`` path always does) holding DeepSeek-V3.2's chat tokens for that arch (its
-            prompts come from the built-in encoder), so text prompts, chat, structured outputs
-            and tools run; ``hisparse make-tiny`` writes it.
+        tokenizer: also write a byte-level ``tokenizer.json`` (`write_chat_tokenizer`; the
+            ``fp8`` path always does) holding the family's chat tokens (DeepSeek-V3.2's prompts
+            come from the built-in encoder; GLM-5's template goes into tokenizer_config.json),
+            so text prompts, chat, structured outputs and tools run; ``hisparse make-tiny``
+            writes it.
         overrides: any other config field (e.g. ``num_hidden_layers=6``).
 
     Returns the folder. Needs ``transformers`` (a test dependency of hisparse) unless it goes
@@ -232,11 +233,9 @@ def make_tiny(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     if tokenizer:
-        from hisparse.models.checkpoint_writer import write_byte_tokenizer
-        from hisparse.models.deepseek_chat import SPECIAL_TOKENS
+        from hisparse.models.checkpoint_writer import write_chat_tokenizer
 
-        special = SPECIAL_TOKENS if arch == "deepseek_v32" else ()
-        write_byte_tokenizer(out, config.vocab_size, special)
+        write_chat_tokenizer(out, arch, config.vocab_size)
     return out
 
 

@@ -238,7 +238,10 @@ def build_app(
             raise ApiError(400, str(e), "tool_choice") from None
         spec = None if schema is None else StructuredOutputsParams(json=schema)
         kw = body.chat_template_kwargs or {}
-        thinks = bool(kw.get("thinking") or kw.get("enable_thinking"))
+        if tool_parser == "glm":  # GLM-5's template thinks unless told not to
+            thinks = bool(kw.get("enable_thinking", True))
+        else:
+            thinks = bool(kw.get("thinking") or kw.get("enable_thinking"))
         end = think_end if thinks else None
         return ToolReader(mode, name, tool_parser, raw_text, end), spec
 
