@@ -59,14 +59,15 @@ def _generate(ckpt, placement, prompts, new, *, blocks=None, **kw):
         kv = llm.kv
         assert not kv.requests and kv.gpu_blocks.num_free == kv.gpu_blocks.num_usable
         assert kv.host_blocks is None or kv.host_blocks.num_free == kv.host_blocks.num_usable
+        demotions = llm.scheduler.demotions
     assert all(o.ok for o in outs), [o.error for o in outs]
-    return [o.outputs[0].token_ids for o in outs], outs
+    return [o.outputs[0].token_ids for o in outs], outs, demotions
 
 
 @pytest.fixture(scope="module")
 def want(ckpt):
     prompts = _prompts(LENGTHS, 5)
-    gpu, _ = _generate(ckpt, "gpu", prompts, NEW)
+    gpu, _, _ = _generate(ckpt, "gpu", prompts, NEW)
     assert gpu == _reference(ckpt, prompts, NEW)
     return prompts, gpu
 
@@ -83,7 +84,7 @@ def want(ckpt):
 )
 def test_hisparse_equals_all_gpu_and_transformers(ckpt, want, kw):
     prompts, gpu = want
-    tokens, outs = _generate(ckpt, "hisparse", prompts, NEW, **kw)
+    tokens, outs, _ = _generate(ckpt, "hisparse", prompts, NEW, **kw)
     assert tokens == gpu
     if kw["hs"]["offload"] == "always":
         # the entries came through the hot buffers: misses swapped in, hits served
@@ -96,14 +97,30 @@ def test_preemption_under_hisparse(ckpt):
     the all-GPU run's and transformers'. Under ``under_pressure`` demotions come first."""
     prompts = _prompts((20, 23, 30, 33), 9)
     new = 40
-    gpu, _ = _generate(ckpt, "gpu", prompts, new)
+    gpu, _, _ = _generate(ckpt, "gpu", prompts, new)
     assert gpu == _reference(ckpt, prompts, new)
     pool = lambda lay: 1 + int(1.5 * lay.gpu_blocks_per_request(lay.max_model_len))  # noqa: E731
     for offload in ("always", "under_pressure"):
-        tokens, outs = _generate(ckpt, "hisparse", prompts, new, blocks=pool,
-                                 hs=dict(offload=offload))  # fmt: skip
+        tokens, outs, demotions = _generate(ckpt, "hisparse", prompts, new, blocks=pool,
+                                            hs=dict(offload=offload))  # fmt: skip
         assert sum(o.metrics.preemptions for o in outs) > 0, offload
+        assert (demotions > 0) == (offload == "under_pressure")
+        assert sum(o.metrics.misses for o in outs) > 0, offload  # demoted rows from the host
         assert tokens == gpu, offload
+
+
+def test_generate_cli(ckpt, capsys):
+    """`hisparse generate --kv-placement hisparse --offload always`: the entries come through
+    the hot buffer (the summary's hit rate)."""
+    from hisparse.cli import main
+
+    prompt = "The quick brown fox jumps over the lazy dog, again and again and again."
+    argv = ["generate", "--model", str(ckpt), "--prompt", prompt, "--max-tokens", "6",
+            "--kv-placement", "hisparse", "--offload", "always", "--device", "cpu",
+            "--max-model-len", "128"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "6 tokens" in out and "hit rate" in out
 
 
 def test_the_entries_are_the_only_rows_on_the_host(ckpt):
