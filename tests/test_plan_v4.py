@@ -46,6 +46,31 @@ def test_engine_figure_equals_the_engines_block_accounting(tiny_checkpoint):
         engine.close()
 
 
+def test_hisparse_engine_figure_equals_the_engines_block_accounting(tiny_checkpoint):
+    """The ``hisparse-engine`` layout's bytes of a request are the pages the engine's HiSparse
+    pools give it at its peak (every indexer-kind page, three resident pages of entries, the
+    hot buffer) plus one slot of carried state; its host bytes the host blocks admission
+    reserves."""
+    from hisparse import LLM, HiSparseConfig
+
+    ckpt = tiny_checkpoint("deepseek_v4")
+    with LLM(ckpt, kv_placement="hisparse", max_num_seqs=2, max_model_len=128, device="cpu",
+             hisparse=HiSparseConfig(block_size=8)) as engine:  # fmt: skip
+        layout, runner = engine.kv.layout, engine.runner
+        value_bytes = runner.model.head.weight.element_size()
+        state = runner.v4_state
+        slots = next(iter(state.stores.values())).shape[0]
+        state_bytes = sum(t.numel() * t.element_size() for t in state.stores.values()) // slots
+        config = V4Config.from_pretrained(ckpt)
+        for n in (1, 37, 64, 128):
+            got = request_bytes(config, n, "hisparse-engine", value_bytes=value_bytes,
+                                block_size=layout.block_size,
+                                device_buffer_size=engine.config.device_buffer_size)  # fmt: skip
+            gpu, host = totals(got)
+            assert gpu == layout.gpu_bytes_per_request(n)[0] + state_bytes
+            assert host == layout.host_blocks_per_request(n) * layout.host_block_bytes
+
+
 def test_groups_at_the_release_dimensions():
     """V4-Flash at 1M tokens, counted by hand in bf16: 21 CSA layers keep 262,144 entries of
     512 values and as many indexer keys of 128; 20 HCA layers 8,192 entries; 43 windows of 128

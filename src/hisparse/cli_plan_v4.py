@@ -33,7 +33,10 @@ TITLES = {
     "engine": "all-GPU, engine today",
     "gpu": "all-GPU, compact",
     "hisparse": "HiSparse (design)",
+    "hisparse-engine": "HiSparse, engine today",
 }
+#: The layouts with a host pool.
+HOST_LAYOUTS = ("hisparse", "hisparse-engine")
 #: Row dtype of the engine's V4 pools on a GPU (the model dtype, bf16).
 VALUE_BYTES = 2
 
@@ -84,8 +87,9 @@ def run_v4_plan(args: argparse.Namespace, config: V4Config) -> int:
         "  all-GPU, engine today: what LLM(kv_placement='gpu') allocates (a row per token and "
         "layer: window row and entry columns);\n  all-GPU, compact: a window ring and entry "
         "pools (vLLM's and SGLang's layout; not built here);\n  HiSparse (design): docs/"
-        "design.md §20.1, on the compact rows (the engine's kv_placement='hisparse' moves the CSA "
-        "entries to the host but keeps its per-token rows: §20.2)"
+        "design.md §20.1, on the compact rows;\n  HiSparse, engine today: what "
+        "LLM(kv_placement='hisparse') allocates (the CSA entries, keyed by token row, in the "
+        "host pool; the other rows a row per token on the GPU: §20.2)"
     )
     plans = {n: _groups(config, n, args.block_size, buffer) for n in lengths}
     for n, by_p in plans.items():
@@ -145,14 +149,14 @@ def _capacity_table(plans: dict[int, dict[str, list]], budget: int, host: int | 
     table.add_column("request length", justify="right")
     for name in TITLES.values():
         table.add_column(name, justify="right")
-    table.add_column("HiSparse / compact", justify="right")
-    table.add_column("host pool for HiSparse's requests", justify="right")
+    table.add_column("HiSparse (design) / compact", justify="right")
+    table.add_column("host pool for HiSparse's requests (design / engine)", justify="right")
     for n, by_p in plans.items():
-        fit = {p: requests_that_fit(by_p[p], budget, host if p == "hisparse" else None)
+        fit = {p: requests_that_fit(by_p[p], budget, host if p in HOST_LAYOUTS else None)
                for p in TITLES}  # fmt: skip
         ratio = f"{fit['hisparse'] / fit['gpu']:.2f}x" if fit["gpu"] else "-"
-        need = fit["hisparse"] * totals(by_p["hisparse"])[1]
-        table.add_row(_k(n), *(f"{fit[p]:,}" for p in TITLES), ratio, format_gib(need))
+        need = " / ".join(format_gib(fit[p] * totals(by_p[p])[1]) for p in HOST_LAYOUTS)
+        table.add_row(_k(n), *(f"{fit[p]:,}" for p in TITLES), ratio, need)
     return table
 
 

@@ -13,7 +13,11 @@ indexer's keys, the heavily compressed (HCA) layers' entries, and the compressor
 * ``hisparse``: the design's HiSparse layout (docs/design.md §20.1): the CSA entries in the pinned
   host pool and a hot buffer of ``device_buffer_size`` entries per request and CSA layer on the
   GPU; window, carried state, HCA entries and indexer keys on the GPU (the indexer scores every
-  entry each step, as DSA's indexer keys stay on the GPU).
+  entry each step, as DSA's indexer keys stay on the GPU);
+* ``hisparse-engine``: what the engine's HiSparse placement allocates today (§20.2): the
+  ``engine`` rows less the CSA entry columns on the GPU; the CSA entries keyed by token row in
+  the host pool (every page and a copy-on-write tail, as admission reserves them), their last
+  three pages resident and the hot buffer in whole pages on the GPU.
 
 Rows are counted in the engine's row dtype (``value_bytes``: 2 for bf16, the model dtype on
 GPUs); the release's own fp8/fp4 cache formats are not built. Every rank of a tensor-parallel
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hisparse.config import HiSparseConfigError
+from hisparse.kv.layout import RESIDENT_PEAK_PAGES
 from hisparse.models.v4_cache import row_values, state_ring
 from hisparse.models.v4_config import CSA, HCA, V4Config
 
@@ -51,7 +56,7 @@ _PRO = dict(
 )  # fmt: skip
 V4_PRESETS: dict[str, dict[str, Any]] = {"deepseek-v4-flash": _FLASH, "deepseek-v4-pro": _PRO}
 #: Placements `request_bytes` counts (module docstring).
-V4_PLACEMENTS = ("engine", "gpu", "hisparse")
+V4_PLACEMENTS = ("engine", "gpu", "hisparse", "hisparse-engine")
 #: Group names, in the order tables print them.
 GROUPS = (
     "sliding window rows",
@@ -104,10 +109,11 @@ def request_bytes(
 ) -> list[GroupBytes]:
     """Bytes of one request of ``context_len`` tokens, by group (`GROUPS`), in ``placement``.
 
-    ``engine`` counts whole blocks of ``block_size`` tokens as the engine allocates them (its
-    rows interleave window and entries, reported under the window group and the entry groups
-    by their columns); ``device_buffer_size``: hot entries per request and CSA layer (default
-    ``2 * index_topk``, the DSA default for decode: ``(max_query_len + 1) * top_k``).
+    ``engine`` and ``hisparse-engine`` count whole pages of ``block_size`` tokens as the
+    engine allocates them (rows interleave window and entries, reported under the window group
+    and the entry groups by their columns); ``device_buffer_size``: hot entries per request
+    and CSA layer (default ``2 * index_topk``, the DSA default for decode:
+    ``(max_query_len + 1) * top_k``).
     """
     if placement not in V4_PLACEMENTS:
         raise HiSparseConfigError(f"placement {placement!r}: expected one of {V4_PLACEMENTS}")
@@ -115,7 +121,9 @@ def request_bytes(
         raise HiSparseConfigError(f"context length {context_len} must be >= 1")
     vb, d, di = value_bytes, config.head_dim, config.index_head_dim
     buf = 2 * config.index_topk if device_buffer_size is None else device_buffer_size
-    tokens = math.ceil(context_len / block_size) * block_size if placement == "engine" else None
+    pages = math.ceil(context_len / block_size)
+    per_token = placement in ("engine", "hisparse-engine")
+    tokens = pages * block_size if per_token else None
     acc = dict.fromkeys(GROUPS, (0, 0))
 
     def add(group: str, gpu: int = 0, host: int = 0) -> None:
@@ -143,12 +151,16 @@ def request_bytes(
             add("HCA entries", entries)
             continue
         add("indexer keys", entry_rows * di * vb)
-        if placement == "hisparse":
+        if placement == "hisparse-engine":  # the layout's resident and hot group pages
+            tail = min(RESIDENT_PEAK_PAGES, pages) * block_size
+            add("CSA entries", tail * d * vb, host=(pages + 1) * block_size * d * vb)
+            add("CSA hot buffer", math.ceil(buf / block_size) * block_size * d * vb)
+        elif placement == "hisparse":
             add("CSA entries", host=entries)
             add("CSA hot buffer", min(buf, entry_rows) * d * vb)
         else:
             add("CSA entries", entries)
-    if tokens is not None:  # every row has the width of its layer's row_values
+    if placement == "engine":  # every row has the width of its layer's row_values
         rows = sum(row_values(config, i) for i in range(config.num_hidden_layers))
         assert sum(g for name, (g, _) in acc.items() if name != "compressor state") == (
             tokens * rows * vb
