@@ -32,6 +32,7 @@ from hisparse.engine.decode_inputs import decode_inputs, step_counts
 from hisparse.engine.hooks import StepHooks, StepRequests
 from hisparse.engine.host_copy import tensor_to_device
 from hisparse.engine.kv_manager import KVCacheManager
+from hisparse.engine.mtp_drafts import MtpDrafter
 from hisparse.engine.request import Request
 from hisparse.engine.sampling import sample_rows
 from hisparse.engine.spec_verify import verify
@@ -85,13 +86,15 @@ class ModelRunner:
         eos_token_ids: Set[int] = frozenset(),
         share_tokens: Callable[[list[int | None], int], list[int | None]] | None = None,
         samples: bool = True,
+        mtp: bool = False,
     ) -> None:
         """``host_fence``: tensor parallelism with one host writer per node (docs/design.md
         §18): called at the start of the step after one whose pages were written back to the
         host outside the forward (the lazy mirror), so no rank reads those rows before the
         writer's copies are done. ``samples``: this rank samples (rank 0 under tensor
         parallelism: its generators, its penalties); ``share_tokens(tokens, n)`` hands its
-        tokens to every rank."""
+        tokens to every rank. ``mtp``: the model's MTP layer is the last layer of ``specs``
+        and drafts (`mtp_drafts.MtpDrafter`; the eager decode path)."""
         if decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path={decode_path!r}: use one of {DECODE_PATHS}")
         if decode_path == "graphs" and device.type != "cuda":
@@ -189,6 +192,7 @@ class ModelRunner:
         #: DeepSeek-V4: its compressors' state per request slot (`engine.v4_step_cache`)
         new_state = getattr(model, "new_slot_state", None)
         self.v4_state = new_state(max_num_seqs + 1, device) if new_state is not None else None
+        self.mtp = MtpDrafter(self) if mtp else None
 
     def reset_slot(self, slot: int) -> None:
         for leader in self.leaders:
@@ -239,6 +243,8 @@ class ModelRunner:
                 raise NotImplementedError("speculative decoding under tensor parallelism")
             assert result.logits is not None
             v = verify(result.logits, reqs, step.drafts, self.eos_token_ids)
+            if self.mtp is not None:
+                self.mtp.keep(v.accepted)
             now = time.perf_counter()
             return ModelOutput(reqs, v.tokens, v.logprobs, now, v.accepted, v.accepted_logprobs)
         logprobs: list[dict[int, float] | None]
@@ -256,6 +262,8 @@ class ModelRunner:
                 tokens = self.share_tokens(tokens, len(reqs))
         else:
             tokens, logprobs = [], []
+        if self.mtp is not None:
+            self.mtp.keep(None)
         return ModelOutput(reqs, tokens, logprobs, time.perf_counter())
 
     @torch.no_grad()
@@ -287,6 +295,8 @@ class ModelRunner:
         if device_ids is not None:
             raise ValueError("device_ids: only a fixed-shape (CUDA-graph path) decode takes them")
         R = len(batch)
+        if self.mtp is not None and decode:
+            self.mtp.draft(batch, drafts)  # fills the scheduler's placeholders
         starts = [req.num_computed for req, _ in batch]
         counts = [n for _, n in batch]
         slots_l = [kv.requests[req.req_id].slot for req, _ in batch]
@@ -301,6 +311,8 @@ class ModelRunner:
             for req, n in batch:
                 ids.extend(req.token_slice(req.num_computed, n))
         T = sum(counts)
+        if self.mtp is not None:  # the MTP layer's rows: each with the token after it
+            ids.extend(self.mtp.next_tokens(batch, decode, drafts))
         packed = torch.tensor(starts + counts + slots_l + keys_l + ids, dtype=torch.int64)
         packed = packed.to(dev)
         start_d, count_d, slot_d, key_d = packed[: 4 * R].view(4, R)
@@ -369,7 +381,9 @@ class ModelRunner:
         else:
             if hooks is not None:
                 hooks.begin_step(decode)
-            hidden = self.model(packed[4 * R :], step, model_cache)
+            hidden = self.model(packed[4 * R : 4 * R + T], step, model_cache)
+            if self.mtp is not None:
+                self.mtp.write_rows(hidden, packed[4 * R + T :], step, model_cache, batch)
             if hooks is not None:
                 hooks.end_step(decode)
             if decode:

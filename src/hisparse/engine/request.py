@@ -132,6 +132,8 @@ class Request:
     #: refused, and the next such pause (doubling while they keep being refused)
     draft_pause: int = field(default=0, init=False, repr=False)
     draft_backoff: int = field(default=1, init=False, repr=False)
+    #: MTP drafts: the main model's hidden state at the last computed row (`mtp_drafts`)
+    mtp_hidden: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -174,15 +174,16 @@ class Scheduler:
 
     def _cache_pages(self, req: Request) -> None:
         """Register ``req``'s computed full pages in the prefix cache (a lazy mirror writes
-        their decode rows back first: a cached host block must hold every row)."""
+        their decode rows back first: a cached host block must hold every row; MTP: but the
+        last computed row, which its next step rewrites, `MtpProposer.rewrites`)."""
         kv, cache = self.kv, self.kv.prefix_cache
         if cache is None or req.req_id not in kv.requests:
             return
-        pages = req.num_computed // kv.block_size
-        if pages <= kv.requests[req.req_id].cached_pages:
+        done = req.num_computed - getattr(self.proposer, "rewrites", 0)
+        if (pages := done // kv.block_size) <= kv.requests[req.req_id].cached_pages:
             return
         hashes = cache.hashes(req.page_hashes, pages, req.token_slice)
-        new = kv.cache_pages(req.req_id, hashes, req.num_computed)
+        new = kv.cache_pages(req.req_id, hashes, done)
         if new and kv.hisparse and not kv.config.eager_host_mirror:
             host = kv.requests[req.req_id].host
             for gi, pgs, blocks in kv.clean_pages(req.req_id, new):

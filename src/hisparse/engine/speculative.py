@@ -2,7 +2,7 @@
 drafts while it builds a step).
 
 `SpeculativeConfig` is vLLM's ``speculative_config`` shape: ``method`` (``"ngram"``: prompt
-lookup; ``"mtp"``: the checkpoint's multi-token-prediction layer, not built yet) and
+lookup; ``"mtp"``: the checkpoint's multi-token-prediction layer, `engine.mtp_drafts`) and
 ``num_speculative_tokens`` k. A decode step then brings up to k + 1 rows per request (its last
 token and its drafts); the runner verifies them in one forward (`hisparse.engine.spec_verify`)
 and a request takes the drafts its own sampler agrees with, plus one token more.
@@ -42,7 +42,7 @@ class SpeculativeConfig:
 
     Attributes:
         method: ``"ngram"`` (prompt lookup, any model) or ``"mtp"`` (the checkpoint's MTP
-            layer; refused for now: not built yet).
+            layer: DeepSeek-V3.2 / GLM-5 checkpoints with ``num_nextn_predict_layers``).
         num_speculative_tokens: draft tokens per request and step (k); a step verifies up to
             k + 1 rows per request, so ``HiSparseConfig.max_query_len`` becomes k + 1.
         prompt_lookup_min, prompt_lookup_max: the n-gram lengths matched (vLLM's: both 5
@@ -69,11 +69,6 @@ class SpeculativeConfig:
             _fail(f + "prompt_lookup_min", lo, f"at most prompt_lookup_max={hi}", example=hi)
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
-        if self.method == "mtp":
-            raise ValueError(
-                "SpeculativeConfig.method='mtp' is not built yet (the MTP layer is loaded but "
-                "not run); use method='ngram'."
-            )
 
     @classmethod
     def of(cls, value: Any) -> SpeculativeConfig | None:
@@ -125,8 +120,26 @@ class SpeculativeConfig:
         """Rows one request brings to a decode step: its last token and k drafts."""
         return self.num_speculative_tokens + 1
 
-    def proposer(self) -> NgramProposer:
+    def proposer(self) -> NgramProposer | MtpProposer:
+        if self.method == "mtp":
+            return MtpProposer()
         return NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max)  # type: ignore[arg-type]
+
+
+#: A draft the runner fills in (`engine.mtp_drafts`); never a token, so never accepted.
+MTP_DRAFT = -1
+
+
+class MtpProposer:
+    """The scheduler's side of MTP drafts: k placeholders, which the runner's `MtpDrafter`
+    fills at the start of the step (the drafts need the model); the prefix cache registers
+    pages one row short of the computed length (``rewrites``), since the MTP row at the last
+    computed position is rewritten by the next step."""
+
+    rewrites = 1
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return [MTP_DRAFT] * k
 
 
 class NgramProposer:

@@ -19,7 +19,8 @@ Accepted layouts and names:
   for the attention, indexer, MLP and expert projections; dequantized once at load where the
   model needs the values (MLA's absorbed ``kv_b_proj``, and every weight with
   ``fp8="dequantize"``);
-- layers past ``num_hidden_layers``: the multi-token-prediction layer(s), kept (`mtp`).
+- layers past ``num_hidden_layers``: the multi-token-prediction layer(s), kept (`mtp`); their
+  copies of the embedding and LM head are skipped (`shared_copies`: the model's are shared).
 
 A missing, unexpected, mis-shaped or mis-scaled tensor raises `CheckpointError` naming it.
 """
@@ -210,13 +211,27 @@ def build_dsa_model(
                     config.num_hidden_layers + i,
                     sparse=f"{prefix}mlp.gate.weight" in ckpt,
                     indexer=f"{prefix}self_attn.indexer.wk.weight" in ckpt,
-                    own_embed=f"{prefix}embed_tokens.weight" in ckpt,
-                    own_head=f"{prefix}shared_head.head.weight" in ckpt,
+                    own_embed=False,  # shared with the model: `shared_copies`
+                    own_head=False,
                 )
             )
     if fp8_format is not None:
         _swap_in_fp8(model, ckpt, config, fp8_format.pow2_scales)
     return model
+
+
+def shared_copies(config: DsaConfig, ckpt: CheckpointIndex) -> set[str]:
+    """The MTP layers' copies of the embedding and the LM head, which the loader skips: the
+    V3 paper shares both with the main model and the releases store the same values twice,
+    so the model's own are used (`MtpLayer.embed` / `logits`), read once and held once
+    (aliasing would still read or check the copies: two vocabulary-sized tensors per layer)."""
+    ends = (".embed_tokens.weight", ".shared_head.head.weight")
+    return {
+        k
+        for k in ckpt.tensors
+        if (m := _LAYER.match(k)) and int(m.group(1)) >= config.num_hidden_layers
+        and k.endswith(ends)
+    }
 
 
 def _hf_name(config: DsaConfig, name: str) -> str:
@@ -419,6 +434,7 @@ def load_dsa_model(
     keep = fmt if fp8_weights == "keep" else None
     model = build_dsa_model(config, ckpt, indexer_mode=indexer_mode, fp8_format=keep)
     skipped = keep_experts(model, ckpt, config, *experts) if experts is not None else set()
+    skipped |= shared_copies(config, ckpt)
     full = {n: tuple(p.shape) for n, p in model.named_parameters()}
     splits = shard_dsa(model, rank, world, tp) if world > 1 else {}
     plan = _plan_reads(model, config, ckpt, full, splits)

@@ -1,21 +1,28 @@
-"""DeepSeek's multi-token-prediction (MTP) layer, as the releases ship it: kept, not run yet.
+"""DeepSeek's multi-token-prediction (MTP) layer, as the releases ship it, run as a drafter.
 
 DeepSeek-V3.2 and GLM-5 ship one extra layer (index ``num_hidden_layers``) that predicts the
 token after next from the main model's last hidden state and the next token's embedding
 (DeepSeek reports the second token accepted 85-90% of the time). Its weights are a whole
 decoder layer (MLA with its indexer, a MoE) plus ``enorm`` / ``hnorm`` (the two inputs' norms),
-``eh_proj`` (``[2h -> h]`` over their concatenation), ``shared_head`` (norm and LM head) and
-its own ``embed_tokens``. The loader reads them into `MtpLayer` (sharded like the other
-layers, fp8 kept fp8) under ``DsaForCausalLM.mtp`` so that speculative decoding can run them;
-nothing calls them yet. A checkpoint without ``embed_tokens`` or ``shared_head.head`` in that
-layer shares the main model's.
+``eh_proj`` (``[2h -> h]`` over their concatenation, embedding first as vLLM and SGLang run
+it) and ``shared_head.norm``. The embedding and the LM head are the main model's (the V3
+paper shares them; the loader skips the checkpoint's copies, `loader.shared_copies`).
+
+Row at position ``i``: ``g_i = layer(eh_proj([enorm(embed(x_{i+1})); hnorm(h_i)]))`` with
+``h_i`` the main model's final hidden state there (or, drafting further, the MTP output of
+the row before), its own MLA rows and indexer keys at position ``i`` (a KV layer of the
+engine's layout, `engine.mtp_drafts`), and the draft ``argmax(lm_head(norm(g_i)))``: the
+token at ``i + 2``.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from hisparse.models.deepseek_v32 import DecoderLayer
+from hisparse.models import fused
+from hisparse.models.deepseek_v32 import DecoderLayer, DsaForCausalLM, MoE
+from hisparse.models.kv_access import DsaKVCache, ForwardStep
 from hisparse.models.dsa_config import DsaConfig
 from hisparse.models.layers import RMSNorm, embedding
 
@@ -53,6 +60,41 @@ class MtpLayer(DecoderLayer):
         self.hnorm = RMSNorm(h, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.shared_head = SharedHead(config, own_head)
+
+    @torch.no_grad()
+    def forward(  # type: ignore[override]
+        self,
+        model: DsaForCausalLM,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        step: ForwardStep,
+        cache: DsaKVCache,
+        *,
+        rows_only: bool = False,
+    ) -> torch.Tensor:
+        """Outputs ``g [N, hidden]`` (before ``shared_head.norm``) of rows at
+        ``step.positions`` from the previous hidden states ``hidden [N, hidden]`` and the
+        tokens after them ``next_ids [N]``; writes the rows' KV and indexer keys through
+        ``cache`` (this layer's index). Position 0's embedding is zeroed, as vLLM does.
+        ``rows_only``: stop after the attention (the rows written are all the caller needs;
+        what it returns then is no output)."""
+        embed = self.embed_tokens if self.embed_tokens is not None else model.model.embed_tokens
+        emb = embed(next_ids)
+        emb = emb.masked_fill((step.positions == 0)[:, None], 0)
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden.to(emb.dtype))], -1))
+        cos, sin = model.rotary(step.positions, x.dtype, step.max_len)
+        _, h = fused.add_rms_norm(self.input_layernorm, x)
+        attn, _ = self.self_attn(h, cos, sin, step, cache, None, model.indexer_mode)
+        if rows_only:
+            return attn
+        x, h = fused.add_rms_norm(self.post_attention_layernorm, x, attn)
+        mlp = self.mlp(h, sync_free=step.static) if isinstance(self.mlp, MoE) else self.mlp(h)
+        return x + mlp
+
+    def logits(self, model: DsaForCausalLM, g: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``[N, vocab]`` of MTP outputs ``g`` (the shared LM head)."""
+        head = self.shared_head.head if self.shared_head.head is not None else model.lm_head
+        return head(self.shared_head.norm(g))
 
 
 def mtp_prefix(config: DsaConfig, index: int) -> str:

@@ -296,13 +296,20 @@ _ROW_FORMAT_ENUM = {"fp8_ds_mla": RowFormat.FP8_DS_MLA, "bf16": RowFormat.BF16_M
 
 
 def engine_specs(
-    model: torch.nn.Module, row_format: object, block_size: int, placement: str = "gpu"
+    model: torch.nn.Module,
+    row_format: object,
+    block_size: int,
+    placement: str = "gpu",
+    *,
+    mtp: int = 0,
 ) -> list[LayerCacheSpec]:
     """Cache specs of ``model`` with the row sizes it really writes.
 
     DSA models: MLA rows (any row format, fp32 included) and an indexer cache on every full
-    indexer layer; IndexShare followers name their leader. GQA models (Llama): K+V rows and
-    a compact key cache on every layer (index groups of one). DeepSeek-V4: `v4_specs`.
+    indexer layer; IndexShare followers name their leader; ``mtp`` multi-token-prediction
+    layers after them (MTP speculative decoding: each its own index group, with an indexer).
+    GQA models (Llama): K+V rows and a compact key cache on every layer (index groups of one).
+    DeepSeek-V4: `v4_specs`.
     """
     specs: list[LayerCacheSpec] = []
     if isinstance(model, DeepseekV4ForCausalLM):
@@ -312,7 +319,7 @@ def engine_specs(
         cfg = model.config
         row = mla_row_bytes(row_format, cfg.kv_lora_rank, cfg.qk_rope_head_dim)  # type: ignore[arg-type]
         fmt = _ROW_FORMAT_ENUM.get(str(row_format))
-        full_layers = list(cfg.indexer_full)
+        full_layers = list(cfg.indexer_full) + [True] * mtp
     else:
         row = row_format.row_bytes  # type: ignore[attr-defined]
         fmt = RowFormat.GQA

@@ -173,7 +173,9 @@ def make_tiny(
             tile scales, ue8m0, DeepSeek's ``quantization_config``, a byte-level tokenizer)
             instead of transformers' own checkpoint; the ``v32-shapes`` preset always goes
             this way (``fp8`` off: bf16 weights).
-        mtp: write the multi-token-prediction layer (default: with ``fp8``).
+        mtp: write the multi-token-prediction layer (default: with ``fp8``); with ``fp8`` off
+            the checkpoint goes through `checkpoint_writer` too (the releases' names, plain
+            weights), which the MTP speculative decoding tests load.
         tokenizer: also write a byte-level ``tokenizer.json`` (`write_chat_tokenizer`; the
             ``fp8`` path always does) holding the family's chat tokens (DeepSeek-V3.2's prompts
             come from the built-in encoder; GLM-5's template goes into tokenizer_config.json),
@@ -190,7 +192,7 @@ def make_tiny(
 
         tiny_config_kwargs(arch, preset, fp8=fp8)  # refuses the combinations it cannot write
         return make_tiny_v4(out_dir, preset, seed, dtype=dtype, **overrides)
-    if fp8 or preset == "v32-shapes":
+    if fp8 or preset == "v32-shapes" or mtp:
         from hisparse.models import checkpoint_writer
         from hisparse.models.fp8 import Fp8Format
 
