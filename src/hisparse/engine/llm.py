@@ -57,11 +57,11 @@ from hisparse.engine.inputs import (
 from hisparse.engine.kv_manager import KVCacheManager
 from hisparse.engine.llm_args import check_llm_args
 from hisparse.engine.model_runner import ModelRunner
+from hisparse.engine.mtp_drafts import mtp_layers
 from hisparse.engine.output_processor import OutputProcessor
 from hisparse.engine.request import Request, RequestOutput
 from hisparse.engine.sampling_params import SamplingParams
 from hisparse.engine.scheduler import Scheduler
-from hisparse.engine.mtp_drafts import mtp_layers
 from hisparse.engine.speculative import SpeculativeConfig
 from hisparse.engine.tp_follower import (
     serve_torchrun_ranks,

@@ -229,7 +229,8 @@ def shared_copies(config: DsaConfig, ckpt: CheckpointIndex) -> set[str]:
     return {
         k
         for k in ckpt.tensors
-        if (m := _LAYER.match(k)) and int(m.group(1)) >= config.num_hidden_layers
+        if (m := _LAYER.match(k))
+        and int(m.group(1)) >= config.num_hidden_layers
         and k.endswith(ends)
     }
 

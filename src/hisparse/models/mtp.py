@@ -22,8 +22,8 @@ from torch import nn
 
 from hisparse.models import fused
 from hisparse.models.deepseek_v32 import DecoderLayer, DsaForCausalLM, MoE
-from hisparse.models.kv_access import DsaKVCache, ForwardStep
 from hisparse.models.dsa_config import DsaConfig
+from hisparse.models.kv_access import DsaKVCache, ForwardStep
 from hisparse.models.layers import RMSNorm, embedding
 
 
