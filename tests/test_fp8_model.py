@@ -117,7 +117,10 @@ def test_loader_keeps_fp8_and_the_mtp_layer(ckpt, models) -> None:
     n = model.config.num_hidden_layers
     assert torch.equal(mtp.eh_proj.weight, t[f"model.layers.{n}.eh_proj.weight"])
     assert isinstance(mtp.mlp.fp8_experts, Fp8Experts)
-    assert torch.equal(mtp.shared_head.head.weight, t[f"model.layers.{n}.shared_head.head.weight"])
+    # its copies of the embedding and LM head are skipped: the model's are shared
+    assert mtp.shared_head.head is None and mtp.embed_tokens is None
+    assert f"model.layers.{n}.shared_head.head.weight" in t
+    assert torch.equal(mtp.shared_head.norm.weight, t[f"model.layers.{n}.shared_head.norm.weight"])
     assert not any(isinstance(m, Fp8Linear | Fp8Experts) for m in deq.modules())
 
 

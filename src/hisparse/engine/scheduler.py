@@ -64,8 +64,7 @@ class Scheduler:
         self._write_backs: list[WriteBack] = []
         #: requests whose older pages went to the host to make room (``under_pressure``)
         self.demotions = 0
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.failed: list[Request] = []

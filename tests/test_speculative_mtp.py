@@ -1,0 +1,165 @@
+"""MTP speculative decoding (`engine.mtp_drafts`) on tiny DSA checkpoints with an MTP layer.
+
+Lossless: greedy tokens with MTP drafts equal those without, for DeepSeek-V3.2 and GLM-5, in
+both placements and both offload policies, with drafts the MTP layer makes (the tiny layer is
+random: they are refused) and with the MTP layer's drafts replaced by the known continuation
+after it ran (all accepted: its rows of accepted drafts are then what later drafts read), with
+chunked prompts and preemption; every block returns to the pools. The drafts themselves are
+checked against a dense reference: the MTP layer over the whole sequence at once
+(`DenseDsaCache`), so rows written in pieces across prefill chunks, verifying steps and
+rewrites read as rows written in one go.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse import HiSparseConfig, SamplingParams
+from hisparse.engine.llm import LLM
+from hisparse.validation import HiSparseConfigError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
+PROMPTS = [[(7 * i + 3 * j) % 240 + 8 for j in range(n)] for i, n in enumerate((37, 22, 61))]
+
+
+@pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
+def checkpoint(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param, mtp=True)
+
+
+_PLAIN: dict[tuple[str, int], list[list[int]]] = {}
+
+
+def _run(path, placement="gpu", *, spec=None, params=GREEDY, prompts=PROMPTS, accept=None,
+         seen=None, tokens=2048, requests=None, **hs):  # fmt: skip
+    """Generate; ``seen`` collects (tokens up to the step's input, the MTP layer's drafts);
+    ``accept``: the plain outputs, whose continuation then replaces the drafts (all taken).
+    ``requests``: a GPU pool of that many max_model_len requests at their peak."""
+    cfg = HiSparseConfig(host_pool_gib=0.01, block_size=4, **hs)
+    kw = dict(kv_placement=placement, hisparse=cfg, kv_format="bf16", max_model_len=128,
+              max_num_seqs=4, max_num_batched_tokens=tokens, speculative_config=spec)  # fmt: skip
+    gib = 0.02
+    if requests is not None:
+        with LLM(path, gpu_memory_gib=gib, **kw) as probe:
+            lay = probe.kv.layout
+            n = 1 + int(requests * lay.gpu_blocks_per_request(lay.max_model_len))
+            gib = (n * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
+    with LLM(path, gpu_memory_gib=gib, **kw) as llm:
+        if spec is not None:
+            _watch(llm, seen, accept, prompts)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        kv = llm.kv
+        assert not kv.requests and kv.gpu_blocks.num_free == kv.gpu_blocks.num_usable
+        assert kv.host_blocks is None or kv.host_blocks.num_free == kv.host_blocks.num_usable
+        model = llm.model
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    return outs, model
+
+
+def _watch(llm, seen, accept, prompts):
+    drafter = llm.runner.mtp
+    made = drafter.draft
+
+    def draft(batch, drafts):
+        made(batch, drafts)
+        for i, (req, _) in enumerate(batch):
+            if not drafts or not drafts[i]:
+                continue
+            c = req.num_computed
+            if seen is not None:
+                seen.append((req.token_slice(0, c + 1), list(drafts[i])))
+            if accept is not None:
+                j = prompts.index(req.prompt_token_ids)
+                full = prompts[j] + accept[j]
+                drafts[i][:] = full[c + 1 : c + 1 + len(drafts[i])]
+
+    drafter.draft = draft
+
+
+def _plain(path, **kw):
+    key = (str(path), kw.get("params", GREEDY).max_tokens)
+    if key not in _PLAIN:
+        _PLAIN[key] = [o.token_ids for o in _run(path, **kw)[0]]
+    return _PLAIN[key]
+
+
+def _reference_drafts(model, tokens: list[int], k: int) -> list[int]:
+    """The MTP drafts after ``tokens`` (its last one the step's input) computed densely:
+    the main model and the MTP layer over every position in one step each, then the MTP
+    layer alone for the further drafts."""
+    mtp, c = model.mtp[0], len(tokens) - 1
+    cache = model.new_dense_cache(max_reqs=1, max_len=c + k, block_size=4, row_format="bf16")
+    cache.kv.append(torch.zeros_like(cache.kv[0]))  # the MTP layer's rows and keys
+    cache.index_pages[mtp.self_attn.layer] = torch.zeros_like(cache.index_pages[0])
+    ids = torch.tensor(tokens)
+    step = cache.begin_step([0], [c])
+    h = model(ids[:c], step, cache)
+    g = mtp(model, h, ids[1:], step, cache)[-1:]
+    out = []
+    for i in range(k):
+        out.append(int(mtp.logits(model, g).argmax(-1)))
+        if i + 1 < k:
+            step = cache.begin_step([0], [1])
+            g = mtp(model, g, torch.tensor(out[-1:]), step, cache)
+    return out
+
+
+def _check_drafts(model, seen):
+    assert seen
+    for tokens, drafts in seen:
+        assert _reference_drafts(model, tokens, len(drafts)) == drafts, len(tokens)
+
+
+@pytest.mark.parametrize(
+    "placement,offload", [("gpu", None), ("hisparse", None), ("hisparse", "always")]
+)
+def test_mtp_gives_the_plain_tokens(checkpoint, placement, offload):
+    """The MTP layer's own drafts (refused: a random layer) give the plain tokens; the drafts
+    are the dense reference's."""
+    want = _plain(checkpoint)
+    seen: list = []
+    outs, model = _run(checkpoint, placement, spec=MTP, seen=seen, offload=offload)
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.metrics.spec_drafted for o in outs) > 0
+    _check_drafts(model, seen)
+    if offload == "always":
+        assert sum(o.metrics.misses for o in outs) > 0
+
+
+def test_mtp_rows_of_accepted_drafts(checkpoint):
+    """Drafts replaced by the continuation (all taken) with the lazy host mirror: the plain
+    tokens, the acceptance metrics, and MTP drafts that still match the reference (its rows
+    written beside accepted drafts are right)."""
+    want = _plain(checkpoint)
+    seen: list = []
+    outs, model = _run(checkpoint, "hisparse", spec=MTP, seen=seen, accept=want,
+                       eager_host_mirror=False)  # fmt: skip
+    assert [o.token_ids for o in outs] == want
+    m = [o.metrics for o in outs]
+    assert all(x.spec_accepted == x.spec_drafted > 0 for x in m)
+    assert all(x.acceptance_rate == 1.0 and x.mean_accepted_length > 3 for x in m)
+    _check_drafts(model, seen)
+
+
+def test_mtp_chunked_prompts_and_preemption(checkpoint):
+    """Chunks of 16 tokens beside verifying steps in a pool so tight that requests are
+    preempted and recomputed (their MTP rows too): the plain tokens, drafts as the
+    reference's."""
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [*PROMPTS, PROMPTS[0][:30]]
+    ref = [o.token_ids for o in _run(checkpoint, params=long, prompts=prompts, top_k=4)[0]]
+    seen: list = []
+    outs, model = _run(checkpoint, "hisparse", spec=MTP, params=long, prompts=prompts,
+                       accept=ref, seen=seen, tokens=16, top_k=4, offload="always",
+                       requests=1.5)  # fmt: skip
+    assert sum(o.metrics.preemptions for o in outs) > 0
+    assert [o.token_ids for o in outs] == ref
+    _check_drafts(model, seen[::5])
+
+
+def test_mtp_needs_the_checkpoints_mtp_layer(tiny_checkpoint):
+    with pytest.raises(HiSparseConfigError, match="num_nextn_predict_layers"):
+        LLM(tiny_checkpoint("deepseek_v32"), speculative_config=MTP, gpu_memory_gib=0.02,
+            max_model_len=64)  # fmt: skip
