@@ -259,10 +259,8 @@ class LLM:
                 if tp is not None:  # the same pools on every rank: what the tightest GPU gives
                     gpu_memory_gib = tp.agree_min(gpu_memory_gib)
             check_device_memory(self.device, gpu_memory_gib)
-            mtp = mtp_layers(spec, self.model)  # the MTP layer: one more KV layer
-            specs = engine_specs(
-                self.model, row_format, self.config.block_size, kv_placement, mtp=mtp
-            )
+            specs = engine_specs(self.model, row_format, self.config.block_size, kv_placement,
+                                 mtp=(mtp := mtp_layers(spec, self.model)))  # fmt: skip
             # GQA rows are sharded by KV head: a host row holds every local rank's slice
             host = host_sharing(shards, gguf)  # data parallelism: a pool per rank
             # V4 carries state outside its pages; ranks would share the host's indexer copies
