@@ -57,7 +57,6 @@ from hisparse.engine.inputs import (
 from hisparse.engine.kv_manager import KVCacheManager
 from hisparse.engine.llm_args import check_llm_args
 from hisparse.engine.model_runner import ModelRunner
-from hisparse.engine.mtp_drafts import mtp_layers
 from hisparse.engine.output_processor import OutputProcessor
 from hisparse.engine.request import Request, RequestOutput
 from hisparse.engine.sampling_params import SamplingParams
@@ -259,8 +258,7 @@ class LLM:
                 if tp is not None:  # the same pools on every rank: what the tightest GPU gives
                     gpu_memory_gib = tp.agree_min(gpu_memory_gib)
             check_device_memory(self.device, gpu_memory_gib)
-            specs = engine_specs(self.model, row_format, self.config.block_size, kv_placement,
-                                 mtp=(mtp := mtp_layers(spec, self.model)))  # fmt: skip
+            specs = engine_specs(self.model, row_format, self.config.block_size, kv_placement, spec)
             # GQA rows are sharded by KV head: a host row holds every local rank's slice
             host = host_sharing(shards, gguf)  # data parallelism: a pool per rank
             # V4 carries state outside its pages; ranks would share the host's indexer copies
@@ -300,13 +298,12 @@ class LLM:
                 device=self.device,
                 hooks=step_hooks,
                 decode_path="eager"
-                if dp or mtp
+                if dp or getattr(spec, "method", None) == "mtp"  # (k + 1)-row steps: eager
                 else decode_path(cuda_graphs, self.device, indexer, tensor_parallel_size, not v4),
                 host_fence=shards.fence if shards is not None and not gguf else None,
                 eos_token_ids=self.eos_token_ids,
                 share_tokens=shards.share_tokens if shards is not None else None,
                 samples=shards is None or shards.is_driver,
-                mtp=bool(mtp),
             )
         except BaseException as err:
             self._release(failed=True)  # the host pool, the device pools, the model

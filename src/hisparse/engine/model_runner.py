@@ -86,15 +86,14 @@ class ModelRunner:
         eos_token_ids: Set[int] = frozenset(),
         share_tokens: Callable[[list[int | None], int], list[int | None]] | None = None,
         samples: bool = True,
-        mtp: bool = False,
     ) -> None:
         """``host_fence``: tensor parallelism with one host writer per node (docs/design.md
         §18): called at the start of the step after one whose pages were written back to the
         host outside the forward (the lazy mirror), so no rank reads those rows before the
         writer's copies are done. ``samples``: this rank samples (rank 0 under tensor
         parallelism: its generators, its penalties); ``share_tokens(tokens, n)`` hands its
-        tokens to every rank. ``mtp``: the model's MTP layer is the last layer of ``specs``
-        and drafts (`mtp_drafts.MtpDrafter`; the eager decode path)."""
+        tokens to every rank. Where ``specs`` hold the model's MTP layer, it drafts
+        (`mtp_drafts.MtpDrafter`; the eager decode path)."""
         if decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path={decode_path!r}: use one of {DECODE_PATHS}")
         if decode_path == "graphs" and device.type != "cuda":
@@ -192,7 +191,7 @@ class ModelRunner:
         #: DeepSeek-V4: its compressors' state per request slot (`engine.v4_step_cache`)
         new_state = getattr(model, "new_slot_state", None)
         self.v4_state = new_state(max_num_seqs + 1, device) if new_state is not None else None
-        self.mtp = MtpDrafter(self) if mtp else None
+        self.mtp = MtpDrafter.of(self, specs)
 
     def reset_slot(self, slot: int) -> None:
         for leader in self.leaders:

@@ -29,47 +29,30 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hisparse.config import HiSparseConfigError
 from hisparse.engine.request import Request
 from hisparse.engine.step_cache import StepCache
+from hisparse.kv.specs import LayerCacheSpec
 from hisparse.models.kv_access import ForwardStep
 from hisparse.runtime.batch import GroupTables, StepMetadata
 
 if TYPE_CHECKING:
     from hisparse.engine.model_runner import ModelRunner
-    from hisparse.engine.speculative import SpeculativeConfig
 
 #: the token filling a row whose next token is not known yet (its row is rewritten)
 FILLER = 0
 
 
-def mtp_layers(spec: SpeculativeConfig | None, model: Any) -> int:
-    """MTP layers the engine runs for ``spec`` (0 or 1); a `HiSparseConfigError` for
-    ``method="mtp"`` on a model without one (``num_nextn_predict_layers`` 0, a GGUF model)."""
-    if spec is None or spec.method != "mtp":
-        return 0
-    layers = getattr(model, "mtp", None)
-    if not layers:
-        n = getattr(getattr(model, "config", None), "num_nextn_predict_layers", 0)
-        raise HiSparseConfigError(
-            "LLM.speculative_config method='mtp' drafts with the checkpoint's "
-            f"multi-token-prediction layer, and this model has none (num_nextn_predict_layers"
-            f" = {n or 0}; DeepSeek-V3.2 and GLM-5 releases ship one); use method='ngram'.",
-            field="LLM.speculative_config",
-            value=spec,
-        )
-    if layers[0].self_attn.indexer is None:
-        raise HiSparseConfigError(
-            "the checkpoint's MTP layer has no indexer of its own (no top-k to borrow): "
-            "use method='ngram'.",
-            field="LLM.speculative_config",
-            value=spec,
-        )
-    return 1
-
-
 class MtpDrafter:
     """Runs the MTP layer for ``runner`` (module docstring)."""
+
+    @classmethod
+    def of(cls, runner: ModelRunner, specs: Sequence[LayerCacheSpec]) -> MtpDrafter | None:
+        """A drafter where ``specs`` hold the MTP layer's rows (`registry.engine_specs` with
+        an MTP `SpeculativeConfig`), else ``None``."""
+        layers = getattr(runner.model, "mtp", None)
+        if not layers or f"layers.{layers[0].self_attn.layer}.attn" not in {s.name for s in specs}:
+            return None
+        return cls(runner)
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from hisparse.config import HiSparseConfig
+from hisparse.config import HiSparseConfig, HiSparseConfigError
 from hisparse.validation import _fail, check_choice, check_int
 
 #: ``ngram``: prompt lookup over the request's own tokens; ``mtp``: the checkpoint's MTP layer
@@ -114,6 +114,32 @@ class SpeculativeConfig:
         if spec is None or hisparse.max_query_len >= spec.max_query_len:
             return hisparse
         return dataclasses.replace(hisparse, max_query_len=spec.max_query_len)
+
+    @staticmethod
+    def mtp_layers(spec: SpeculativeConfig | None, model: Any) -> int:
+        """MTP layers the engine runs for ``spec`` (0 or 1: their KV is part of the layout);
+        a `HiSparseConfigError` for ``method="mtp"`` on a model without one
+        (``num_nextn_predict_layers`` 0, a GGUF model) or whose MTP layer has no indexer."""
+        if spec is None or spec.method != "mtp":
+            return 0
+        layers = getattr(model, "mtp", None)
+        where = dict(field="LLM.speculative_config", value=spec)
+        if not layers:
+            n = getattr(getattr(model, "config", None), "num_nextn_predict_layers", 0)
+            raise HiSparseConfigError(
+                "LLM.speculative_config method='mtp' drafts with the checkpoint's "
+                "multi-token-prediction layer, and this model has none "
+                f"(num_nextn_predict_layers = {n or 0}, no MTP layer weights; DeepSeek-V3.2 "
+                "and GLM-5 releases ship one); use method='ngram'.",
+                **where,
+            )
+        if layers[0].self_attn.indexer is None:
+            raise HiSparseConfigError(
+                "the checkpoint's MTP layer has no indexer of its own (no top-k to borrow): "
+                "use method='ngram'.",
+                **where,
+            )
+        return 1
 
     @property
     def max_query_len(self) -> int:

@@ -23,6 +23,7 @@ from hisparse.config import (
     HiSparseConfigError,
     ResolvedHiSparseConfig,
 )
+from hisparse.engine.speculative import SpeculativeConfig
 from hisparse.kv.row_formats import MLA_TILE, mla_row_bytes
 from hisparse.kv.specs import CacheKind, LayerCacheSpec, RowFormat
 from hisparse.models.deepseek_v4 import DeepseekV4ForCausalLM
@@ -300,18 +301,19 @@ def engine_specs(
     row_format: object,
     block_size: int,
     placement: str = "gpu",
-    *,
-    mtp: int = 0,
+    spec: SpeculativeConfig | None = None,
 ) -> list[LayerCacheSpec]:
     """Cache specs of ``model`` with the row sizes it really writes.
 
     DSA models: MLA rows (any row format, fp32 included) and an indexer cache on every full
-    indexer layer; IndexShare followers name their leader; ``mtp`` multi-token-prediction
-    layers after them (MTP speculative decoding: each its own index group, with an indexer).
+    indexer layer; IndexShare followers name their leader; with ``spec`` of method ``"mtp"``
+    the checkpoint's multi-token-prediction layer after them (its own index group, with an
+    indexer: `SpeculativeConfig.mtp_layers`).
     GQA models (Llama): K+V rows and a compact key cache on every layer (index groups of one).
     DeepSeek-V4: `v4_specs`.
     """
     specs: list[LayerCacheSpec] = []
+    mtp = SpeculativeConfig.mtp_layers(spec, model)
     if isinstance(model, DeepseekV4ForCausalLM):
         return v4_specs(model, block_size, placement)
     idx_row = model.indexer_format.row_bytes  # type: ignore[union-attr]
