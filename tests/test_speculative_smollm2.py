@@ -1,6 +1,8 @@
 """Speculative decoding with n-gram drafts on the real SmolLM2 weights (CPU): greedy tokens
 equal those without speculation in both placements (HiSparse reading every older row through
-its hot buffer, which the verifying rows share), with drafts really accepted; and
+its hot buffer, which the verifying rows share), with drafts really accepted, the verify
+steps through the CPU rows path (`llama_cpu_rows`) whose every row whose inputs match the
+plain run's has the one-row step's final hidden state bit for bit; and
 ``hisparse serve`` with ``--speculative-config`` streams the same greedy text over HTTP
 (the `openai` client), its ``/metrics`` counting the drafts."""
 
@@ -13,10 +15,12 @@ from pydoc_data.topics import topics
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from hisparse import HiSparseConfig, SamplingParams
 from hisparse.engine.llm import LLM
+from hisparse.models import llama
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -36,6 +40,32 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40)
 TIMEOUT = 120.0
 
 
+class Recorder:
+    """Wraps a model's forward: each call's positions, input ids, final hidden states and
+    whether it was a verify step."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.calls: list[tuple[list[int], list[int], torch.Tensor, bool]] = []
+        model = llm.model
+        inner = model.forward
+
+        def forward(input_ids, step, cache):
+            h = inner(input_ids, step, cache)
+            rec = (step.positions.tolist(), input_ids.tolist(), h.clone(), step.verify)
+            self.calls.append(rec)
+            return h
+
+        model.forward = forward
+
+    def rows(self) -> dict[int, tuple[int, torch.Tensor]]:
+        """Position -> (input id, final hidden state) of every row (a plain run's)."""
+        return {
+            p: (i, h[t])
+            for pos, ids, h, _ in self.calls
+            for t, (p, i) in enumerate(zip(pos, ids, strict=True))
+        }
+
+
 def _llm(placement: str, spec=None) -> LLM:
     return LLM(
         "smollm2",
@@ -51,23 +81,42 @@ def _llm(placement: str, spec=None) -> LLM:
 
 @pytest.fixture(scope="module")
 def plain():
-    """The run without speculation: (prompt token ids, output)."""
+    """The run without speculation: (prompt token ids, output, every row's input id and
+    final hidden state by position)."""
     with _llm("hisparse") as llm:
         ids = llm.chat_token_ids([{"role": "user", "content": PROMPT}])
         assert len(ids) > 2 * TOP_K
+        rec = Recorder(llm)
         (out,) = llm.generate(prompt_token_ids=[ids], sampling_params=GREEDY)
     assert out.ok
-    return ids, out
+    return ids, out, rec.rows()
 
 
-def test_ngram_gives_the_plain_tokens_in_both_placements(plain):
-    ids, want = plain
+def test_ngram_gives_the_plain_tokens_in_both_placements(plain, monkeypatch):
+    ids, want, rows = plain
+    ran = []
+    fast = llama.decode_rows_cpu
+    monkeypatch.setattr(llama, "decode_rows_cpu", lambda *a: ran.append(1) or fast(*a))
     for placement in ("gpu", "hisparse"):
+        ran.clear()
         with _llm(placement, SPEC) as llm:
+            rec = Recorder(llm)
             (out,) = llm.generate(prompt_token_ids=[ids], sampling_params=GREEDY)
             kv = llm.kv
             assert kv.gpu_blocks.num_free == kv.gpu_blocks.num_usable
         assert out.token_ids == want.token_ids, placement
+        # every verify step took the CPU rows path; each of its rows whose inputs so far are
+        # the plain run's (the last token, then accepted drafts) equals that run's row
+        verify = [c for c in rec.calls if c[3]]
+        assert len(ran) == len(verify) == out.metrics.spec_steps > 0, placement
+        compared = 0
+        for pos, step_ids, h, _ in verify:
+            for t, p in enumerate(pos):
+                if any(rows[q][0] != i for q, i in zip(pos[: t + 1], step_ids, strict=False)):
+                    break
+                assert torch.equal(h[t], rows[p][1]), (placement, p)
+                compared += 1
+        assert compared > len(verify)  # drafts' rows too, not only each step's first
         m = out.metrics
         assert m.spec_accepted > 0 and m.decode_steps < want.metrics.decode_steps
         assert m.mean_accepted_length > 1 and 0 < m.acceptance_rate <= 1
@@ -76,7 +125,7 @@ def test_ngram_gives_the_plain_tokens_in_both_placements(plain):
 
 
 def test_serve_with_speculation_streams_the_plain_text(plain):
-    _, want = plain
+    _, want, _ = plain
     llm = _llm("hisparse", SPEC)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -325,7 +325,8 @@ class ModelRunner:
             pos = start_d[rix] + torch.arange(T, device=dev) - first[rix]
         self._slots, self._lens, self._keys = slot_d, seq_lens, key_d
         self._max_len = max(s + n for s, n in zip(starts, counts, strict=True))
-        step = ForwardStep(positions=pos, req_index=rix, seq_lens=seq_lens, max_len=self._max_len)
+        step = ForwardStep(positions=pos, req_index=rix, seq_lens=seq_lens,
+                           max_len=self._max_len, verify=drafts is not None)  # fmt: skip
 
         one_cpu = decode and T == 1 and dev.type == "cpu"
 

@@ -39,6 +39,8 @@ class ForwardStep:
         max_len: keys the indexer scores at most, known on the host (spares it a device read
             of ``seq_lens``); ``None``: it reads the longest request (or, under CUDA-graph
             capture, scores the whole block table).
+        verify: a decode step whose requests bring their last token and its drafts, several
+            consecutive rows each (speculative decoding's verification).
         static: a fixed-shape step that must not read the device from the host (padded
             decode batches, CUDA-graph capture): the MoE takes its sync-free form.
     """
@@ -48,6 +50,7 @@ class ForwardStep:
     seq_lens: torch.Tensor
     max_len: int | None = None
     static: bool = False
+    verify: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -51,6 +51,7 @@ from hisparse.models.layers import (
 )
 from hisparse.models.llama_attention import LlamaAttention, Step, StepPlan
 from hisparse.models.llama_cpu import decode_one_cpu, decode_one_cpu_applies
+from hisparse.models.llama_cpu_rows import decode_rows_cpu, decode_rows_cpu_applies
 
 
 @dataclass(frozen=True)
@@ -251,6 +252,9 @@ class LlamaForCausalLM(nn.Module):
         fast = self.cpu_fast_path and decode_one_cpu_applies(x, plan)
         if fast and cache.row_format.torch_dtype == torch.float32:
             return decode_one_cpu(self, x, cos, sin, step, cache, plan)  # writes fp32 rows
+        rows = self.cpu_fast_path and decode_rows_cpu_applies(x, step, plan)
+        if rows and cache.row_format.torch_dtype == torch.float32:
+            return decode_rows_cpu(self, x, cos, sin, step, cache, plan)  # a verify step
         layers = [layer for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)]
         # Each residual add is fused with the norm that follows it (one kernel on CUDA; on
         # the CPU the add, then `rms_norm`).
