@@ -1,8 +1,8 @@
 """Speculative decoding with n-gram drafts on the real SmolLM2 weights (CPU): greedy tokens
 equal those without speculation in both placements (HiSparse reading every older row through
 its hot buffer, which the verifying rows share), with drafts really accepted, the verify
-steps through the CPU rows path (`llama_cpu_rows`) whose every row whose inputs match the
-plain run's has the one-row step's final hidden state bit for bit; and
+steps through the CPU rows path (`llama_cpu_rows`), each of whose rows with the plain run's
+inputs has the one-row step's final hidden state and logprobs bit for bit; and
 ``hisparse serve`` with ``--speculative-config`` streams the same greedy text over HTTP
 (the `openai` client), its ``/metrics`` counting the drafts."""
 
@@ -36,7 +36,7 @@ TOP_K = 96  # below the ~250-token prompt: selections are scored, rows swapped i
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 #: an input-grounded request: the answer copies the prompt, so prompt lookup finds drafts
 PROMPT = "Repeat this passage exactly:\n\n" + topics["for"][:700]
-GREEDY = SamplingParams(temperature=0, max_tokens=40)
+GREEDY = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
 TIMEOUT = 120.0
 
 
@@ -105,6 +105,8 @@ def test_ngram_gives_the_plain_tokens_in_both_placements(plain, monkeypatch):
             kv = llm.kv
             assert kv.gpu_blocks.num_free == kv.gpu_blocks.num_usable
         assert out.token_ids == want.token_ids, placement
+        # the logits of a CPU verify step's rows are the one-row steps' bit for bit
+        assert out.outputs[0].logprobs == want.outputs[0].logprobs, placement
         # every verify step took the CPU rows path; each of its rows whose inputs so far are
         # the plain run's (the last token, then accepted drafts) equals that run's row
         verify = [c for c in rec.calls if c[3]]

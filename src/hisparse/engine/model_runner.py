@@ -386,7 +386,11 @@ class ModelRunner:
                 self.mtp.write_rows(hidden, packed[4 * R + T :], step, model_cache, batch)
             if hooks is not None:
                 hooks.end_step(decode)
-            if decode:
+            if drafts is not None and R == 1 and dev.type == "cpu":
+                # one request's rows one at a time: each rounds as a one-row step's logits
+                # (the CPU verify step's rows equal that step's bit for bit, design §12.11)
+                logits = torch.cat([self.model.logits(hidden[t : t + 1]) for t in range(T)])
+            elif decode:
                 logits = self.model.logits(
                     hidden[torch.tensor(last_rows, device=dev) - 1]
                     if hidden.shape[0] != R and drafts is None
