@@ -310,8 +310,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     if v4_config_of(args.model) is not None:
         raise HiSparseConfigError(
             f"--model {args.model!r} is a DeepSeek-V4 model, which the simulator does not run "
-            "yet (the engine has no HiSparse placement for it); `hisparse plan --model "
-            "deepseek-v4-flash` gives its bytes per request and the requests that fit."
+            "yet (its top-k replay draws token rows, not V4's compressed entries); `hisparse "
+            "plan --model deepseek-v4-flash` gives its bytes per request and the requests that "
+            "fit."
         )
     src = resolve_model_source(args.model, name="--model")
     require_dsa(src, "simulate")
