@@ -91,6 +91,16 @@ def test_hisparse_equals_all_gpu_and_transformers(ckpt, want, kw):
         assert sum(o.metrics.misses for o in outs) > 0 and sum(o.metrics.hits for o in outs) > 0
 
 
+def test_triton_kernel_over_the_step_buffer(ckpt, monkeypatch):
+    """The attention kernel CUDA runs (here under the interpreter) over the step buffer of
+    window rows and entries gathered through the hot buffer: transformers' tokens."""
+    monkeypatch.setenv("HISPARSE_ATTENTION", "triton")
+    prompts = _prompts((30,), 6)
+    tokens, outs, _ = _generate(ckpt, "hisparse", prompts, 4, hs=dict(offload="always"))
+    assert sum(o.metrics.misses for o in outs) > 0
+    assert tokens == _reference(ckpt, prompts, 4)
+
+
 def test_preemption_under_hisparse(ckpt):
     """A GPU pool of 1.5 requests at their peak: decodes outgrow it, the newest request is
     preempted and recomputed (its entries mirrored again, its hot buffer reset); tokens equal
