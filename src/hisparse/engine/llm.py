@@ -229,8 +229,10 @@ class LLM:
                                     enable_expert_parallel, gguf, cuda_graphs)  # fmt: skip
         if tensor_parallel_size > 1:
             check_tensor_parallel_size(path, gguf, tensor_parallel_size)
+        hs = SpeculativeConfig.widen(spec, hisparse or HiSparseConfig())
         if max(tensor_parallel_size, data_parallel_size) > 1:  # a rank's checks, here first
-            check_before_ranks(path, gguf, hisparse or HiSparseConfig(), indexer, max_model_len)
+            check_before_ranks(path, gguf, hs, indexer, max_model_len, (kv_placement, kv_format,
+                torch_dtype, self.device, enable_prefix_caching and dp, spec))  # fmt: skip
         try:
             tp = None
             if max(tensor_parallel_size, data_parallel_size) > 1:
@@ -240,7 +242,6 @@ class LLM:
                     kind="data-parallel" if dp else "tensor-parallel",
                 )  # fmt: skip
                 self.device = tp.device
-            hs = SpeculativeConfig.widen(spec, hisparse or HiSparseConfig())
             shards = None if dp else tp  # data-parallel ranks hold the whole model
             experts = dp_core.expert_share(path, tp) if enable_expert_parallel else None
             loaded = load_model(path, hs, torch_dtype, self.device, indexer, kv_format, shards,
@@ -405,9 +406,8 @@ class LLM:
         list of them, through the model's chat template (a GGUF file's
         ``tokenizer.chat_template``; a checkpoint folder's ``chat_template.jinja`` or
         ``tokenizer_config.json``). One `RequestOutput` per conversation, its ``prompt`` the
-        rendered text. ``tools`` and ``chat_template_kwargs`` (vLLM's: e.g. ``{"enable_thinking":
-        False}``) go to the template. A malformed message, or one the template refuses, is a
-        `ValueError` (`TypeError` for a wrong type) naming it; nothing runs then."""
+        rendered text; ``tools`` and ``chat_template_kwargs`` (vLLM's) go to the template. A
+        malformed message, or one the template refuses, is a `ValueError` naming it."""
         self._check_open("chat")
         convs, _ = check_conversations(messages)
         check_bool("LLM.chat.add_generation_prompt", add_generation_prompt)

@@ -36,6 +36,20 @@ from hisparse.kv.paged_view import PagedViewSpec
 from hisparse.kv.specs import CacheKind, LayerCacheSpec
 
 
+def host_pool_block_bytes(
+    specs: Sequence[LayerCacheSpec], block_size: int, host_indexer_copy: bool = False
+) -> int:
+    """One host block's bytes for ``specs`` on one rank's (unsharded) pool, as
+    `plan_kv_layout` lays it out: every sparse layer's page, and with ``host_indexer_copy``
+    every indexer layer's page. A parallel engine's driver checks the pool with it
+    (`check_host_pool`) before any rank starts."""
+    sparse = [s for s in specs if s.kind is CacheKind.SPARSE]
+    block = sum(g.token_bytes for g in _index_groups(sparse, 1)) * block_size
+    if host_indexer_copy:
+        block += sum(s.page_bytes for s in specs if s.kind is CacheKind.INDEXER)
+    return block
+
+
 def plan_kv_layout(
     specs: Sequence[LayerCacheSpec],
     config: ResolvedHiSparseConfig,
@@ -100,7 +114,7 @@ def plan_kv_layout(
         host_block_bytes += sum(s.page_bytes for s in indexers)
     host_num_blocks = config.host_pool_bytes // host_block_bytes if hisparse else 0
     if hisparse:
-        _check_host_pool(config, host_block_bytes, host_num_blocks, max_model_len)
+        check_host_pool(config, host_block_bytes, host_num_blocks, max_model_len)
     host_views: dict[str, PagedViewSpec] = {}
     if hisparse:
         for group in index_groups:
@@ -344,9 +358,11 @@ def _index_groups(sparse: list[LayerCacheSpec], shards: int = 1) -> list[IndexGr
 MAX_ROWS = 2**31
 
 
-def _check_host_pool(
+def check_host_pool(
     config: ResolvedHiSparseConfig, block_bytes: int, num_blocks: int, max_model_len: int
 ) -> None:
+    """The host pool's checks (`plan_kv_layout`, HiSparse): rows addressable as int32, and
+    room for one ``max_model_len`` request."""
     need = config.min_host_blocks(max_model_len)
     rows = num_blocks * config.block_size
     if rows >= MAX_ROWS:

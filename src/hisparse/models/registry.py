@@ -24,7 +24,7 @@ from hisparse.config import (
     ResolvedHiSparseConfig,
 )
 from hisparse.engine.speculative import SpeculativeConfig
-from hisparse.kv.row_formats import MLA_TILE, mla_row_bytes
+from hisparse.kv.row_formats import MLA_TILE, IndexerCacheFormat, mla_row_bytes
 from hisparse.kv.specs import CacheKind, LayerCacheSpec, RowFormat
 from hisparse.models.deepseek_v4 import DeepseekV4ForCausalLM
 from hisparse.models.deepseek_v32 import DsaForCausalLM
@@ -312,20 +312,35 @@ def engine_specs(
     GQA models (Llama): K+V rows and a compact key cache on every layer (index groups of one).
     DeepSeek-V4: `v4_specs`.
     """
-    specs: list[LayerCacheSpec] = []
-    mtp = SpeculativeConfig.mtp_layers(spec, model)
     if isinstance(model, DeepseekV4ForCausalLM):
         return v4_specs(model, block_size, placement)
-    idx_row = model.indexer_format.row_bytes  # type: ignore[union-attr]
     if isinstance(model, DsaForCausalLM):
-        cfg = model.config
-        row = mla_row_bytes(row_format, cfg.kv_lora_rank, cfg.qk_rope_head_dim)  # type: ignore[arg-type]
-        fmt = _ROW_FORMAT_ENUM.get(str(row_format))
-        full_layers = list(cfg.indexer_full) + [True] * mtp
-    else:
-        row = row_format.row_bytes  # type: ignore[attr-defined]
-        fmt = RowFormat.GQA
-        full_layers = [True] * model.config.num_hidden_layers  # type: ignore[union-attr]
+        mtp = SpeculativeConfig.mtp_layers(spec, model)
+        return dsa_specs(model.config, row_format, model.indexer_mode, block_size, mtp)
+    row = row_format.row_bytes  # type: ignore[attr-defined]
+    full_layers = [True] * model.config.num_hidden_layers  # type: ignore[union-attr]
+    idx_row = model.indexer_format.row_bytes  # type: ignore[union-attr]
+    return _layer_specs(full_layers, row, RowFormat.GQA, idx_row, block_size)
+
+
+def dsa_specs(
+    cfg: Any, row_format: object, indexer_mode: str, block_size: int, mtp: int = 0
+) -> list[LayerCacheSpec]:
+    """A DSA model's cache specs from its config alone (what `engine_specs` gives the loaded
+    model; ``mtp``: the MTP layers run): a parallel engine's driver plans with them before
+    any rank loads it."""
+    row = mla_row_bytes(row_format, cfg.kv_lora_rank, cfg.qk_rope_head_dim)  # type: ignore[arg-type]
+    idx_row = IndexerCacheFormat.for_mode(indexer_mode, cfg.index_head_dim).row_bytes
+    fmt = _ROW_FORMAT_ENUM.get(str(row_format))
+    return _layer_specs(list(cfg.indexer_full) + [True] * mtp, row, fmt, idx_row, block_size)
+
+
+def _layer_specs(
+    full_layers: list[bool], row: int, fmt: Any, idx_row: int, block_size: int
+) -> list[LayerCacheSpec]:
+    """A sparse cache per layer and an indexer cache on each full indexer layer (IndexShare
+    followers name their leader)."""
+    specs: list[LayerCacheSpec] = []
     leader = ""
     for i, full in enumerate(full_layers):
         name = f"layers.{i}.attn"

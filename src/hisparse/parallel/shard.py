@@ -91,13 +91,18 @@ def check_tensor_parallel_size(path: Path, gguf: bool, tp: int) -> None:
 
 
 def check_before_ranks(
-    path: Path, gguf: bool, hs: Any, indexer: str, max_model_len: int | None
-) -> None:
+    path: Path, gguf: bool, hs: Any, indexer: str, max_model_len: int | None,
+    pool: tuple[str, str, Any, Any, bool, Any] | None = None,
+) -> None:  # fmt: skip
     """The checks one rank makes while it loads the model, made from the checkpoint's config
     alone (no weights), so that a parallel engine raises them on the driver before any rank
     starts, with the error type and text of one rank: the HiSparse settings resolved against
     the model (`HiSparseConfig.resolve`), a GQA indexer's ``top_k`` against its sink and
-    window, ``max_model_len`` against the model's context limit."""
+    window, ``max_model_len`` against the model's context limit, and for a DSA model under
+    HiSparse with a given ``host_pool_gib`` the host pool against one ``max_model_len``
+    request (``pool``: the engine's ``(kv_placement, kv_format, dtype, device,
+    prefix_caching, speculative_config)``; its rows' formats come from config.json, an MTP
+    proposer's layer among them)."""
     from hisparse.models.registry import DEFAULT_GQA_TOP_K, indexer_method, is_v4
     from hisparse.validation import check_max_model_len
 
@@ -115,8 +120,19 @@ def check_before_ranks(
     from hisparse.models.dsa_config import DsaConfig
 
     cfg = DsaConfig.from_pretrained(path)
-    hs.resolve(model_top_k=cfg.index_topk)
+    config = hs.resolve(model_top_k=cfg.index_topk)
     check_max_model_len(max_model_len, cfg.max_position_embeddings)
+    if pool is not None and pool[0] == "hisparse" and config.host_pool_bytes is not None:
+        from hisparse.kv.planner import check_host_pool, host_pool_block_bytes
+        from hisparse.models.registry import dsa_row_format, dsa_specs
+
+        _, kv_format, dtype, device, prefix, spec = pool
+        row = dsa_row_format(cfg, kv_format, dtype, device)
+        mtp = int(getattr(spec, "method", None) == "mtp" and bool(cfg.num_nextn_predict_layers))
+        specs = dsa_specs(cfg, row, indexer, config.block_size, mtp)
+        block = host_pool_block_bytes(specs, config.block_size, prefix)
+        max_len = max_model_len or cfg.max_position_embeddings
+        check_host_pool(config, block, config.host_pool_bytes // block, max_len)
 
 
 def read_gguf_scalars(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
