@@ -188,3 +188,15 @@ def test_plan_counts_the_speculative_rows_hot_buffers(capsys):
     assert "HiSparse 46, all-GPU 10" in out
     assert main([*DEEPSEEK, "--num-speculative-tokens", "-1"]) == 2
     assert "--num-speculative-tokens -1: must be >= 0" in capsys.readouterr().err
+
+
+def test_plan_counts_the_mtp_layers_kv(capsys):
+    """MTP drafts: each request also holds the MTP layer's rows and indexer keys (one more
+    index group), so one fewer request of 128K fits than with n-gram drafts."""
+    mtp = ["--num-speculative-tokens", "2", "--speculative-method", "mtp"]
+    assert main([*DEEPSEEK, *mtp]) == 0
+    out = capsys.readouterr().out
+    assert "deepseek-v3.2 with its MTP layer: 62 layers, 62 with their own indexer" in out
+    assert "HiSparse 45, all-GPU 10" in out
+    assert main([*DEEPSEEK, "--speculative-method", "mtp"]) == 2
+    assert "give at least 1" in capsys.readouterr().err

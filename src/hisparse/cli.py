@@ -42,6 +42,7 @@ from hisparse.kv.cache_shapes import (
     SUPPORTED_KV_FORMATS,
     ModelCacheShape,
     load_model_cache_shape,
+    with_mtp_layer,
 )
 from hisparse.kv.layer_names import summarize_index_groups
 from hisparse.kv.layout import KVLayout, format_gib
@@ -187,6 +188,14 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "so the hot buffer defaults to (K + 2) * top_k rows (default: 0)",
     )
     plan.add_argument(
+        "--speculative-method",
+        choices=("ngram", "mtp"),
+        default="ngram",
+        help="what drafts the tokens: ngram (prompt lookup) or mtp (the checkpoint's "
+        "multi-token-prediction layer, whose KV rows and indexer keys each request then holds "
+        "as one more layer's) (default: %(default)s)",
+    )
+    plan.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -286,6 +295,8 @@ def _plan_inputs(args: argparse.Namespace) -> _PlanInputs:
     model = load_model_cache_shape(
         str(src.config_json or src.name), block_size=args.block_size, kv_format=args.kv_format
     )
+    if args.speculative_method == "mtp":
+        model = with_mtp_layer(model, src.config_json, args.num_speculative_tokens)
     _check_row_alignment(model, args)
     ref = str(src.config_json or src.name)
     return _PlanInputs(model, ref, max_len, context_len, utilization, node)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ and name the preceding full layer as ``index_leader``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -256,6 +257,38 @@ def load_model_cache_shape(
             "config.json or model folder."
         )
     return cache_shape_from_hf_config(path, block_size=block_size, kv_format=kv_format)
+
+
+def with_mtp_layer(
+    shape: ModelCacheShape, config_json: str | Path | None, num_speculative_tokens: int
+) -> ModelCacheShape:
+    """``shape`` with the multi-token-prediction layer MTP speculative decoding runs (after
+    the last layer: its MLA rows and its own indexer, an index group of one), as the engine's
+    layout holds it; refused for a config.json without one (``num_nextn_predict_layers``) or
+    with no draft token to make."""
+    if num_speculative_tokens < 1:
+        raise HiSparseConfigError(
+            "--speculative-method mtp drafts --num-speculative-tokens tokens a step: give at "
+            "least 1, e.g. --num-speculative-tokens 2."
+        )
+    if config_json is not None:
+        cfg, where = _read_config_json(Path(config_json))
+        if not cfg.get("num_nextn_predict_layers"):
+            raise HiSparseConfigError(
+                f"{where}: num_nextn_predict_layers is 0 or missing: the checkpoint has no MTP "
+                "layer to draft with; plan --speculative-method ngram."
+            )
+    sparse = shape.sparse_specs[0]
+    idx = shape.indexer_specs[0]
+    name = f"layers.{shape.num_layers}"
+    attn = dataclasses.replace(sparse, name=f"{name}.attn", index_leader=f"{name}.attn")
+    extra = [attn, dataclasses.replace(idx, name=f"{name}.indexer")]
+    return dataclasses.replace(
+        shape,
+        name=f"{shape.name} with its MTP layer",
+        specs=[*shape.specs, *extra],
+        num_layers=shape.num_layers + 1,
+    )
 
 
 def _dsa_shape(
