@@ -163,3 +163,25 @@ def test_mtp_needs_the_checkpoints_mtp_layer(tiny_checkpoint):
     with pytest.raises(HiSparseConfigError, match="num_nextn_predict_layers"):
         LLM(tiny_checkpoint("deepseek_v32"), speculative_config=MTP, gpu_memory_gib=0.02,
             max_model_len=64)  # fmt: skip
+
+
+def test_generate_cli_with_mtp_on_the_releases_fp8_format(tmp_path, capsys):
+    """``hisparse generate --speculative-config`` on a checkpoint in the releases' fp8
+    format (its MTP layer's projections kept fp8): the plain text, and the drafts reported."""
+    from hisparse.cli import main
+    from hisparse.models.tiny import make_tiny
+
+    path = make_tiny("glm_moe_dsa", tmp_path / "glm", fp8=True)
+    args = ["generate", "--model", str(path), "--prompt", "hello there, hello there, hello",
+            "--max-tokens", "10", "--no-chat", "--max-model-len", "128",
+            "--temperature", "0"]  # fmt: skip
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    spec = '{"method": "mtp", "num_speculative_tokens": 2}'
+    assert main([*args, "--speculative-config", spec]) == 0
+    out = capsys.readouterr().out
+    assert _answer(out) == _answer(plain) and "drafts accepted" in out
+
+
+def _answer(out: str) -> str:
+    return out[out.index("Answer:") : out.index(" tokens, decode")]

@@ -288,6 +288,9 @@ def summary_line(llm: object, out: object, load_s: float, clock: CompileClock | 
         if len(times) > 1 and span > 0
         else "decode n/a (one token)"
     )
+    if m.spec_drafted:  # speculative decoding: how the drafts fared
+        decode += (f" ({m.spec_accepted} of {m.spec_drafted} drafts accepted, mean accepted "
+                   f"length {m.mean_accepted_length:.2f})")  # fmt: skip
     layout = llm.kv.layout  # type: ignore[attr-defined]
     cfg = llm.config  # type: ignore[attr-defined]
     bs = layout.block_size
