@@ -159,6 +159,30 @@ def test_mtp_chunked_prompts_and_preemption(checkpoint):
     _check_drafts(model, seen[::5])
 
 
+def test_mtp_with_prefix_cache_hits_and_seeded_sampling(checkpoint):
+    """The same prompts again (their pages from the prefix cache, MTP rows included) and
+    seeded sampled requests with a penalty: the tokens without speculation, drafts as the
+    reference's. (Stops inside accepted drafts are the verifier's, tested with n-gram drafts
+    in test_speculative.py.)"""
+    sampled = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=12, ignore_eos=True,
+                              presence_penalty=0.3 * i) for i in range(3)]  # fmt: skip
+    want = [o.token_ids for o in _run(checkpoint, params=sampled)[0]]
+    cfg = HiSparseConfig(host_pool_gib=0.01, block_size=4)
+    seen: list = []
+    with LLM(checkpoint, hisparse=cfg, kv_format="bf16", max_model_len=128, max_num_seqs=4,
+             gpu_memory_gib=0.02, speculative_config=MTP) as llm:  # fmt: skip
+        _watch(llm, seen, None, PROMPTS)
+        first = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+        again = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+        got = llm.generate(prompt_token_ids=PROMPTS, sampling_params=sampled)
+        model = llm.model
+    plain = _plain(checkpoint)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again] == plain
+    assert all(o.metrics.cached_tokens > 0 for o in again)
+    assert [o.token_ids for o in got] == want
+    _check_drafts(model, seen[::3])
+
+
 def test_mtp_needs_the_checkpoints_mtp_layer(tiny_checkpoint):
     with pytest.raises(HiSparseConfigError, match="num_nextn_predict_layers"):
         LLM(tiny_checkpoint("deepseek_v32"), speculative_config=MTP, gpu_memory_gib=0.02,
