@@ -53,7 +53,7 @@ class ExpertParallel:
     # --- installation ---------------------------------------------------------------------
     def install(self, model: nn.Module) -> None:
         """Route every MoE layer of ``model`` through this rank and keep only its own
-        experts' weights (the multi-token-prediction layers' too, which do not run yet)."""
+        experts' weights (the multi-token-prediction layers' too)."""
         from hisparse.models.deepseek_v32 import MoE
 
         for moe in model.modules():
