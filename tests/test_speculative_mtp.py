@@ -184,6 +184,12 @@ def test_mtp_with_prefix_cache_hits_and_seeded_sampling(checkpoint):
 
 
 def test_mtp_needs_the_checkpoints_mtp_layer(tiny_checkpoint):
+    from hisparse.engine.speculative import SpeculativeConfig
+    from hisparse.models.registry import engine_specs
+
+    # a model with no `mtp` layers (a GGUF Llama): refused before its specs are made
+    with pytest.raises(HiSparseConfigError, match="num_nextn_predict_layers = 0"):
+        engine_specs(torch.nn.Module(), None, 4, spec=SpeculativeConfig(method="mtp"))
     with pytest.raises(HiSparseConfigError, match="num_nextn_predict_layers"):
         LLM(tiny_checkpoint("deepseek_v32"), speculative_config=MTP, gpu_memory_gib=0.02,
             max_model_len=64)  # fmt: skip

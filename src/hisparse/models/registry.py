@@ -312,10 +312,10 @@ def engine_specs(
     GQA models (Llama): K+V rows and a compact key cache on every layer (index groups of one).
     DeepSeek-V4: `v4_specs`.
     """
+    mtp = SpeculativeConfig.mtp_layers(spec, model)  # refuses a model without the layer
     if isinstance(model, DeepseekV4ForCausalLM):
         return v4_specs(model, block_size, placement)
     if isinstance(model, DsaForCausalLM):
-        mtp = SpeculativeConfig.mtp_layers(spec, model)
         return dsa_specs(model.config, row_format, model.indexer_mode, block_size, mtp)
     row = row_format.row_bytes  # type: ignore[attr-defined]
     full_layers = [True] * model.config.num_hidden_layers  # type: ignore[union-attr]
