@@ -215,3 +215,51 @@ def test_generate_cli_with_mtp_on_the_releases_fp8_format(tmp_path, capsys):
 
 def _answer(out: str) -> str:
     return out[out.index("Answer:") : out.index(" tokens, decode")]
+
+
+def test_serve_with_mtp_streams_the_plain_text(tmp_path):
+    """``hisparse serve --speculative-config '{"method": "mtp", ...}'``'s server: a completion
+    streamed over the ``openai`` client is the plain greedy text; ``/metrics`` counts drafts."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from hisparse.models.tiny import make_tiny
+    from hisparse.serve.server import make_server
+
+    path = make_tiny("deepseek_v32", tmp_path / "v32", fp8=True)
+    prompt, kw = "hello there, hello there, hello", dict(max_model_len=128, max_num_seqs=2)
+    with LLM(path, **kw) as plain:
+        want = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].text
+    llm = LLM(path, speculative_config=MTP, **kw)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv, state = make_server(llm, model_name="tiny", host="127.0.0.1", port=port)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not srv.started:
+            assert time.monotonic() < deadline, "the server did not start within 60 s"
+            time.sleep(0.05)
+        base = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=60, max_retries=0)
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
+                                           temperature=0, stream=True)  # fmt: skip
+        text = "".join(c.choices[0].text for c in stream if c.choices)
+        assert text == want and text
+        metrics = httpx.get(f"{base}/metrics", timeout=60).text
+        assert "hisparse:spec_decode_num_draft_tokens_total" in metrics
+        drafted = [ln for ln in metrics.splitlines()
+                   if ln.startswith("hisparse:spec_decode_num_draft_tokens_total")]  # fmt: skip
+        assert float(drafted[0].split()[-1]) > 0
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+        state.engine.shutdown()
+        llm.close()
