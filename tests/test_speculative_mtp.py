@@ -147,7 +147,7 @@ def test_mtp_chunked_prompts_and_preemption(checkpoint):
     """Chunks of 16 tokens beside verifying steps in a pool so tight that requests are
     preempted and recomputed (their MTP rows too): the plain tokens, drafts as the
     reference's."""
-    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
     prompts = [*PROMPTS, PROMPTS[0][:30]]
     ref = [o.token_ids for o in _run(checkpoint, params=long, prompts=prompts, top_k=4)[0]]
     seen: list = []
@@ -159,11 +159,12 @@ def test_mtp_chunked_prompts_and_preemption(checkpoint):
     _check_drafts(model, seen[::5])
 
 
-def test_mtp_with_prefix_cache_hits_and_seeded_sampling(checkpoint):
+def test_mtp_with_prefix_cache_hits_and_seeded_sampling(tiny_checkpoint):
     """The same prompts again (their pages from the prefix cache, MTP rows included) and
     seeded sampled requests with a penalty: the tokens without speculation, drafts as the
-    reference's. (Stops inside accepted drafts are the verifier's, tested with n-gram drafts
-    in test_speculative.py.)"""
+    reference's (GLM-5: IndexShare). (Stops inside accepted drafts are the verifier's, tested
+    with n-gram drafts in test_speculative.py.)"""
+    checkpoint = tiny_checkpoint("glm_moe_dsa", mtp=True)
     sampled = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=12, ignore_eos=True,
                               presence_penalty=0.3 * i) for i in range(3)]  # fmt: skip
     want = [o.token_ids for o in _run(checkpoint, params=sampled)[0]]
@@ -195,13 +196,12 @@ def test_mtp_needs_the_checkpoints_mtp_layer(tiny_checkpoint):
             max_model_len=64)  # fmt: skip
 
 
-def test_generate_cli_with_mtp_on_the_releases_fp8_format(tmp_path, capsys):
+def test_generate_cli_with_mtp_on_the_releases_fp8_format(tiny_checkpoint, capsys):
     """``hisparse generate --speculative-config`` on a checkpoint in the releases' fp8
     format (its MTP layer's projections kept fp8): the plain text, and the drafts reported."""
     from hisparse.cli import main
-    from hisparse.models.tiny import make_tiny
 
-    path = make_tiny("glm_moe_dsa", tmp_path / "glm", fp8=True)
+    path = tiny_checkpoint("glm_moe_dsa", fp8=True)
     args = ["generate", "--model", str(path), "--prompt", "hello there, hello there, hello",
             "--max-tokens", "10", "--no-chat", "--max-model-len", "128",
             "--temperature", "0"]  # fmt: skip
@@ -217,7 +217,7 @@ def _answer(out: str) -> str:
     return out[out.index("Answer:") : out.index(" tokens, decode")]
 
 
-def test_serve_with_mtp_streams_the_plain_text(tmp_path):
+def test_serve_with_mtp_streams_the_plain_text(tiny_checkpoint):
     """``hisparse serve --speculative-config '{"method": "mtp", ...}'``'s server: a completion
     streamed over the ``openai`` client is the plain greedy text; ``/metrics`` counts drafts."""
     import socket
@@ -228,10 +228,9 @@ def test_serve_with_mtp_streams_the_plain_text(tmp_path):
 
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
-    from hisparse.models.tiny import make_tiny
     from hisparse.serve.server import make_server
 
-    path = make_tiny("deepseek_v32", tmp_path / "v32", fp8=True)
+    path = tiny_checkpoint("deepseek_v32", fp8=True)
     prompt, kw = "hello there, hello there, hello", dict(max_model_len=128, max_num_seqs=2)
     with LLM(path, **kw) as plain:
         want = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].text

@@ -34,6 +34,7 @@ from hisparse.engine.step_cache import StepCache
 from hisparse.kv.specs import LayerCacheSpec
 from hisparse.models.kv_access import ForwardStep
 from hisparse.runtime.batch import GroupTables, StepMetadata
+from hisparse.validation import HiSparseConfigError
 
 if TYPE_CHECKING:
     from hisparse.engine.model_runner import ModelRunner
@@ -52,6 +53,9 @@ class MtpDrafter:
         layers = getattr(runner.model, "mtp", None)
         if not layers or f"layers.{layers[0].self_attn.layer}.attn" not in {s.name for s in specs}:
             return None
+        if runner.hooks is not None:  # a benchmark's hooks replay one selection per request
+            raise HiSparseConfigError("step hooks (hisparse bench) with MTP drafts: not built; "
+                                      "run without speculative_config")  # fmt: skip
         return cls(runner)
 
     def __init__(self, runner: ModelRunner) -> None:
