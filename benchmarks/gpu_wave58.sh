@@ -2,7 +2,8 @@
 # One GPU call per part of issue #58 (measure this wave's code), each part's results beside
 # the reference it checks against, logs packed into $OUT/logs.tgz, a short table last.
 #   OUT=/tmp/out PARTS="tests host" BASE=_base/src bash benchmarks/gpu_wave58.sh
-# PARTS (in the issue's order): tests (all of tests/gpu, xdist, a timeout per test),
+# PARTS (in the issue's order): tests (all of tests/gpu, xdist, a timeout per test, the
+# failures rerun in one process),
 # host (benchmarks/bench_host_step.py: 29 requests x 8K outputs, this tree beside $BASE),
 # core (the 128K bench of docs/benchmarks.md section 1, this tree beside $BASE),
 # fp8 (benchmarks/bench_fp8_gemm.py, then the v32-shapes preset in fp8 against bf16).
@@ -32,6 +33,15 @@ if has tests; then
     --junitxml="$LOGS/gpu_tests.xml" >"$LOGS/gpu_tests.log" 2>&1
   echo "tests/gpu: rc $? in $(( $(date +%s) - t )) s: $(tail -n 1 "$LOGS/gpu_tests.log")" >>"$summary"
   grep -E "^(FAILED|ERROR)" "$LOGS/gpu_tests.log" | head -20 >>"$summary"
+  # workers share one card: the largest tests can fail for memory alone, so rerun the
+  # failures in one process (a real defect fails there too)
+  failed=$(grep -E "^FAILED" "$LOGS/gpu_tests.log" | sed -E 's/^FAILED ([^ ]+).*/\1/' | sort -u)
+  if [ -n "$failed" ]; then
+    timeout -s INT "${RERUN_S:-240}" $PY -m pytest -o addopts="" -q -p no:cacheprovider -p no:benchmark \
+      --tb=short -rf --timeout 240 $failed >"$LOGS/gpu_tests_rerun.log" 2>&1
+    echo "rerun of the failures in one process: rc $?: $(tail -n 1 "$LOGS/gpu_tests_rerun.log")" >>"$summary"
+    grep -E "^(FAILED|ERROR)" "$LOGS/gpu_tests_rerun.log" | head -20 >>"$summary"
+  fi
 fi
 
 if has host || has core; then
