@@ -53,3 +53,20 @@ def test_step_counts_kernel_equals_the_torch_composition(monkeypatch, b: int, gr
     want = step_counts_reference(hm, b, row_bytes)
     assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want)
     assert torch.equal(want[:, 1], hm[:, :b, 1].long().sum(0))
+
+
+def test_verify_rows_are_one_row_decodes_of_their_request():
+    """``rows`` = 3 per request (a verify step): each row's fields are those of a one-row
+    step at its position with its request's slot (padding rows: slot -1), and the runtime's
+    ``request_of_row`` names the request (``-1`` for padding rows)."""
+    bs, slots = 4, 5
+    table = torch.arange(2 * (slots + 1) * 6, dtype=torch.int32).view(2, slots + 1, 6) + 1
+    # request 0 (slot 2): 3 rows at 9..11; request 1 (slot 0): 2 rows, then a padding row
+    pos = torch.tensor([9, 10, 11, 5, 6, 0])
+    slot = torch.tensor([2, 2, 2, 0, 0, -1])
+    got = decode_inputs_reference(pos, slot, table, bs, slots, rows=3)
+    one = decode_inputs_reference(pos, slot, table, bs, slots)
+    for name in ("req_index", "seq_lens", "stack", "rows", "state_slots", "slot_i32"):
+        assert torch.equal(getattr(got, name), getattr(one, name)), name
+    assert got.request_of_row.tolist() == [0, 0, 0, 1, 1, -1]
+    assert got.seq_lens.tolist() == [10, 11, 12, 6, 7, 0]

@@ -135,9 +135,10 @@ class Forced:
 
 
 def _run(path, placement, *, spec=None, forced=None, params=GREEDY, prompts=None,
-         requests=None, tokens=2048, **hs):  # fmt: skip
+         requests=None, tokens=2048, graphs=False, **hs):  # fmt: skip
     """``requests``: a GPU pool of that many requests of max_model_len tokens at their peak
-    (as test_engine.py sizes tight pools)."""
+    (as test_engine.py sizes tight pools). ``graphs``: the fixed-shape decode path (run
+    eagerly on the CPU), whose verify steps then take their own fixed shape."""
     cfg = HiSparseConfig(host_pool_gib=0.01, block_size=4, **hs)
     kw = dict(
         kv_placement=placement,
@@ -147,6 +148,7 @@ def _run(path, placement, *, spec=None, forced=None, params=GREEDY, prompts=None
         max_num_seqs=4,
         max_num_batched_tokens=tokens,
         speculative_config=spec,
+        cuda_graphs=graphs,
     )
     gib = 0.02
     if requests is not None:
@@ -158,6 +160,8 @@ def _run(path, placement, *, spec=None, forced=None, params=GREEDY, prompts=None
         if forced is not None:
             llm.scheduler.proposer = forced
         outs = llm.generate(prompt_token_ids=prompts or _prompts(), sampling_params=params)
+        if graphs and spec is not None:  # the verify steps took the fixed-shape path
+            assert llm.runner.verify_graphs is not None and llm.runner.verify_graphs.steps
         kv = llm.kv
         assert not kv.requests and kv.gpu_blocks.num_free == kv.gpu_blocks.num_usable
         assert kv.host_blocks is None or kv.host_blocks.num_free == kv.host_blocks.num_usable
@@ -192,6 +196,24 @@ def test_forced_drafts_give_the_plain_tokens(checkpoint, placement, offload):
         assert sum(x.spec_accepted for x in m) == (drafted if accept else 0)
         steps = sum(x.decode_steps for x in m)
         assert steps < sum(x.decode_steps for x in (o.metrics for o in plain)) or not accept
+    if offload == "always":
+        assert sum(o.metrics.misses for o in outs) > 0
+
+
+@pytest.mark.parametrize("placement,offload", [("gpu", None), ("hisparse", "always")])
+def test_fixed_shape_verify_steps_give_the_plain_tokens(checkpoint, placement, offload):
+    """Verify steps on the fixed-shape path (three requests padded to four, k + 1 rows each,
+    rows past a request's drafts padding; run eagerly on the CPU, the body CUDA graphs
+    capture on CUDA: tests/gpu/test_engine_gpu.py): the plain tokens with drafts all taken
+    and all refused."""
+    prompts = _prompts()
+    want = _tokens(_run(checkpoint, placement, offload=offload))
+    for accept in (True, False):
+        forced = Forced(prompts, want, accept)
+        outs = _run(checkpoint, placement, spec=SPEC, forced=forced, offload=offload,
+                    graphs=True)  # fmt: skip
+        assert _tokens(outs) == want, accept
+        assert sum(o.metrics.spec_accepted for o in outs) > 0 or not accept
     if offload == "always":
         assert sum(o.metrics.misses for o in outs) > 0
 

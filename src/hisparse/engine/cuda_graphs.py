@@ -19,6 +19,12 @@ captures the general kind only: the resident kind's step on such a batch would a
 the host rows and write wrong new rows from the second layer on, so it is captured (after one
 eager run) when an all-resident batch of that size first comes.
 
+A verify step of speculative decoding (each request's last token and up to k drafts) has
+its own `DecodeGraphs` with ``rows = k + 1`` rows per request: request ``r`` holds rows
+``r·rows ..`` (its last token, its drafts, then padding rows), and each row is, for the model,
+a one-row decode of its own (its position, its length ``position + 1``, its request's tables),
+while the runtime resolves all rows of a request against its one hot buffer.
+
 Padded rows carry slot ``-1``: no hot state is resolved for them, their block-table rows read
 as empty (0), their write slots are ``-1`` (nothing written, nothing mirrored) and their
 ``req_index`` is ``-1`` (the indexer picks nothing), so attention sees no row for them and the
@@ -62,15 +68,19 @@ class DecodeGraphs:
         device: where the step runs; graphs only on CUDA.
         capture: capture graphs (CUDA); ``False`` runs the same fixed-shape step eagerly
             (the CPU, swap-in timing, debugging).
+        rows: rows per request (``k + 1`` for a speculative verify step; `load_rows`).
     """
 
-    def __init__(self, max_num_seqs: int, device: torch.device, *, capture: bool) -> None:
+    def __init__(
+        self, max_num_seqs: int, device: torch.device, *, capture: bool, rows: int = 1
+    ) -> None:
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device: pass cuda_graphs=False")
         self.sizes = padded_sizes(max_num_seqs)
         self.device = device
         self.capture = capture
-        B = self.sizes[-1]
+        self.rows = rows
+        B = self.sizes[-1] * rows
         pin = device.type == "cuda"
         self.host_inputs = torch.zeros((INPUT_ROWS, B), dtype=torch.int64, pin_memory=pin)
         self._host_np = self.host_inputs.numpy()
@@ -91,18 +101,51 @@ class DecodeGraphs:
     def load(self, ids: list[int], positions: list[int], slots: list[int], keys: list[int]) -> int:
         """Write one step's rows (padding after them) and copy them to the device; returns
         the padded size. The pinned buffer is rewritten only after its last copy finished."""
-        n = len(ids)
-        b = self.padded_size(n)
+        if self.rows != 1:
+            raise ValueError(f"load: {self.rows} rows per request, use load_rows")
+        b = self.padded_size(len(ids))
+        h = self._writable()
+        h[:, len(ids) :] = 0
+        h[2, len(ids) :] = -1
+        h[0, : len(ids)], h[1, : len(ids)], h[2, : len(ids)], h[3, : len(ids)] = (
+            ids, positions, slots, keys,
+        )  # fmt: skip
+        self._copy()
+        return b
+
+    def load_rows(
+        self, ids: list[list[int]], starts: list[int], slots: list[int], keys: list[int]
+    ) -> int:
+        """`load` of a verify step: request ``r``'s tokens ``ids[r]`` (its last token and its
+        drafts, at most ``rows``) at positions ``starts[r]``, ``starts[r] + 1``, ...; its
+        remaining rows and the padding requests' rows get slot ``-1``. Returns the padded
+        number of requests."""
+        q = self.rows
+        b = self.padded_size(len(ids))
+        h = self._writable()
+        h[:] = 0
+        h[2] = -1
+        for r, toks in enumerate(ids):
+            if not 0 < len(toks) <= q:
+                raise ValueError(f"load_rows: {len(toks)} rows for a request, want 1..{q}")
+            lo, n = r * q, len(toks)
+            h[0, lo : lo + n] = toks
+            h[1, lo : lo + n] = range(starts[r], starts[r] + n)
+            h[2, lo : lo + n] = slots[r]
+            h[3, lo : lo + n] = keys[r]
+        self._copy()
+        return b
+
+    def _writable(self):
+        """The pinned host rows, once their last copy to the device has finished."""
         if self._copied is not None:
             self._copied.synchronize()
-        h = self._host_np
-        h[:, n:] = 0
-        h[2, n:] = -1
-        h[0, :n], h[1, :n], h[2, :n], h[3, :n] = ids, positions, slots, keys
+        return self._host_np
+
+    def _copy(self) -> None:
         self.inputs.copy_(self.host_inputs, non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record()
-        return b
 
     @property
     def steps(self) -> dict[int, int]:

@@ -32,12 +32,21 @@ class DecodeInputs:
     #: ``[b]`` int32 copies of ``req_index`` and of the slots as given (the runtime's types).
     req_index_i32: Tensor
     slot_i32: Tensor
+    #: ``[b]`` int32: the request of each row for the runtime (``rows`` rows per request:
+    #: ``r // rows``; ``-1`` for padding); ``req_index_i32`` where ``rows`` is 1.
+    request_of_row: Tensor
 
 
 def decode_inputs_reference(
-    pos: Tensor, slot: Tensor, table_stack: Tensor, block_size: int, spare: int
+    pos: Tensor, slot: Tensor, table_stack: Tensor, block_size: int, spare: int, rows: int = 1
 ) -> DecodeInputs:
-    """The torch composition: ``pos``/``slot`` ``[b]`` int64, ``table_stack [G, S, MB]``."""
+    """The torch composition: ``pos``/``slot`` ``[b]`` int64, ``table_stack [G, S, MB]``.
+
+    ``rows`` > 1: a verify step's rows, ``rows`` consecutive ones per request (its last
+    token, then its drafts, then padding rows of slot ``-1``). Every per-row field is then
+    the one-row step's for that row alone (its own length ``pos + 1``, its request's table
+    row): the model sees each row as a one-row decode; ``request_of_row`` tells the runtime
+    which request each row belongs to."""
     b, dev, bs = pos.shape[0], pos.device, block_size
     valid = slot >= 0
     rix = torch.where(valid, torch.arange(b, device=dev), -1)
@@ -48,24 +57,25 @@ def decode_inputs_reference(
     stack = torch.where(valid[None, :, None], table_stack.index_select(1, gslot), 0)
     page = (pos // bs).view(1, b, 1).expand(stack.shape[0], b, 1)
     blk = stack.gather(2, page)[..., 0].long()
-    rows = torch.where(valid & (blk > 0), blk * bs + pos % bs, -1).to(torch.int32)
+    new_rows = torch.where(valid & (blk > 0), blk * bs + pos % bs, -1).to(torch.int32)
     state = torch.where(valid, slot, spare)
-    return DecodeInputs(
-        rix, seq_lens, stack, rows, state, rix.to(torch.int32), slot.to(torch.int32)
-    )
+    rix32 = rix.to(torch.int32)
+    owner = rix32 if rows == 1 else torch.where(valid, rix // rows, -1).to(torch.int32)
+    return DecodeInputs(rix, seq_lens, stack, new_rows, state, rix32, slot.to(torch.int32), owner)
 
 
 def decode_inputs(
-    pos: Tensor, slot: Tensor, table_stack: Tensor, block_size: int, spare: int
+    pos: Tensor, slot: Tensor, table_stack: Tensor, block_size: int, spare: int, rows: int = 1
 ) -> DecodeInputs:
-    """`decode_inputs_reference`'s values; one Triton launch where the fused ops run."""
+    """`decode_inputs_reference`'s values; one Triton launch where the fused ops run (one
+    row per request; a verify step's rows take the torch composition)."""
     from hisparse.models.fused import fused_on
 
-    if fused_on(pos) and table_stack.is_contiguous():
+    if rows == 1 and fused_on(pos) and table_stack.is_contiguous():
         from hisparse.engine import decode_inputs_triton
 
         return decode_inputs_triton.decode_inputs(pos, slot, table_stack, block_size, spare)
-    return decode_inputs_reference(pos, slot, table_stack, block_size, spare)
+    return decode_inputs_reference(pos, slot, table_stack, block_size, spare, rows)
 
 
 def step_counts_reference(hit_miss: Tensor, b: int, row_bytes: Tensor) -> Tensor:

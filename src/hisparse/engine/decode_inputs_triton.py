@@ -60,7 +60,7 @@ def decode_inputs(
             block_size, spare,
             BLOCK=min(1024, triton.next_power_of_2(max(mb, 1))),
         )  # fmt: skip
-    return DecodeInputs(rix, lens, stack, rows, state, rix32, slot32)
+    return DecodeInputs(rix, lens, stack, rows, state, rix32, slot32, rix32)
 
 
 @triton.jit

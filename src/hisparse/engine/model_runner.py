@@ -36,6 +36,7 @@ from hisparse.engine.mtp_drafts import MtpDrafter
 from hisparse.engine.request import Request
 from hisparse.engine.sampling import sample_rows
 from hisparse.engine.spec_verify import verify
+from hisparse.engine.static_verify import run_static_verify, static_verify_takes
 from hisparse.engine.step_cache import PrefillLayerCache, StepCache
 from hisparse.engine.step_data import ModelOutput, ScheduledStep, SchedulerOutput, WriteBack
 from hisparse.engine.v4_step_cache import V4StepCache
@@ -177,6 +178,8 @@ class ModelRunner:
         self._pending: list[tuple[list[Request], torch.Tensor]] = []
         self.decode_path = decode_path
         self.graphs: DecodeGraphs | None = None
+        #: the fixed-shape verify steps' graphs (`engine.static_verify`; made on first use)
+        self.verify_graphs: DecodeGraphs | None = None
         if decode_path != "eager":
             # hooks that cannot live in a graph (timing events) run the fixed-shape step
             # eagerly in both placements, so their times stay comparable
@@ -291,6 +294,8 @@ class ModelRunner:
         if decode and self.graphs is not None and all(n == 1 for _, n in batch):
             # the fixed-shape step holds one row per request (no speculative rows)
             return self._run_static_decode([req for req, _ in batch], device_ids)
+        if drafts is not None and device_ids is None and static_verify_takes(self, drafts):
+            return run_static_verify(self, [req for req, _ in batch], drafts)
         if device_ids is not None:
             raise ValueError("device_ids: only a fixed-shape (CUDA-graph path) decode takes them")
         R = len(batch)
@@ -457,36 +462,43 @@ class ModelRunner:
         its real counters)."""
         return self.device.type == "cuda" and self.kv.all_resident(req_ids)
 
-    def _static_step(self, b: int, all_resident: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode of the ``b`` rows in ``graphs.inputs`` (padding: slot ``-1``) to logits
-        ``[b, vocab]`` and hit / miss / byte counters ``[b, 3]``; ``all_resident``: the
-        requests hold every page resident (`StepMetadata.all_resident`). Reads no device value
-        on the host and allocates only per-step temporaries: CUDA-graph capturable."""
-        assert self.graphs is not None
+    def _static_step(
+        self, b: int, all_resident: bool = False, rows: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode of the ``b`` requests in the graphs' inputs (padding: slot ``-1``), ``rows``
+        rows each (a verify step: `engine.static_verify`), to logits ``[b · rows, vocab]``
+        and hit / miss / byte counters ``[b, 3]``; ``all_resident``: the requests hold every
+        page resident (`StepMetadata.all_resident`). Reads no device value on the host and
+        allocates only per-step temporaries: CUDA-graph capturable."""
+        graphs = self.graphs if rows == 1 else self.verify_graphs
+        assert graphs is not None
         kv, bs = self.kv, self.config.block_size
-        ids, pos, slot, key = self.graphs.inputs[:, :b]
+        ids, pos, slot, key = graphs.inputs[:, : b * rows]
         # Every persistent table's rows of this batch and the new token's row in each (both
         # placements: HiSparse has a table per layer group); padded rows read and write the
-        # spare slot max_num_seqs in the replay state.
-        d = decode_inputs(pos, slot, kv.table_stack, bs, self.max_num_seqs)
+        # spare slot max_num_seqs in the replay state. With several rows per request the
+        # model sees each row as a one-row decode; the runtime sees each request's tables
+        # (its first row's: a real request's first row is real) and slot once.
+        d = decode_inputs(pos, slot, kv.table_stack, bs, self.max_num_seqs, rows)
         rix, seq_lens = d.req_index, d.seq_lens
         host_t, idx_table, res_tables = kv.split_stack(d.stack)
         host_rows, idx_rows, res_rows = kv.split_stack(d.rows)
-        host_bt = host_t if host_t is not None else self._zero_table[:b]
-        self._slots = d.state_slots
-        self._lens, self._keys = seq_lens, key
+        host_bt = host_t[::rows] if host_t is not None else self._zero_table[:b]
+        self._slots = d.state_slots[::rows]
+        self._lens = seq_lens if rows == 1 else seq_lens.view(b, rows).amax(1)
+        self._keys = key[::rows]
         self._max_len = kv.max_blocks * bs
         meta = StepMetadata(
-            num_tokens=b,
+            num_tokens=b * rows,
             is_decode=True,
-            req_per_token=d.req_index_i32,
-            request_state_indices=d.slot_i32,
-            source_block_table=host_bt,
+            req_per_token=d.request_of_row,
+            request_state_indices=d.slot_i32[::rows].contiguous(),
+            source_block_table=host_bt.contiguous(),
             host_slot_mapping=host_rows,
             all_resident=all_resident,
         )
         tables = [
-            GroupTables(resident_block_table=t, slot_mapping=r)
+            GroupTables(resident_block_table=t[::rows].contiguous(), slot_mapping=r)
             for t, r in zip(res_tables, res_rows, strict=True)
         ]
         for leader in self.leaders:
