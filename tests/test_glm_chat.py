@@ -146,7 +146,9 @@ def test_server_thinks_by_default_and_streams_the_reasoning(client, llm):
 
 def test_server_named_tool_over_a_multi_turn_history(client, llm):
     """A history with a call and its result, tools in the prompt, and a named tool choice:
-    the arguments validate against the tool's schema."""
+    the arguments validate against the tool's schema. Thinking (the default), the schema
+    holds from the end of the reasoning, which comes back as ``reasoning_content`` (a random
+    model rarely ends it: then no call, ``finish_reason`` "length")."""
     tool = {"type": "function", "function": {"name": "pick", "parameters": {
         "type": "object", "properties": {"kind": {"enum": ["cat", "dog"]},
                                          "n": {"type": "boolean"}},
@@ -157,20 +159,27 @@ def test_server_named_tool_over_a_multi_turn_history(client, llm):
             {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "c1", "content": "ok"},
             {"role": "user", "content": "Again."}]  # fmt: skip
+    named = {"type": "function", "function": {"name": "pick"}}
     out = client.chat.completions.create(
         model="tiny", messages=msgs, tools=[tool], max_tokens=120, temperature=1.0, seed=0,
-        tool_choice={"type": "function", "function": {"name": "pick"}},
+        tool_choice=named, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )  # fmt: skip
     (got,) = out.choices[0].message.tool_calls
     jsonschema.validate(json.loads(got.function.arguments), tool["function"]["parameters"])
     history = (f"{U}Pick one.{A}</think><tool_call>pick<arg_key>kind</arg_key><arg_value>cat"
                f"</arg_value><arg_key>n</arg_key><arg_value>true</arg_value></tool_call>"
-               f"{OBS}<tool_response>ok</tool_response>{U}Again.{A}<think>")  # fmt: skip
+               f"{OBS}<tool_response>ok</tool_response>{U}Again.{A}</think>")  # fmt: skip
+    thinking = client.chat.completions.create(
+        model="tiny", messages=msgs, tools=[tool], max_tokens=8, temperature=0, tool_choice=named
+    )
+    message = thinking.choices[0].message
+    assert message.reasoning_content and message.tool_calls is None
+    assert thinking.choices[0].finish_reason == "length"
     # the server's conversation as chat templates read it: the call's arguments an object
     parsed = {**call, "function": {"name": "pick", "arguments": {"kind": "cat", "n": True}}}
     local = [{**msgs[1], "content": "", "tool_calls": [parsed]} if i == 1 else m
              for i, m in enumerate(msgs)]  # fmt: skip
-    rendered = llm.tokenizer.decode(llm.chat_token_ids(local, tools=[tool]),
-                                    skip_special_tokens=False)  # fmt: skip
+    ids = llm.chat_token_ids(local, tools=[tool], enable_thinking=False)
+    rendered = llm.tokenizer.decode(ids, skip_special_tokens=False)
     assert rendered.endswith(history)
     assert out.usage.prompt_tokens == len(llm.encode(rendered, add_special_tokens=False))

@@ -108,8 +108,32 @@ class Grammars:
         return compiled
 
     def matcher(self, spec: StructuredOutputsParams) -> Any:
-        """A fresh matcher of ``spec``'s grammar (one per completion: it follows its tokens)."""
-        return _xgrammar().GrammarMatcher(self.compile(spec))
+        """A fresh matcher of ``spec``'s grammar (one per completion: it follows its tokens);
+        with ``spec.after_token``, one that lets every token through until that token
+        (`AfterToken`)."""
+        matcher = _xgrammar().GrammarMatcher(self.compile(spec))
+        return matcher if spec.after_token is None else AfterToken(matcher, spec.after_token)
+
+
+class AfterToken:
+    """A grammar matcher held open until ``token`` is sampled (a thinking answer's end of
+    reasoning): until then every token is allowed and none reaches ``matcher``; from the
+    token after it, ``matcher`` rules."""
+
+    def __init__(self, matcher: Any, token: int) -> None:
+        self.matcher, self.token, self.started = matcher, token, False
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.started:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+        else:
+            bitmask[row].fill_(-1)  # every bit set: every token allowed
+
+    def accept_token(self, token: int) -> bool:
+        if self.started:
+            return bool(self.matcher.accept_token(token))
+        self.started = token == self.token
+        return True
 
 
 def _compile(compiler: Any, kind: str, spec: StructuredOutputsParams) -> Any:

@@ -31,6 +31,10 @@ class StructuredOutputsParams:
         disable_any_whitespace: JSON without free whitespace (one space after ``:`` and
             ``,``, no newlines), as vLLM's field of that name; by default JSON may hold any
             whitespace between tokens, at most `grammar.MAX_WHITESPACE` characters in a row.
+        after_token: the constraint starts after this token id is sampled, everything before
+            it free: a thinking model's end of reasoning (``</think>``), as vLLM's reasoning
+            parsers hold the grammar until the reasoning ends (the server sets it for a
+            thinking request's tool choice); ``None``: from the first token.
     """
 
     json: str | Mapping[str, Any] | None = None
@@ -39,9 +43,14 @@ class StructuredOutputsParams:
     choice: Sequence[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
+    after_token: int | None = None
 
     def __post_init__(self) -> None:
         f = "StructuredOutputsParams."
+        t = self.after_token
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0):
+            _fail(f + "after_token", t, "a token id (an int >= 0) or None",
+                  type_error=not isinstance(t, int) or isinstance(t, bool))  # fmt: skip
         if not isinstance(self.disable_any_whitespace, bool):
             _fail(f + "disable_any_whitespace", self.disable_any_whitespace, "True or False",
                   type_error=True)  # fmt: skip

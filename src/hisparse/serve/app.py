@@ -236,13 +236,14 @@ def build_app(
                 schema = required_schema(tools)
         except ValueError as e:
             raise ApiError(400, str(e), "tool_choice") from None
-        spec = None if schema is None else StructuredOutputsParams(json=schema)
         kw = body.chat_template_kwargs or {}
         if tool_parser == "glm":  # GLM-5's template thinks unless told not to
             thinks = bool(kw.get("enable_thinking", True))
         else:
             thinks = bool(kw.get("thinking") or kw.get("enable_thinking"))
         end = think_end if thinks else None
+        # a thinking answer reasons first: the schema holds from the end of its reasoning
+        spec = None if schema is None else StructuredOutputsParams(json=schema, after_token=end)
         return ToolReader(mode, name, tool_parser, raw_text, end), spec
 
     # --- routes -------------------------------------------------------------------------

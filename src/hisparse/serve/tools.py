@@ -177,7 +177,7 @@ class ToolReader:
         self, mode: str, name: str | None, parser: str, raw: Any, think_end: int | None = None
     ) -> None:
         self.mode, self.name, self.parse, self.raw = mode, name, PARSERS[parser], raw
-        self.think_end = think_end if mode in ("none", "auto") else None
+        self.think_end = think_end
         self.marker = MARKERS[parser]
         self._shown: dict[int, int] = {}  # raw characters an auto stream has shown
         self._answering: set[int] = set()  # choices past their reasoning (streams)
@@ -206,6 +206,8 @@ class ToolReader:
             return None
         if self.mode == "named":
             msg["content"] = None
+            if not text and self.think_end is not None:
+                return None  # cut short while reasoning: no arguments yet, no call
             return [ToolCall(str(self.name), text)]
         if self.mode == "required":
             if finish != "stop":  # cut short: the array did not close
@@ -233,6 +235,10 @@ class ToolReader:
                     key = "reasoning_content"
             return ({key: text} if text else {}), finish
         if self.mode == "named":
+            if self.think_end is not None and index not in self._answering:
+                if self.think_end not in token_ids:
+                    return ({"reasoning_content": text} if text else {}), finish
+                self._answering.add(index)  # the arguments start (their text: this delta's)
             call = self._named.get(index)
             if call is None:
                 call = self._named[index] = ToolCall(str(self.name), "")
