@@ -99,10 +99,11 @@ def _reference_drafts(model, tokens: list[int], k: int) -> list[int]:
     g = mtp(model, h, ids[1:], step, cache)[-1:]
     out = []
     for i in range(k):
-        out.append(int(mtp.logits(model, g).argmax(-1)))
+        normed, logits = mtp.head(model, g)
+        out.append(int(logits.argmax(-1)))
         if i + 1 < k:
             step = cache.begin_step([0], [1])
-            g = mtp(model, g, torch.tensor(out[-1:]), step, cache)
+            g = mtp(model, normed, torch.tensor(out[-1:]), step, cache)
     return out
 
 

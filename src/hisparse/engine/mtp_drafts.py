@@ -15,8 +15,9 @@ Its row at position ``i`` pairs the main model's hidden state ``h_i`` with the t
   request's computed length) from the kept ``h_{c-1}`` (`keep`: the main model's hidden state
   of the last accepted row) and the step's input token ``x_c`` gives the first draft; then k - 1
   one-row steps of the MTP layer alone at ``c .. c + k - 2``, each from the row before's
-  output and draft. Every position written lies below ``c + 1 + k``, where the scheduler
-  grew the request for this step's rows, so no page is taken for the drafts' rows.
+  normed output (`MtpLayer.head`) and draft. Every position written lies below
+  ``c + 1 + k``, where the scheduler grew the request for this step's rows, so no page is
+  taken for the drafts' rows.
 
 Drafts are the MTP logits' argmax (vLLM's and SGLang's MTP drafts), so verification with a
 point-mass draft keeps every request's output distribution (`spec_verify`).
@@ -135,13 +136,13 @@ class MtpDrafter:
             more = [j for j, i in enumerate(live) if want[i] > depth]
             if not more:
                 return
-            logits = self.layer.logits(self.model, g.index_select(0, _rows(more, g)))
+            normed, logits = self.layer.head(self.model, g.index_select(0, _rows(more, g)))
             toks = logits.argmax(-1).tolist()
             for j, t in zip(more, toks, strict=True):
                 drafts[live[j]][depth] = int(t)  # type: ignore[index]
             go = [j for j in more if want[live[j]] > depth + 1]
             pick = {j: t for j, t in zip(more, toks, strict=True)}
-            hidden = g.index_select(0, _rows(go, g))
+            hidden = normed.index_select(0, _rows(go, normed))
             ids = [pick[j] for j in go]
             live = [live[j] for j in go]
             depth += 1

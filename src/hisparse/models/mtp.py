@@ -12,7 +12,8 @@ Row at position ``i``: ``g_i = layer(eh_proj([enorm(embed(x_{i+1})); hnorm(h_i)]
 ``h_i`` the main model's final hidden state there (or, drafting further, the MTP output of
 the row before), its own MLA rows and indexer keys at position ``i`` (a KV layer of the
 engine's layout, `engine.mtp_drafts`), and the draft ``argmax(lm_head(norm(g_i)))``: the
-token at ``i + 2``.
+token at ``i + 2``; the next draft runs the layer on ``(norm(g_i), draft)`` at ``i + 1``
+(`MtpLayer.head`).
 """
 
 from __future__ import annotations
@@ -91,10 +92,14 @@ class MtpLayer(DecoderLayer):
         mlp = self.mlp(h, sync_free=step.static) if isinstance(self.mlp, MoE) else self.mlp(h)
         return x + mlp
 
-    def logits(self, model: DsaForCausalLM, g: torch.Tensor) -> torch.Tensor:
-        """Draft logits ``[N, vocab]`` of MTP outputs ``g`` (the shared LM head)."""
+    def head(self, model: DsaForCausalLM, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(shared_head.norm(g), draft logits [N, vocab])`` of MTP outputs ``g`` (the
+        shared LM head). The normed state is what the next draft step takes as its hidden
+        state, as SGLang recycles it: the first step's is the main model's final normed state,
+        so each step sees its input in the same form (vLLM passes ``g`` unnormed)."""
+        normed = self.shared_head.norm(g)
         head = self.shared_head.head if self.shared_head.head is not None else model.lm_head
-        return head(self.shared_head.norm(g))
+        return normed, head(normed)
 
 
 def mtp_prefix(config: DsaConfig, index: int) -> str:
