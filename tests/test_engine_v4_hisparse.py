@@ -2,8 +2,9 @@
 sparse layers' entries live in the host pool and are read through each request's hot buffer;
 greedy tokens equal the all-GPU placement's and transformers' ``generate`` with prompts whose
 entries far exceed the hot buffer, chunked prefill beside decodes, both offload policies, the
-lazy host mirror, the fixed-shape decode step and preemption; every block is back in both
-pools after."""
+lazy host mirror, the fixed-shape decode step and preemption (where `hisparse simulate`
+predicts the same admission, demotions and preemptions); every block is back in both pools
+after."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ transformers = pytest.importorskip("transformers")
 
 from hisparse import LLM, HiSparseConfig, SamplingParams  # noqa: E402
 from hisparse.models.v4_config import CSA  # noqa: E402
+from hisparse.sim.simulator import SimSettings, simulate  # noqa: E402
+from hisparse.sim.trace import TraceRequest  # noqa: E402
 
 #: 70 tokens: 17 CSA entries a layer against a hot buffer of 8 rows (top-k 3, pages of 8)
 LENGTHS = (70, 37, 9)
@@ -59,9 +62,10 @@ def _generate(ckpt, placement, prompts, new, *, blocks=None, **kw):
         kv = llm.kv
         assert not kv.requests and kv.gpu_blocks.num_free == kv.gpu_blocks.num_usable
         assert kv.host_blocks is None or kv.host_blocks.num_free == kv.host_blocks.num_usable
-        demotions = llm.scheduler.demotions
+        running = max((st["running"] for st in llm.step_stats if st["decode"]), default=0)
+        seen = dict(demotions=llm.scheduler.demotions, gib=gib, running=running)
     assert all(o.ok for o in outs), [o.error for o in outs]
-    return [o.outputs[0].token_ids for o in outs], outs, demotions
+    return [o.outputs[0].token_ids for o in outs], outs, seen
 
 
 @pytest.fixture(scope="module")
@@ -111,12 +115,22 @@ def test_preemption_under_hisparse(ckpt):
     assert gpu == _reference(ckpt, prompts, new)
     pool = lambda lay: 1 + int(1.5 * lay.gpu_blocks_per_request(lay.max_model_len))  # noqa: E731
     for offload in ("always", "under_pressure"):
-        tokens, outs, demotions = _generate(ckpt, "hisparse", prompts, new, blocks=pool,
-                                            hs=dict(offload=offload))  # fmt: skip
-        assert sum(o.metrics.preemptions for o in outs) > 0, offload
-        assert (demotions > 0) == (offload == "under_pressure")
+        tokens, outs, seen = _generate(ckpt, "hisparse", prompts, new, blocks=pool,
+                                       hs=dict(offload=offload))  # fmt: skip
+        preemptions = sum(o.metrics.preemptions for o in outs)
+        assert preemptions > 0, offload
+        assert (seen["demotions"] > 0) == (offload == "under_pressure")
         assert sum(o.metrics.misses for o in outs) > 0, offload  # demoted rows from the host
         assert tokens == gpu, offload
+        # `hisparse simulate` runs the same admission, demotion and preemption (its own
+        # accounting of the same V4 specs; its top-k is replayed, so hits and misses differ)
+        sim = simulate(
+            SimSettings(model=str(ckpt), gpu_memory_gib=seen["gib"], max_model_len=128,
+                        max_num_seqs=4, max_num_batched_tokens=16, block_size=BLOCK,
+                        target="cpu", offload=offload),
+            [TraceRequest(0.0, len(p), new) for p in prompts],
+        )  # fmt: skip
+        assert (sim["preemptions"], sim["peak_running"]) == (preemptions, seen["running"])
 
 
 def test_generate_cli(ckpt, capsys):

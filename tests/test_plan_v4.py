@@ -140,10 +140,13 @@ def test_a_short_request(placement):
     assert groups["CSA hot buffer"].gpu == 0
 
 
-def test_simulate_refuses_v4_and_names_the_plan(capsys):
-    rc = main(["simulate", "--model", "deepseek-v4-flash", "--gpu-memory-gib", "60",
-               "--max-model-len", "131072", "--input-len", "1000", "--output-len", "4",
-               "--num-requests", "1"])  # fmt: skip
-    assert rc == 2
-    err = capsys.readouterr().err
-    assert "DeepSeek-V4" in err and "hisparse plan --model deepseek-v4-flash" in err
+def test_simulate_runs_v4(capsys):
+    """`hisparse simulate` plays V4-Flash's HiSparse placement (its specs from a meta model,
+    the top-k replayed over entries); data parallelism is refused as the engine refuses it."""
+    argv = ["simulate", "--model", "deepseek-v4-flash", "--gpu-memory-gib", "60",
+            "--max-model-len", "131072", "--input-len", "20000", "--output-len", "8",
+            "--concurrency", "2", "--sim-leaders", "2"]  # fmt: skip
+    assert main(argv) == 0
+    assert "Simulated" in capsys.readouterr().out
+    assert main([*argv, "--data-parallel-size", "2"]) == 2
+    assert "DeepSeek-V4 has no data-parallel" in capsys.readouterr().err

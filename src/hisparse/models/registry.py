@@ -30,7 +30,7 @@ from hisparse.models.deepseek_v4 import DeepseekV4ForCausalLM
 from hisparse.models.deepseek_v32 import DsaForCausalLM
 from hisparse.models.source import require_weights, resolve_model_source
 from hisparse.models.v4_cache import hisparse_row_layout, row_values
-from hisparse.models.v4_config import CSA
+from hisparse.models.v4_config import CSA, V4Config
 
 #: ``kv_format`` values: ``auto`` picks per checkpoint and device (`LLM`)
 KV_FORMATS = ("auto", "fp8_ds_mla", "bf16", "fp32")
@@ -314,7 +314,8 @@ def engine_specs(
     """
     mtp = SpeculativeConfig.mtp_layers(spec, model)  # refuses a model without the layer
     if isinstance(model, DeepseekV4ForCausalLM):
-        return v4_specs(model, block_size, placement)
+        size = model.head.weight.element_size()
+        return v4_specs(model.config, size, block_size, placement)
     if isinstance(model, DsaForCausalLM):
         return dsa_specs(model.config, row_format, model.indexer_mode, block_size, mtp)
     row = row_format.row_bytes  # type: ignore[attr-defined]
@@ -353,13 +354,13 @@ def _layer_specs(
     return specs
 
 
-def v4_specs(model: DeepseekV4ForCausalLM, block_size: int, placement: str) -> list[LayerCacheSpec]:
+def v4_specs(cfg: V4Config, size: int, block_size: int, placement: str) -> list[LayerCacheSpec]:
     """DeepSeek-V4's caches (docs/design.md §20.2). All-GPU: one sparse cache per layer, a row
     per token holding its window row and entry columns (`v4_cache.row_layout`). HiSparse: a
     compressed sparse layer's entries are a sparse cache of their own (host pool, hot buffer;
     its own index group), and every layer's other stores a GPU-resident cache of the
-    ``indexer`` kind (`v4_cache.hisparse_row_layout`), which every step reads whole."""
-    cfg, size = model.config, model.head.weight.element_size()
+    ``indexer`` kind (`v4_cache.hisparse_row_layout`), which every step reads whole. ``size``:
+    bytes of a value (the model dtype's)."""
     if placement != "hisparse":
         return [
             LayerCacheSpec(

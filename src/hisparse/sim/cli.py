@@ -307,16 +307,16 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise HiSparseConfigError("give --model and --gpu-memory-gib (or --compare BENCH_JSON)")
     from hisparse.kv.v4_plan import v4_config_of
 
-    if v4_config_of(args.model) is not None:
-        raise HiSparseConfigError(
-            f"--model {args.model!r} is a DeepSeek-V4 model, which the simulator does not run "
-            "yet (its top-k replay draws token rows, not V4's compressed entries); `hisparse "
-            "plan --model deepseek-v4-flash` gives its bytes per request and the requests that "
-            "fit."
-        )
-    src = resolve_model_source(args.model, name="--model")
-    require_dsa(src, "simulate")
-    args.model = str(src.path) if src.kind == "checkpoint" else src.name
+    if v4_config_of(args.model) is not None:  # a V4 preset or checkpoint (design §20.2)
+        if args.data_parallel_size > 1:
+            raise HiSparseConfigError(
+                "--data-parallel-size: DeepSeek-V4 has no data-parallel attention yet (the "
+                "engine refuses it); simulate one GPU"
+            )
+    else:
+        src = resolve_model_source(args.model, name="--model")
+        require_dsa(src, "simulate")
+        args.model = str(src.path) if src.kind == "checkpoint" else src.name
     check_gib("--gpu-memory-gib", args.gpu_memory_gib)
     if args.offload is None:  # the JSON's settings name the policy simulated
         args.offload = default_offload()

@@ -34,7 +34,9 @@ from hisparse.engine.scheduler import Scheduler
 from hisparse.engine.step_data import ModelOutput, ScheduledStep
 from hisparse.kv.cache_shapes import PRESETS, load_model_cache_shape
 from hisparse.kv.specs import CacheKind, LayerCacheSpec
-from hisparse.models.registry import dsa_row_format, engine_specs, resolve_model
+from hisparse.kv.v4_plan import v4_config_of
+from hisparse.models.registry import dsa_row_format, engine_specs, resolve_model, v4_specs
+from hisparse.models.v4_config import CSA
 from hisparse.sim.hotbuf import HotBuffers
 from hisparse.sim.pcie import RateTable
 from hisparse.sim.trace import TraceRequest
@@ -96,11 +98,17 @@ class SimSettings:
 
 
 def engine_cache_specs(
-    model: str, block_size: int, kv_format: str, target: str = "cuda"
+    model: str, block_size: int, kv_format: str, target: str = "cuda", placement: str = "hisparse"
 ) -> tuple[list[LayerCacheSpec], int]:
     """The cache specs and top-k the engine would use: a checkpoint folder is built on the
     meta device and asked (`engine_specs`, the row format `LLM` picks for ``target``'s
-    default dtype: bf16 on CUDA, fp32 on the CPU); a preset name is `hisparse plan`'s shape."""
+    default dtype: bf16 on CUDA, fp32 on the CPU); a preset name is `hisparse plan`'s shape.
+    DeepSeek-V4 (a `v4_plan` preset or a ``deepseek_v4`` checkpoint): its rows in that dtype
+    (`registry.v4_specs`, which differ by ``placement``)."""
+    v4 = v4_config_of(model)
+    if v4 is not None:
+        size = 2 if target == "cuda" else 4
+        return v4_specs(v4, size, block_size, placement), v4.index_topk
     if model in PRESETS:
         fmt = "fp8_ds_mla" if kv_format == "auto" else kv_format
         shape = load_model_cache_shape(model, block_size=block_size, kv_format=fmt)
@@ -123,7 +131,13 @@ class Simulator:
         if not 0.0 <= s.topk_overlap <= 1.0:
             raise HiSparseConfigError(f"top-k overlap {s.topk_overlap}: give a fraction in [0, 1]")
         self.s = s
-        self.specs, index_topk = engine_cache_specs(s.model, s.block_size, s.kv_format, s.target)
+        self.specs, index_topk = engine_cache_specs(
+            s.model, s.block_size, s.kv_format, s.target, s.placement
+        )
+        v4 = v4_config_of(s.model)
+        #: DeepSeek-V4: tokens per compressed sparse entry (the top-k picks entries; an entry
+        #: is the row of its window's last token, design §20.2); None for DSA models
+        self.rate = v4.compress_rates[CSA] if v4 is not None else None
         config = HiSparseConfig(
             top_k=s.top_k,
             device_buffer_size=s.hot_buffer,
@@ -131,7 +145,7 @@ class Simulator:
             block_size=s.block_size,
             offload=s.offload,
         ).resolve(index_topk)
-        caching = s.enable_prefix_caching
+        caching = s.enable_prefix_caching and self.rate is None  # off for V4, as in `LLM`
         if s.placement == "hisparse" and config.host_pool_bytes is None:
             size = default_host_pool_bytes(
                 self.specs, config, s.max_model_len, s.max_num_seqs, indexer_copy=caching
@@ -191,9 +205,14 @@ class Simulator:
                 self.admitted.setdefault(rid, self.clock)
 
     def _select(self, li: int, batch: list[Request], lens: list[int]) -> tuple[np.ndarray, Any]:
+        """The replayed selection of each request (``lens``: its tokens with the new one) as
+        rows; DeepSeek-V4 picks among the entries its windows closed, each the row of its
+        window's last token."""
         slots = torch.tensor([self.kv.requests[r.req_id].slot for r in batch])
         keys = torch.tensor([ModelRunner.request_key(r) for r in batch], dtype=torch.int64)
-        lens_t = torch.tensor(lens, dtype=torch.int64)
+        rate = self.rate
+        count = [n // rate for n in lens] if rate else lens  # what the top-k picks among
+        lens_t = torch.tensor([max(c, 1) for c in count], dtype=torch.int64)
         sel = replay_step(
             self.prev[li].index_select(0, slots),
             lens_t,
@@ -201,10 +220,19 @@ class Simulator:
             seed=self.s.seed,
             leader=self.leaders[li],
             keep=self.keep,
-            max_len=max(lens),
+            max_len=int(lens_t.max()),
         )
+        if rate:
+            none = torch.tensor([c == 0 for c in count])[:, None]  # no window closed yet
+            sel = sel.masked_fill(none, -1)
         self.prev[li].index_copy_(0, slots, sel)
+        if rate:
+            sel = torch.where(sel >= 0, sel * rate + rate - 1, -1)
         return slots.numpy(), sel.numpy().astype(np.int64)
+
+    def _first_selection(self, n: int) -> int:
+        """Rows a request of ``n`` tokens selects first (its warm start)."""
+        return min(self.config.top_k, n // self.rate if self.rate else n)
 
     def _resident_mask(self, reqs: list[Request], group: int, pages: int) -> np.ndarray:
         """``[B, pages]`` whether each page of each request is resident in resident group
@@ -293,7 +321,7 @@ class Simulator:
                 return kv.needs_warm_start(r.req_id, r.num_computed + n)
 
             # a first selection holds min(top_k, length) positions: no replay needed to count
-            rows = sum(min(self.config.top_k, r.num_computed + n) for r, n in warm
+            rows = sum(self._first_selection(r.num_computed + n) for r, n in warm
                        if not self._sampled(r) and cold(r, n))  # fmt: skip
             per_leader: list[float] = [float(rows)] * len(self.leaders)
             reqs = [r for r, _ in warm if self._sampled(r)]
