@@ -17,6 +17,7 @@ import torch
 
 from hisparse import HiSparseConfig, SamplingParams
 from hisparse.engine.llm import LLM
+from hisparse.testing.mtp import check_drafts, watch_drafts
 from hisparse.validation import HiSparseConfigError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -48,7 +49,7 @@ def _run(path, placement="gpu", *, spec=None, params=GREEDY, prompts=PROMPTS, ac
             gib = (n * lay.gpu_bytes_per_block + lay.staging_bytes) / 2**30
     with LLM(path, gpu_memory_gib=gib, **kw) as llm:
         if spec is not None:
-            _watch(llm, seen, accept, prompts)
+            watch_drafts(llm, seen, accept, prompts)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         kv = llm.kv
         assert not kv.requests and kv.gpu_blocks.num_free == kv.gpu_blocks.num_usable
@@ -58,59 +59,11 @@ def _run(path, placement="gpu", *, spec=None, params=GREEDY, prompts=PROMPTS, ac
     return outs, model
 
 
-def _watch(llm, seen, accept, prompts):
-    drafter = llm.runner.mtp
-    made = drafter.draft
-
-    def draft(batch, drafts):
-        made(batch, drafts)
-        for i, (req, _) in enumerate(batch):
-            if not drafts or not drafts[i]:
-                continue
-            c = req.num_computed
-            if seen is not None:
-                seen.append((req.token_slice(0, c + 1), list(drafts[i])))
-            if accept is not None:
-                j = prompts.index(req.prompt_token_ids)
-                full = prompts[j] + accept[j]
-                drafts[i][:] = full[c + 1 : c + 1 + len(drafts[i])]
-
-    drafter.draft = draft
-
-
 def _plain(path, **kw):
     key = (str(path), kw.get("params", GREEDY).max_tokens)
     if key not in _PLAIN:
         _PLAIN[key] = [o.token_ids for o in _run(path, **kw)[0]]
     return _PLAIN[key]
-
-
-def _reference_drafts(model, tokens: list[int], k: int) -> list[int]:
-    """The MTP drafts after ``tokens`` (its last one the step's input) computed densely:
-    the main model and the MTP layer over every position in one step each, then the MTP
-    layer alone for the further drafts."""
-    mtp, c = model.mtp[0], len(tokens) - 1
-    cache = model.new_dense_cache(max_reqs=1, max_len=c + k, block_size=4, row_format="bf16")
-    cache.kv.append(torch.zeros_like(cache.kv[0]))  # the MTP layer's rows and keys
-    cache.index_pages[mtp.self_attn.layer] = torch.zeros_like(cache.index_pages[0])
-    ids = torch.tensor(tokens)
-    step = cache.begin_step([0], [c])
-    h = model(ids[:c], step, cache)
-    g = mtp(model, h, ids[1:], step, cache)[-1:]
-    out = []
-    for i in range(k):
-        normed, logits = mtp.head(model, g)
-        out.append(int(logits.argmax(-1)))
-        if i + 1 < k:
-            step = cache.begin_step([0], [1])
-            g = mtp(model, normed, torch.tensor(out[-1:]), step, cache)
-    return out
-
-
-def _check_drafts(model, seen):
-    assert seen
-    for tokens, drafts in seen:
-        assert _reference_drafts(model, tokens, len(drafts)) == drafts, len(tokens)
 
 
 @pytest.mark.parametrize(
@@ -124,7 +77,7 @@ def test_mtp_gives_the_plain_tokens(checkpoint, placement, offload):
     outs, model = _run(checkpoint, placement, spec=MTP, seen=seen, offload=offload)
     assert [o.token_ids for o in outs] == want
     assert sum(o.metrics.spec_drafted for o in outs) > 0
-    _check_drafts(model, seen)
+    check_drafts(model, seen)
     if offload == "always":
         assert sum(o.metrics.misses for o in outs) > 0
 
@@ -141,7 +94,7 @@ def test_mtp_rows_of_accepted_drafts(checkpoint):
     m = [o.metrics for o in outs]
     assert all(x.spec_accepted == x.spec_drafted > 0 for x in m)
     assert all(x.acceptance_rate == 1.0 and x.mean_accepted_length > 3 for x in m)
-    _check_drafts(model, seen)
+    check_drafts(model, seen)
 
 
 def test_mtp_chunked_prompts_and_preemption(checkpoint):
@@ -157,7 +110,7 @@ def test_mtp_chunked_prompts_and_preemption(checkpoint):
                        requests=1.5)  # fmt: skip
     assert sum(o.metrics.preemptions for o in outs) > 0
     assert [o.token_ids for o in outs] == ref
-    _check_drafts(model, seen[::5])
+    check_drafts(model, seen[::5])
 
 
 def test_mtp_with_prefix_cache_hits_and_seeded_sampling(tiny_checkpoint):
@@ -173,7 +126,7 @@ def test_mtp_with_prefix_cache_hits_and_seeded_sampling(tiny_checkpoint):
     seen: list = []
     with LLM(checkpoint, hisparse=cfg, kv_format="bf16", max_model_len=128, max_num_seqs=4,
              gpu_memory_gib=0.02, speculative_config=MTP) as llm:  # fmt: skip
-        _watch(llm, seen, None, PROMPTS)
+        watch_drafts(llm, seen, None, PROMPTS)
         first = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
         again = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
         got = llm.generate(prompt_token_ids=PROMPTS, sampling_params=sampled)
@@ -182,7 +135,7 @@ def test_mtp_with_prefix_cache_hits_and_seeded_sampling(tiny_checkpoint):
     assert [o.token_ids for o in first] == [o.token_ids for o in again] == plain
     assert all(o.metrics.cached_tokens > 0 for o in again)
     assert [o.token_ids for o in got] == want
-    _check_drafts(model, seen[::3])
+    check_drafts(model, seen[::3])
 
 
 def test_mtp_needs_the_checkpoints_mtp_layer(tiny_checkpoint):
