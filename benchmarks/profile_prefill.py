@@ -1,4 +1,4 @@
-"""Where a real prefill's time goes, HiSparse against all-GPU placement (CUDA).
+"""Where a real prefill's time goes, HiSparse against all-GPU placement (CUDA), or on the CPU.
 
 For each placement: one warm-up prefill (kernel compilation), then ``--prompts`` prompts of
 ``--input-len`` tokens (one new token each) under ``torch.profiler``. Prints the wall time,
@@ -9,6 +9,15 @@ difference between the two is visible kernel by kernel; the full tables go to ``
     PYTHONPATH=src python3 benchmarks/profile_prefill.py --model /tmp/v32 --input-len 16384
     PYTHONPATH=src python3 benchmarks/profile_prefill.py --model smol.gguf --input-len 492 \
         --prompts 8 --max-batched-tokens 2048
+
+``--device cpu`` (`cpu_prefill`): one HiSparse prefill of ``--input-len`` tokens of real text
+(the Python reference that ships with Python, ``pydoc_data``) under ``cProfile``, after a
+short warm-up (numba's kernels); prints tokens/s, the process's CPU seconds (which spinning
+OpenMP workers inflate, and a busy machine's other processes do not) and the functions by
+own time:
+
+    PYTHONPATH=src python3 benchmarks/profile_prefill.py --model smollm2 --device cpu \
+        --input-len 7500 --max-batched-tokens 2048
 """
 
 from __future__ import annotations
@@ -33,6 +42,37 @@ def kernel_times(prof: profile) -> dict[str, float]:
     return out
 
 
+def cpu_prefill(args: argparse.Namespace) -> None:
+    """The CPU mode (module docstring)."""
+    import cProfile
+    import os
+    import pstats
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    with LLM(
+        args.model,
+        device="cpu",
+        max_num_batched_tokens=args.max_batched_tokens,
+        enable_prefix_caching=False,  # a profiled prefill computes every token
+    ) as llm:
+        ids = llm.encode(text)[: args.input_len]
+        one = SamplingParams(temperature=0, max_tokens=1)
+        llm.generate(prompt_token_ids=[ids[:300]], sampling_params=one, use_tqdm=False)
+        prof = cProfile.Profile()
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        with prof:
+            (out,) = llm.generate(prompt_token_ids=[ids], sampling_params=one, use_tqdm=False)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    load = os.getloadavg()[0]
+    print(
+        f"{len(ids)} tokens, top_k {llm.config.top_k}, {torch.get_num_threads()} threads: "
+        f"wall {wall:.1f} s ({len(ids) / wall:.1f} tok/s), process CPU {cpu:.1f} s "
+        f"({len(ids) / cpu:.1f} tok/CPU-s), load average {load:.1f}; token {out.token_ids}"
+    )
+    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
@@ -42,7 +82,11 @@ def main() -> None:
     p.add_argument("--placements", default="gpu,hisparse")
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--device", default="cuda", help="cuda, or cpu (one HiSparse prefill)")
     args = p.parse_args()
+    if args.device == "cpu":
+        cpu_prefill(args)
+        return
     g = torch.Generator().manual_seed(0)
     one = SamplingParams(temperature=0, max_tokens=1)
     results = {}

@@ -218,6 +218,45 @@ def test_generate_reads_a_long_prompt_from_a_file_or_stdin(short_context, tmp_pa
     assert "shorten the prompt" in err and "Answer" not in err
 
 
+def test_generate_a_7500_token_document_on_smollm2_from_a_file_and_from_stdin(tmp_path):
+    """The issue's case as a user runs it: ``hisparse generate --prompt-file doc.txt`` and
+    ``cat doc.txt | hisparse generate --prompt-file -`` (real processes, the real SmolLM2
+    weights and tokenizer, HiSparse's default top-k) with a ~7,500-token document of real
+    text (the Python reference shipped with Python) under the default --max-model-len (the
+    model's 8,192; the old 4,096 refused it): both answer, the same answer. The two run at
+    once, one thread each (the CPU prefill of 7,500 tokens is most of the test's time)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pydoc_data.topics import topics
+
+    from hisparse.models.smollm2 import smollm2_gguf_path
+
+    smollm2_gguf_path()  # installed (hisparse[smollm2]): say so here, not in two processes
+    text = "\n\n".join(topics[k].strip() for k in sorted(topics))
+    doc = text[: text.rfind("\n\n", 0, 32_000)] + "\n\nSummarize this document in one sentence."
+    path = tmp_path / "doc.txt"
+    path.write_text(doc, encoding="utf-8")
+    cmd = [sys.executable, "-m", "hisparse", "generate", "--max-tokens", "3", "--device", "cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes on a 2-core machine
+    out = subprocess.PIPE
+    with path.open("rb") as cat:  # ``cat doc.txt |``: the document on stdin
+        runs = [
+            subprocess.Popen([*cmd, "--prompt-file", str(path)], stdout=out, stderr=out, env=env),
+            subprocess.Popen([*cmd, "--prompt-file", "-"], stdin=cat, stdout=out, stderr=out,
+                             env=env),
+        ]  # fmt: skip
+        outs = [p.communicate(timeout=900) for p in runs]
+    for p, (_, err) in zip(runs, outs, strict=True):
+        assert p.returncode == 0, err.decode()
+    outs_text = from_file, from_stdin = [o.decode() for o, _ in outs]
+    # the summary line counts the prompt and the 3 new tokens
+    lens = [int(re.search(r"rows/layer for (\d+) tokens", o).group(1)) - 3 for o in outs_text]
+    assert lens[0] == lens[1] and 7_400 <= lens[0] <= 7_600, lens
+    assert _answer(from_file) == _answer(from_stdin) != "", from_file
+
+
 @pytest.mark.parametrize(
     ("setup", "needle"),
     [("missing", "--prompt-file {p}: no such file"), ("folder", "is a folder"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,8 @@ def test_every_variable_is_read_through_the_registry():
         if path.name == "envs.py":
             continue
         for line in text.splitlines():
-            others = ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")  # not ours: triton's, torchrun's
+            # not ours: triton's, torchrun's, OpenMP's
+            others = ("TRITON_INTERPRET", "RANK", "WORLD_SIZE", "OMP_WAIT_POLICY")
             if "os.environ" in line and not any(o in line for o in others):
                 pytest.fail(f"{path.relative_to(ROOT)} reads the environment itself: {line}")
     assert named <= set(envs.REGISTRY), sorted(named - set(envs.REGISTRY))
@@ -53,3 +55,22 @@ def test_values_are_parsed_checked_and_follow_the_environment(monkeypatch):
     monkeypatch.setenv("HISPARSE_ATTENTION", "auto")
     assert envs.backend("HISPARSE_ATTENTION", "cpu") == "reference"
     assert envs.backend("HISPARSE_ATTENTION", "cuda") == "triton"
+
+
+def test_the_command_sets_openmps_wait_policy_before_torch_loads():
+    """`hisparse.cli_env` (``OMP_WAIT_POLICY=PASSIVE`` unless set: OpenMP reads it once, when
+    torch loads) is the first of the package's modules `hisparse.cli` imports, after only the
+    standard library and rich."""
+    import ast
+
+    tree = ast.parse((ROOT / "src" / "hisparse" / "cli.py").read_text())
+    first = []
+    for node in tree.body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = (
+                [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            )
+            first += [n for n in names if n and n != "__future__"]
+    ours = [i for i, n in enumerate(first) if n.startswith("hisparse")]
+    assert first[ours[0]] == "hisparse.cli_env", first
+    assert all(n.split(".")[0] in sys.stdlib_module_names | {"rich"} for n in first[: ours[0]])

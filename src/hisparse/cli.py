@@ -18,6 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+import hisparse.cli_env  # noqa: F401 - first: it sets OpenMP's wait policy before torch loads
 from hisparse.bench.cli import add_bench_parser
 from hisparse.cli_chat import add_chat_parser
 from hisparse.cli_generate import add_generate_parser
