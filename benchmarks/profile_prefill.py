@@ -14,7 +14,7 @@ difference between the two is visible kernel by kernel; the full tables go to ``
 (the Python reference that ships with Python, ``pydoc_data``) under ``cProfile``, after a
 short warm-up (numba's kernels); prints tokens/s, the process's CPU seconds (which spinning
 OpenMP workers inflate, and a busy machine's other processes do not) and the functions by
-own time:
+own CPU time (all threads', charged to the function the main thread is in):
 
     PYTHONPATH=src python3 benchmarks/profile_prefill.py --model smollm2 --device cpu \
         --input-len 7500 --max-batched-tokens 2048
@@ -59,7 +59,7 @@ def cpu_prefill(args: argparse.Namespace) -> None:
         ids = llm.encode(text)[: args.input_len]
         one = SamplingParams(temperature=0, max_tokens=1)
         llm.generate(prompt_token_ids=[ids[:300]], sampling_params=one, use_tqdm=False)
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.process_time)  # CPU seconds: other jobs' load aside
         cpu0, t0 = time.process_time(), time.perf_counter()
         with prof:
             (out,) = llm.generate(prompt_token_ids=[ids], sampling_params=one, use_tqdm=False)

@@ -239,7 +239,8 @@ def test_generate_a_7500_token_document_on_smollm2_from_a_file_and_from_stdin(tm
     path = tmp_path / "doc.txt"
     path.write_text(doc, encoding="utf-8")
     cmd = [sys.executable, "-m", "hisparse", "generate", "--max-tokens", "3", "--device", "cpu"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes on a 2-core machine
+    # two processes on a 2-core machine: one thread each (numba sets torch's count to its own)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
     out = subprocess.PIPE
     with path.open("rb") as cat:  # ``cat doc.txt |``: the document on stdin
         runs = [
