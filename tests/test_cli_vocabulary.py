@@ -255,9 +255,9 @@ def test_generate_a_7500_token_document_on_smollm2_from_a_file_and_from_stdin(tm
         outs = [p.communicate(timeout=900) for p in runs]
     for p, (_, err) in zip(runs, outs, strict=True):
         assert p.returncode == 0, err.decode()
-    long_out, from_file, from_stdin = [o.decode() for o, _ in outs]
+    texts = long_out, from_file, from_stdin = [o.decode() for o, _ in outs]
     # the summary line counts the prompt and the 3 new tokens
-    lens = [int(re.search(r"rows/layer for (\d+) tokens", o).group(1)) - 3 for o, _ in outs]
+    lens = [int(re.search(r"rows/layer for (\d+) tokens", o).group(1)) - 3 for o in texts]
     assert 7_400 <= lens[0] <= 7_600 and 900 <= lens[1] == lens[2] <= 1_100, lens
     assert _answer(long_out) != "", long_out
     assert _answer(from_file) == _answer(from_stdin) != "", (from_file, from_stdin)
