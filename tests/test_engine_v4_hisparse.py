@@ -147,10 +147,11 @@ def test_generate_cli(ckpt, capsys):
     assert "6 tokens" in out and "hit rate" in out
 
 
-def test_the_entries_are_the_only_rows_on_the_host(ckpt):
+def test_where_the_rows_live(ckpt):
     """HiSparse specs: one sparse cache per compressed sparse layer, a head_dim row (its
-    entries); every layer's window rows (and indexer / HCA entries) in GPU-resident caches."""
-    with LLM(ckpt, kv_placement="hisparse", device="cpu", max_model_len=64,
+    entries, the only rows on the host); the HCA entries and the CSA indexer's in
+    GPU-resident caches; every layer's window a ring of ``sliding_window`` rows per slot."""
+    with LLM(ckpt, kv_placement="hisparse", device="cpu", max_model_len=64, max_num_seqs=2,
              hisparse=HiSparseConfig(block_size=BLOCK)) as llm:  # fmt: skip
         cfg = llm.model.config
         sparse = [h.runtime.name for h in llm.runner.handles]
@@ -158,5 +159,9 @@ def test_the_entries_are_the_only_rows_on_the_host(ckpt):
         assert all(h.runtime.row_bytes == cfg.head_dim * 4 for h in llm.runner.handles)
         lay = llm.kv.layout
         assert set(lay.host_views) == set(sparse)
-        resident = {f"layers.{i}.indexer" for i in range(cfg.num_hidden_layers)}
-        assert resident <= set(lay.gpu_views)
+        resident = {n for n in lay.gpu_views if n.endswith(".indexer")}
+        compressed = [i for i in range(cfg.num_hidden_layers) if cfg.compress_rate(i)]
+        assert resident == {f"layers.{i}.indexer" for i in compressed}
+        for i in range(cfg.num_hidden_layers):  # 2 slots and the spare
+            ring = llm.runner.v4_state.stores[(i, "state.window")]
+            assert ring.shape == (3, cfg.sliding_window, cfg.head_dim)

@@ -193,7 +193,11 @@ class ModelRunner:
         self.pages_written_back = 0
         #: DeepSeek-V4: its compressors' state per request slot (`engine.v4_step_cache`)
         new_state = getattr(model, "new_slot_state", None)
-        self.v4_state = new_state(max_num_seqs + 1, device) if new_state is not None else None
+        self.v4_state = (
+            new_state(max_num_seqs + 1, device, window_ring=kv.hisparse)
+            if new_state is not None
+            else None
+        )
         self.mtp = MtpDrafter.of(self, specs)
 
     def reset_slot(self, slot: int) -> None:

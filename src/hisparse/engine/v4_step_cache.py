@@ -23,6 +23,7 @@ from hisparse.models.kv_access import ForwardStep
 from hisparse.models.registry import V4_KV_FORMATS
 from hisparse.models.v4_cache import (
     HOST_STORE,
+    WINDOW_RING,
     SlotState,
     hisparse_row_layout,
     row_layout,
@@ -64,7 +65,10 @@ class V4StepCache:
         #: the all-GPU pool and the HiSparse resident cache alike: one table (design §4)
         self.table = step_cache.idx_table
         self.hisparse = runner.kv.hisparse
-        self.where = StepIndex.of(step)
+        self.step, self.where = step, StepIndex.of(step)
+        #: HiSparse: each layer's window rows of this step (request rows, positions, values),
+        #: read by its attention, then the newest kept in the ring (`_keep_window`)
+        self._window: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         #: HiSparse: handle index of each compressed sparse layer's entry cache
         self._sparse = {int(h.runtime.name.split(".")[1]): k for k, h in enumerate(runner.handles)}
         self._entries: dict[int, _EntryStep] = {}
@@ -158,6 +162,9 @@ class V4StepCache:
         if self._on_host(layer, store):
             self._write_entries(layer, req_row, pos, values)
             return
+        if self.hisparse and store == "window":  # to the ring after the layer's attention
+            self._window[layer] = (req_row, pos, values)
+            return
         first, width = self._layout(layer)[store]
         blk, off = self._physical(req_row, self._logical(layer, store, pos))
         pool = self._pool(layer)
@@ -183,38 +190,76 @@ class V4StepCache:
             blk, off = self._physical(req[:, None], self._logical(layer, store, pos))
             return torch.where(pos >= 0, blk * bs + off, -1)
 
+        if self.hisparse:
+            out = self._attend_hisparse(layer, q, req, window, entries, sinks, scale)
+            self._keep_window(layer)
+            return out
         pool = self._pool(layer)
         idx = rows("window", window)
-        if self.hisparse and layer in self._sparse:
-            return self._attend_hisparse(layer, q, pool, idx, entries, sinks, scale)
         if entries is not None:
             idx = torch.cat((idx, rows("entries.compressor", entries)), dim=1)
         entry_col, _ = self._layout(layer).get("entries.compressor", (0, 0))
         return v4_attention(q, pool, idx, window.shape[1], entry_col, sinks, scale)
 
+    def _window_rows(self, layer: int, req: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """HiSparse: the rows ``[N, W, D]`` of window positions ``window [N, W]`` (``-1``:
+        none, zeros): this step's own rows where the position is in the step, the request
+        slot's ring otherwise (it holds the newest ``W`` positions of the steps before)."""
+        _, _, kv = self._window[layer]
+        ring = self.state.stores[(layer, WINDOW_RING)]
+        r = req.long().clamp(min=0)[:, None]
+        start = self.where.start_pos[r]
+        tok = (self.where.first_token[r] + window - start).clamp(0, kv.shape[0] - 1)
+        slot = self._slot(req)[:, None].expand(window.shape)
+        old = ring[slot, window.clamp(min=0) % ring.shape[1]]
+        rows = torch.where((window >= start).unsqueeze(-1), kv[tok].to(ring.dtype), old)
+        return rows.masked_fill((window < 0).unsqueeze(-1), 0)
+
+    def _keep_window(self, layer: int) -> None:
+        """After the layer's attention: each request's newest ``W`` window rows of the step
+        into its slot's ring (a fixed-shape step: every row, each its request's newest;
+        padding rows to the spare slot)."""
+        req, pos, kv = self._window.pop(layer)
+        ring = self.state.stores[(layer, WINDOW_RING)]
+        w = ring.shape[1]
+        newest = (pos >= self.step.seq_lens[req.clamp(min=0)] - w) & (req >= 0)
+        keep = torch.arange(pos.shape[0], device=pos.device)
+        if not self.step.static:
+            keep = newest.nonzero().squeeze(1)
+        ring[self._slot(req[keep]), pos[keep] % w] = kv[keep].to(ring.dtype)
+
     def _attend_hisparse(
         self,
         layer: int,
         q: torch.Tensor,
-        pool: torch.Tensor,
-        window_rows: torch.Tensor,
+        req: torch.Tensor,
+        window: torch.Tensor,
         entries: torch.Tensor | None,
         sinks: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """A compressed sparse layer under HiSparse: mirror the step's entries, resolve the
-        indexer's choice (as token rows) to physical rows of the entry cache (resident tail,
-        hot buffer, or a prefill's staged rows), then attend the window rows and those
-        entries, gathered side by side, with the same kernel as the all-GPU placement."""
-        es = self._entry_step(layer)
-        es.finish()
-        d, n, w = q.shape[-1], q.shape[0], window_rows.shape[1]
+        """Attention under HiSparse: the window rows (`_window_rows`) and the entries
+        gathered side by side into one step buffer, attended with the kernel of the all-GPU
+        placement. A compressed sparse layer first mirrors the step's entries and resolves
+        the indexer's choice (as token rows) to physical rows of its entry cache (resident
+        tail, hot buffer, or a prefill's staged rows); a heavily compressed layer reads its
+        entries in its resident cache."""
+        d, w = q.shape[-1], window.shape[1]
 
         def take(view: torch.Tensor, phys: torch.Tensor) -> torch.Tensor:
             safe = phys.clamp(min=0).long()
             return view[safe // view.shape[1], safe % view.shape[1], :d]
 
-        parts, valid = [take(pool, window_rows)], [window_rows >= 0]
+        parts, valid = [self._window_rows(layer, req, window)], [window >= 0]
+        if layer not in self._sparse:
+            if entries is not None:  # HCA: every readable entry, at its closing token's row
+                blk, off = self._physical(req[:, None], self._logical(layer, HOST_STORE, entries))
+                phys = torch.where(entries >= 0, blk * self.block_size + off, -1)
+                parts.append(take(self._pool(layer), phys))
+                valid.append(entries >= 0)
+            return self._attend_rows(q, parts, valid, w, sinks, scale)
+        es = self._entry_step(layer)
+        es.finish()
         if entries is not None:
             logical = self._logical(layer, HOST_STORE, entries).to(torch.int32)
             phys = es.view.swap_in(logical)
@@ -226,12 +271,24 @@ class V4StepCache:
                 raise RuntimeError(f"layer {layer}: a selected entry has no physical row")
             parts.append(take(source.view(self.dtype), phys))
             valid.append(entries >= 0)
+        return self._attend_rows(q, parts, valid, w, sinks, scale)
+
+    @staticmethod
+    def _attend_rows(
+        q: torch.Tensor,
+        parts: list[torch.Tensor],
+        valid: list[torch.Tensor],
+        n_window: int,
+        sinks: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """`v4_attention` over rows gathered into one step buffer (window rows first)."""
+        n, d = q.shape[0], q.shape[-1]
         rows = torch.cat(parts, dim=1).contiguous()  # [N, W + E, D]
-        ok = torch.cat(valid, dim=1)
         k = rows.shape[1]
         idx = torch.arange(n * k, device=q.device, dtype=torch.int64).view(n, k)
-        idx = torch.where(ok, idx, -1)
-        return v4_attention(q, rows.view(n * k, 1, d), idx, w, 0, sinks, scale)
+        idx = torch.where(torch.cat(valid, dim=1), idx, -1)
+        return v4_attention(q, rows.view(n * k, 1, d), idx, n_window, 0, sinks, scale)
 
     def read(
         self, layer: int, store: str, req_row: torch.Tensor, pos: torch.Tensor
@@ -240,8 +297,8 @@ class V4StepCache:
             t = self.state.stores[(layer, store)]
             slot = self._slot(req_row).expand(pos.shape)
             out = t[slot, pos.clamp(min=0).long()]
-        elif self._on_host(layer, store):
-            raise RuntimeError(f"layer {layer}: its entries are read through attend (HiSparse)")
+        elif self._on_host(layer, store) or (self.hisparse and store == "window"):
+            raise RuntimeError(f"layer {layer}: {store} is read through attend (HiSparse)")
         else:
             first, width = self._layout(layer)[store]
             blk, off = self._physical(req_row, self._logical(layer, store, pos))

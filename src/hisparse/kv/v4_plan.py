@@ -14,10 +14,11 @@ indexer's keys, the heavily compressed (HCA) layers' entries, and the compressor
   host pool and a hot buffer of ``device_buffer_size`` entries per request and CSA layer on the
   GPU; window, carried state, HCA entries and indexer keys on the GPU (the indexer scores every
   entry each step, as DSA's indexer keys stay on the GPU);
-* ``hisparse-engine``: what the engine's HiSparse placement allocates today (§20.2): the
-  ``engine`` rows less the CSA entry columns on the GPU; the CSA entries keyed by token row in
-  the host pool (every page and a copy-on-write tail, as admission reserves them), their last
-  three pages resident and the hot buffer in whole pages on the GPU.
+* ``hisparse-engine``: what the engine's HiSparse placement allocates today (§20.2): a
+  window ring of ``sliding_window`` rows per layer and request slot, the HCA entries and the
+  CSA indexer's keyed by token row (a row per token) on the GPU; the CSA entries keyed by
+  token row in the host pool (every page and a copy-on-write tail, as admission reserves
+  them), their last three pages resident and the hot buffer in whole pages on the GPU.
 
 Rows are counted in the engine's row dtype (``value_bytes``: 2 for bf16, the model dtype on
 GPUs); the release's own fp8/fp4 cache formats are not built. Every rank of a tensor-parallel
@@ -132,8 +133,10 @@ def request_bytes(
 
     for layer, kind in enumerate(config.layer_types):
         rate = config.compress_rate(layer)
-        if tokens is not None:  # the engine: a row per token and layer
+        if placement == "engine":  # the engine: a row per token and layer
             add("sliding window rows", tokens * d * vb)
+        elif placement == "hisparse-engine":  # a ring per request slot, allocated whole
+            add("sliding window rows", config.sliding_window * d * vb)
         else:
             add("sliding window rows", min(context_len, config.sliding_window) * d * vb)
         if not rate:

@@ -352,9 +352,12 @@ class DeepseekV4ForCausalLM(nn.Module):
             self.config, max_reqs=max_reqs, max_len=max_len, dtype=w.dtype, device=w.device
         )
 
-    def new_slot_state(self, slots: int, device: torch.device) -> SlotState:
-        """The compressors' carried state of ``slots`` engine request slots (`V4StepCache`)."""
-        return SlotState(self.config, slots, self.head.weight.dtype, device)
+    def new_slot_state(
+        self, slots: int, device: torch.device, window_ring: bool = False
+    ) -> SlotState:
+        """The compressors' carried state of ``slots`` engine request slots (`V4StepCache`);
+        ``window_ring``: the window rows' rings too (HiSparse placement)."""
+        return SlotState(self.config, slots, self.head.weight.dtype, device, window_ring)
 
     @torch.no_grad()
     def prefill_logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:

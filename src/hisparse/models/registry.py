@@ -358,8 +358,9 @@ def v4_specs(cfg: V4Config, size: int, block_size: int, placement: str) -> list[
     """DeepSeek-V4's caches (docs/design.md §20.2). All-GPU: one sparse cache per layer, a row
     per token holding its window row and entry columns (`v4_cache.row_layout`). HiSparse: a
     compressed sparse layer's entries are a sparse cache of their own (host pool, hot buffer;
-    its own index group), and every layer's other stores a GPU-resident cache of the
-    ``indexer`` kind (`v4_cache.hisparse_row_layout`), which every step reads whole. ``size``:
+    its own index group), an HCA or CSA layer's other entries a GPU-resident cache of the
+    ``indexer`` kind (`v4_cache.hisparse_row_layout`), which every step reads whole, and the
+    window rows a ring per request slot (`v4_cache.SlotState`, outside the pools). ``size``:
     bytes of a value (the model dtype's)."""
     if placement != "hisparse":
         return [
@@ -382,5 +383,7 @@ def v4_specs(cfg: V4Config, size: int, block_size: int, placement: str) -> list[
     ]
     for i in range(cfg.num_hidden_layers):
         gpu = sum(w for _, w in hisparse_row_layout(cfg, i).values()) * size
-        specs.append(LayerCacheSpec(f"layers.{i}.indexer", CacheKind.INDEXER, gpu, block_size))
+        if gpu:  # a window-only layer keeps nothing per token (its window is a ring)
+            spec = LayerCacheSpec(f"layers.{i}.indexer", CacheKind.INDEXER, gpu, block_size)
+            specs.append(spec)
     return specs

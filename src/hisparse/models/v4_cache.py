@@ -145,28 +145,48 @@ def row_values(config: V4Config, layer: int) -> int:
 HOST_STORE = "entries.compressor"
 
 
+#: the window rows' ring under HiSparse placement (per request slot, `SlotState`)
+WINDOW_RING = "state.window"
+
+
 def hisparse_row_layout(config: V4Config, layer: int) -> dict[str, tuple[int, int]]:
-    """`row_layout` of the row that stays on the GPU under HiSparse placement: a compressed
-    sparse layer's entries (`HOST_STORE`) leave it for their own sparse cache (one entry row
-    per token row, at the row of its window's last token); every other store stays."""
-    if config.layer_types[layer] != CSA:
-        return row_layout(config, layer)
-    d = config.head_dim
-    return {"window": (0, d), "entries.indexer": (d, config.index_head_dim)}
+    """`row_layout` of the per-token row that stays on the GPU under HiSparse placement: the
+    window rows live in a ring per request slot (`WINDOW_RING`) and a compressed sparse
+    layer's entries (`HOST_STORE`) in their own sparse cache (one entry per token row, at
+    the row of its window's last token), so a row holds the HCA entry or the CSA indexer's
+    entry (a window-only layer has none)."""
+    kind = config.layer_types[layer]
+    if kind == CSA:
+        return {"entries.indexer": (0, config.index_head_dim)}
+    if config.compress_rate(layer):
+        return {"entries.compressor": (0, config.head_dim)}
+    return {}
 
 
 class SlotState:
     """The compressors' carried state of every engine request slot: ``[slots, ring, width]``
-    per ``(layer, store)`` (the ``state.*`` stores of `store_shapes`). A request only reads
-    positions it wrote itself, so a slot needs no reset between requests."""
+    per ``(layer, store)`` (the ``state.*`` stores of `store_shapes`); with ``window_ring``
+    (HiSparse placement) also every layer's last ``sliding_window`` window rows
+    (`WINDOW_RING`). A request only reads positions it wrote itself, so a slot needs no reset
+    between requests."""
 
     def __init__(
-        self, config: V4Config, slots: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        config: V4Config,
+        slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        window_ring: bool = False,
     ) -> None:
         self.stores = {
             key: torch.zeros(slots, length, width, dtype=dtype, device=device)
             for key, (length, width) in store_shapes(config, 1).items()
             if key[1].startswith("state.")
         }
+        if window_ring:
+            w, d = config.sliding_window, config.head_dim
+            for layer in range(config.num_hidden_layers):
+                ring = torch.zeros(slots, w, d, dtype=dtype, device=device)
+                self.stores[(layer, WINDOW_RING)] = ring
         #: the slot padding rows of a fixed-shape step read and write
         self.spare = slots - 1
