@@ -136,15 +136,15 @@ class MtpDrafter:
             more = [j for j, i in enumerate(live) if want[i] > depth]
             if not more:
                 return
+            # rows of `more` from here on (a request without drafts ran its row at c - 1 only)
             normed, logits = self.layer.head(self.model, g.index_select(0, _rows(more, g)))
             toks = logits.argmax(-1).tolist()
-            for j, t in zip(more, toks, strict=True):
-                drafts[live[j]][depth] = int(t)  # type: ignore[index]
-            go = [j for j in more if want[live[j]] > depth + 1]
-            pick = {j: t for j, t in zip(more, toks, strict=True)}
+            for m, j in enumerate(more):
+                drafts[live[j]][depth] = int(toks[m])  # type: ignore[index]
+            go = [m for m, j in enumerate(more) if want[live[j]] > depth + 1]
             hidden = normed.index_select(0, _rows(go, normed))
-            ids = [pick[j] for j in go]
-            live = [live[j] for j in go]
+            ids = [toks[m] for m in go]
+            live = [live[more[m]] for m in go]
             depth += 1
 
     def _one_row(
