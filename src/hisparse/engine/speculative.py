@@ -32,7 +32,8 @@ MAX_SPECULATIVE_TOKENS = 16
 #: The CLI's ``--speculative-config`` (generate, bench, serve).
 SPECULATIVE_HELP = (
     'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-    "(fields: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)"
+    "(fields: method: ngram, prompt lookup, or mtp, the checkpoint's multi-token-prediction "
+    "layer; num_speculative_tokens; prompt_lookup_min, prompt_lookup_max for ngram)"
 )
 
 
