@@ -150,7 +150,8 @@ def test_generate_cli(ckpt, capsys):
 def test_where_the_rows_live(ckpt):
     """HiSparse specs: one sparse cache per compressed sparse layer, a head_dim row (its
     entries, the only rows on the host); the HCA entries and the CSA indexer's in
-    GPU-resident caches; every layer's window a ring of ``sliding_window`` rows per slot."""
+    GPU-resident caches, each spread over its window's token rows (``width / rate`` values a
+    row); every layer's window a ring of ``sliding_window`` rows per slot."""
     with LLM(ckpt, kv_placement="hisparse", device="cpu", max_model_len=64, max_num_seqs=2,
              hisparse=HiSparseConfig(block_size=BLOCK)) as llm:  # fmt: skip
         cfg = llm.model.config
@@ -162,6 +163,11 @@ def test_where_the_rows_live(ckpt):
         resident = {n for n in lay.gpu_views if n.endswith(".indexer")}
         compressed = [i for i in range(cfg.num_hidden_layers) if cfg.compress_rate(i)]
         assert resident == {f"layers.{i}.indexer" for i in compressed}
+        for i in compressed:
+            width = cfg.index_head_dim if cfg.layer_types[i] == CSA else cfg.head_dim
+            assert (
+                lay.gpu_views[f"layers.{i}.indexer"].row_bytes == width // cfg.compress_rate(i) * 4
+            )
         for i in range(cfg.num_hidden_layers):  # 2 slots and the spare
             ring = llm.runner.v4_state.stores[(i, "state.window")]
             assert ring.shape == (3, cfg.sliding_window, cfg.head_dim)

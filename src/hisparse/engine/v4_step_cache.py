@@ -120,6 +120,23 @@ class V4StepCache:
         rate = self.config.compress_rate(layer)
         return torch.where(pos >= 0, pos * rate + rate - 1, pos)
 
+    def _spread(self, layer: int, store: str) -> tuple[int, int] | None:
+        """HiSparse: (rate, full width) of a GPU-resident entry store, whose entries are
+        spread over their window's token rows (`v4_cache.hisparse_row_layout`); else None."""
+        if not self.hisparse or not store.startswith("entries.") or self._on_host(layer, store):
+            return None
+        width = self.config.index_head_dim if store == "entries.indexer" else self.config.head_dim
+        return self.config.compress_rate(layer), width
+
+    def _spread_rows(
+        self, req_row: torch.Tensor, w: torch.Tensor, rate: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) ``[*w.shape, rate]`` of entry ``w``'s token rows (``w < 0``: the
+        null block)."""
+        j = torch.arange(rate, device=w.device)
+        rows = torch.where(w.unsqueeze(-1) >= 0, w.unsqueeze(-1) * rate + j, -1)
+        return self._physical(req_row.unsqueeze(-1), rows)
+
     def _on_host(self, layer: int, store: str) -> bool:
         return self.hisparse and store == HOST_STORE and layer in self._sparse
 
@@ -166,6 +183,14 @@ class V4StepCache:
             self._window[layer] = (req_row, pos, values)
             return
         first, width = self._layout(layer)[store]
+        spread = self._spread(layer, store)
+        if spread is not None:  # a slice of the entry into each of its window's rows
+            rate, full = spread
+            blk, off = self._spread_rows(req_row, pos, rate)
+            pool = self._pool(layer)
+            flat = torch.nn.functional.pad(values.to(pool.dtype), (0, rate * width - full))
+            pool[blk, off, first : first + width] = flat.view(-1, rate, width)
+            return
         blk, off = self._physical(req_row, self._logical(layer, store, pos))
         pool = self._pool(layer)
         pool[blk, off, first : first + width] = values.to(pool.dtype)
@@ -252,10 +277,8 @@ class V4StepCache:
 
         parts, valid = [self._window_rows(layer, req, window)], [window >= 0]
         if layer not in self._sparse:
-            if entries is not None:  # HCA: every readable entry, at its closing token's row
-                blk, off = self._physical(req[:, None], self._logical(layer, HOST_STORE, entries))
-                phys = torch.where(entries >= 0, blk * self.block_size + off, -1)
-                parts.append(take(self._pool(layer), phys))
+            if entries is not None:  # HCA: every readable entry, from its window's rows
+                parts.append(self.read(layer, HOST_STORE, req[:, None], entries))
                 valid.append(entries >= 0)
             return self._attend_rows(q, parts, valid, w, sinks, scale)
         es = self._entry_step(layer)
@@ -299,6 +322,12 @@ class V4StepCache:
             out = t[slot, pos.clamp(min=0).long()]
         elif self._on_host(layer, store) or (self.hisparse and store == "window"):
             raise RuntimeError(f"layer {layer}: {store} is read through attend (HiSparse)")
+        elif (spread := self._spread(layer, store)) is not None:
+            rate, full = spread
+            first, width = self._layout(layer)[store]
+            blk, off = self._spread_rows(req_row.expand(pos.shape), pos, rate)
+            out = self._pool(layer)[blk, off, first : first + width]  # [..., rate, width]
+            out = out.reshape(*pos.shape, rate * width)[..., :full]
         else:
             first, width = self._layout(layer)[store]
             blk, off = self._physical(req_row, self._logical(layer, store, pos))

@@ -16,9 +16,10 @@ indexer's keys, the heavily compressed (HCA) layers' entries, and the compressor
   entry each step, as DSA's indexer keys stay on the GPU);
 * ``hisparse-engine``: what the engine's HiSparse placement allocates today (§20.2): a
   window ring of ``sliding_window`` rows per layer and request slot, the HCA entries and the
-  CSA indexer's keyed by token row (a row per token) on the GPU; the CSA entries keyed by
-  token row in the host pool (every page and a copy-on-write tail, as admission reserves
-  them), their last three pages resident and the hot buffer in whole pages on the GPU.
+  CSA indexer's spread over their windows' token rows (whole pages) on the GPU; the CSA
+  entries keyed by token row in the host pool (every page and a copy-on-write tail, as
+  admission reserves them), their last three pages resident and the hot buffer in whole
+  pages on the GPU.
 
 Rows are counted in the engine's row dtype (``value_bytes``: 2 for bf16, the model dtype on
 GPUs); the release's own fp8/fp4 cache formats are not built. Every rank of a tensor-parallel
@@ -34,7 +35,7 @@ from typing import Any
 
 from hisparse.config import HiSparseConfigError
 from hisparse.kv.layout import RESIDENT_PEAK_PAGES
-from hisparse.models.v4_cache import row_values, state_ring
+from hisparse.models.v4_cache import row_values, spread_width, state_ring
 from hisparse.models.v4_config import CSA, HCA, V4Config
 
 #: DeepSeek-V4-Flash's config.json as published (also pinned in tests/test_models_v4.py).
@@ -150,10 +151,12 @@ def request_bytes(
         # the engine: the entry columns of every row; else one row per closed window
         entry_rows = tokens if tokens is not None else context_len // rate
         entries = entry_rows * d * vb
+        # HiSparse as built: an HCA or indexer entry spread over its window's token rows
+        spread = placement == "hisparse-engine"
         if kind == HCA:
-            add("HCA entries", entries)
+            add("HCA entries", entry_rows * spread_width(d, rate) * vb if spread else entries)
             continue
-        add("indexer keys", entry_rows * di * vb)
+        add("indexer keys", entry_rows * (spread_width(di, rate) if spread else di) * vb)
         if placement == "hisparse-engine":  # the layout's resident and hot group pages
             tail = min(RESIDENT_PEAK_PAGES, pages) * block_size
             add("CSA entries", tail * d * vb, host=(pages + 1) * block_size * d * vb)

@@ -149,17 +149,24 @@ HOST_STORE = "entries.compressor"
 WINDOW_RING = "state.window"
 
 
+def spread_width(width: int, rate: int) -> int:
+    """Values per token row of an entry of ``width`` values spread over its window's ``rate``
+    token rows (the last row padded)."""
+    return -(-width // rate)
+
+
 def hisparse_row_layout(config: V4Config, layer: int) -> dict[str, tuple[int, int]]:
     """`row_layout` of the per-token row that stays on the GPU under HiSparse placement: the
     window rows live in a ring per request slot (`WINDOW_RING`) and a compressed sparse
-    layer's entries (`HOST_STORE`) in their own sparse cache (one entry per token row, at
-    the row of its window's last token), so a row holds the HCA entry or the CSA indexer's
-    entry (a window-only layer has none)."""
-    kind = config.layer_types[layer]
-    if kind == CSA:
-        return {"entries.indexer": (0, config.index_head_dim)}
-    if config.compress_rate(layer):
-        return {"entries.compressor": (0, config.head_dim)}
+    layer's entries (`HOST_STORE`) in their own sparse cache, so a row holds a slice of the
+    HCA entry or of the CSA indexer's entry: entry ``w`` is spread over its window's token
+    rows ``[w · rate, (w + 1) · rate)``, `spread_width` values each, so these GPU-resident
+    entries cost their own size, not a row per token (a window-only layer has none)."""
+    rate = config.compress_rate(layer)
+    if config.layer_types[layer] == CSA:
+        return {"entries.indexer": (0, spread_width(config.index_head_dim, rate))}
+    if rate:
+        return {"entries.compressor": (0, spread_width(config.head_dim, rate))}
     return {}
 
 
