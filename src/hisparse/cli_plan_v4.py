@@ -2,10 +2,11 @@
 128K, 512K and 1M tokens in each layout, and the requests that fit one GPU's KV budget or, with
 ``--tensor-parallel-size``, each GPU of a node after its weights.
 
-The HiSparse column is the design's layout (docs/design.md §20.1), on the compact rows: the
-engine's HiSparse placement (§20.2) keeps the engine's per-token rows, and its all-GPU
-placement allocates the ``engine`` layout (a row per token and layer), not the compact one.
-Both are labelled so in the output.
+The "HiSparse (design)" column is the design's layout (docs/design.md §20.1), on the compact
+rows; "HiSparse, engine today" what the engine's HiSparse placement allocates (§20.2: the
+design's GPU side, its host pool keyed by token row); the engine's all-GPU placement allocates
+the ``engine`` layout (a row per token and layer), not the compact one. All are labelled so in
+the output.
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ def run_v4_plan(args: argparse.Namespace, config: V4Config) -> int:
         "layer: window row and entry columns);\n  all-GPU, compact: a window ring and entry "
         "pools (vLLM's and SGLang's layout; not built here);\n  HiSparse (design): docs/"
         "design.md §20.1, on the compact rows;\n  HiSparse, engine today: what "
-        "LLM(kv_placement='hisparse') allocates (the CSA entries, keyed by token row, in the "
-        "host pool; the other rows a row per token on the GPU: §20.2)"
+        "LLM(kv_placement='hisparse') allocates (the GPU side as the design; the CSA entries "
+        "keyed by token row in the host pool: §20.2; one GPU only, the engine refuses it "
+        "under tensor parallelism)"
     )
     plans = {n: _groups(config, n, args.block_size, buffer) for n in lengths}
     for n, by_p in plans.items():
