@@ -120,8 +120,9 @@ def client(llm):
 
 def test_server_thinks_by_default_and_streams_the_reasoning(client, llm):
     """Thinking (the template's default): the answer before ``</think>`` is
-    ``reasoning_content`` (a random model rarely closes it in 6 tokens), streamed as such;
-    ``enable_thinking: false`` answers without it. The prompt is the documented one."""
+    ``reasoning_content`` (a random model rarely closes it in 6 tokens), streamed as such, and
+    free under a response format; ``enable_thinking: false`` answers without it. The prompt
+    is the documented one."""
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
     out = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6,
                                          temperature=0)  # fmt: skip
@@ -135,6 +136,15 @@ def test_server_thinks_by_default_and_streams_the_reasoning(client, llm):
     streamed = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
     assert streamed == message.reasoning_content
     assert "".join(d.content or "" for d in deltas) == (message.content or "")
+    # a response format holds from the end of the reasoning: the reasoning is the free one
+    fmt = client.chat.completions.create(
+        model="tiny",
+        messages=msgs,
+        max_tokens=6,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert fmt.choices[0].message.reasoning_content == message.reasoning_content
     off = client.chat.completions.create(
         model="tiny", messages=msgs, max_tokens=6, temperature=0,
         extra_body={"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True},

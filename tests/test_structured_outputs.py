@@ -129,6 +129,23 @@ def test_grammar_rows_leave_free_rows_alone(llm):
     assert again[0].token_ids == mixed[1].token_ids
 
 
+def test_a_grammar_after_a_token_leaves_what_comes_before_free(llm):
+    """``after_token`` (a thinking answer's end of reasoning): the tokens up to it are the
+    free answer's, the rest match the constraint. (Before the server fixture: its engine loop
+    owns ``llm`` from then on.)"""
+    free = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4,
+                                                  ignore_eos=True))[0].token_ids  # fmt: skip
+    k = 1 if free[1] != free[0] else 0  # the token opens the grammar at its first occurrence
+    spec = StructuredOutputsParams(regex="[a-c]{2,5}", after_token=free[k])
+    out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=16,
+                                                 structured_outputs=spec))[0]  # fmt: skip
+    assert out.token_ids[: k + 1] == free[: k + 1]
+    rest = llm.tokenizer.decode(out.token_ids[k + 1 :], skip_special_tokens=True)
+    assert re.fullmatch("[a-c]{2,5}", rest) and out.finish_reason == "stop", rest
+    with pytest.raises(TypeError, match="after_token"):
+        StructuredOutputsParams(regex="a", after_token="</think>")
+
+
 @pytest.fixture(scope="module")
 def server(llm):
     with serve_in_thread(llm, model_name="tiny") as srv:
@@ -271,22 +288,6 @@ def test_reasoning_is_split_at_the_end_of_thinking():
     assert (msg["reasoning_content"], msg["content"], why) == ("<1><2>", "<3>", "stop")
     deltas = [reader.delta(0, t, [i], None)[0] for t, i in (("a", 1), ("", 9), ("b", 3))]
     assert deltas == [{"reasoning_content": "a"}, {}, {"content": "b"}]
-
-
-def test_a_grammar_after_a_token_leaves_what_comes_before_free(llm):
-    """``after_token`` (a thinking answer's end of reasoning): the tokens up to it are the
-    free answer's, the rest match the constraint."""
-    free = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4,
-                                                  ignore_eos=True))[0].token_ids  # fmt: skip
-    k = 1 if free[1] != free[0] else 0  # the token opens the grammar at its first occurrence
-    spec = StructuredOutputsParams(regex="[a-c]{2,5}", after_token=free[k])
-    out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=16,
-                                                 structured_outputs=spec))[0]  # fmt: skip
-    assert out.token_ids[: k + 1] == free[: k + 1]
-    rest = llm.tokenizer.decode(out.token_ids[k + 1 :], skip_special_tokens=True)
-    assert re.fullmatch("[a-c]{2,5}", rest) and out.finish_reason == "stop", rest
-    with pytest.raises(TypeError, match="after_token"):
-        StructuredOutputsParams(regex="a", after_token="</think>")
 
 
 def test_a_named_call_streams_its_reasoning_first():

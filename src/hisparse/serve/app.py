@@ -17,6 +17,7 @@ hang-up aborts it at the next step, streamed or not.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
@@ -188,7 +189,8 @@ def build_app(
                 "max_tokens",
             )
 
-    async def sampling(body, max_tokens: int | None, logprobs: int | None, tool_spec=None):
+    async def sampling(body, max_tokens: int | None, logprobs: int | None, tool_spec=None,
+                       think_end: int | None = None):  # fmt: skip
         try:
             spec, field = body.structured()
         except ValueError as e:
@@ -198,6 +200,8 @@ def build_app(
                 raise ApiError(400, f"{field}: not with tool_choice {body.tool_mode()!r}, "
                                "which constrains the answer itself", field)  # fmt: skip
             spec, field = tool_spec, "tools"
+        if spec is not None and think_end is not None:  # a thinking answer reasons first:
+            spec = dataclasses.replace(spec, after_token=think_end)  # constrained from </think>
         if spec is not None:  # compiled here (cached), so a bad schema is a 400
             try:
                 await asyncio.to_thread(llm.grammars.compile, spec)
@@ -242,8 +246,7 @@ def build_app(
         else:
             thinks = bool(kw.get("thinking") or kw.get("enable_thinking"))
         end = think_end if thinks else None
-        # a thinking answer reasons first: the schema holds from the end of its reasoning
-        spec = None if schema is None else StructuredOutputsParams(json=schema, after_token=end)
+        spec = None if schema is None else StructuredOutputsParams(json=schema)
         return ToolReader(mode, name, tool_parser, raw_text, end), spec
 
     # --- routes -------------------------------------------------------------------------
@@ -372,7 +375,8 @@ def build_app(
         limit = body.limit()
         check_length(ids, limit, "messages")
         top = body.top_logprobs or 0
-        params = await sampling(body, limit, top if body.logprobs else None, tool_spec)
+        params = await sampling(body, limit, top if body.logprobs else None, tool_spec,
+                                reader.think_end)  # fmt: skip
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = dict(id=rid, object="chat.completion", created=now, model=model_name)
         gen = engine.generate(ids, params, disconnected=watch_disconnect(request))
