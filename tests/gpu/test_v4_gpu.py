@@ -5,7 +5,8 @@ Runs on the GPU machine only (``pytest tests/gpu``; CI ignores it). The kernel: 
 512, a 128-row window and 512 (CSA) or 1024 (HCA at 128K) entries, batches 1 and 32, bf16
 and fp32, split counts of the kernel's choice and forced; the reference runs in fp32 on the
 same GPU. The engine: a tiny V4 checkpoint (`v4_tiny`) with ``cuda_graphs=True`` gives the
-greedy tokens of ``cuda_graphs=False``.
+greedy tokens of ``cuda_graphs=False``, and HiSparse placement the all-GPU placement's (eager
+and in graphs, both offload policies).
 """
 
 from __future__ import annotations
@@ -60,3 +61,30 @@ def test_engine_graphs_equal_eager(tmp_path):
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         tokens.append([o.outputs[0].token_ids for o in outs])
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("offload", ["always", "under_pressure"])
+def test_engine_hisparse_equals_all_gpu(tmp_path, graphs, offload):
+    """HiSparse placement (design §20.2) on CUDA: the entries from the pinned host pool
+    through the hot buffers (copy stream, UVA gathers), eager and in captured CUDA graphs,
+    give the all-GPU placement's greedy tokens; with ``"always"`` the hot buffers are used."""
+    from hisparse import LLM, HiSparseConfig, SamplingParams
+    from hisparse.models.v4_tiny import make_tiny_v4
+
+    ckpt = make_tiny_v4(tmp_path / "v4", "tiny")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (140, 37, 90)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    tokens, misses = [], 0
+    for placement in ("gpu", "hisparse"):
+        with LLM(ckpt, kv_placement=placement, cuda_graphs=graphs, max_num_seqs=4,
+                 dtype="float32", max_model_len=256, gpu_memory_gib=0.5,
+                 max_num_batched_tokens=64,
+                 hisparse=HiSparseConfig(block_size=16, offload=offload)) as llm:  # fmt: skip
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        tokens.append([o.outputs[0].token_ids for o in outs])
+        if placement == "hisparse":
+            misses = sum(o.metrics.misses for o in outs)
+    assert tokens[0] == tokens[1]
+    assert (misses > 0) == (offload == "always")
