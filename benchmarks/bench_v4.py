@@ -9,10 +9,12 @@ Run on the GPU machine: ``PYTHONPATH=src python benchmarks/bench_v4.py``.
    it must read, and the max abs error against `v4_attention_paged_reference` (fp32) in the
    same run.
 2. Engine: a ``v4-attention`` checkpoint (`v4_tiny`: V4-Flash's attention in 2 layers, CSA and
-   HCA, bf16) written to a temporary folder; `hisparse.LLM` with all rows on the GPU decodes
-   ``--output-len`` tokens for ``--batch`` prompts of ``--input-len`` tokens, once with the
-   fixed-shape step run eagerly (V4's default) and once captured as CUDA graphs
-   (``cuda_graphs=True``): decode tokens/s and whether both give the same tokens.
+   HCA, bf16) written to a temporary folder; `hisparse.LLM` decodes ``--output-len`` tokens for
+   ``--batch`` prompts of ``--input-len`` tokens in each of ``--placements`` (all rows on the
+   GPU; HiSparse with ``offload="always"``, so every CSA entry outside the two tail pages
+   comes through the hot buffers: design §20.2), once with the fixed-shape step run eagerly
+   (V4's default) and once captured as CUDA graphs (``cuda_graphs=True``): decode tokens/s,
+   hits and misses, and whether every run gives the all-GPU eager run's tokens.
 
 ``--cpu-smoke`` runs small shapes on the CPU (Triton's interpreter) to check the script.
 Prints a table and writes JSON to ``$OUT/bench_v4.json`` (or ``--out``).
@@ -66,7 +68,7 @@ def bench_kernel(dev: torch.device, smoke: bool) -> list[dict]:
 
 
 def bench_engine(args: argparse.Namespace, dev: torch.device) -> list[dict]:
-    from hisparse import LLM, SamplingParams
+    from hisparse import LLM, HiSparseConfig, SamplingParams
     from hisparse.models.v4_tiny import make_tiny_v4
 
     out = []
@@ -78,10 +80,12 @@ def bench_engine(args: argparse.Namespace, dev: torch.device) -> list[dict]:
                                  generator=g).tolist() for _ in range(args.batch)]  # fmt: skip
         params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
         tokens = {}
-        for graphs in (False, True):
-            llm = LLM(ckpt, kv_placement="gpu", device=str(dev), cuda_graphs=graphs or None,
+        runs = [(p.strip(), graphs) for p in args.placements.split(",") for graphs in (False, True)]
+        for placement, graphs in runs:
+            llm = LLM(ckpt, kv_placement=placement, device=str(dev), cuda_graphs=graphs or None,
                       max_num_seqs=args.batch, max_model_len=args.input_len + args.output_len + 8,
-                      gpu_memory_gib=args.gpu_memory_gib)  # fmt: skip
+                      gpu_memory_gib=args.gpu_memory_gib,
+                      hisparse=HiSparseConfig(offload="always"))  # fmt: skip
             try:
                 llm.generate(prompt_token_ids=prompts[:1], sampling_params=params)  # warm-up
                 t0 = time.perf_counter()
@@ -90,16 +94,20 @@ def bench_engine(args: argparse.Namespace, dev: torch.device) -> list[dict]:
                 path = llm.runner.decode_path
             finally:
                 llm.close()
-            tokens[graphs] = [r.outputs[0].token_ids for r in res]
+            tokens[(placement, graphs)] = [r.outputs[0].token_ids for r in res]
             ttft = max(r.metrics.ttft for r in res)
             # decode: from the last request's first token to the last token of any
             first = max(r.metrics.first_token for r in res)
             decode_s = max(max(r.metrics.token_times[-1] for r in res) - first, 1e-9)
             rate = args.batch * (args.output_len - 1) / decode_s
-            out.append(dict(decode_path=path, batch=args.batch, input_len=args.input_len,
-                            output_len=args.output_len, wall_s=wall, ttft_s=ttft,
-                            decode_tok_s=rate))  # fmt: skip
-        out[-1]["same_tokens_as_padded"] = tokens[True] == tokens[False]
+            out.append(dict(placement=placement, decode_path=path, batch=args.batch,
+                            input_len=args.input_len, output_len=args.output_len, wall_s=wall,
+                            ttft_s=ttft, decode_tok_s=rate,
+                            hits=sum(r.metrics.hits for r in res),
+                            misses=sum(r.metrics.misses for r in res)))  # fmt: skip
+        first = tokens[runs[0]]
+        for row, run in zip(out, runs, strict=True):
+            row["same_tokens_as_first"] = tokens[run] == first
     return out
 
 
@@ -110,6 +118,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=4096)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--gpu-memory-gib", type=float, default=8.0)
+    p.add_argument("--placements", default="gpu,hisparse", help="kv placements, in order")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.cpu_smoke:
@@ -127,8 +136,10 @@ def main() -> None:
         print(f"{r['layer']:>14} {r['batch']:>5} {r['rows']:>5} {r['us']:>9.1f} {gb:>7} "
               f"{r['max_abs_err']:>9.2e}")  # fmt: skip
     for r in result["engine"]:
-        print(f"engine {r['decode_path']:>7}: batch {r['batch']} x {r['input_len']} tokens, "
-              f"decode {r['decode_tok_s']:.1f} tok/s, TTFT {r['ttft_s']:.2f} s")  # fmt: skip
+        print(f"engine {r['placement']:>8} {r['decode_path']:>7}: batch {r['batch']} x "
+              f"{r['input_len']} tokens, decode {r['decode_tok_s']:.1f} tok/s, TTFT "
+              f"{r['ttft_s']:.2f} s, hits {r['hits']} misses {r['misses']}, same tokens "
+              f"{r['same_tokens_as_first']}")  # fmt: skip
     out = Path(args.out or Path(os.environ.get("OUT", ".")) / "bench_v4.json")
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
