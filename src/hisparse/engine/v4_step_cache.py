@@ -5,9 +5,10 @@ rows (window row, and the entries at the row of their window's last token), foun
 step's resident block tables like every other model's rows. HiSparse placement: a compressed
 sparse layer's entries are a sparse cache of their own, driven through the runtime's per-layer
 protocol (`write_target`, `finish_kv_update`, `swap_in`: host mirror, resolve against the hot
-buffer, gathers, prefill staging, warm start); every other store sits in a GPU-resident
-``indexer``-kind cache (`v4_cache.hisparse_row_layout`). The compressors' carried state lives
-per request slot (`v4_cache.SlotState`) in both.
+buffer, gathers, prefill staging, warm start); the HCA and indexer entries sit in GPU-resident
+``indexer``-kind caches, each spread over its window's token rows
+(`v4_cache.hisparse_row_layout`), and the window rows in a ring per request slot. The
+compressors' carried state lives per request slot (`v4_cache.SlotState`) in both.
 """
 
 from __future__ import annotations
