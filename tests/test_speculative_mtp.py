@@ -76,8 +76,10 @@ def test_mtp_gives_the_plain_tokens(checkpoint, placement, offload):
     seen: list = []
     outs, model = _run(checkpoint, placement, spec=MTP, seen=seen, offload=offload)
     assert [o.token_ids for o in outs] == want
-    assert sum(o.metrics.spec_drafted for o in outs) > 0
-    check_drafts(model, seen)
+    m = [o.metrics for o in outs]
+    # refused MTP drafts do not pause: every decode step after the first drafts
+    assert all(x.spec_steps == x.decode_steps - 1 > 0 for x in m), m
+    check_drafts(model, seen[::4])
     if offload == "always":
         assert sum(o.metrics.misses for o in outs) > 0
 

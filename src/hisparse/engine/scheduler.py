@@ -551,7 +551,7 @@ class Scheduler:
                 m.spec_drafted += len(step.drafts[i])  # type: ignore[index]
                 m.spec_accepted += len(taken)
                 m.spec_steps += bool(step.drafts[i])  # type: ignore[index]
-                if step.drafts[i]:  # type: ignore[index]
+                if step.drafts[i] and getattr(self.proposer, "pauses", True):  # type: ignore[index]
                     pause_drafts(req, bool(taken))
             for t, p in seq:
                 if t is None:

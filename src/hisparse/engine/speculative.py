@@ -161,9 +161,12 @@ class MtpProposer:
     """The scheduler's side of MTP drafts: k placeholders, which the runner's `MtpDrafter`
     fills at the start of the step (the drafts need the model); the prefix cache registers
     pages one row short of the computed length (``rewrites``), since the MTP row at the last
-    computed position is rewritten by the next step."""
+    computed position is rewritten by the next step. Refused MTP drafts pause nothing
+    (``pauses``, `scheduler.pause_drafts`, is the n-gram lookup's): the model's own drafts are
+    taken most of the time on the releases, and neither vLLM nor SGLang pauses them."""
 
     rewrites = 1
+    pauses = False
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         return [MTP_DRAFT] * k
