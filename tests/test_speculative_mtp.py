@@ -220,3 +220,23 @@ def test_serve_with_mtp_streams_the_plain_text(tiny_checkpoint):
         thread.join(30)
         state.engine.shutdown()
         llm.close()
+
+
+def test_mtp_beside_a_structured_output(tiny_checkpoint):
+    """A request with a grammar drafts nothing while the one beside it drafts: both get the
+    outputs they get without speculation."""
+    from hisparse.engine.structured_params import StructuredOutputsParams
+
+    pytest.importorskip("xgrammar")
+    path = tiny_checkpoint("glm_moe_dsa", fp8=True)
+    choice = StructuredOutputsParams(choice=["yes", "no", "maybe so"])
+    params = [SamplingParams(temperature=0, max_tokens=8, structured_outputs=choice),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]  # fmt: skip
+    got = []
+    for spec in (None, MTP):
+        with LLM(path, max_model_len=128, max_num_seqs=2, speculative_config=spec) as llm:
+            outs = llm.generate(["hello there hello there", "abc abc abc abc"], params)
+        got.append([(o.text, o.token_ids) for o in outs])
+        assert all(o.ok for o in outs)
+    assert got[0] == got[1] and got[1][0][0] in choice.choice
+    assert outs[0].metrics.spec_drafted == 0 < outs[1].metrics.spec_drafted
