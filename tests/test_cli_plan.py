@@ -190,9 +190,10 @@ def test_plan_counts_the_speculative_rows_hot_buffers(capsys):
     assert "--num-speculative-tokens -1: must be >= 0" in capsys.readouterr().err
 
 
-def test_plan_counts_the_mtp_layers_kv(capsys):
+def test_plan_counts_the_mtp_layers_kv(capsys, tiny_checkpoint):
     """MTP drafts: each request also holds the MTP layer's rows and indexer keys (one more
-    index group), so one fewer request of 128K fits than with n-gram drafts."""
+    index group), so one fewer request of 128K fits than with n-gram drafts; a checkpoint
+    without the layer is refused, naming the field."""
     mtp = ["--num-speculative-tokens", "2", "--speculative-method", "mtp"]
     assert main([*DEEPSEEK, *mtp]) == 0
     out = capsys.readouterr().out
@@ -200,3 +201,7 @@ def test_plan_counts_the_mtp_layers_kv(capsys):
     assert "HiSparse 45, all-GPU 10" in out
     assert main([*DEEPSEEK, "--speculative-method", "mtp"]) == 2
     assert "give at least 1" in capsys.readouterr().err
+    plain = str(tiny_checkpoint("deepseek_v32"))  # transformers' writer: no MTP layer
+    assert main(["plan", "--model", plain, "--gpu-memory-gib", "1", "--host-pool-gib", "1",
+                 "--kv-format", "bf16", *mtp]) == 2  # fmt: skip
+    assert "num_nextn_predict_layers is 0 or missing" in capsys.readouterr().err
