@@ -407,3 +407,27 @@ def test_write_rows_many_writes_what_torch_writes() -> None:
     assert not fns.write_rows_many(k.numpy(), v.numpy(), *rows, nb, slots.numpy(), *keys, nb,
                                    islots.numpy())  # fmt: skip
     assert torch.equal(view, before)
+
+
+def test_omp_num_threads_one_stays_one_thread() -> None:
+    """Starting numba's OpenMP pool sets the runtime it shares with torch to
+    ``NUMBA_NUM_THREADS`` threads; `CpuBackend.parts` puts torch's count back, so a process
+    run with ``OMP_NUM_THREADS=1`` computes on one thread (a fresh process: this session
+    started numba's pool already)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, numba\n"
+        "from hisparse.runtime.ops import cpu_backend\n"
+        "print(cpu_backend().parts(), torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_NUM_THREADS"}
+    env["OMP_NUM_THREADS"] = "1"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    parts, threads, numba_threads = map(int, out.stdout.split())
+    assert (parts, threads) == (1, 1) and numba_threads == os.cpu_count()

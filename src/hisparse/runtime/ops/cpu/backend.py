@@ -102,11 +102,17 @@ class CpuBackend:
         """How many threads a compiled prefill kernel deals its tokens to (numba's parallel
         loop, set here): torch's CPU thread count. numba's OpenMP layer binds to the OpenMP
         runtime torch loaded first (its symbols come first), so the kernels and torch's ops
-        take turns on one thread pool rather than two pools competing for the cores."""
+        take turns on one thread pool rather than two pools competing for the cores.
+        Starting numba's pool (the first call) sets that runtime's count to
+        ``NUMBA_NUM_THREADS`` (the cores): torch's own count (``OMP_NUM_THREADS``,
+        ``torch.set_num_threads``) is put back, so ``OMP_NUM_THREADS=1`` stays one thread."""
         import numba
 
-        n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        threads = torch.get_num_threads()
+        n = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
         numba.set_num_threads(n)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         return n
 
     def row_buffer(self, k: int, width: int) -> torch.Tensor:
