@@ -238,3 +238,23 @@ def test_smollm2_questions_over_one_document_all_gpu():
             runs[caching] = [o.token_ids for o in outs], [o.metrics.cached_tokens for o in outs]
     assert runs[True][0] == runs[False][0]
     assert runs[True][1][0] == 0 and runs[True][1][1] >= 160
+
+
+def test_a_hit_under_pressure_reads_its_prefix_in_place(deepseek):
+    """``offload="under_pressure"`` with room in the GPU pool: a hit's shared pages become
+    resident (their rows copied from the host blocks before its first forward), so the
+    request reads its whole context in place, as one that prefilled it (no row through its
+    hot buffer: no hits, no misses), with the tokens of an engine without the cache."""
+
+    def run(llm: LLM) -> list:
+        outs = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0] for p in PROMPTS]
+        assert all(o.ok for o in outs), [o.error for o in outs]
+        return outs
+
+    with _llm(deepseek, "hisparse", False, offload="under_pressure") as llm:
+        want = [o.token_ids for o in run(llm)]
+    with _llm(deepseek, "hisparse", True, offload="under_pressure") as llm:
+        got = run(llm)
+    assert [o.token_ids for o in got] == want
+    assert [o.metrics.cached_tokens for o in got] == [0, 144, 144, 144]
+    assert [(o.metrics.hits, o.metrics.misses) for o in got] == [(0, 0)] * 4

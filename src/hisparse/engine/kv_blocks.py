@@ -60,6 +60,19 @@ class IndexerCopy(NamedTuple):
 
 
 @dataclass
+class WriteBack:
+    """Copy GPU blocks ``blocks`` of resident group ``group`` to host blocks ``host_blocks``
+    before the step's forward: resident pages leaving the GPU whose decode rows are not on
+    the host yet (the lazy mirror, ``eager_host_mirror=False``); ``to_gpu``: the other way,
+    a prefix-cache hit's shared pages made resident (`KVBlockManager.grow`)."""
+
+    group: int
+    blocks: list[int]
+    host_blocks: list[int]
+    to_gpu: bool = False
+
+
+@dataclass
 class RequestBlocks:
     """Blocks one request holds. Page ``p`` covers tokens ``[p * bs, (p + 1) * bs)``."""
 
@@ -166,6 +179,8 @@ class KVBlockManager:
             self.prefix_cache = PrefixCache(pool, self.block_size, cache_key)
         #: indexer key copies not yet handed to the runner, in the order they were made
         self.indexer_copies: list[IndexerCopy] = []
+        #: A prefix-cache hit's shared pages made resident (`grow`): host blocks to GPU blocks.
+        self.page_fills: list[WriteBack] = []
 
     def take_table_updates(self) -> tuple[list[TableUpdate], list[int]]:
         """The table changes and slot resets recorded since the last call (and forget them):
@@ -173,6 +188,12 @@ class KVBlockManager:
         updates, self.table_updates = self.table_updates, []
         resets, self.pending_slot_resets = self.pending_slot_resets, []
         return updates, resets
+
+    def take_page_fills(self) -> list[WriteBack]:
+        """The shared pages' fills since the last call (the runner copies them, host to GPU,
+        before the step's forwards)."""
+        fills, self.page_fills = self.page_fills, []
+        return fills
 
     def take_indexer_copies(self) -> list[IndexerCopy]:
         """The indexer key copies recorded since the last call (and forget them)."""
@@ -344,6 +365,7 @@ class KVBlockManager:
             lambda f: idx_new + sum(len(w) for w in wanted(f)),
             self.gpu_blocks.num_free - reserve,
             keep_all_resident,
+            b.shared_pages if b.restore_pages else 0,  # a hit's first growth
         )
         wanted_resident = wanted(first)
         n_gpu = idx_new + sum(len(w) for w in wanted_resident)
@@ -370,6 +392,10 @@ class KVBlockManager:
             for p, blk in zip(want, new, strict=True):
                 b.resident[gi][p] = blk
             self._write_pages(gi, b.slot, want, new)
+            shared = [(blk, p) for p, blk in zip(want, new, strict=True) if p < b.shared_pages]
+            if shared:  # a hit's shared pages made resident: their rows from the host blocks
+                fill = WriteBack(gi, [k for k, _ in shared], [b.host[p] for _, p in shared], True)
+                self.page_fills.append(fill)
         b.grown_pages = pages
 
     def trim_resident(

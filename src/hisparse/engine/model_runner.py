@@ -570,15 +570,18 @@ class ModelRunner:
 
     def write_back(self, write_backs: list[WriteBack]) -> None:
         """The lazy mirror: copy resident pages' decode rows to their host blocks before the
-        blocks are reused (`Scheduler._drop_resident` made the list)."""
+        blocks are reused (`Scheduler._drop_resident` made the list); and a prefix-cache
+        hit's shared pages from their host blocks into the resident blocks it was given
+        (``to_gpu``)."""
         if not write_backs:
             return
         kv, bs = self.kv, self.config.block_size
-        self.pages_written_back += sum(len(wb.blocks) for wb in write_backs)
+        back = [wb for wb in write_backs if not wb.to_gpu]
+        self.pages_written_back += sum(len(wb.blocks) for wb in back)
         # every rank holds the same pages, so every rank fences the next step alike
-        self._fence_pending = self.host_fence is not None
+        self._fence_pending = self.host_fence is not None and bool(back)
         if not kv.host_writer:
-            return
+            write_backs = [wb for wb in write_backs if wb.to_gpu]  # each rank fills its GPU
         offs = torch.arange(bs, dtype=torch.int64)
         for wb in write_backs:
             # every page's rows of this group in one copy per layer
@@ -589,5 +592,9 @@ class ModelRunner:
             by_name = {rt.name: rt for rt in self.runtimes}
             for name in kv.resident_groups[wb.group].layers:
                 rt = by_name.get(name)  # the sparse layers' (not every layer is one: V4)
-                if rt is not None:
+                if rt is None:
+                    continue
+                if wb.to_gpu:
+                    rt.group.ops.gather_plan(rt.host_view, rt.device_view, dst, src, mask)
+                else:
                     rt.group.ops.gather_plan(rt.device_view, rt.host_view, src, dst, mask)

@@ -38,15 +38,20 @@ class OffloadPolicy:
         blocks_from: Callable[[int], int],
         room: int,
         keep_all: bool | None = None,
+        shared_pages: int = 0,
     ) -> int:
         """The first page a growth to ``pages`` pages makes resident (every missing page from
         it on). ``keep_all`` (default: all-GPU placement): from page 0. HiSparse: the last page
         only (the older ones live on the host); under pressure every page the step writes
         (from the one holding its first new token, ``indexed_pages - 1``) where
-        ``blocks_from(first)`` blocks fit in ``room``."""
+        ``blocks_from(first)`` blocks fit in ``room``, and before them a prefix-cache hit's
+        ``shared_pages`` (its first growth; filled from their host blocks) where those fit
+        too: the request then reads its whole context in place, as one that prefilled it."""
         if keep_all if keep_all is not None else not self.hisparse:
             return 0
         if self.under_pressure:
+            if shared_pages and blocks_from(0) <= room:
+                return 0
             first = max(indexed_pages - 1, 0)
             if blocks_from(first) <= room:
                 return first

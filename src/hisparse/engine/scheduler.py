@@ -243,7 +243,7 @@ class Scheduler:
         """``parts`` with everything the runner does before them: the table changes and slot
         resets the accounting recorded, and the pending write-backs."""
         updates, resets = self.kv.take_table_updates()
-        write_backs, self._write_backs = self._write_backs, []
+        write_backs, self._write_backs = self._write_backs + self.kv.take_page_fills(), []
         copies = self.kv.take_indexer_copies()
         return SchedulerOutput(parts, updates, resets, write_backs, copies)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hisparse.engine.kv_blocks import IndexerCopy, TableUpdate
+from hisparse.engine.kv_blocks import IndexerCopy, TableUpdate, WriteBack
 from hisparse.engine.request import Request
 
 
@@ -32,22 +32,11 @@ class ScheduledStep:
 
 
 @dataclass
-class WriteBack:
-    """Resident pages leaving the GPU whose decode rows are not on the host yet (the lazy
-    mirror, ``eager_host_mirror=False``): copy GPU blocks ``blocks`` of resident group
-    ``group`` to host blocks ``host_blocks`` before the step's forward."""
-
-    group: int
-    blocks: list[int]
-    host_blocks: list[int]
-
-
-@dataclass
 class SchedulerOutput:
     """One engine step as plain data: its forwards (decode part first), and what the runner
     does before them, in this order: the block-table changes, hot-state resets of newly
-    leased slots, the lazy mirror's write-backs and the prefix cache's indexer key copies
-    made since the previous output."""
+    leased slots, the lazy mirror's write-backs and a prefix-cache hit's page fills, and the
+    prefix cache's indexer key copies made since the previous output."""
 
     parts: list[ScheduledStep]
     table_updates: list[TableUpdate] = field(default_factory=list)
