@@ -6,10 +6,11 @@ The general multi-token path (a prefill's selection and attention, the batched r
 several one-row fast-path steps on the CPU; here each row takes exactly the batch-1 step's
 kernels (`decode_pre`: rotary, row and index-key writes, selection; `attend_rows`; the fused
 add and RMS norm), in position order, so a row sees the rows and keys of the rows before it
-as the one-row step would, and the rows' swap-in is one resolve against the request's hot
-buffer. The matmuls run row by row too (``ROWWISE_MATMUL``): a one-row matmul rounds like
-the one-row step's, so every row's hidden state equals the one-row step's bit for bit and
-speculation stays lossless without a near-tie argument.
+as the one-row step would; the rows' swap-in is one resolve against the request's hot
+buffer, and their attentions share the threads (`attend_rows_many`). The matmuls run row by
+row too (``ROWWISE_MATMUL``): a one-row matmul rounds like the one-row step's, so every
+row's hidden state equals the one-row step's bit for bit and speculation stays lossless
+without a near-tie argument.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class RowsStep:
         self.pos = step.positions.numpy()
         rows = self.pos.shape[0]
         self.lut = cpu_backend().fp8_lut()
+        self.parts = min(cpu_backend().parts(), rows)
         width = kv_heads * head_dim
         self.codes = np.empty(width, np.uint8)
         self.scratch = np.empty(width, np.float32)
@@ -145,9 +147,9 @@ def forward_rows_cpu(
         q = torch.from_numpy(rs.q_rot.copy())
         topk = attn._select(q, step, plan, read_pages, table, fmt, indexer, None)
     kv.finish_kv_update()
-    physical = kv.swap_in(topk).numpy()
-    for t in range(T):
-        fns.attend_rows(rs.q_rot[t], *kv_rows, physical[t], attn.scale, rs.out[t])
+    physical = kv.swap_in(topk).contiguous().numpy()
+    # each row `attend_rows` over its own rows, the rows shared out over the threads
+    fns.attend_rows_many(rs.q_rot, *kv_rows, physical, attn.scale, rs.out, rs.parts)
     return linear_rows(rs.out_t, attn.o_proj.weight)
 
 
