@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from hisparse.config import HiSparseConfigError
 from hisparse.runtime.ops import reference as ref
 from hisparse.sim.hotbuf import HotBuffers
 from hisparse.sim.pcie import DEFAULT_RATES, RateTable
@@ -335,3 +336,36 @@ def test_a_shared_document_is_prefilled_once(tiny: str) -> None:
     assert cold["cached_tokens"] == 0 and cold["prefill_tokens"] == 2 * N * INPUT
     assert shared["cached_tokens"] == (2 * N - 1) * 96
     assert shared["prefill_tokens"] == cold["prefill_tokens"] - shared["cached_tokens"]
+
+
+def test_speculation_counts_the_rows_and_the_larger_hot_buffers(tiny: str) -> None:
+    """``num_speculative_tokens`` K: hot buffers of max_query_len = K + 1 (the engine's
+    ``(K + 2) · top_k`` rows, leased from the GPU pool by each running request); drafts all taken
+    finish the same requests in about 1 / (K + 1) of the decode steps, each resolving every
+    row's selection; all refused, about as many steps as without (the drafts' pause)."""
+    from hisparse.sim.simulator import SimSettings, Simulator, simulate
+    from hisparse.sim.trace import synthetic_trace
+
+    kw = dict(model=tiny, gpu_memory_gib=0.004, max_model_len=INPUT + OUTPUT, max_num_seqs=N,
+              block_size=BLOCK, max_num_batched_tokens=BATCHED, target="cpu",
+              offload="always")  # fmt: skip
+    trace = synthetic_trace(N, input_len=INPUT, output_len=OUTPUT)
+    plain_sim, spec_sim = (
+        Simulator(SimSettings(**kw)),
+        Simulator(SimSettings(**kw, num_speculative_tokens=3)),
+    )
+    top_k = plain_sim.config.top_k
+    assert plain_sim.config.device_buffer_size == 2 * top_k
+    assert spec_sim.config.device_buffer_size == 5 * top_k
+    # a running request leases its larger hot buffers from the GPU pool
+    assert spec_sim.kv.gpu_need(INPUT + OUTPUT) > plain_sim.kv.gpu_need(INPUT + OUTPUT)
+    plain = simulate(SimSettings(**kw), trace)
+    taken = simulate(SimSettings(**kw, num_speculative_tokens=3, spec_acceptance=1.0), trace)
+    refused = simulate(SimSettings(**kw, num_speculative_tokens=3, spec_acceptance=0.0), trace)
+    for run in (plain, taken, refused):
+        assert run["completed"] == N and not run["errors"]
+    assert taken["decode_steps"] < plain["decode_steps"] / 3
+    assert plain["decode_steps"] <= refused["decode_steps"] <= 1.2 * plain["decode_steps"]
+    assert taken["misses"] > 0 and taken["hits"] > 0
+    with pytest.raises(HiSparseConfigError, match="spec_acceptance"):
+        Simulator(SimSettings(**kw, num_speculative_tokens=3, spec_acceptance=1.5))

@@ -133,6 +133,14 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--target", choices=("cuda", "cpu"), default="cuda",
                    help="the engine's device: its default dtype picks the row format "
                    "(default %(default)s)")  # fmt: skip
+    e.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="speculative decoding: drafts per decoding request and step; the hot "
+                   "buffers of max_query_len = K + 1 and each step's K + 1 rows per request "
+                   "(default: 0, none)")  # fmt: skip
+    e.add_argument("--spec-acceptance", type=float, default=0.6,
+                   help="with --num-speculative-tokens: the chance a draft is taken after "
+                   "the ones before it were (the simulator has no tokens; default: "
+                   "%(default)s)")  # fmt: skip
     m = p.add_argument_group("model of time and sampling")
     m.add_argument("--pcie-rates", type=Path, help="JSON rate table (reads, span_bytes, "
                    "gb_s); default: docs/benchmarks.md §18, H200")  # fmt: skip
@@ -271,6 +279,8 @@ def settings_for(
         prefill_tok_s=args.prefill_tok_s,
         target=args.target,
         shared_prefix=args.shared_prefix or 0,
+        num_speculative_tokens=args.num_speculative_tokens,
+        spec_acceptance=args.spec_acceptance,
     )
 
 

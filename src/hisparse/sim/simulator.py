@@ -31,6 +31,7 @@ from hisparse.engine.output_processor import OutputProcessor
 from hisparse.engine.request import Request
 from hisparse.engine.sampling import SamplingParams
 from hisparse.engine.scheduler import Scheduler
+from hisparse.engine.speculative import SpeculativeConfig
 from hisparse.engine.step_data import ModelOutput, ScheduledStep
 from hisparse.kv.cache_shapes import PRESETS, load_model_cache_shape
 from hisparse.kv.specs import CacheKind, LayerCacheSpec
@@ -95,6 +96,14 @@ class SimSettings:
     #: the engine's prefix cache (its default: on): a preempted request's recompute hits its
     #: own cached pages, and a shared document is prefilled once
     enable_prefix_caching: bool = True
+    #: speculative decoding: drafts a decoding request brings to a step (0: none). The hot
+    #: buffers are then those of ``max_query_len`` = k + 1 (the engine's), each verify step
+    #: resolves all of a request's rows' selections against its one hot buffer and costs
+    #: ``decode_ms_per_request`` per row; how many drafts are taken is drawn (``spec_acceptance``)
+    num_speculative_tokens: int = 0
+    #: the chance that a draft is taken given the ones before it were (drafts have no tokens
+    #: here: the rate a task's proposer reaches, e.g. its ``acceptance_rate`` in a benchmark)
+    spec_acceptance: float = 0.6
 
 
 def engine_cache_specs(
@@ -138,12 +147,24 @@ class Simulator:
         #: DeepSeek-V4: tokens per compressed sparse entry (the top-k picks entries; an entry
         #: is the row of its window's last token, design §20.2); None for DSA models
         self.rate = v4.compress_rates[CSA] if v4 is not None else None
+        k = s.num_speculative_tokens
+        if k < 0 or not 0.0 <= s.spec_acceptance <= 1.0:
+            raise HiSparseConfigError(
+                f"num_speculative_tokens={k}, spec_acceptance={s.spec_acceptance}: give k >= 0 "
+                "(0: no speculation) and an acceptance in [0, 1], e.g. 4 and 0.6"
+            )
+        if k and self.rate is not None:
+            raise HiSparseConfigError(
+                "--num-speculative-tokens: the engine does not speculate with DeepSeek-V4; "
+                "give 0 for this model"
+            )
         config = HiSparseConfig(
             top_k=s.top_k,
             device_buffer_size=s.hot_buffer,
             host_pool_gib=s.host_pool_gib,
             block_size=s.block_size,
             offload=s.offload,
+            max_query_len=k + 1,
         ).resolve(index_topk)
         caching = s.enable_prefix_caching and self.rate is None  # off for V4, as in `LLM`
         if s.placement == "hisparse" and config.host_pool_bytes is None:
@@ -168,7 +189,11 @@ class Simulator:
             max_num_batched_tokens=s.max_num_batched_tokens,
             policy=s.schedule,
             stops=OutputProcessor(None, set(), s.max_model_len),
+            speculative=SpeculativeConfig(num_speculative_tokens=k) if k else None,
         )
+        if k:
+            self.sched.proposer = _Drafts()
+        self._accept = np.random.default_rng(s.seed)
         sparse = [sp for sp in self.specs if sp.kind is CacheKind.SPARSE]
         leaders = [sp.name for sp in sparse if sp.index_leader == sp.name]
         #: resident group of each leader (its pages' residency decides what is wanted)
@@ -234,6 +259,33 @@ class Simulator:
         """Rows a request of ``n`` tokens selects first (its warm start)."""
         return min(self.config.top_k, n // self.rate if self.rate else n)
 
+    def _select_rows(
+        self, li: int, reqs: list[Request], computed: list[int], rows: list[int]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`_select` of a decode step whose request ``i`` brings ``rows[i]`` rows (its last
+        token, then drafts): each row's replayed selection in turn (a row's follows the one
+        before it, as a step's follows the last step's), a request's wanted rows their
+        union, ``-1`` padded (what the runtime resolves against its one hot buffer)."""
+        if max(rows) == 1:
+            return self._select(li, reqs, [c + 1 for c in computed])
+        per_row = []
+        for j in range(max(rows)):
+            which = [i for i, q in enumerate(rows) if q > j]
+            part = [reqs[i] for i in which]
+            _, sel = self._select(li, part, [computed[i] + 1 + j for i in which])
+            per_row.append((which, sel))
+        union: list[list[np.ndarray]] = [[] for _ in reqs]
+        for which, sel in per_row:
+            for at, i in enumerate(which):
+                union[i].append(sel[at])
+        wanted = [np.unique(np.concatenate(u)) for u in union]
+        wanted = [w[w >= 0] for w in wanted]
+        out = np.full((len(reqs), max(w.size for w in wanted)), -1, dtype=np.int64)
+        for i, w in enumerate(wanted):
+            out[i, : w.size] = w
+        slots = np.array([self.kv.requests[r.req_id].slot for r in reqs])
+        return slots, out
+
     def _resident_mask(self, reqs: list[Request], group: int, pages: int) -> np.ndarray:
         """``[B, pages]`` whether each page of each request is resident in resident group
         ``group`` (a lookup per selected entry, not a comparison with every resident page:
@@ -269,13 +321,15 @@ class Simulator:
         hits = misses = 0
         nbytes = pcie = 0.0
         per_leader: list[float] = []
+        drafts = {id(r): len(d) for (r, _), d in zip(step.batch, step.drafts or [], strict=False)}
         if self.kv.hisparse and reqs:
             bs = self.config.block_size
             n = [r.num_computed for r in reqs]
+            rows = [1 + drafts.get(id(r), 0) for r in reqs]
             masks: dict[int, np.ndarray] = {}  # per resident group: leaders may share one
-            width = max(n) // bs + 1  # every selectable page
+            width = max(c + q - 1 for c, q in zip(n, rows, strict=True)) // bs + 1
             for li, leader in enumerate(self.leaders):
-                slots, sel = self._select(li, reqs, [k + 1 for k in n])
+                slots, sel = self._select_rows(li, reqs, n, rows)
                 # entries on resident pages (the manager's own: after `grow`) touch no hot state
                 group = self.leader_group[leader]
                 if group not in masks:
@@ -301,7 +355,8 @@ class Simulator:
             per_leader = [v + rest * m_sum / k / n_sim for v in per_leader]
         if per_leader:
             nbytes, pcie = self._traffic(per_leader)
-        secs = (self.s.decode_ms + self.s.decode_ms_per_request * len(every)) / 1e3 + pcie
+        n_rows = len(every) + sum(drafts.values())
+        secs = (self.s.decode_ms + self.s.decode_ms_per_request * n_rows) / 1e3 + pcie
         return dict(
             hits=hits * self.scale, misses=misses * self.scale, bytes=nbytes, pcie=pcie, secs=secs
         )
@@ -346,7 +401,14 @@ class Simulator:
         sampled = [r for (r, _), f in zip(part.batch, part.finishing, strict=True)
                    if part.decode or f]  # fmt: skip
         n = len(sampled)
-        sched.update_from_output(part, ModelOutput(sampled, [0] * n, [None] * n, self.clock))
+        out = ModelOutput(sampled, [0] * n, [None] * n, self.clock)
+        if part.drafts is not None:  # each draft taken while the draws say so
+            p, draw = self.s.spec_acceptance, self._accept
+            taken = [next((j for j in range(len(d)) if draw.random() >= p), len(d))
+                     for d in part.drafts]  # fmt: skip
+            out.accepted = [[0] * t for t in taken]
+            out.accepted_logprobs = [[None] * t for t in taken]
+        sched.update_from_output(part, out)
         return [
             round(t0, 6), float(part.decode), sum(n for _, n in part.batch),
             len(part.batch) if part.decode else len(sched.running), len(sched.waiting),
@@ -381,7 +443,7 @@ class Simulator:
         while i < total or sched.has_work:
             while i < total and trace[i].arrival <= self.clock:
                 t = trace[i]
-                req = Request(
+                req = (_SimRequest if self.s.num_speculative_tokens else Request)(
                     req_id=str(self.s.id_offset + i),
                     prompt_token_ids=self._prompt(i, t.input_len),
                     params=SamplingParams(temperature=0, max_tokens=t.output_len, ignore_eos=True),
@@ -463,6 +525,24 @@ class Simulator:
             step_columns=list(STEP_COLUMNS),
             steps=steps,
         )
+
+
+class _SimRequest(Request):
+    """A simulated request while speculating: its proposer reads no tokens (`_Drafts`), so
+    the scheduler's ``all_token_ids`` is empty (a prompt here may be a ``range`` of 128K
+    stand-ins, which a copy per step would not afford)."""
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return []
+
+
+class _Drafts:
+    """The simulator's proposer: k placeholder drafts whenever the scheduler asks (how many
+    it takes is `SimSettings.spec_acceptance`'s draw)."""
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return [0] * k
 
 
 #: what each row of ``steps`` holds
