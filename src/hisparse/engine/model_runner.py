@@ -43,6 +43,7 @@ from hisparse.engine.v4_step_cache import V4StepCache
 from hisparse.engine.warm_start import WarmStart
 from hisparse.kv.specs import CacheKind, LayerCacheSpec
 from hisparse.models.kv_access import ForwardStep
+from hisparse.models.llama_cpu_rows import verify_logits_cpu
 from hisparse.runtime.batch import GroupTables, StepMetadata
 from hisparse.runtime.cache_handle import CacheHandle
 from hisparse.runtime.ops import cpu_backend
@@ -396,9 +397,7 @@ class ModelRunner:
             if hooks is not None:
                 hooks.end_step(decode)
             if drafts is not None and R == 1 and dev.type == "cpu":
-                # one request's rows one at a time: each rounds as a one-row step's logits
-                # (the CPU verify step's rows equal that step's bit for bit, design §12.11)
-                logits = torch.cat([self.model.logits(hidden[t : t + 1]) for t in range(T)])
+                logits = verify_logits_cpu(self.model, hidden)  # (row by row, or at once)
             elif decode:
                 logits = self.model.logits(
                     hidden[torch.tensor(last_rows, device=dev) - 1]

@@ -7,10 +7,9 @@ several one-row fast-path steps on the CPU; here each row takes exactly the batc
 kernels (`decode_pre`: rotary, row and index-key writes, selection; `attend_rows`; the fused
 add and RMS norm), in position order, so a row sees the rows and keys of the rows before it
 as the one-row step would; the rows' swap-in is one resolve against the request's hot
-buffer, and their attentions share the threads (`attend_rows_many`). The matmuls run row by
-row too (``ROWWISE_MATMUL``): a one-row matmul rounds like the one-row step's, so every
-row's hidden state equals the one-row step's bit for bit and speculation stays lossless
-without a near-tie argument.
+buffer, and their attentions share the threads (`attend_rows_many`). The matmuls take all
+rows at once; with ``ROWWISE_MATMUL`` they run row by row, each rounding like the one-row
+step's, so every row's hidden state and logits equal the one-row step's bit for bit.
 """
 
 from __future__ import annotations
@@ -34,9 +33,12 @@ if TYPE_CHECKING:
 #: Most rows a verify step of this path takes (the largest ``num_speculative_tokens`` + 1).
 MAX_ROWS = 17
 
-#: Each row's matmuls as its own one-row matmul (the one-row step's rounding, bit for bit)
-#: rather than one matmul over the rows (rounded apart from it in the last bits).
-ROWWISE_MATMUL = True
+#: Each row's matmuls (and, in `ModelRunner.run`, its logits) as its own one-row matmul:
+#: the one-row step's rounding, so every row equals that step's bit for bit. Off (the
+#: default): one matmul over the rows, rounded apart from the one-row step's in the last bits
+#: (greedy tokens may then differ only at a near-tie of the logits), and cheaper: the row
+#: loop's matmuls were the largest part of a verify step (docs/benchmarks.md §22).
+ROWWISE_MATMUL = False
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -49,6 +51,14 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     for t in range(x.shape[0]):
         torch.mm(x[t : t + 1], wt, out=out[t : t + 1])
     return out
+
+
+def verify_logits_cpu(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits of one request's verify rows on the CPU (any model): with
+    ``ROWWISE_MATMUL`` one row at a time, each rounded as a one-row step's logits."""
+    if not ROWWISE_MATMUL:
+        return model.logits(hidden)  # type: ignore[operator]
+    return torch.cat([model.logits(hidden[t : t + 1]) for t in range(hidden.shape[0])])  # type: ignore[operator]
 
 
 class RowsStep:
