@@ -11,6 +11,7 @@ reads them at most every ``flush_every`` seconds or when a request finishes (one
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -108,15 +109,16 @@ class ServerMetrics:
             "spec_accepted": Counter("hisparse:spec_decode_num_accepted_tokens",
                                      "Draft tokens accepted", label, registry=r),
         }  # fmt: skip
-        self._seen_spec: dict[int, tuple[int, int, int]] = {}
+        self._seen_spec: dict[str, tuple[int, int, int]] = {}
         self.model = model_name
         for counter in self.spec.values():
             self._l(counter)  # on /metrics at 0 from the start
         self.flush_every = flush_every
         self._last_flush = time.monotonic()
-        self._seen_tokens: dict[int, int] = {}
-        #: the requests behind those ids (an aborted one never comes back changed)
-        self._tracked: dict[int, Request] = {}
+        self._seen_tokens: dict[str, int] = {}
+        #: the requests behind those ids (an aborted one never comes back changed), held
+        #: weakly: the server's metrics must not keep a request alive after the engine drops it
+        self._tracked: weakref.WeakValueDictionary[str, Request] = weakref.WeakValueDictionary()
         self._seen_demotions = 0
         self._seen_prefix = (0, 0)
 
@@ -139,6 +141,8 @@ class ServerMetrics:
         if g.host_total:
             self._l(self.host_total).set(g.host_total)
             self._l(self.host_used).set(g.host_used)
+        if aborted and not (g.running or g.waiting):
+            self._flush(llm, time.monotonic())  # the last requests left: let go of them
         return g
 
     def after_step(
@@ -155,7 +159,7 @@ class ServerMetrics:
         self._seen_prefix = seen
         any_done = False
         for req in changed:
-            key = id(req)
+            key = req.req_id
             m = req.metrics
             if m.spec_steps:
                 now_spec = (m.spec_steps, m.spec_drafted, m.spec_accepted)
@@ -189,14 +193,21 @@ class ServerMetrics:
         if len(self._seen_tokens) > g.running + g.waiting:
             # aborted requests never come back finished: forget them (and their ids); every
             # rank's requests count (a data-parallel rank's are mirrors on this one)
-            live = {k for k, r in self._tracked.items() if not r.finished}
-            self._tracked = {k: r for k, r in self._tracked.items() if k in live}
+            live = {k for k, r in list(self._tracked.items()) if not r.finished}
+            for k in set(self._tracked) - live:
+                self._tracked.pop(k, None)
             self._seen_tokens = {k: v for k, v in self._seen_tokens.items() if k in live}
             self._seen_spec = {k: v for k, v in self._seen_spec.items() if k in live}
         now = time.monotonic()
-        if any_done or now - self._last_flush >= self.flush_every:
-            self._last_flush = now
-            for row in llm.runner.flush_metrics():
-                self._l(self.hits).inc(row.get("hits", 0))
-                self._l(self.misses).inc(row.get("misses", 0))
-                self._l(self.h2d_bytes).inc(row.get("bytes_swapped", 0))
+        if any_done or not (g.running or g.waiting) or now - self._last_flush >= self.flush_every:
+            self._flush(llm, now)
+
+    def _flush(self, llm, now: float) -> None:
+        """Read the runner's recorded hit/miss counters. Also when the engine goes idle: the
+        recorded steps hold their requests, so an aborted one would outlive the engine's
+        hold on it until the next flush."""
+        self._last_flush = now
+        for row in llm.runner.flush_metrics():
+            self._l(self.hits).inc(row.get("hits", 0))
+            self._l(self.misses).inc(row.get("misses", 0))
+            self._l(self.h2d_bytes).inc(row.get("bytes_swapped", 0))
