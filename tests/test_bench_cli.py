@@ -386,3 +386,50 @@ def test_bench_shared_prefix_prefills_the_document_once_per_cell(checkpoint, tmp
     rows = {r["concurrency"]: r for r in doc["results"]}
     assert rows[1]["cached_tokens"] == 0 and rows[1]["prefill_tokens"] == 70
     assert rows[3]["cached_tokens"] == 2 * 64 and rows[3]["prefill_tokens"] == 3 * 70 - 2 * 64
+
+
+def test_bench_speculative_counts_the_drafts_and_keeps_the_tokens(
+    tiny_checkpoint, tmp_path, capsys, monkeypatch
+):
+    """``--speculative-config`` with the model's own top-k and prefill: the JSON and the table
+    count the drafts, and every cell's tokens equal the run without speculation; with the
+    replayed top-k it is refused, naming the flags to add."""
+    monkeypatch.setenv("COLUMNS", "400")
+    ckpt = tiny_checkpoint("deepseek_v32", mtp=True)
+    own = [
+        "--topk-overlap",
+        "off",
+        "--prefill",
+        "model",
+        "--concurrency",
+        "2",
+        "--hot-buffer-rows",
+        "96",
+    ]
+    spec = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
+    import hisparse.bench.cli as bench_cli
+
+    cells: list[list[list[int]]] = []  # every cell's tokens (the JSON leaves them out)
+
+    def run_cell(*a, **kw):
+        row = original(*a, **kw)
+        cells.append(row["token_ids"])
+        return row
+
+    original = bench_cli.run_cell
+    monkeypatch.setattr(bench_cli, "run_cell", run_cell)
+    tokens = {}
+    for name, extra in (("plain", own), ("spec", own + spec)):
+        cells.clear()
+        assert main(_bench_argv(ckpt, tmp_path, *extra)) == 0
+        out = capsys.readouterr().out
+        doc = json.loads((tmp_path / "bench.json").read_text())
+        tokens[name] = list(cells)
+        assert all(r["same_tokens"] is True for r in doc["ratios"])
+    assert len(tokens["spec"]) == 2 and tokens["spec"] == tokens["plain"]
+    assert "drafts accepted" in out and "mean accepted length" in out
+    for r in doc["results"]:
+        assert r["spec_drafted"] > 0 and 0 <= r["spec_accepted"] <= r["spec_drafted"]
+        assert r["mean_accepted_length"] >= 1
+    assert main(_bench_argv(ckpt, tmp_path, *spec)) == 2
+    assert "add --topk-overlap off --prefill model" in capsys.readouterr().err

@@ -111,12 +111,16 @@ def _make_llm(args: argparse.Namespace, cfg: dict[str, Any], placement: str) -> 
         device=args.device,
         kv_format=args.kv_format,
         max_num_batched_tokens=cfg["batched"],
-        step_hooks=BenchHooks(
+        # speculation runs only without the benchmark-only modes (`parse_args_checked`)
+        step_hooks=None
+        if cfg.get("spec") is not None
+        else BenchHooks(
             topk_overlap=cfg["overlap"],
             synthetic_prefill=args.prefill == "synthetic",
             timing=args.timing,
             seed=args.seed,
         ),
+        speculative_config=cfg.get("spec"),
         schedule=args.schedule,
         **parallel_kwargs(args),
         # off unless the prompts share a document (--shared-prefix): cold prefills otherwise
@@ -195,6 +199,18 @@ def run_cell(
     # the first request id of the cell: the top-k replay is keyed by it (`hisparse simulate`)
     row["first_request_id"] = min(int(o.request_id) for o in outs) if outs else None
     row["cached_tokens"] = sum(c.metrics.cached_tokens for o in outs for c in o.outputs)
+    metrics = [c.metrics for o in outs for c in o.outputs]
+    if any(m.spec_steps for m in metrics):  # speculative decoding: how the drafts fared
+        drafted, accepted = (
+            sum(getattr(m, k) for m in metrics) for k in ("spec_drafted", "spec_accepted")
+        )
+        steps_verified = sum(m.spec_steps for m in metrics)
+        row.update(
+            spec_drafted=drafted,
+            spec_accepted=accepted,
+            acceptance_rate=accepted / drafted if drafted else None,
+            mean_accepted_length=1 + accepted / steps_verified,
+        )
     # the host pool the engine sized (its default depends on this machine's memory): what a
     # replay of this run (`hisparse simulate --compare`) must plan with
     pool = llm.kv.layout.host_pool_bytes if llm.kv.hisparse else 0

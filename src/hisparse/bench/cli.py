@@ -30,6 +30,7 @@ from hisparse.cli_generate import PARALLEL_FLAGS, add_parallel_args
 from hisparse.cli_options import add_model_option, add_option, add_options
 from hisparse.config import HiSparseConfigError, check_gib, default_offload
 from hisparse.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from hisparse.engine.speculative import SPECULATIVE_HELP, SpeculativeConfig
 from hisparse.models.source import require_dsa, resolve_model_source
 
 
@@ -131,6 +132,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="skip the short warm-up run per placement (kernel compilation)",
     )
+    bench.add_argument(
+        "--speculative-config", default=None,
+        help=SPECULATIVE_HELP + "; needs --topk-overlap off --prefill model (a verify step's "
+        "rows each select their own top-k), no --timing (default: none)",
+    )  # fmt: skip
     bench.add_argument("--json", type=Path, default=None, help="write results here (default: none)")
     bench.add_argument(
         "--plot", type=Path, default=None, help="write a PNG plot here (default: none)"
@@ -202,12 +208,20 @@ def parse_args_checked(args: argparse.Namespace) -> dict[str, Any]:
             f"{args.input_len + args.output_len}"
         )
     require_dsa(resolve_model_source(args.model, name="--model"), "bench")
+    spec = SpeculativeConfig.of(args.speculative_config)
+    if spec is not None and (overlap is not None or args.prefill != "model" or args.timing):
+        raise HiSparseConfigError(
+            f"--speculative-config {args.speculative_config}: a verify step's rows each "
+            "select their own top-k, which the replayed top-k, the synthetic prefill and the "
+            "swap timer do not model; add --topk-overlap off --prefill model and drop --timing"
+        )
     batched = args.max_num_batched_tokens
     if batched is None:
         batched = 16384 if args.prefill == "synthetic" else DEFAULT_MAX_NUM_BATCHED_TOKENS
     return dict(
-        concurrency=conc, placements=placements, overlap=overlap, max_len=max_len, batched=batched
-    )
+        concurrency=conc, placements=placements, overlap=overlap, max_len=max_len,
+        batched=batched, spec=spec,
+    )  # fmt: skip
 
 
 def _refuse_duplicates(flag: str, text: object, values: list[Any]) -> None:

@@ -39,6 +39,9 @@ def results_table(results: list[dict[str, Any]], synthetic: bool) -> Table:
     ]
     if not synthetic:
         cols += ["prefill tok/s", "prefill TFLOP/s (GEMM)", "MFU"]
+    spec = any("spec_drafted" in r for r in results)
+    if spec:
+        cols += ["drafts accepted", "mean accepted length"]
     for c in cols:
         t.add_column(c, justify="left" if c == "placement" else "right")
     for r in results:
@@ -78,6 +81,14 @@ def results_table(results: list[dict[str, Any]], synthetic: bool) -> Table:
             f"{r['h2d_gb_s']:.2f}",
             timing,
             *prefill,
+            *(
+                [
+                    f"{r.get('spec_accepted', 0)}/{r.get('spec_drafted', 0)}",
+                    _fmt(r.get("mean_accepted_length"), 1, 2),
+                ]
+                if spec
+                else []
+            ),
         )
     return t
 
