@@ -129,6 +129,10 @@ def test_cli_bad_input_says_what_to_change(capsys):
                "--tensor-parallel-size", "1"])  # fmt: skip
     assert rc == 2
     assert "more GPUs" in capsys.readouterr().err
+    # no GPU given: both ways to give one, with values that work
+    assert main(["plan", "--model", "deepseek-v4-flash", "--max-model-len", "1048576"]) == 2
+    err = capsys.readouterr().err
+    assert "--gpu-memory-gib, e.g. 60" in err and "--gpu-total-gib, e.g. 141" in err
 
 
 @pytest.mark.parametrize("placement", ["engine", "gpu", "hisparse"])

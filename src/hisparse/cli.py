@@ -131,7 +131,8 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_model_option(plan, what=f"; DSA models only, and the DeepSeek-V4 presets "
                      f"{', '.join(V4_PRESETS)}")  # fmt: skip
-    budget = plan.add_mutually_exclusive_group(required=True)
+    # one of the two is needed; checked in `_run_plan` to say which values to give
+    budget = plan.add_mutually_exclusive_group()
     add_option(
         budget, "--gpu-memory-gib", help="GPU memory for the KV cache, GiB, per GPU (required: "
         "this or --gpu-total-gib)",
@@ -304,6 +305,11 @@ def _plan_inputs(args: argparse.Namespace) -> _PlanInputs:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    if args.gpu_memory_gib is None and args.gpu_total_gib is None:
+        raise HiSparseConfigError(
+            "give one GPU's KV budget (--gpu-memory-gib, e.g. 60) or each GPU's whole memory "
+            "(--gpu-total-gib, e.g. 141 for an H200, with --tensor-parallel-size 8 for a node)"
+        )
     v4 = v4_config_of(args.model)
     if v4 is not None:  # DeepSeek-V4: its own groups (`hisparse.cli_plan_v4`)
         from hisparse.cli_plan_v4 import run_v4_plan

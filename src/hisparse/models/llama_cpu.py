@@ -8,7 +8,7 @@ general path as the fallback for anything they do not cover (docs/design.md §12
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -101,6 +101,37 @@ def write_rows_cpu(
     )  # fmt: skip
 
 
+class CompiledViews(NamedTuple):
+    """A layer's paged caches as the compiled decode kernels take them (`compiled_views`)."""
+
+    kv: Any  # the attention cache (`finish_kv_update`, `swap_in`)
+    slots: torch.Tensor  # each row's KV slot
+    idx_slots: torch.Tensor  # each row's indexer-key slot
+    read_pages: torch.Tensor  # the indexer pages the selection reads
+    table: torch.Tensor  # their block table
+    kv_rows: tuple  # the KV pool's rows (`paged_rows`)
+    written: tuple  # the indexer pages written (`paged_pages`)
+    read: tuple  # the indexer pages read (the written ones where they are the same)
+
+
+def compiled_views(cache: GqaKVCache, layer: int, fmt: GqaIndexerFormat) -> CompiledViews | None:
+    """``layer``'s KV and indexer pages as the compiled kernels read and write them, for the
+    batch-1 step and the verify rows alike; None where a view is not plain memory (the
+    torch path then runs)."""
+    kv = cache.attention(layer)
+    view, slots = kv.write_target()
+    idx = cache.indexer(layer)
+    pages, idx_slots = idx.write_target()
+    read_pages, table = idx.read_source()
+    views = cpu_backend().views
+    kv_rows = views.paged_rows(view, F32)
+    written = views.paged_pages(pages, fmt.row_bytes)
+    read = written if read_pages is pages else views.paged_pages(read_pages, fmt.row_bytes)
+    if kv_rows is None or written is None or read is None:
+        return None
+    return CompiledViews(kv, slots, idx_slots, read_pages, table, kv_rows, written, read)
+
+
 class OneTokenStep:
     """What every layer of a batch-1 CPU decode step shares (`StepPlan.memo`): the compiled
     functions, numpy views of the step's rotation tables and position, and scratch buffers
@@ -172,17 +203,10 @@ class LlamaAttentionCpu:
         fns = one.fns
         if fns is None or fmt.method != "fp8" or rows_fmt.torch_dtype != torch.float32:
             return self._forward_one_torch(qkv, cos, sin, step, cache, indexer, plan)
-        kv = cache.attention(self.layer)
-        view, slots = kv.write_target()
-        idx = cache.indexer(self.layer)
-        pages, idx_slots = idx.write_target()
-        read_pages, table = idx.read_source()
-        views = cpu_backend().views
-        kv_rows = views.paged_rows(view, F32)
-        written = views.paged_pages(pages, fmt.row_bytes)
-        read = written if read_pages is pages else views.paged_pages(read_pages, fmt.row_bytes)
-        if kv_rows is None or written is None or read is None:
+        cv = compiled_views(cache, self.layer, fmt)
+        if cv is None:
             return self._forward_one_torch(qkv, cos, sin, step, cache, indexer, plan)
+        kv, slots, idx_slots, read_pages, table, kv_rows, written, read = cv
         length = plan.longest
         top_k = indexer.top_k
         scored = top_k is not None and length > top_k

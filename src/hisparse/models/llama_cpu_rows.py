@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from hisparse.models.fused import fused_on
 from hisparse.models.layers import fused_weight
+from hisparse.models.llama_cpu import compiled_views
 from hisparse.runtime.ops import cpu_backend
-from hisparse.runtime.ops.cpu import F32
 
 if TYPE_CHECKING:
     from hisparse.attention.gqa_indexer_reference import GqaIndexerConfig
@@ -120,17 +120,10 @@ def forward_rows_cpu(
     fns = rs.fns
     if fns is None or fmt.method != "fp8" or rows_fmt.torch_dtype != torch.float32:
         return attn.forward(x, cos, sin, step, cache, indexer, plan)
-    kv = cache.attention(attn.layer)
-    view, slots = kv.write_target()
-    idx = cache.indexer(attn.layer)
-    pages, idx_slots = idx.write_target()
-    read_pages, table = idx.read_source()
-    views = cpu_backend().views
-    kv_rows = views.paged_rows(view, F32)
-    written = views.paged_pages(pages, fmt.row_bytes)
-    read = written if read_pages is pages else views.paged_pages(read_pages, fmt.row_bytes)
-    if kv_rows is None or written is None or read is None:
+    cv = compiled_views(cache, attn.layer, fmt)
+    if cv is None:
         return attn.forward(x, cos, sin, step, cache, indexer, plan)
+    kv, slots, idx_slots, read_pages, table, kv_rows, written, read = cv
     attn._qkv = fused_weight((attn.q_proj, attn.k_proj, attn.v_proj), attn._qkv)
     qkv = linear_rows(x, attn._qkv[0]).numpy()
     T = x.shape[0]
