@@ -116,8 +116,10 @@ class CompiledViews(NamedTuple):
 
 def compiled_views(cache: GqaKVCache, layer: int, fmt: GqaIndexerFormat) -> CompiledViews | None:
     """``layer``'s KV and indexer pages as the compiled kernels read and write them, for the
-    batch-1 step and the verify rows alike; None where a view is not plain memory (the
-    torch path then runs)."""
+    batch-1 step and the verify rows alike; None where the kernels do not cover the formats
+    (fp8 index keys, fp32 rows) or a view is not plain memory (the torch path then runs)."""
+    if fmt.method != "fp8" or cache.row_format.torch_dtype != torch.float32:
+        return None
     kv = cache.attention(layer)
     view, slots = kv.write_target()
     idx = cache.indexer(layer)
@@ -193,7 +195,6 @@ class LlamaAttentionCpu:
         attention sum in another order (last-bit differences; both placements run the same
         code, so HiSparse stays lossless against the all-GPU placement)."""
         fmt = cache.indexer_format
-        rows_fmt = cache.row_format
         H, G, D = self.n_heads, self.n_kv, self.head_dim
         self._qkv = fused_weight((self.q_proj, self.k_proj, self.v_proj), self._qkv)
         qkv = F.linear(x, self._qkv[0])
@@ -201,9 +202,7 @@ class LlamaAttentionCpu:
         if one is None:
             one = plan.memo["cpu_one"] = OneTokenStep(cos, sin, step, H, G, D)
         fns = one.fns
-        if fns is None or fmt.method != "fp8" or rows_fmt.torch_dtype != torch.float32:
-            return self._forward_one_torch(qkv, cos, sin, step, cache, indexer, plan)
-        cv = compiled_views(cache, self.layer, fmt)
+        cv = None if fns is None else compiled_views(cache, self.layer, fmt)
         if cv is None:
             return self._forward_one_torch(qkv, cos, sin, step, cache, indexer, plan)
         kv, slots, idx_slots, read_pages, table, kv_rows, written, read = cv

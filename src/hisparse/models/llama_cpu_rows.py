@@ -112,15 +112,12 @@ def forward_rows_cpu(
     every row's selection, then `attend_rows` per row. Formats the kernels do not cover go
     to the general path (`LlamaAttention.forward`)."""
     fmt = cache.indexer_format
-    rows_fmt = cache.row_format
     H, G, D = attn.n_heads, attn.n_kv, attn.head_dim
     rs = plan.memo.get("cpu_rows")
     if rs is None:
         rs = plan.memo["cpu_rows"] = RowsStep(cos, sin, step, H, G, D)
     fns = rs.fns
-    if fns is None or fmt.method != "fp8" or rows_fmt.torch_dtype != torch.float32:
-        return attn.forward(x, cos, sin, step, cache, indexer, plan)
-    cv = compiled_views(cache, attn.layer, fmt)
+    cv = None if fns is None else compiled_views(cache, attn.layer, fmt)
     if cv is None:
         return attn.forward(x, cos, sin, step, cache, indexer, plan)
     kv, slots, idx_slots, read_pages, table, kv_rows, written, read = cv
